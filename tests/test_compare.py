@@ -1,0 +1,295 @@
+import io
+import json
+import math
+
+import pandas as pd
+import pytest
+from rich.console import Console
+
+from specbench.compare import (
+    compare_frames,
+    load_summary,
+    run_compare,
+    to_json,
+    to_markdown,
+    verdict_line,
+)
+from specbench.errors import SpecbenchError
+
+
+def summary_rows(ks=(1, 2, 4)):
+    """A realistic summary.csv content: one speculative row per K plus a baseline-method row."""
+    rows = []
+    for k in ks:
+        alpha = 0.80
+        rows.append({
+            "target": "smollm2-135m", "draft": "smollm2-tiny", "dataset": "humaneval",
+            "num_prompts": 4, "k": k, "method": "speculative", "temperature": 0.0,
+            "top_k": 0, "top_p": 1.0, "seed": 0, "device": "cpu", "dtype": "float32",
+            "new_tokens": 128, "baseline_tokens_per_s": 20.0, "spec_tokens_per_s": 20.0 * (1 + k / 4),
+            "speedup": 1 + k / 4, "alpha": alpha, "acceptance_rate": 0.75, "tau": 1 + k * 0.6,
+            "c": 0.15, "verify_ratio": 1.5,
+            "predicted_speedup": (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * 0.15 + 1)),
+            "predicted_speedup_verify": (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * 0.15 + 1.5)),
+        })
+    rows.append({
+        **rows[0], "k": 0, "method": "baseline", "spec_tokens_per_s": math.nan,
+        "speedup": 1.0, "alpha": math.nan, "acceptance_rate": math.nan, "tau": math.nan,
+        "c": math.nan, "verify_ratio": math.nan, "predicted_speedup": math.nan,
+        "predicted_speedup_verify": math.nan,
+    })
+    return rows
+
+
+def write_run(path, rows):
+    path.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame(rows).to_csv(path / "summary.csv", index=False)
+    return path
+
+
+def changed(rows, k, **values):
+    return [{**r, **values} if r["k"] == k and r["method"] == "speculative" else r for r in rows]
+
+
+def compare(tmp_path, base_rows, cur_rows, **kwargs):
+    base = write_run(tmp_path / "base", base_rows)
+    cur = write_run(tmp_path / "cur", cur_rows)
+    out = io.StringIO()
+    console = Console(file=out, width=250, color_system=None)
+    code = run_compare(str(base), str(cur), console=console, **kwargs)
+    return code, out.getvalue()
+
+
+def last_line(text):
+    return text.strip().splitlines()[-1]
+
+
+def test_identical_runs_pass(tmp_path):
+    code, out = compare(tmp_path, summary_rows(), summary_rows())
+    assert code == 0
+    assert last_line(out).startswith("PASS")
+    assert "regressed" not in out
+
+
+def test_speedup_drop_fails_naming_row_and_metric(tmp_path):
+    base = summary_rows()
+    cur = changed(base, 4, speedup=base[2]["speedup"] * 0.7)
+    code, out = compare(tmp_path, base, cur)
+    assert code == 1
+    verdict = last_line(out)
+    assert verdict.startswith("FAIL")
+    assert "k=4 method=speculative" in verdict
+    assert "speedup" in verdict
+    assert "-30.0%" in verdict
+    # The other rows were not blamed.
+    assert "k=1" not in verdict and "k=2" not in verdict
+
+
+def test_speedup_drop_within_tolerance_passes(tmp_path):
+    base = summary_rows()
+    cur = changed(base, 4, speedup=base[2]["speedup"] * 0.95)
+    code, _ = compare(tmp_path, base, cur)
+    assert code == 0
+    code, _ = compare(tmp_path, base, cur, tolerance=0.01)
+    assert code == 1
+
+
+def test_alpha_drop_fails_naming_alpha(tmp_path):
+    base = summary_rows()
+    cur = changed(base, 2, alpha=0.75)
+    code, out = compare(tmp_path, base, cur)
+    assert code == 1
+    verdict = last_line(out)
+    assert "k=2 method=speculative: alpha 0.8 -> 0.75" in verdict
+    assert "speedup" not in verdict
+
+
+def test_change_of_exactly_the_tolerance_is_ok():
+    # Values chosen so that the naive float threshold sits just above the current value.
+    base = changed(summary_rows(), 2, alpha=0.10, speedup=1.1)
+    cur = changed(base, 2, alpha=0.09, speedup=0.99)
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur))
+    assert result.exit_code == 0
+    assert compare_frames(pd.DataFrame(base), pd.DataFrame(changed(cur, 2, alpha=0.089))).exit_code == 1
+
+
+def test_improvement_is_reported_and_passes(tmp_path):
+    base = summary_rows()
+    cur = changed(base, 1, tau=base[0]["tau"] + 0.2)
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur))
+    assert result.exit_code == 0
+    row = next(r for r in result.rows if r.key["k"] == 1 and r.key["method"] == "speculative")
+    assert row.status == "improved"
+    assert {m.metric: m.status for m in row.metrics}["tau"] == "improved"
+    assert "1 improved" in verdict_line(result)
+
+
+def test_missing_row_fails_and_is_reported(tmp_path):
+    base = summary_rows()
+    cur = [r for r in base if r["k"] != 4]
+    code, out = compare(tmp_path, base, cur)
+    assert code == 1
+    assert "k=4 method=speculative: missing from the current run" in last_line(out)
+    assert "missing" in out.split("FAIL")[0]  # also marked in the table
+
+
+def test_new_row_does_not_fail(tmp_path):
+    base = summary_rows(ks=(1, 2))
+    cur = summary_rows(ks=(1, 2, 8))
+    code, out = compare(tmp_path, base, cur)
+    assert code == 0
+    assert "1 new" in last_line(out)
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur))
+    assert [r.status for r in result.rows if r.key["k"] == 8] == ["new"]
+
+
+def test_nan_metric_is_skipped_for_that_row(tmp_path):
+    # The baseline-method row has no alpha in either file: not a failure.
+    result = compare_frames(pd.DataFrame(summary_rows()), pd.DataFrame(summary_rows()))
+    row = next(r for r in result.rows if r.key["method"] == "baseline")
+    assert {m.metric: m.status for m in row.metrics}["alpha"] == "skipped"
+    assert row.status == "ok"
+
+
+def test_metric_no_longer_measured_fails():
+    base = summary_rows()
+    cur = changed(base, 2, alpha=math.nan)
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur))
+    assert result.exit_code == 1
+    assert "alpha no longer measured" in verdict_line(result)
+
+
+def test_metric_option_restricts_comparison(tmp_path):
+    base = summary_rows()
+    cur = changed(base, 4, speedup=0.5)
+    code, out = compare(tmp_path, base, cur, metrics=["alpha", "tau"])
+    assert code == 0
+    assert "speedup" not in out
+
+
+def test_file_without_method_column_matches_speculative_rows(tmp_path):
+    base = [{k: v for k, v in r.items() if k != "method"}
+            for r in summary_rows() if r["method"] == "speculative"]
+    code, out = compare(tmp_path, base, summary_rows())
+    assert code == 0
+    assert "1 new" in last_line(out)  # the baseline-method row exists only in the current run
+
+
+def test_optional_keys_only_when_in_both_files():
+    base = pd.DataFrame(summary_rows()).drop(columns=["seed"])
+    cur = pd.DataFrame(summary_rows()).assign(seed=7)
+    result = compare_frames(base, cur)
+    assert "seed" not in result.key_columns
+    assert result.exit_code == 0
+    # With seed in both files a different seed is a different experiment.
+    with pytest.raises(SpecbenchError, match="no row of the current run matches"):
+        compare_frames(pd.DataFrame(summary_rows()), cur)
+
+
+def test_device_change_is_noted_but_alpha_still_compared(tmp_path):
+    cur = [{**r, "device": "cuda"} for r in summary_rows()]
+    code, out = compare(tmp_path, summary_rows(), cur, metrics=["alpha"])
+    assert code == 0
+    assert "note: device differs (cpu vs cuda)" in out
+
+
+def test_directory_and_csv_paths_both_work(tmp_path):
+    run_dir = write_run(tmp_path / "run", summary_rows())
+    from_dir = load_summary(run_dir)
+    from_csv = load_summary(run_dir / "summary.csv")
+    pd.testing.assert_frame_equal(from_dir, from_csv)
+    out = io.StringIO()
+    code = run_compare(str(run_dir), str(run_dir / "summary.csv"), console=Console(file=out))
+    assert code == 0
+
+
+def test_json_and_markdown_are_written(tmp_path):
+    base = summary_rows()
+    cur = changed(base, 4, speedup=base[2]["speedup"] * 0.7)
+    json_path = tmp_path / "reports" / "verdict.json"
+    md_path = tmp_path / "reports" / "compare.md"
+    code, _ = compare(tmp_path, base, cur, json_path=str(json_path), markdown_path=str(md_path))
+    assert code == 1
+
+    data = json.loads(json_path.read_text())
+    assert data["verdict"] == "fail"
+    assert data["exit_code"] == 1
+    failed = [r for r in data["rows"] if r["status"] == "regressed"]
+    assert len(failed) == 1
+    assert failed[0]["key"]["k"] == 4
+    assert failed[0]["metrics"]["speedup"]["status"] == "regressed"
+    assert failed[0]["metrics"]["speedup"]["change"] == pytest.approx(-0.3)
+    # NaN must not leak into JSON (it is not valid JSON).
+    assert "NaN" not in json_path.read_text()
+
+    md = md_path.read_text()
+    assert "FAIL" in md
+    assert "| k=4 method=speculative | **regressed** |" in md
+    row_line = next(line for line in md.splitlines() if line.startswith("| k=4 method=speculative"))
+    assert "2 -> 1.4 (-30.0%) **regressed**" in row_line
+
+
+def test_to_json_and_markdown_on_pass():
+    result = compare_frames(pd.DataFrame(summary_rows()), pd.DataFrame(summary_rows()))
+    assert to_json(result)["verdict"] == "pass"
+    md = to_markdown(result)
+    assert "PASS" in md
+    table_rows = [line for line in md.splitlines() if line.startswith("| k=")]
+    assert len(table_rows) == 4
+
+
+# ---------------------------------------------------------------- unusable input
+
+
+def test_missing_path_raises(tmp_path):
+    with pytest.raises(SpecbenchError, match="does not exist"):
+        load_summary(tmp_path / "nope")
+
+
+def test_directory_without_summary_raises(tmp_path):
+    (tmp_path / "empty_run").mkdir()
+    with pytest.raises(SpecbenchError, match="no summary.csv"):
+        load_summary(tmp_path / "empty_run")
+
+
+def test_missing_required_columns_raises(tmp_path):
+    path = tmp_path / "summary.csv"
+    pd.DataFrame(summary_rows()).drop(columns=["k", "draft"]).to_csv(path, index=False)
+    with pytest.raises(SpecbenchError, match="lacks the columns draft, k"):
+        load_summary(path)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe garbage", b"a,b\n1,2,3,4\n"])
+def test_garbage_file_raises(tmp_path, content):
+    path = tmp_path / "summary.csv"
+    path.write_bytes(content)
+    with pytest.raises(SpecbenchError) as info:
+        load_summary(path)
+    assert "\n" not in str(info.value)
+
+
+def test_header_only_raises(tmp_path):
+    path = tmp_path / "summary.csv"
+    pd.DataFrame(columns=list(summary_rows()[0])).to_csv(path, index=False)
+    with pytest.raises(SpecbenchError, match="no rows"):
+        load_summary(path)
+
+
+def test_no_matching_rows_raises(tmp_path):
+    other = [{**r, "target": "qwen2.5-7b"} for r in summary_rows()]
+    with pytest.raises(SpecbenchError, match="no row of the current run matches"):
+        compare(tmp_path, summary_rows(), other)
+
+
+def test_unknown_or_absent_metric_raises(tmp_path):
+    base, cur = pd.DataFrame(summary_rows()), pd.DataFrame(summary_rows())
+    with pytest.raises(SpecbenchError, match="unknown metric"):
+        compare_frames(base, cur, metrics=["latency"])
+    with pytest.raises(SpecbenchError, match="current summary has no column tau"):
+        compare_frames(base, cur.drop(columns=["tau"]), metrics=["tau"])
+
+
+def test_duplicate_configuration_rows_raise():
+    rows = summary_rows()
+    with pytest.raises(SpecbenchError, match="more than one row"):
+        compare_frames(pd.DataFrame(rows + rows[:1]), pd.DataFrame(rows))
