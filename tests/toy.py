@@ -1,0 +1,49 @@
+"""A toy causal LM whose next-token logits are a fixed function of the last two tokens.
+
+Its exact sequence distribution is enumerable, so tests can compare a decoder's samples with it.
+"""
+
+import itertools
+
+import torch
+
+from specbench.sampling import SamplingConfig, warp
+
+
+class ToyLM:
+    def __init__(self, vocab: int, seed: int, scale: float = 1.5):
+        g = torch.Generator().manual_seed(seed)
+        self.vocab = vocab
+        self.table = torch.randn(vocab + 1, vocab + 1, vocab, generator=g) * scale
+        self.device = torch.device("cpu")
+        self.seen: list[int] = []
+
+    def logits_after(self, context: list[int]) -> torch.Tensor:
+        prev2 = context[-2] if len(context) > 1 else self.vocab
+        return self.table[prev2, context[-1]]
+
+    def reset(self) -> None:
+        self.seen = []
+
+    def forward(self, token_ids: torch.Tensor, last: int = 1) -> torch.Tensor:
+        rows = []
+        for t in token_ids.tolist():
+            self.seen.append(t)
+            rows.append(self.logits_after(self.seen))
+        return torch.stack(rows[-last:])
+
+    def crop(self, n_drop: int) -> None:
+        if n_drop:
+            del self.seen[-n_drop:]
+
+
+def exact_distribution(model: ToyLM, prompt: list[int], length: int, cfg: SamplingConfig) -> dict[tuple, float]:
+    """Probability of every continuation of ``length`` tokens when sampling from ``model`` alone."""
+    law = {}
+    for seq in itertools.product(range(model.vocab), repeat=length):
+        prob, context = 1.0, list(prompt)
+        for t in seq:
+            prob *= float(warp(model.logits_after(context), cfg)[t])
+            context.append(t)
+        law[seq] = prob
+    return law
