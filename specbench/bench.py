@@ -1,0 +1,303 @@
+"""Timing orchestration: prompts x K, baseline and speculative, forward-cost curves.
+
+Yields plain data and never prints; the CLI decides what to show and report.py what to write.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from . import metrics
+from .engine import DecodeResult, autoregressive_decode, speculative_decode
+from .errors import SpecbenchError
+from .models import HFCausalLM, LoadedModel, load, resolve_device, resolve_dtype, shared_width
+from .prompts import Prompt, load_prompts
+from .sampling import SamplingConfig
+
+DEFAULT_TARGET = "smollm2-135m"
+DEFAULT_DRAFT = "smollm2-135m-draft"
+
+
+@dataclass
+class BenchConfig:
+    target: str = DEFAULT_TARGET
+    draft: str = DEFAULT_DRAFT
+    dataset: str = "humaneval"
+    ks: list[int] = field(default_factory=lambda: [4])
+    num_prompts: int | None = 10
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int = 0
+    device: str = "auto"
+    dtype: str = "auto"
+    repeats: int = 1
+    warmup: int = 1
+    prompt_field: str = "prompt"
+    cost_repeats: int = 10
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+
+    def validate(self) -> None:
+        problems = [
+            (any(k < 1 for k in self.ks) or not self.ks, "K must be at least 1 (--k / --ks)"),
+            (self.max_new_tokens < 1, "--max-new-tokens must be at least 1"),
+            (self.num_prompts is not None and self.num_prompts < 1, "--num-prompts must be at least 1"),
+            (self.temperature < 0, "--temperature must be >= 0 (0 means greedy)"),
+            (self.top_k < 0, "--top-k must be >= 0 (0 turns it off)"),
+            (not 0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
+            (self.repeats < 1 or self.warmup < 0, "--repeats must be >= 1 and --warmup >= 0"),
+        ]
+        for bad, message in problems:
+            if bad:
+                raise SpecbenchError(message)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Pair:
+    target: LoadedModel
+    draft: LoadedModel
+    target_lm: HFCausalLM
+    draft_lm: HFCausalLM
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.target.stop_ids
+
+
+def load_pair(cfg: BenchConfig) -> Pair:
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    target = load(cfg.target, device, dtype)
+    draft = load(cfg.draft, device, dtype)
+    width = shared_width(target, draft)
+    return Pair(target, draft, HFCausalLM(target.model, width), HFCausalLM(draft.model, width), device, dtype)
+
+
+def encode_prompts(pair: Pair, prompts: list[Prompt], cfg: BenchConfig) -> list[torch.Tensor]:
+    """Token ids per prompt, left-truncated so prompt + new tokens + a full draft fit the window."""
+    windows = [w for w in (pair.target.context_window, pair.draft.context_window) if w]
+    room = min(windows) - cfg.max_new_tokens - max(cfg.ks) - 1 if windows else None
+    if room is not None and room < 1:
+        raise SpecbenchError(
+            f"--max-new-tokens {cfg.max_new_tokens} plus K does not fit the context window of {min(windows)} tokens: "
+            "lower --max-new-tokens"
+        )
+    encoded = []
+    for prompt in prompts:
+        ids = pair.target.tokenizer(prompt.text, return_tensors="pt").input_ids[0]
+        if room is not None:
+            ids = ids[-room:]
+        if len(ids) == 0:
+            raise SpecbenchError(f"prompt {prompt.id} encodes to no tokens: remove it from the dataset")
+        encoded.append(ids.to(pair.device))
+    return encoded
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def median_time(device: torch.device, fn: Callable[[], object], repeats: int) -> tuple[object, float]:
+    """Run ``fn`` ``repeats`` times with the device synchronised around each; last result, median seconds."""
+    times, out = [], None
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        out = fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return out, metrics.median(times)
+
+
+@dataclass
+class ForwardCosts:
+    context_tokens: int
+    target: dict[int, float]  # tokens in one forward -> median seconds
+    draft_single: float
+
+    @property
+    def c(self) -> float:
+        return self.draft_single / self.target[1]
+
+    def verify_ratio(self, k: int) -> float:
+        return self.target[k + 1] / self.target[1]
+
+
+def _forward_seconds(lm: HFCausalLM, context: torch.Tensor, n: int, repeats: int, device: torch.device) -> float:
+    """Median time of one n-token forward on top of a cache holding ``context``."""
+    block = context[:n]
+
+    def step():
+        lm.forward(block, last=n)
+        lm.crop(n)
+
+    median_time(device, step, 1)  # warm-up for this shape
+    return median_time(device, step, repeats)[1]
+
+
+def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg: BenchConfig) -> ForwardCosts:
+    """Single-token forward times of both models and target forward times for 1..max(K)+1 tokens.
+
+    Measured at the context length decoding actually runs at: the median prompt plus half the
+    generated tokens, built from real prompt tokens.
+    """
+    lengths = sorted(len(ids) for ids in prompt_ids)
+    length = lengths[len(lengths) // 2] + cfg.max_new_tokens // 2
+    tokens = torch.cat(prompt_ids)
+    context = tokens.repeat(length // len(tokens) + 2)[: length + max(cfg.ks) + 1]
+    prefix, probe = context[:length], context[length:]
+    sizes = range(1, max(cfg.ks) + 2)
+    with torch.inference_mode():
+        for lm in (pair.target_lm, pair.draft_lm):
+            lm.reset()
+            lm.forward(prefix, last=1)
+        target = {n: _forward_seconds(pair.target_lm, probe, n, cfg.cost_repeats, pair.device) for n in sizes}
+        draft = _forward_seconds(pair.draft_lm, probe, 1, cfg.cost_repeats, pair.device)
+    return ForwardCosts(length, target, draft)
+
+
+@dataclass
+class Measurement:
+    """One timed decode of one prompt."""
+
+    prompt_index: int
+    prompt_id: str
+    prompt_tokens: int
+    method: str  # "baseline" or "speculative"
+    k: int | None
+    result: DecodeResult
+    seconds: float
+
+
+def generator_for(device: torch.device, seed: int, prompt_index: int, stream: int) -> torch.Generator:
+    """Independent, reproducible random streams per (seed, prompt, method)."""
+    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + prompt_index) * 8 + stream)
+
+
+def decode(pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, k: int | None) -> tuple[DecodeResult, float]:
+    """Time one prompt's decode (median of cfg.repeats, each from the same seed, so identical work)."""
+    sampling = cfg.sampling
+    if k is None:
+        fn = lambda: autoregressive_decode(  # noqa: E731
+            pair.target_lm, ids, cfg.max_new_tokens, sampling, generator_for(pair.device, cfg.seed, index, 0), pair.stop_ids
+        )
+    else:
+        fn = lambda: speculative_decode(  # noqa: E731
+            pair.target_lm, pair.draft_lm, ids, k, cfg.max_new_tokens, sampling,
+            generator_for(pair.device, cfg.seed, index, 1), pair.stop_ids,
+        )
+    return median_time(pair.device, fn, cfg.repeats)
+
+
+def warm_up(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor]) -> None:
+    """Untimed runs of every decoder, so allocation, kernel selection and caches settle first."""
+    for _ in range(cfg.warmup):
+        decode(pair, cfg, prompt_ids[0], 0, None)
+        for k in cfg.ks:
+            decode(pair, cfg, prompt_ids[0], 0, k)
+
+
+def run(pair: Pair, cfg: BenchConfig, prompts: list[Prompt], prompt_ids: list[torch.Tensor]) -> Iterator[Measurement]:
+    """Per prompt: the baseline once (shared by every K), then speculative decoding for each K."""
+    for index, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
+        for k in [None, *cfg.ks]:
+            result, seconds = decode(pair, cfg, ids, index, k)
+            yield Measurement(index, prompt.id, len(ids), "baseline" if k is None else "speculative", k, result, seconds)
+
+
+def record(baseline: Measurement, spec: Measurement) -> dict:
+    """The per-prompt, per-K row of records.csv."""
+    b, s = baseline.result, spec.result
+    divergence = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens)) if x != y), None)
+    if divergence is None and len(b.tokens) != len(s.tokens):
+        divergence = min(len(b.tokens), len(s.tokens))
+    k = spec.k
+    return {
+        "prompt_id": spec.prompt_id,
+        "prompt_index": spec.prompt_index,
+        "k": k,
+        "prompt_tokens": spec.prompt_tokens,
+        "baseline_tokens": len(b.tokens),
+        "spec_tokens": len(s.tokens),
+        "baseline_s": baseline.seconds,
+        "spec_s": spec.seconds,
+        "baseline_tokens_per_s": len(b.tokens) / baseline.seconds,
+        "spec_tokens_per_s": len(s.tokens) / spec.seconds,
+        "speedup": (len(s.tokens) / spec.seconds) / (len(b.tokens) / baseline.seconds),
+        "alpha": s.beta_sum / s.tested if s.tested else float("nan"),
+        "acceptance_rate": s.accepted / s.drafted if s.drafted else float("nan"),
+        "tau": len(s.tokens) / s.target_forwards,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "beta_sum": s.beta_sum,
+        "tested": s.tested,
+        "target_forwards": s.target_forwards,
+        "draft_forwards": s.draft_forwards,
+        "outputs_match": divergence is None,
+        "first_divergence": -1 if divergence is None else divergence,
+        "accept_hist": " ".join(str(s.accept_counts.count(n)) for n in range(k + 1)),
+    }
+
+
+def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, pair_info: dict) -> list[dict]:
+    """One summary row per K over the prompts measured so far."""
+    rows = []
+    for k in cfg.ks:
+        rs = [r for r in records if r["k"] == k]
+        if not rs:
+            continue
+        base_tokens, spec_tokens = sum(r["baseline_tokens"] for r in rs), sum(r["spec_tokens"] for r in rs)
+        base_s, spec_s = sum(r["baseline_s"] for r in rs), sum(r["spec_s"] for r in rs)
+        tested = sum(r["tested"] for r in rs)
+        alpha = sum(r["beta_sum"] for r in rs) / tested if tested else float("nan")
+        c, verify_ratio = costs.c, costs.verify_ratio(k)
+        rows.append(
+            {
+                **pair_info,
+                "method": "speculative",
+                "num_prompts": len(rs),
+                "k": k,
+                "temperature": cfg.temperature,
+                "top_k": cfg.top_k,
+                "top_p": cfg.top_p,
+                "seed": cfg.seed,
+                "max_new_tokens": cfg.max_new_tokens,
+                "new_tokens": spec_tokens,
+                "baseline_tokens_per_s": base_tokens / base_s,
+                "spec_tokens_per_s": spec_tokens / spec_s,
+                "speedup": (spec_tokens / spec_s) / (base_tokens / base_s),
+                "alpha": alpha,
+                "acceptance_rate": sum(r["accepted"] for r in rs) / sum(r["drafted"] for r in rs),
+                "tau": spec_tokens / sum(r["target_forwards"] for r in rs),
+                "c": c,
+                "verify_ratio": verify_ratio,
+                "predicted_speedup": metrics.predicted_speedup(alpha, c, k),
+                "predicted_speedup_verify": metrics.predicted_speedup_verify(alpha, c, k, verify_ratio),
+                "outputs_match": sum(r["outputs_match"] for r in rs),
+            }
+        )
+    return rows
+
+
+def prepare(cfg: BenchConfig) -> tuple[Pair, list[Prompt], list[torch.Tensor]]:
+    """Validate, load the pair and the prompts; every input error surfaces here, before timing."""
+    cfg.validate()
+    prompts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.prompt_field)
+    pair = load_pair(cfg)
+    return pair, prompts, encode_prompts(pair, prompts, cfg)

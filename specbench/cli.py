@@ -1,0 +1,242 @@
+"""The command line: a thin layer that parses options, shows progress and hands off."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from .errors import SpecbenchError
+
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    no_args_is_help=False,
+    help="Run and benchmark speculative decoding: acceptance, cost ratio, measured and predicted speedup.",
+)
+console = Console()
+err_console = Console(stderr=True)
+
+# Options shared by `run` and `sweep-k`.
+Target = Annotated[str, typer.Option(help="Target model: alias from configs/models.toml, hub id, local dir or .gguf file.")]
+Draft = Annotated[str, typer.Option(help="Draft model (same forms as --target); must share the target's tokenizer.")]
+Dataset = Annotated[str, typer.Option(help="humaneval, xsum, or a local .jsonl/.csv/.parquet file.")]
+PromptField = Annotated[str, typer.Option(help="Field holding the prompt in a local dataset file.")]
+NumPrompts = Annotated[int, typer.Option(help="How many prompts (from the start of the dataset).")]
+MaxNewTokens = Annotated[int, typer.Option(help="Tokens to generate per prompt (decoding also stops at EOS).")]
+Temperature = Annotated[float, typer.Option(help="0 = greedy (exact argmax); > 0 samples.")]
+TopK = Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")]
+TopP = Annotated[float, typer.Option(help="Nucleus sampling mass (1.0 = off).")]
+Seed = Annotated[int, typer.Option(help="Base seed; each prompt's generators derive from (seed, prompt index).")]
+Device = Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
+Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16.")]
+Repeats = Annotated[int, typer.Option(help="Timed repeats per prompt and method; the median is kept.")]
+Warmup = Annotated[int, typer.Option(help="Untimed warm-up passes over the first prompt before timing.")]
+CostRepeats = Annotated[int, typer.Option(help="Repeats per forward-cost measurement (c, verify_ratio).")]
+Out = Annotated[Path | None, typer.Option(help="Run directory (default results/<time>-<target>-<draft>/).")]
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=err_console, show_path=False)], format="%(message)s")
+    logging.getLogger("specbench").setLevel(logging.INFO)
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _parse_ks(text: str) -> list[int]:
+    try:
+        ks = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise SpecbenchError(f"--ks {text!r} is not a comma-separated list of integers, e.g. 1,2,3,4,6,8") from None
+    if not ks:
+        raise SpecbenchError("--ks is empty: give a list such as 1,2,3,4,6,8")
+    return ks
+
+
+def _slug(name: str) -> str:
+    return Path(name).stem.replace("/", "_") if name.endswith(".gguf") else name.rstrip("/").replace("/", "_")
+
+
+def _benchmark(cfg, out: Path | None) -> None:
+    from . import bench, metrics
+    from .report import RunWriter, environment, summary_table
+
+    _setup_logging()
+    with console.status("loading models and prompts"):
+        pair, prompts, prompt_ids = bench.prepare(cfg)
+    out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(cfg.target)}-{_slug(cfg.draft)}"
+    writer = RunWriter(out)
+    device_name = (
+        __import__("torch").cuda.get_device_name(pair.device) if pair.device.type == "cuda" else pair.device.type
+    )
+    info = {"target": cfg.target, "draft": cfg.draft, "dataset": cfg.dataset, "device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch.")}
+    writer.write_json("meta.json", {**environment(device_name), "config": cfg.as_dict(), "resolved": {**info, "target_path": str(pair.target.path), "draft_path": str(pair.draft.path)}})
+
+    with console.status("measuring forward costs (c, verify_ratio)"):
+        costs = bench.measure_costs(pair, prompt_ids, cfg)
+    writer.write_csv(
+        "verify_cost.csv",
+        [{"tokens": n, "context_tokens": costs.context_tokens, "target_s": s, "ratio": s / costs.target[1]} for n, s in costs.target.items()],
+    )
+    with console.status("warming up"):
+        bench.warm_up(pair, cfg, prompt_ids)
+
+    records: list[dict] = []
+    summary: list[dict] = []
+    tokenizer = pair.target.tokenizer
+    progress = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+        console=console,
+    )
+    try:
+        with progress:
+            task = progress.add_task("decoding", total=len(prompts) * (1 + len(cfg.ks)))
+            for m in bench.run(pair, cfg, prompts, prompt_ids):
+                writer.output(m.prompt_id, m.k, m.method, m.result.tokens, tokenizer.decode(m.result.tokens))
+                if m.method == "baseline":
+                    baseline = m
+                else:
+                    records.append(bench.record(baseline, m))
+                    writer.append("records.csv", records[-1])
+                    if m.k == cfg.ks[-1]:
+                        summary = bench.summarize(records, costs, cfg, info)
+                        writer.write_csv("summary.csv", summary)
+                progress.update(task, advance=1, description=f"{m.method} K={m.k}" if m.k else "baseline")
+    finally:
+        summary = bench.summarize(records, costs, cfg, info)
+        writer.write_csv("summary.csv", summary)
+        writer.close()
+    if summary:
+        console.print(summary_table(summary, f"{cfg.target} <- {cfg.draft} on {cfg.dataset} ({len(prompts)} prompts)"))
+        if len(summary) > 1:
+            picks = {
+                label: metrics.best_k({r["k"]: r[col] for r in summary})
+                for label, col in [("measured", "speedup"), ("predicted", "predicted_speedup"), ("predicted_verify", "predicted_speedup_verify")]
+            }
+            console.print("best K: " + ", ".join(f"{label} {k}" for label, k in picks.items()))
+    console.print(f"results in {out}/")
+
+
+@app.command()
+def run(
+    target: Target = "smollm2-135m",
+    draft: Draft = "smollm2-135m-draft",
+    k: Annotated[int, typer.Option("--k", help="Lookahead: draft tokens per target verification.")] = 4,
+    dataset: Dataset = "humaneval",
+    prompt_field: PromptField = "prompt",
+    num_prompts: NumPrompts = 10,
+    max_new_tokens: MaxNewTokens = 64,
+    temperature: Temperature = 0.0,
+    top_k: TopK = 0,
+    top_p: TopP = 1.0,
+    seed: Seed = 0,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    repeats: Repeats = 1,
+    warmup: Warmup = 1,
+    cost_repeats: CostRepeats = 10,
+    out: Out = None,
+) -> None:
+    """Speculative and baseline decoding on a target/draft pair at one K."""
+    from .bench import BenchConfig
+
+    cfg = BenchConfig(target, draft, dataset, [k], num_prompts, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, repeats, warmup, prompt_field, cost_repeats)
+    _benchmark(cfg, out)
+
+
+@app.command("sweep-k")
+def sweep_k(
+    target: Target = "smollm2-135m",
+    draft: Draft = "smollm2-135m-draft",
+    ks: Annotated[str, typer.Option(help="Comma-separated lookaheads to sweep.")] = "1,2,3,4,6,8",
+    dataset: Dataset = "humaneval",
+    prompt_field: PromptField = "prompt",
+    num_prompts: NumPrompts = 10,
+    max_new_tokens: MaxNewTokens = 64,
+    temperature: Temperature = 0.0,
+    top_k: TopK = 0,
+    top_p: TopP = 1.0,
+    seed: Seed = 0,
+    device: Device = "auto",
+    dtype: Dtype = "auto",
+    repeats: Repeats = 1,
+    warmup: Warmup = 1,
+    cost_repeats: CostRepeats = 10,
+    out: Out = None,
+) -> None:
+    """Sweep the lookahead K: one baseline per prompt shared by all K, one summary row per K."""
+    from .bench import BenchConfig
+
+    cfg = BenchConfig(target, draft, dataset, _parse_ks(ks), num_prompts, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, repeats, warmup, prompt_field, cost_repeats)
+    _benchmark(cfg, out)
+
+
+@app.command()
+def theory(
+    alpha: Annotated[float, typer.Option(help="Acceptance alpha in [0, 1].")],
+    c: Annotated[float, typer.Option(help="Cost ratio: draft step time / target step time (>= 0).")],
+    ks: Annotated[str, typer.Option(help="Comma-separated lookaheads.")] = "1,2,3,4,5,6,7,8",
+    format: Annotated[str, typer.Option(help="table or csv.")] = "table",
+) -> None:
+    """The speedup formula alone (no models): per K, the optimum, and the break-even c."""
+    from . import metrics
+
+    if not 0 <= alpha <= 1 or c < 0:
+        raise SpecbenchError("--alpha must be in [0, 1] and --c >= 0")
+    if format not in ("table", "csv"):
+        raise SpecbenchError(f"--format {format!r}: use table or csv")
+    k_list = _parse_ks(ks)
+    if k_list[0] < 1:
+        raise SpecbenchError("K must be at least 1")
+    rows = [(k, metrics.expected_tokens(alpha, k), metrics.predicted_speedup(alpha, c, k)) for k in k_list]
+    best, best_speedup = metrics.optimal_k(alpha, c, k_list)
+    if format == "csv":
+        print("alpha,c,k,expected_tokens,predicted_speedup")
+        for k, tokens, speedup in rows:
+            print(f"{alpha},{c},{k},{tokens:.6f},{speedup:.6f}")
+        return
+    table = Table(title=f"speedup = (1 - a^(K+1)) / ((1 - a)(K c + 1)),  alpha={alpha}, c={c}")
+    for name in ("K", "E[tokens]", "speedup"):
+        table.add_column(name, justify="right")
+    for k, tokens, speedup in rows:
+        table.add_row(str(k), f"{tokens:.3f}", f"[bold]{speedup:.3f}[/]" if k == best else f"{speedup:.3f}")
+    console.print(table)
+    console.print(f"optimal K = {best} with speedup {best_speedup:.3f}")
+    console.print(f"some K in this range beats the target alone while c < {metrics.max_useful_c(alpha, k_list):.4f}")
+
+
+@app.command()
+def compare(
+    baseline: Annotated[str, typer.Argument(help="Baseline run directory or summary.csv.")],
+    current: Annotated[str, typer.Argument(help="Current run directory or summary.csv.")],
+    tolerance: Annotated[float, typer.Option(help="Relative tolerance for throughput and speedup.")] = 0.10,
+    abs_tolerance: Annotated[float, typer.Option(help="Absolute tolerance for alpha, tau and acceptance_rate.")] = 0.01,
+    metric: Annotated[list[str] | None, typer.Option(help="Compare only this metric (repeatable).")] = None,
+    json: Annotated[str | None, typer.Option("--json", help="Write the verdict as JSON here.")] = None,
+    markdown: Annotated[str | None, typer.Option(help="Write a Markdown table here.")] = None,
+) -> None:
+    """Compare two runs; exit 1 when a metric regressed or a row is missing, 2 on unusable input."""
+    from .compare import run_compare
+
+    raise typer.Exit(run_compare(baseline, current, tolerance, abs_tolerance, metric, json, markdown, console))
+
+
+def main() -> None:
+    try:
+        app()
+    except SpecbenchError as e:
+        err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("interrupted: rows measured so far are in the run directory")
+        sys.exit(130)

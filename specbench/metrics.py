@@ -1,0 +1,55 @@
+"""The speedup theory and the summary statistics, as pure functions."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Sequence
+
+
+def expected_tokens(alpha: float, k: int) -> float:
+    """Mean tokens per target forward with lookahead k: (1 - alpha^(k+1)) / (1 - alpha)."""
+    if alpha >= 1.0:
+        return k + 1.0  # the limit as alpha -> 1
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def predicted_speedup(alpha: float, c: float, k: int) -> float:
+    """The classic prediction, which assumes verifying k+1 tokens costs one target step."""
+    return expected_tokens(alpha, k) / (k * c + 1.0)
+
+
+def predicted_speedup_verify(alpha: float, c: float, k: int, verify_ratio: float) -> float:
+    """The prediction with the measured cost of a (k+1)-token target forward (in target steps)."""
+    return expected_tokens(alpha, k) / (k * c + verify_ratio)
+
+
+def best_k(speedups: dict[int, float]) -> int:
+    """The K with the highest speedup (the smaller K on a tie: it wastes fewer draft steps)."""
+    return max(sorted(speedups), key=lambda k: speedups[k])
+
+
+def optimal_k(alpha: float, c: float, ks: Iterable[int]) -> tuple[int, float]:
+    speedups = {k: predicted_speedup(alpha, c, k) for k in ks}
+    k = best_k(speedups)
+    return k, speedups[k]
+
+
+def max_useful_c(alpha: float, ks: Iterable[int]) -> float:
+    """The largest cost ratio c for which some K still gives a predicted speedup above 1.
+
+    speedup > 1  <=>  c < (E[tokens] - 1) / K = (alpha + ... + alpha^K) / K, which is largest at
+    the smallest K (at K = 1 it is alpha itself).
+    """
+    return max((expected_tokens(alpha, k) - 1.0) / k for k in ks)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def acceptance_by_position(accept_counts: Iterable[int], k: int) -> list[float]:
+    """How often draft position i (0-based) was accepted, per verify step: P(accepted > i)."""
+    counts = list(accept_counts)
+    if not counts:
+        return [float("nan")] * k
+    return [sum(n > i for n in counts) / len(counts) for i in range(k)]

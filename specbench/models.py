@@ -1,0 +1,267 @@
+"""Everything that knows transformers: resolving a model name, loading it, device and dtype,
+tokenizer compatibility, and the KV-cache wrapper the engine drives."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+import re
+import shutil
+import socket
+import tomllib
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+
+from .errors import SpecbenchError
+
+log = logging.getLogger("specbench")
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def config_dir() -> Path:
+    """configs/ ships inside the wheel; in a source checkout it sits beside the package."""
+    packaged = Path(__file__).parent / "configs"
+    return packaged if packaged.is_dir() else Path(__file__).parent.parent / "configs"
+
+
+def read_config(name: str) -> dict:
+    with open(config_dir() / name, "rb") as f:
+        return tomllib.load(f)
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("SPECBENCH_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specbench"
+    )
+    return Path(root)
+
+
+@cache
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """One quick TCP connect, so an offline machine is told in seconds rather than after retries."""
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return False
+    from huggingface_hub import constants
+
+    url = urlparse(constants.ENDPOINT)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------- resolving a name
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str  # what the user typed
+    kind: str  # "dir", "gguf" or "hub"
+    location: str  # directory, .gguf path, or hub id
+
+
+def resolve(spec: str) -> ModelSource:
+    """Turn an alias, a local directory, a .gguf file or a hub id into a concrete source."""
+    aliases = read_config("models.toml")
+    if spec in aliases:
+        entry = aliases[spec]
+        if "hub" in entry:
+            return ModelSource(spec, "hub", entry["hub"])
+        if "bundled" in entry:
+            bundled = Path(__file__).parent / entry["bundled"]
+            if not (bundled / "config.json").is_file():
+                raise SpecbenchError(f"bundled model '{spec}' is missing from {bundled}: reinstall specbench")
+            return ModelSource(spec, "dir", str(bundled))
+        found = importlib.util.find_spec(entry["package"])
+        if found is None or found.origin is None:
+            raise SpecbenchError(
+                f"model '{spec}' comes from the Python package {entry['package']}, which is not installed: "
+                f"run `{entry['install']}`"
+            )
+        return ModelSource(spec, "gguf", str(Path(found.origin).parent / entry["file"]))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise SpecbenchError(f"GGUF file not found: {spec}: check the path")
+        return ModelSource(spec, "gguf", str(path.resolve()))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise SpecbenchError(f"'{spec}' is a directory without config.json: point at a saved transformers checkpoint")
+        return ModelSource(spec, "dir", str(path.resolve()))
+    if HUB_ID.match(spec):
+        return ModelSource(spec, "hub", spec)
+    known = ", ".join(sorted(aliases))
+    raise SpecbenchError(
+        f"unknown model '{spec}': use an alias ({known}), a local checkpoint directory, a .gguf file or a hub id like org/name"
+    )
+
+
+def local_dir(source: ModelSource) -> Path:
+    """A directory with config, weights and tokenizer for ``source``, downloading or converting once."""
+    if source.kind == "dir":
+        return Path(source.location)
+    if source.kind == "gguf":
+        return _converted_gguf(Path(source.location))
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(source.location, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    if not hub_reachable():
+        raise SpecbenchError(
+            f"model {source.location} is not in the local Hugging Face cache and the hub is unreachable: "
+            f"download it where there is a network (`hf download {source.location}`) and copy the cache "
+            f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}) here, or pass a local directory"
+        )
+    log.info("downloading %s from the hub", source.location)
+    return Path(snapshot_download(source.location, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+
+
+def _converted_gguf(gguf: Path) -> Path:
+    """Dequantise a GGUF file once into a float32 safetensors checkpoint under the user cache.
+
+    transformers dequantises GGUF on every load (~30 s for SmolLM2-135M); the cached copy loads in
+    about a second. The key includes size and mtime so a replaced file is converted again.
+    """
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to safetensors once (about 30 s), cached in %s", gguf.name, out)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    config = quantised.config
+    del config.quantization_config
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantised.state_dict())
+    staging = out.with_name(out.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    plain.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
+    staging.rename(out)  # only a complete conversion ever appears under the final name
+    return out
+
+
+# ---------------------------------------------------------------- device, dtype, loading
+
+
+def resolve_device(device: str) -> torch.device:
+    if device != "auto":
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise SpecbenchError(f"--device {device} asked for, but torch sees no CUDA device: use --device cpu or auto")
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return {"cuda": torch.bfloat16, "mps": torch.float16}.get(device.type, torch.float32)
+    if dtype not in DTYPES:
+        raise SpecbenchError(f"unknown --dtype {dtype}: use auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    path: Path
+    model: object  # a transformers PreTrainedModel
+    tokenizer: object
+
+    @property
+    def width(self) -> int:
+        """Logit width (the embedding matrix may be padded beyond the tokenizer's size)."""
+        return self.model.get_output_embeddings().weight.shape[0]
+
+    @property
+    def context_window(self) -> int | None:
+        return getattr(self.model.config, "max_position_embeddings", None)
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        ids = self.model.generation_config.eos_token_id
+        ids = ids if isinstance(ids, list) else [ids]
+        ids.append(self.tokenizer.eos_token_id)
+        return frozenset(i for i in ids if i is not None)
+
+
+def load(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = resolve(spec)
+    path = local_dir(source)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    except (OSError, ValueError) as e:
+        raise SpecbenchError(f"cannot load model '{spec}' from {path}: {str(e).splitlines()[0]}") from e
+    model.eval()
+    return LoadedModel(spec, path, model, tokenizer)
+
+
+def shared_width(target: LoadedModel, draft: LoadedModel) -> int:
+    """Logit width both models share, after checking that their vocabularies agree.
+
+    Judged on vocabulary contents, never on vocab_size: models of one family pad their
+    embeddings to different widths while sharing a tokenizer, and unrelated tokenizers can have
+    equal sizes.
+    """
+    t_vocab = {i: s for s, i in target.tokenizer.get_vocab().items()}
+    d_vocab = {i: s for s, i in draft.tokenizer.get_vocab().items()}
+    # Ids past the smaller vocabulary are tokens one side added at the end (padding, specials).
+    for i in range(min(len(t_vocab), len(d_vocab))):
+        if t_vocab.get(i) != d_vocab.get(i):
+            raise SpecbenchError(
+                f"tokenizers of {target.name} and {draft.name} differ (id {i} is {t_vocab.get(i)!r} vs "
+                f"{d_vocab.get(i)!r}): speculative decoding needs a draft with the target's tokenizer"
+            )
+    width = min(target.width, draft.width)
+    return width
+
+
+class HFCausalLM:
+    """A transformers model with its own DynamicCache, speaking the engine's protocol."""
+
+    def __init__(self, model, width: int):
+        self.model = model
+        self.width = width  # logits beyond the shared width are dropped so p and q align
+        self.device = model.device
+        self.reset()
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache(config=self.model.config)
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, last: int = 1) -> torch.Tensor:
+        out = self.model(
+            input_ids=token_ids.view(1, -1), past_key_values=self.cache, use_cache=True, logits_to_keep=last
+        )
+        return out.logits[0, :, : self.width]
+
+    def crop(self, n_drop: int) -> None:
+        if n_drop:
+            self.cache.crop(-n_drop)  # transformers 5.x: a negative count removes that many positions
+
+    @property
+    def cached(self) -> int:
+        return self.cache.get_seq_length()
