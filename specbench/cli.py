@@ -231,6 +231,59 @@ def compare(
     raise typer.Exit(run_compare(baseline, current, tolerance, abs_tolerance, metric, json, markdown, console))
 
 
+@app.command()
+def distill(
+    out: Annotated[Path, typer.Option(help="Directory for the draft checkpoint (and resumable training state).")],
+    target: Target = "smollm2-135m",
+    hidden_size: Annotated[int, typer.Option(help="Draft width.")] = 256,
+    layers: Annotated[int, typer.Option(help="Draft depth (decoder layers).")] = 2,
+    heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
+    kv_heads: Annotated[int, typer.Option(help="Key/value heads (grouped-query attention).")] = 2,
+    intermediate_size: Annotated[int, typer.Option(help="MLP width.")] = 768,
+    init: Annotated[str, typer.Option(help="pca: start from a projection of the target's embeddings; random.")] = "pca",
+    source: Annotated[list[str] | None, typer.Option(help="Training text: files or directories of .py (default: Python's standard library).")] = None,
+    teacher_tokens: Annotated[int, typer.Option(help="Tokens the target labels with its top-k distribution.")] = 300_000,
+    top_k: Annotated[int, typer.Option(help="Teacher probabilities kept per position.")] = 32,
+    seq_len: Annotated[int, typer.Option(help="Training sequence length.")] = 256,
+    epochs: Annotated[float, typer.Option(help="Passes over the teacher data.")] = 3.0,
+    batch: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 8,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 2e-3,
+    seed: Seed = 0,
+    device: Device = "auto",
+) -> None:
+    """Train a small draft for TARGET from the target's own next-token distributions.
+
+    Rerunning the same command resumes: stored teacher shards are kept, training continues
+    from the last saved step.
+    """
+    from . import distill as distillation
+    from .models import load, resolve_device
+
+    _setup_logging()
+    cfg = distillation.DistillConfig(
+        out, target, hidden_size, layers, heads, kv_heads, intermediate_size, init, seq_len, teacher_tokens,
+        top_k=top_k, epochs=epochs, batch=batch, lr=lr, seed=seed,
+    )
+    if source:
+        cfg.sources = source
+    cfg.validate()
+    with console.status("loading the target"):
+        teacher = load(target, resolve_device(device), __import__("torch").float32)
+    progress = Progress(
+        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
+        TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+    )
+    tasks: dict[str, int] = {}
+    with progress:
+        for p in distillation.distill(cfg, teacher):
+            if p.phase not in tasks:
+                label = "target labels (sequences)" if p.phase == "teacher" else "draft training (steps)"
+                tasks[p.phase] = progress.add_task(label, total=p.total, loss="")
+            loss = f"loss {p.loss:.3f}" if p.loss is not None else ""
+            progress.update(tasks[p.phase], completed=p.done, total=p.total, loss=loss)
+    console.print(f"draft saved in {out}/ (use --draft {out})")
+
+
 def main() -> None:
     try:
         app()

@@ -1,0 +1,129 @@
+"""The real pipeline on tiny local transformers models: loading, decoding, files, CLI errors."""
+
+import json
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+from specbench import metrics
+from specbench.engine import autoregressive_decode, speculative_decode
+from specbench.models import HFCausalLM, load, shared_width
+from specbench.sampling import SamplingConfig
+
+CPU, F32 = torch.device("cpu"), torch.float32
+SUMMARY_COLUMNS = (
+    "target draft dataset num_prompts k temperature top_k top_p seed device dtype new_tokens "
+    "baseline_tokens_per_s spec_tokens_per_s speedup alpha acceptance_rate tau c verify_ratio "
+    "predicted_speedup predicted_speedup_verify"
+).split()
+
+
+def specbench(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "specbench", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def wrapped(tiny_pair):
+    target, draft = load(tiny_pair[0], CPU, F32), load(tiny_pair[1], CPU, F32)
+    width = shared_width(target, draft)
+    return target, HFCausalLM(target.model, width), HFCausalLM(draft.model, width)
+
+
+def test_shared_width_slices_the_padded_draft(tiny_pair):
+    target, target_lm, draft_lm = wrapped(tiny_pair)
+    assert draft_lm.model.get_output_embeddings().weight.shape[0] == target.width + 16
+    assert target_lm.width == draft_lm.width == target.width
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_greedy_speculative_equals_greedy_baseline_on_tiny_transformers_pair(tiny_pair, k):
+    target, target_lm, draft_lm = wrapped(tiny_pair)
+    prompt = target.tokenizer("def add(a, b):\n", return_tensors="pt").input_ids[0]
+    greedy, g = SamplingConfig(0.0), torch.Generator()
+    want = autoregressive_decode(target_lm, prompt, 40, greedy, g).tokens
+    got = speculative_decode(target_lm, draft_lm, prompt, k, 40, greedy, g)
+    assert got.tokens == want
+    assert got.drafted > 0 and got.target_forwards < 40  # it really speculated
+
+
+def test_baseline_matches_transformers_generate(tiny_pair):
+    target, target_lm, _ = wrapped(tiny_pair)
+    prompt = target.tokenizer("class Point:\n", return_tensors="pt").input_ids
+    generated = target.model.generate(prompt, max_new_tokens=25, do_sample=False, eos_token_id=None, pad_token_id=0)
+    mine = autoregressive_decode(target_lm, prompt[0], 25, SamplingConfig(0.0), torch.Generator()).tokens
+    assert mine == generated[0, prompt.shape[1] :].tolist()
+
+
+def test_run_writes_every_file_with_the_contract_columns(tiny_pair, prompts_file, tmp_path):
+    out = tmp_path / "run"
+    result = specbench(
+        "run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--k", "3", "--dataset", prompts_file,
+        "--max-new-tokens", "24", "--cost-repeats", "3", "--out", str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    summary = pd.read_csv(out / "summary.csv")
+    assert set(SUMMARY_COLUMNS) <= set(summary.columns)
+    assert len(summary) == 1 and summary.loc[0, "k"] == 3 and summary.loc[0, "num_prompts"] == 3
+    row = summary.loc[0]
+    assert row["predicted_speedup"] == pytest.approx(metrics.predicted_speedup(row["alpha"], row["c"], 3), rel=1e-12)
+    assert row["predicted_speedup_verify"] == pytest.approx(
+        metrics.predicted_speedup_verify(row["alpha"], row["c"], 3, row["verify_ratio"]), rel=1e-12
+    )
+    assert 0 <= row["alpha"] <= 1 and 1 <= row["tau"] <= 4
+    records = pd.read_csv(out / "records.csv")
+    assert len(records) == 3 and records["outputs_match"].all()  # greedy: exact
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert sorted(o["method"] for o in outputs) == ["baseline"] * 3 + ["speculative"] * 3
+    meta = json.loads((out / "meta.json").read_text())
+    assert {"python", "torch", "transformers", "specbench", "device_name", "git_commit", "config"} <= set(meta)
+    assert meta["config"]["ks"] == [3]
+
+
+def test_sampled_run_is_reproducible(tiny_pair, prompts_file, tmp_path):
+    args = ["run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--k", "2", "--dataset", prompts_file,
+            "--max-new-tokens", "16", "--temperature", "1.0", "--top-p", "0.9", "--cost-repeats", "2", "--seed", "7"]
+    first, second = specbench(*args, "--out", str(tmp_path / "a")), specbench(*args, "--out", str(tmp_path / "b"))
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    assert (tmp_path / "a" / "outputs.jsonl").read_text() == (tmp_path / "b" / "outputs.jsonl").read_text()
+
+
+def one_line_error(result, *needles):
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
+    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
+    assert len(lines) == 1, result.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_uncached_hub_model_fails_fast_with_one_line():
+    result = specbench("run", "--target", "llama-7b", "--draft", "llama-68m", "--k", "4", timeout=60)
+    one_line_error(result, "huggyllama/llama-7b", "not in the local Hugging Face cache", "download")
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--k", "0"], "K must be at least 1"),
+        (["--target", "no-such-alias"], "unknown model 'no-such-alias'"),
+        (["--dataset", "missing.jsonl"], "dataset file not found"),
+        (["--max-new-tokens", "400"], "context window"),
+        (["--dataset", "xsum"], "unreachable"),
+    ],
+)
+def test_bad_input_is_one_clear_line(tiny_pair, prompts_file, args, needle):
+    base = {"--target": tiny_pair[0], "--draft": tiny_pair[1], "--dataset": prompts_file}
+    base.update(dict(zip(args[::2], args[1::2])))
+    result = specbench("run", *[x for kv in base.items() for x in kv], "--out", "/nonexistent-never-written")
+    one_line_error(result, needle)
+
+
+def test_empty_dataset_and_foreign_tokenizer(tiny_pair, foreign_draft, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    one_line_error(specbench("run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--dataset", str(empty)), "no prompts")
+    one_line_error(specbench("run", "--target", tiny_pair[0], "--draft", foreign_draft), "tokenizers of")
