@@ -295,6 +295,30 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, pair_i
     return rows
 
 
+def acceptance_rows(records: list[dict]) -> list[dict]:
+    """Per K and draft position: how often that position was accepted (acceptance.csv)."""
+    hists: dict[int, list[int]] = {}
+    for r in records:
+        counts = [int(x) for x in r["accept_hist"].split()]
+        total = hists.setdefault(r["k"], [0] * len(counts))
+        hists[r["k"]] = [a + b for a, b in zip(total, counts)]
+    return [
+        {"k": k, "position": i + 1, "acceptance": rate, "verify_steps": sum(hist)}
+        for k, hist in sorted(hists.items())
+        for i, rate in enumerate(metrics.acceptance_by_position(hist))
+    ]
+
+
+def best_ks(summary: list[dict]) -> dict:
+    """The best K by measured speedup and by each prediction, with the speedups behind them."""
+    picks = {}
+    for label, column in [("measured", "speedup"), ("predicted", "predicted_speedup"), ("predicted_verify", "predicted_speedup_verify")]:
+        by_k = {r["k"]: r[column] for r in summary}
+        k = metrics.best_k(by_k)
+        picks[label] = {"k": k, "speedup": by_k[k], "by_k": by_k}
+    return picks
+
+
 def prepare(cfg: BenchConfig) -> tuple[Pair, list[Prompt], list[torch.Tensor]]:
     """Validate, load the pair and the prompts; every input error surfaces here, before timing."""
     cfg.validate()

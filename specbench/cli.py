@@ -68,7 +68,8 @@ def _slug(name: str) -> str:
 
 
 def _benchmark(cfg, out: Path | None) -> None:
-    from . import bench, metrics
+    from . import bench
+    from .plot import plot_run
     from .report import RunWriter, environment, summary_table
 
     _setup_logging()
@@ -115,16 +116,15 @@ def _benchmark(cfg, out: Path | None) -> None:
     finally:
         summary = bench.summarize(records, costs, cfg, info)
         writer.write_csv("summary.csv", summary)
+        writer.write_csv("acceptance.csv", bench.acceptance_rows(records))
         writer.close()
-    if summary:
-        console.print(summary_table(summary, f"{cfg.target} <- {cfg.draft} on {cfg.dataset} ({len(prompts)} prompts)"))
-        if len(summary) > 1:
-            picks = {
-                label: metrics.best_k({r["k"]: r[col] for r in summary})
-                for label, col in [("measured", "speedup"), ("predicted", "predicted_speedup"), ("predicted_verify", "predicted_speedup_verify")]
-            }
-            console.print("best K: " + ", ".join(f"{label} {k}" for label, k in picks.items()))
-    console.print(f"results in {out}/")
+    if not summary:
+        return
+    console.print(summary_table(summary, f"{cfg.target} <- {cfg.draft} on {cfg.dataset} ({len(prompts)} prompts)"))
+    picks = bench.best_ks(summary)
+    writer.write_json("best_k.json", picks)
+    console.print("best K: " + ", ".join(f"{label} K={p['k']} ({p['speedup']:.2f}x)" for label, p in picks.items()))
+    console.print(f"results in {out}/ (plot: {plot_run(out).name})")
 
 
 @app.command()
@@ -205,8 +205,8 @@ def theory(
         for k, tokens, speedup in rows:
             print(f"{alpha},{c},{k},{tokens:.6f},{speedup:.6f}")
         return
-    table = Table(title=f"speedup = (1 - a^(K+1)) / ((1 - a)(K c + 1)),  alpha={alpha}, c={c}")
-    for name in ("K", "E[tokens]", "speedup"):
+    table = Table(title=f"alpha={alpha}  c={c}", caption="speedup = (1-a^(K+1)) / ((1-a)(Kc+1))")
+    for name in ("K", "E\\[tokens]", "speedup"):
         table.add_column(name, justify="right")
     for k, tokens, speedup in rows:
         table.add_row(str(k), f"{tokens:.3f}", f"[bold]{speedup:.3f}[/]" if k == best else f"{speedup:.3f}")
@@ -282,6 +282,14 @@ def distill(
             loss = f"loss {p.loss:.3f}" if p.loss is not None else ""
             progress.update(tasks[p.phase], completed=p.done, total=p.total, loss=loss)
     console.print(f"draft saved in {out}/ (use --draft {out})")
+
+
+@app.command()
+def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written by run or sweep-k.")]) -> None:
+    """Redraw a run's figure (speedup vs K, acceptance by position, verification cost) from its CSVs."""
+    from .plot import plot_run
+
+    console.print(f"wrote {plot_run(run_dir)}")
 
 
 def main() -> None:

@@ -47,9 +47,10 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
-def acceptance_by_position(accept_counts: Iterable[int], k: int) -> list[float]:
-    """How often draft position i (0-based) was accepted, per verify step: P(accepted > i)."""
-    counts = list(accept_counts)
-    if not counts:
-        return [float("nan")] * k
-    return [sum(n > i for n in counts) / len(counts) for i in range(k)]
+def acceptance_by_position(hist: Sequence[int]) -> list[float]:
+    """How often draft position i (0-based) was accepted per verify step, from ``hist[n]`` =
+    number of verify steps that accepted exactly n drafts (n = 0..K): P(accepted > i)."""
+    steps = sum(hist)
+    if not steps:
+        return [float("nan")] * (len(hist) - 1)
+    return [sum(hist[i + 1 :]) / steps for i in range(len(hist) - 1)]

@@ -127,3 +127,41 @@ def test_empty_dataset_and_foreign_tokenizer(tiny_pair, foreign_draft, tmp_path)
     empty.write_text("")
     one_line_error(specbench("run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--dataset", str(empty)), "no prompts")
     one_line_error(specbench("run", "--target", tiny_pair[0], "--draft", foreign_draft), "tokenizers of")
+
+
+def test_sweep_shares_one_baseline_and_writes_the_sweep_files(tiny_pair, prompts_file, tmp_path):
+    out = tmp_path / "sweep"
+    result = specbench(
+        "sweep-k", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--ks", "3,1,2", "--dataset", prompts_file,
+        "--num-prompts", "2", "--max-new-tokens", "20", "--cost-repeats", "2", "--out", str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    summary = pd.read_csv(out / "summary.csv")
+    assert summary["k"].tolist() == [1, 2, 3]
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    assert sum(o["method"] == "baseline" for o in outputs) == 2  # once per prompt, not per K
+    assert len(pd.read_csv(out / "records.csv")) == 2 * 3
+    # Every K's records refer to the same baseline timing of each prompt.
+    records = pd.read_csv(out / "records.csv")
+    assert records.groupby("prompt_id")["baseline_s"].nunique().eq(1).all()
+    acceptance = pd.read_csv(out / "acceptance.csv")
+    assert acceptance.groupby("k")["position"].max().to_dict() == {1: 1, 2: 2, 3: 3}
+    assert (acceptance.groupby("k")["acceptance"].apply(lambda a: a.is_monotonic_decreasing)).all()
+    verify = pd.read_csv(out / "verify_cost.csv")
+    assert verify["tokens"].tolist() == [1, 2, 3, 4]
+    for _, row in summary.iterrows():
+        ratio = verify.loc[verify["tokens"] == row["k"] + 1, "ratio"].item()
+        assert row["verify_ratio"] == pytest.approx(ratio)
+    best = json.loads((out / "best_k.json").read_text())
+    assert best["measured"]["k"] == summary.loc[summary["speedup"].idxmax(), "k"]
+    assert best["predicted_verify"]["k"] == summary.loc[summary["predicted_speedup_verify"].idxmax(), "k"]
+    (out / "sweep.png").unlink()
+    assert specbench("plot", str(out)).returncode == 0
+    assert (out / "sweep.png").stat().st_size > 10_000
+
+
+def test_theory_command_prints_the_optimum():
+    result = specbench("theory", "--alpha", "0.8", "--c", "0.05", "--ks", "4", "--format", "csv")
+    assert result.returncode == 0
+    assert result.stdout.splitlines()[1].startswith("0.8,0.05,4,3.3616")
+    assert "2.801" in result.stdout.splitlines()[1]

