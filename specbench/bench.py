@@ -12,14 +12,17 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from . import metrics
-from .engine import DecodeResult, autoregressive_decode, speculative_decode
+from .engine import DecodeResult, PromptLookupDrafter, autoregressive_decode, speculative_decode
 from .errors import SpecbenchError
-from .models import HFCausalLM, LoadedModel, load, resolve_device, resolve_dtype, shared_width
+from .models import HFCausalLM, LoadedModel, hf_generate, load, resolve_device, resolve_dtype, shared_width
 from .prompts import Prompt, load_prompts
 from .sampling import SamplingConfig
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"
+# Methods that take a lookahead K; "baseline" always runs and "hf-generate" has no K.
+K_METHODS = ("speculative", "prompt-lookup", "hf-assisted")
+METHODS = ("baseline", *K_METHODS, "hf-generate")
 
 
 @dataclass
@@ -28,6 +31,7 @@ class BenchConfig:
     draft: str = DEFAULT_DRAFT
     dataset: str = "humaneval"
     ks: list[int] = field(default_factory=lambda: [4])
+    methods: list[str] = field(default_factory=lambda: ["speculative"])
     num_prompts: int | None = 10
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -42,6 +46,17 @@ class BenchConfig:
     cost_repeats: int = 10
 
     @property
+    def plan(self) -> list[tuple[str, int | None]]:
+        """(method, K) pairs decoded per prompt after the baseline."""
+        steps = []
+        for method in dict.fromkeys(self.methods):
+            if method in K_METHODS:
+                steps += [(method, k) for k in self.ks]
+            elif method != "baseline":
+                steps.append((method, None))
+        return steps
+
+    @property
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_k, self.top_p)
 
@@ -54,6 +69,7 @@ class BenchConfig:
             (self.top_k < 0, "--top-k must be >= 0 (0 turns it off)"),
             (not 0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
             (self.repeats < 1 or self.warmup < 0, "--repeats must be >= 1 and --warmup >= 0"),
+            (not set(self.methods) <= set(METHODS), f"unknown --method in {self.methods}: choose from {', '.join(METHODS)}"),
         ]
         for bad, message in problems:
             if bad:
@@ -83,6 +99,11 @@ def load_pair(cfg: BenchConfig) -> Pair:
     target = load(cfg.target, device, dtype)
     draft = load(cfg.draft, device, dtype)
     width = shared_width(target, draft)
+    if "hf-assisted" in cfg.methods and target.width != draft.width:
+        raise SpecbenchError(
+            f"--method hf-assisted needs equal logit widths (target {target.width}, draft {draft.width}); transformers "
+            "would switch to a different (universal) algorithm: drop hf-assisted for this pair"
+        )
     return Pair(target, draft, HFCausalLM(target.model, width), HFCausalLM(draft.model, width), device, dtype)
 
 
@@ -190,35 +211,42 @@ def generator_for(device: torch.device, seed: int, prompt_index: int, stream: in
     return torch.Generator(device=device).manual_seed((seed * 1_000_003 + prompt_index) * 8 + stream)
 
 
-def decode(pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, k: int | None) -> tuple[DecodeResult, float]:
+def decode(
+    pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, method: str, k: int | None
+) -> tuple[DecodeResult, float]:
     """Time one prompt's decode (median of cfg.repeats, each from the same seed, so identical work)."""
-    sampling = cfg.sampling
-    if k is None:
-        fn = lambda: autoregressive_decode(  # noqa: E731
-            pair.target_lm, ids, cfg.max_new_tokens, sampling, generator_for(pair.device, cfg.seed, index, 0), pair.stop_ids
-        )
-    else:
-        fn = lambda: speculative_decode(  # noqa: E731
-            pair.target_lm, pair.draft_lm, ids, k, cfg.max_new_tokens, sampling,
-            generator_for(pair.device, cfg.seed, index, 1), pair.stop_ids,
-        )
+    sampling, stream = cfg.sampling, METHODS.index(method)
+    args = (ids, cfg.max_new_tokens, sampling)
+
+    def fn():
+        generator = generator_for(pair.device, cfg.seed, index, stream)
+        if method == "baseline":
+            return autoregressive_decode(pair.target_lm, *args, generator, pair.stop_ids)
+        if method == "speculative":
+            return speculative_decode(pair.target_lm, pair.draft_lm, ids, k, cfg.max_new_tokens, sampling, generator, pair.stop_ids)
+        if method == "prompt-lookup":
+            lookup = PromptLookupDrafter(pair.target_lm.width)
+            return speculative_decode(pair.target_lm, lookup, ids, k, cfg.max_new_tokens, sampling, generator, pair.stop_ids)
+        seed = int(torch.randint(2**62, (1,), generator=generator, device=pair.device))
+        assistant = pair.draft if method == "hf-assisted" else None
+        return hf_generate(pair.target, *args, seed, pair.stop_ids, assistant, k)
+
     return median_time(pair.device, fn, cfg.repeats)
 
 
 def warm_up(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor]) -> None:
     """Untimed runs of every decoder, so allocation, kernel selection and caches settle first."""
     for _ in range(cfg.warmup):
-        decode(pair, cfg, prompt_ids[0], 0, None)
-        for k in cfg.ks:
-            decode(pair, cfg, prompt_ids[0], 0, k)
+        for method, k in [("baseline", None), *cfg.plan]:
+            decode(pair, cfg, prompt_ids[0], 0, method, k)
 
 
 def run(pair: Pair, cfg: BenchConfig, prompts: list[Prompt], prompt_ids: list[torch.Tensor]) -> Iterator[Measurement]:
-    """Per prompt: the baseline once (shared by every K), then speculative decoding for each K."""
+    """Per prompt: the baseline once (shared by every method and K), then each (method, K)."""
     for index, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
-        for k in [None, *cfg.ks]:
-            result, seconds = decode(pair, cfg, ids, index, k)
-            yield Measurement(index, prompt.id, len(ids), "baseline" if k is None else "speculative", k, result, seconds)
+        for method, k in [("baseline", None), *cfg.plan]:
+            result, seconds = decode(pair, cfg, ids, index, method, k)
+            yield Measurement(index, prompt.id, len(ids), method, k, result, seconds)
 
 
 def record(baseline: Measurement, spec: Measurement) -> dict:
@@ -231,6 +259,7 @@ def record(baseline: Measurement, spec: Measurement) -> dict:
     return {
         "prompt_id": spec.prompt_id,
         "prompt_index": spec.prompt_index,
+        "method": spec.method,
         "k": k,
         "prompt_tokens": spec.prompt_tokens,
         "baseline_tokens": len(b.tokens),
@@ -242,7 +271,7 @@ def record(baseline: Measurement, spec: Measurement) -> dict:
         "speedup": (len(s.tokens) / spec.seconds) / (len(b.tokens) / baseline.seconds),
         "alpha": s.beta_sum / s.tested if s.tested else float("nan"),
         "acceptance_rate": s.accepted / s.drafted if s.drafted else float("nan"),
-        "tau": len(s.tokens) / s.target_forwards,
+        "tau": len(s.tokens) / s.target_forwards if k else float("nan"),
         "drafted": s.drafted,
         "accepted": s.accepted,
         "beta_sum": s.beta_sum,
@@ -251,26 +280,34 @@ def record(baseline: Measurement, spec: Measurement) -> dict:
         "draft_forwards": s.draft_forwards,
         "outputs_match": divergence is None,
         "first_divergence": -1 if divergence is None else divergence,
-        "accept_hist": " ".join(str(s.accept_counts.count(n)) for n in range(k + 1)),
+        "accept_hist": " ".join(str(s.accept_counts.count(n)) for n in range(k + 1)) if s.accept_counts else "",
     }
 
 
 def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, pair_info: dict) -> list[dict]:
-    """One summary row per K over the prompts measured so far."""
+    """One summary row per (method, K) over the prompts measured so far, after a baseline row."""
     rows = []
-    for k in cfg.ks:
-        rs = [r for r in records if r["k"] == k]
+    for method, k in [("baseline", None), *cfg.plan]:
+        if method == "baseline":  # its figures ride along in every record: count each prompt once
+            rs = list({r["prompt_id"]: r for r in records}.values())
+        else:
+            rs = [r for r in records if r["method"] == method and r["k"] == k]
         if not rs:
             continue
-        base_tokens, spec_tokens = sum(r["baseline_tokens"] for r in rs), sum(r["spec_tokens"] for r in rs)
-        base_s, spec_s = sum(r["baseline_s"] for r in rs), sum(r["spec_s"] for r in rs)
-        tested = sum(r["tested"] for r in rs)
-        alpha = sum(r["beta_sum"] for r in rs) / tested if tested else float("nan")
-        c, verify_ratio = costs.c, costs.verify_ratio(k)
+        base_tokens, base_s = sum(r["baseline_tokens"] for r in rs), sum(r["baseline_s"] for r in rs)
+        if method == "baseline":
+            tokens, seconds = base_tokens, base_s
+        else:
+            tokens, seconds = sum(r["spec_tokens"] for r in rs), sum(r["spec_s"] for r in rs)
+        tested, drafted = sum(r["tested"] for r in rs), sum(r["drafted"] for r in rs)
+        alpha = sum(r["beta_sum"] for r in rs) / tested if tested and method != "baseline" else float("nan")
+        # Prompt lookup runs no draft model: its drafting cost is host-side bookkeeping.
+        c = 0.0 if method == "prompt-lookup" else costs.c
+        verify_ratio = costs.verify_ratio(k) if k else float("nan")
         rows.append(
             {
                 **pair_info,
-                "method": "speculative",
+                "method": method,
                 "num_prompts": len(rs),
                 "k": k,
                 "temperature": cfg.temperature,
@@ -278,18 +315,21 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, pair_i
                 "top_p": cfg.top_p,
                 "seed": cfg.seed,
                 "max_new_tokens": cfg.max_new_tokens,
-                "new_tokens": spec_tokens,
+                "new_tokens": tokens,
                 "baseline_tokens_per_s": base_tokens / base_s,
-                "spec_tokens_per_s": spec_tokens / spec_s,
-                "speedup": (spec_tokens / spec_s) / (base_tokens / base_s),
+                "spec_tokens_per_s": tokens / seconds,
+                "speedup": (tokens / seconds) / (base_tokens / base_s),
                 "alpha": alpha,
-                "acceptance_rate": sum(r["accepted"] for r in rs) / sum(r["drafted"] for r in rs),
-                "tau": spec_tokens / sum(r["target_forwards"] for r in rs),
-                "c": c,
+                "acceptance_rate": sum(r["accepted"] for r in rs) / drafted if drafted else float("nan"),
+                "tau": tokens / sum(r["target_forwards"] for r in rs) if k else float("nan"),
+                "c": c if k else float("nan"),
                 "verify_ratio": verify_ratio,
-                "predicted_speedup": metrics.predicted_speedup(alpha, c, k),
-                "predicted_speedup_verify": metrics.predicted_speedup_verify(alpha, c, k, verify_ratio),
-                "outputs_match": sum(r["outputs_match"] for r in rs),
+                "predicted_speedup": metrics.predicted_speedup(alpha, c, k) if k else float("nan"),
+                "predicted_speedup_verify": metrics.predicted_speedup_verify(alpha, c, k, verify_ratio) if k else float("nan"),
+                "outputs_match": len(rs) if method == "baseline" else sum(r["outputs_match"] for r in rs),
+                "first_divergence": -1 if method == "baseline" else min(
+                    (r["first_divergence"] for r in rs if r["first_divergence"] >= 0), default=-1
+                ),
             }
         )
     return rows
@@ -299,6 +339,8 @@ def acceptance_rows(records: list[dict]) -> list[dict]:
     """Per K and draft position: how often that position was accepted (acceptance.csv)."""
     hists: dict[int, list[int]] = {}
     for r in records:
+        if r["method"] != "speculative":
+            continue
         counts = [int(x) for x in r["accept_hist"].split()]
         total = hists.setdefault(r["k"], [0] * len(counts))
         hists[r["k"]] = [a + b for a, b in zip(total, counts)]
@@ -310,7 +352,10 @@ def acceptance_rows(records: list[dict]) -> list[dict]:
 
 
 def best_ks(summary: list[dict]) -> dict:
-    """The best K by measured speedup and by each prediction, with the speedups behind them."""
+    """For specbench's loop: the best K by measured speedup and by each prediction."""
+    summary = [r for r in summary if r["method"] == "speculative"]
+    if not summary:
+        return {}
     picks = {}
     for label, column in [("measured", "speedup"), ("predicted", "predicted_speedup"), ("predicted_verify", "predicted_speedup_verify")]:
         by_k = {r["k"]: r[column] for r in summary}

@@ -42,6 +42,18 @@ Repeats = Annotated[int, typer.Option(help="Timed repeats per prompt and method;
 Warmup = Annotated[int, typer.Option(help="Untimed warm-up passes over the first prompt before timing.")]
 CostRepeats = Annotated[int, typer.Option(help="Repeats per forward-cost measurement (c, verify_ratio).")]
 Out = Annotated[Path | None, typer.Option(help="Run directory (default results/<time>-<target>-<draft>/).")]
+Method = Annotated[
+    list[str] | None,
+    typer.Option(
+        help="Decoding method, repeatable or comma-separated: speculative (specbench's loop, default), "
+        "prompt-lookup (n-gram drafts, no draft model), hf-assisted (transformers' assisted generation, K tokens), "
+        "hf-generate (transformers' plain generate). The baseline always runs."
+    ),
+]
+
+
+def _methods(values: list[str] | None) -> list[str]:
+    return [m.strip() for v in values or ["speculative"] for m in v.split(",") if m.strip()]
 
 
 def _setup_logging() -> None:
@@ -101,7 +113,7 @@ def _benchmark(cfg, out: Path | None) -> None:
     )
     try:
         with progress:
-            task = progress.add_task("decoding", total=len(prompts) * (1 + len(cfg.ks)))
+            task = progress.add_task("decoding", total=len(prompts) * (1 + len(cfg.plan)))
             for m in bench.run(pair, cfg, prompts, prompt_ids):
                 writer.output(m.prompt_id, m.k, m.method, m.result.tokens, tokenizer.decode(m.result.tokens))
                 if m.method == "baseline":
@@ -109,10 +121,8 @@ def _benchmark(cfg, out: Path | None) -> None:
                 else:
                     records.append(bench.record(baseline, m))
                     writer.append("records.csv", records[-1])
-                    if m.k == cfg.ks[-1]:
-                        summary = bench.summarize(records, costs, cfg, info)
-                        writer.write_csv("summary.csv", summary)
-                progress.update(task, advance=1, description=f"{m.method} K={m.k}" if m.k else "baseline")
+                    writer.write_csv("summary.csv", bench.summarize(records, costs, cfg, info))
+                progress.update(task, advance=1, description=f"{m.method} K={m.k}" if m.k else m.method)
     finally:
         summary = bench.summarize(records, costs, cfg, info)
         writer.write_csv("summary.csv", summary)
@@ -122,9 +132,14 @@ def _benchmark(cfg, out: Path | None) -> None:
         return
     console.print(summary_table(summary, f"{cfg.target} <- {cfg.draft} on {cfg.dataset} ({len(prompts)} prompts)"))
     picks = bench.best_ks(summary)
-    writer.write_json("best_k.json", picks)
-    console.print("best K: " + ", ".join(f"{label} K={p['k']} ({p['speedup']:.2f}x)" for label, p in picks.items()))
-    console.print(f"results in {out}/ (plot: {plot_run(out).name})")
+    if picks:
+        writer.write_json("best_k.json", picks)
+        console.print("best K: " + ", ".join(f"{label} K={p['k']} ({p['speedup']:.2f}x)" for label, p in picks.items()))
+        console.print(f"plot: {plot_run(out)}")
+    if cfg.temperature == 0:
+        mismatched = [f"{r['method']} K={r['k']}" for r in summary if r["outputs_match"] < r["num_prompts"]]
+        console.print(f"greedy outputs differing from the baseline: {', '.join(mismatched)}" if mismatched else "greedy outputs: every method equals the baseline")
+    console.print(f"results in {out}/")
 
 
 @app.command()
@@ -145,12 +160,13 @@ def run(
     repeats: Repeats = 1,
     warmup: Warmup = 1,
     cost_repeats: CostRepeats = 10,
+    method: Method = None,
     out: Out = None,
 ) -> None:
     """Speculative and baseline decoding on a target/draft pair at one K."""
     from .bench import BenchConfig
 
-    cfg = BenchConfig(target, draft, dataset, [k], num_prompts, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, repeats, warmup, prompt_field, cost_repeats)
+    cfg = BenchConfig(target, draft, dataset, [k], _methods(method), num_prompts, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, repeats, warmup, prompt_field, cost_repeats)
     _benchmark(cfg, out)
 
 
@@ -172,12 +188,13 @@ def sweep_k(
     repeats: Repeats = 1,
     warmup: Warmup = 1,
     cost_repeats: CostRepeats = 10,
+    method: Method = None,
     out: Out = None,
 ) -> None:
     """Sweep the lookahead K: one baseline per prompt shared by all K, one summary row per K."""
     from .bench import BenchConfig
 
-    cfg = BenchConfig(target, draft, dataset, _parse_ks(ks), num_prompts, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, repeats, warmup, prompt_field, cost_repeats)
+    cfg = BenchConfig(target, draft, dataset, _parse_ks(ks), _methods(method), num_prompts, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, repeats, warmup, prompt_field, cost_repeats)
     _benchmark(cfg, out)
 
 

@@ -71,10 +71,69 @@ def autoregressive_decode(
         result.target_forwards += 1
 
 
+class ModelDrafter:
+    """Drafts by sampling a small model autoregressively (it keeps its own KV cache)."""
+
+    def __init__(self, model: CausalLM, cfg: SamplingConfig, generator: torch.Generator):
+        self.model, self.cfg, self.generator = model, cfg, generator
+
+    def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
+        self.model.reset()
+        self.model.forward(prompt_ids, last=1)
+        self.pending = first  # tokens the draft has not read yet
+
+    def propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        drafted, q_rows = [], []
+        for _ in range(k):
+            logits = self.model.forward(self.pending, last=1)[-1]
+            if self.cfg.greedy:
+                self.pending = logits.argmax(-1, keepdim=True)
+            else:
+                q_rows.append(warp(logits, self.cfg))
+                self.pending = sample(q_rows[-1], self.generator)
+            drafted.append(self.pending)
+        return torch.cat(drafted), (torch.stack(q_rows) if q_rows else None)
+
+    def accepted(self, drafts: torch.Tensor, n: int, next_token: torch.Tensor) -> None:
+        if n == len(drafts):
+            # It never read its own last draft: it reads it now, with the target's bonus token.
+            self.pending = torch.cat([drafts[-1:], next_token])
+        else:
+            self.model.crop(len(drafts) - 1 - n)
+            self.pending = next_token
+
+
+class PromptLookupDrafter:
+    """Drafts by n-gram lookup: the tokens that followed the latest earlier occurrence of the
+    sequence's last n tokens (n from ``max_ngram`` down to 1). Its q is one-hot on what it
+    proposes, so verification stays exact under sampling."""
+
+    def __init__(self, vocab: int, max_ngram: int = 3):
+        self.vocab, self.max_ngram = vocab, max_ngram
+
+    def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
+        self.device = prompt_ids.device
+        self.seen = prompt_ids.tolist() + first.tolist()
+
+    def propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        seen = self.seen
+        for n in range(min(self.max_ngram, len(seen) - 1), 0, -1):
+            tail = seen[-n:]
+            for start in range(len(seen) - n - 1, -1, -1):
+                if seen[start : start + n] == tail:
+                    drafts = torch.tensor(seen[start + n : start + n + k], device=self.device)
+                    return drafts, torch.nn.functional.one_hot(drafts, self.vocab).float()
+        empty = torch.zeros(0, dtype=torch.long, device=self.device)
+        return empty, torch.zeros(0, self.vocab, device=self.device)
+
+    def accepted(self, drafts: torch.Tensor, n: int, next_token: torch.Tensor) -> None:
+        self.seen += drafts[:n].tolist() + next_token.tolist()
+
+
 @torch.inference_mode()
 def speculative_decode(
     target: CausalLM,
-    draft: CausalLM,
+    draft: CausalLM | ModelDrafter | PromptLookupDrafter,
     prompt_ids: torch.Tensor,
     k: int,
     max_new_tokens: int,
@@ -84,50 +143,36 @@ def speculative_decode(
 ) -> DecodeResult:
     """Speculative decoding with lookahead ``k``; output law equals the target's (exactly).
 
-    Cache invariant between iterations: the target has seen every token but the newest one
-    (``last``); the draft has seen the same, except that after a fully accepted round it still
-    lacks its own K-th token, which it reads together with ``last`` on the next round.
+    ``draft`` is a model (drafting by sampling it) or a drafter. Between rounds the target's
+    cache holds every token but the newest one (``last``), which it reads first in the next
+    verification forward together with up to ``k`` drafted tokens.
     """
     if k < 1:
         raise ValueError("k must be >= 1")
+    drafter = draft if hasattr(draft, "propose") else ModelDrafter(draft, cfg, generator)
     target.reset()
-    draft.reset()
-    first = next_token(target.forward(prompt_ids, last=1)[-1], cfg, generator)
-    draft.forward(prompt_ids, last=1)
-    result = DecodeResult(tokens=[int(first)], target_forwards=1, draft_forwards=1)
+    last = next_token(target.forward(prompt_ids, last=1)[-1], cfg, generator)
+    drafter.start(prompt_ids, last)
+    result = DecodeResult(tokens=[int(last)], target_forwards=1)
     if _end(result.tokens, 0, max_new_tokens, stop_ids) is not None:
         return result
-    last, draft_input = first, first
     beta_sum = 0.0  # becomes a device tensor under sampling: summed there, read once at the end
     while True:
-        drafted, q_rows = [], []
-        for _ in range(k):
-            logits = draft.forward(draft_input, last=1)[-1]
-            if cfg.greedy:
-                draft_input = logits.argmax(-1, keepdim=True)
-            else:
-                q_rows.append(warp(logits, cfg))
-                draft_input = sample(q_rows[-1], generator)
-            drafted.append(draft_input)
-        drafts = torch.cat(drafted)
-        target_logits = target.forward(torch.cat([last, drafts]), last=k + 1)
+        drafts, q = drafter.propose(k)
+        n_drafts = len(drafts)
+        target_logits = target.forward(torch.cat([last, drafts]), last=n_drafts + 1)
         if cfg.greedy:
             verdict = verify_greedy(drafts, target_logits)
         else:
-            verdict = verify_sampled(drafts, torch.stack(q_rows), warp(target_logits, cfg), generator)
+            verdict = verify_sampled(drafts, q, warp(target_logits, cfg), generator)
         n = verdict.accepted
-
-        target.crop(k - n)
-        if n == k:
-            draft_input = torch.cat([drafts[-1:], verdict.next_token])
-        else:
-            draft.crop(k - 1 - n)
-            draft_input = verdict.next_token
+        target.crop(n_drafts - n)
+        drafter.accepted(drafts, n, verdict.next_token)
         last = verdict.next_token
 
         result.target_forwards += 1
-        result.draft_forwards += k
-        result.drafted += k
+        result.draft_forwards += n_drafts if isinstance(drafter, ModelDrafter) else 0
+        result.drafted += n_drafts
         result.accepted += n
         result.tested += verdict.tested
         result.accept_counts.append(n)

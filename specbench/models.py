@@ -265,3 +265,64 @@ class HFCausalLM:
     @property
     def cached(self) -> int:
         return self.cache.get_seq_length()
+
+
+class _CallCounter:
+    """Counts forward calls of a module (how many target/draft passes generate() made)."""
+
+    def __init__(self, module):
+        self.count = 0
+        self._handle = module.register_forward_pre_hook(self._hook)
+
+    def _hook(self, *_):
+        self.count += 1
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+def hf_generate(
+    target: LoadedModel,
+    prompt_ids: torch.Tensor,
+    max_new_tokens: int,
+    sampling,
+    seed: int,
+    stop_ids: frozenset[int],
+    assistant: LoadedModel | None = None,
+    k: int | None = None,
+):
+    """transformers' own ``generate``: plain, or assisted by ``assistant`` with exactly ``k``
+    draft tokens per round (constant schedule, confidence threshold off, so K means what it
+    means in specbench's loop). Returns the engine's DecodeResult with forward counts."""
+    from .engine import DecodeResult
+
+    kwargs = {
+        "max_new_tokens": max_new_tokens,
+        "do_sample": not sampling.greedy,
+        "eos_token_id": sorted(stop_ids) or None,
+        "pad_token_id": target.tokenizer.pad_token_id or (sorted(stop_ids) or [0])[0],
+    }
+    if not sampling.greedy:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+    else:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    if assistant is not None:
+        config = assistant.model.generation_config
+        config.num_assistant_tokens = k
+        config.num_assistant_tokens_schedule = "constant"
+        config.assistant_confidence_threshold = 0.0
+        kwargs["assistant_model"] = assistant.model
+    counters = [_CallCounter(target.model)] + ([_CallCounter(assistant.model)] if assistant is not None else [])
+    torch.manual_seed(seed)  # generate() samples from the global generator
+    try:
+        ids = prompt_ids.view(1, -1)
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+    finally:
+        for counter in counters:
+            counter.remove()
+    tokens = out[0, prompt_ids.shape[0] :].tolist()
+    result = DecodeResult(tokens=tokens, target_forwards=counters[0].count)
+    if assistant is not None:
+        result.draft_forwards = result.drafted = counters[1].count
+        result.accepted = len(tokens) - result.target_forwards  # each target pass adds accepted + 1
+    return result

@@ -56,15 +56,22 @@ def build_llama(path: Path, tokenizer, layers: int, hidden: int, seed: int, voca
 
 @pytest.fixture(scope="session")
 def tiny_pair(tmp_path_factory) -> tuple[str, str]:
-    """(target dir, draft dir): a 4-layer and a 1-layer random Llama sharing one tokenizer.
-
-    The draft's embedding matrix is padded wider than the target's, as in real model families.
-    """
+    """(target dir, draft dir): a 4-layer and a 1-layer random Llama sharing one tokenizer."""
     root = tmp_path_factory.mktemp("tiny")
     tokenizer = build_tokenizer(root / "tok")
     target = build_llama(root / "target", tokenizer, layers=4, hidden=64, seed=0)
-    draft = build_llama(root / "draft", tokenizer, layers=1, hidden=32, seed=1, vocab_pad=16)
+    draft = build_llama(root / "draft", tokenizer, layers=1, hidden=32, seed=1)
     return str(target), str(draft)
+
+
+@pytest.fixture(scope="session")
+def padded_draft(tiny_pair, tmp_path_factory) -> str:
+    """A draft for tiny_pair's target whose embedding matrix is padded 16 rows wider, as model
+    families with one tokenizer often are."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
+    return str(build_llama(tmp_path_factory.mktemp("padded") / "draft", tokenizer, layers=1, hidden=32, seed=1, vocab_pad=16))
 
 
 @pytest.fixture(scope="session")

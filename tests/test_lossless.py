@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from specbench import engine, sampling
-from specbench.engine import autoregressive_decode, speculative_decode
+from specbench.engine import PromptLookupDrafter, autoregressive_decode, speculative_decode
 from specbench.sampling import SamplingConfig
 
 from .toy import ToyLM, exact_distribution
@@ -57,6 +57,12 @@ def test_speculative_sampling_matches_target_law(cfg, k):
     assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), k, cfg) > P_FLOOR
 
 
+def test_prompt_lookup_drafting_matches_target_law():
+    # One-hot drafts proposed from n-gram matches; with 3 tokens, matches are frequent.
+    lookup = PromptLookupDrafter(VOCAB, max_ngram=2)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), lookup, 3, SamplingConfig(temperature=1.0)) > P_FLOOR
+
+
 def _verify_with_residual_p(draft_tokens, q, p, generator):
     """A common bug: on rejection, resample from p instead of norm(max(0, p - q))."""
     monkey = sampling.residual
@@ -89,13 +95,19 @@ def test_identical_draft_accepts_everything_and_earns_the_bonus():
 
 
 @pytest.mark.parametrize("k", [1, 2, 5])
-def test_greedy_speculative_equals_greedy_baseline_on_toy(k):
-    target, draft, prompt = ToyLM(5, seed=3), ToyLM(5, seed=4), torch.tensor([1, 4])
+@pytest.mark.parametrize("drafter", ["model", "prompt-lookup"])
+def test_greedy_speculative_equals_greedy_baseline_on_toy(k, drafter):
+    target, prompt = ToyLM(5, seed=3), torch.tensor([1, 4])
+    if drafter == "model":  # the target plus noise: agrees often, not always
+        draft = ToyLM(5, seed=3)
+        draft.table = draft.table + 1.5 * torch.randn(draft.table.shape, generator=torch.Generator().manual_seed(9))
+    else:
+        draft = PromptLookupDrafter(5)
     greedy, g = SamplingConfig(0.0), torch.Generator()
     want = autoregressive_decode(target, prompt, 30, greedy, g).tokens
     got = speculative_decode(target, draft, prompt, k, 30, greedy, g)
     assert got.tokens == want
-    assert 0 <= got.accepted <= got.drafted
+    assert 0 < got.accepted <= got.drafted
 
 
 def test_stop_token_ends_both_decoders_at_the_same_place():

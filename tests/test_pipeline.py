@@ -33,10 +33,16 @@ def wrapped(tiny_pair):
     return target, HFCausalLM(target.model, width), HFCausalLM(draft.model, width)
 
 
-def test_shared_width_slices_the_padded_draft(tiny_pair):
-    target, target_lm, draft_lm = wrapped(tiny_pair)
+def test_shared_width_slices_the_padded_draft(tiny_pair, padded_draft):
+    target, target_lm, draft_lm = wrapped((tiny_pair[0], padded_draft))
     assert draft_lm.model.get_output_embeddings().weight.shape[0] == target.width + 16
     assert target_lm.width == draft_lm.width == target.width
+    prompt = target.tokenizer("def add(a, b):\n", return_tensors="pt").input_ids[0]
+    greedy, g = SamplingConfig(0.0), torch.Generator()
+    want = autoregressive_decode(target_lm, prompt, 30, greedy, g).tokens
+    assert speculative_decode(target_lm, draft_lm, prompt, 3, 30, greedy, g).tokens == want
+    sampled = speculative_decode(target_lm, draft_lm, prompt, 3, 30, SamplingConfig(1.0), g).tokens
+    assert max(sampled) < target.width
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
@@ -67,8 +73,9 @@ def test_run_writes_every_file_with_the_contract_columns(tiny_pair, prompts_file
     assert result.returncode == 0, result.stderr
     summary = pd.read_csv(out / "summary.csv")
     assert set(SUMMARY_COLUMNS) <= set(summary.columns)
-    assert len(summary) == 1 and summary.loc[0, "k"] == 3 and summary.loc[0, "num_prompts"] == 3
-    row = summary.loc[0]
+    assert summary["method"].tolist() == ["baseline", "speculative"]
+    row = summary.iloc[1]
+    assert row["k"] == 3 and row["num_prompts"] == 3
     assert row["predicted_speedup"] == pytest.approx(metrics.predicted_speedup(row["alpha"], row["c"], 3), rel=1e-12)
     assert row["predicted_speedup_verify"] == pytest.approx(
         metrics.predicted_speedup_verify(row["alpha"], row["c"], 3, row["verify_ratio"]), rel=1e-12
@@ -122,6 +129,11 @@ def test_bad_input_is_one_clear_line(tiny_pair, prompts_file, args, needle):
     one_line_error(result, needle)
 
 
+def test_hf_assisted_refuses_unequal_widths(tiny_pair, padded_draft, prompts_file):
+    result = specbench("run", "--target", tiny_pair[0], "--draft", padded_draft, "--dataset", prompts_file, "--method", "hf-assisted")
+    one_line_error(result, "hf-assisted")
+
+
 def test_empty_dataset_and_foreign_tokenizer(tiny_pair, foreign_draft, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
@@ -137,6 +149,7 @@ def test_sweep_shares_one_baseline_and_writes_the_sweep_files(tiny_pair, prompts
     )
     assert result.returncode == 0, result.stderr
     summary = pd.read_csv(out / "summary.csv")
+    summary = summary[summary["method"] == "speculative"].reset_index()
     assert summary["k"].tolist() == [1, 2, 3]
     outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert sum(o["method"] == "baseline" for o in outputs) == 2  # once per prompt, not per K
@@ -165,3 +178,24 @@ def test_theory_command_prints_the_optimum():
     assert result.returncode == 0
     assert result.stdout.splitlines()[1].startswith("0.8,0.05,4,3.3616")
     assert "2.801" in result.stdout.splitlines()[1]
+
+
+def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_path):
+    out = tmp_path / "methods"
+    result = specbench(
+        "run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--k", "3", "--dataset", prompts_file,
+        "--method", "speculative,prompt-lookup", "--method", "hf-assisted", "--method", "hf-generate",
+        "--max-new-tokens", "24", "--cost-repeats", "2", "--out", str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    summary = pd.read_csv(out / "summary.csv")
+    assert summary["method"].tolist() == ["baseline", "speculative", "prompt-lookup", "hf-assisted", "hf-generate"]
+    assert (summary["outputs_match"] == 3).all() and (summary["first_divergence"] == -1).all()
+    records = pd.read_csv(out / "records.csv")
+    assert len(records) == 3 * 4 and records["outputs_match"].all()
+    by_method = summary.set_index("method")
+    for method in ("speculative", "prompt-lookup", "hf-assisted"):
+        assert 1 <= by_method.loc[method, "tau"] <= 4  # measured for every drafting method
+        assert 0 <= by_method.loc[method, "acceptance_rate"] <= 1
+    assert by_method.loc["baseline", "speedup"] == 1.0
+    assert "every method equals the baseline" in result.stdout
