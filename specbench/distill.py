@@ -11,10 +11,12 @@ The result is a plain transformers checkpoint in half precision that ``--draft D
 
 from __future__ import annotations
 
+import ast
 import json
 import math
 import random
 import sysconfig
+import textwrap
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SpecbenchError
-from .models import LoadedModel
+from .models import LoadedModel, read_config
 
 SHARD_SEQUENCES = 64
 
@@ -49,6 +51,12 @@ class DistillConfig:
     save_every: int = 50
     seed: int = 0
     sources: list[str] = field(default_factory=lambda: [sysconfig.get_paths()["stdlib"]])
+    # Conversations the target writes itself: function stubs from the sources, sent through the
+    # same instruction and chat template as the evaluation prompts (never the evaluation items).
+    generate_prompts: int = 128
+    generate_new_tokens: int = 160
+    generate_batch: int = 16
+    generated_repeats: int = 2  # in-distribution text, so it counts this many times per epoch
 
     def validate(self) -> None:
         if self.init not in ("pca", "random"):
@@ -61,7 +69,7 @@ class DistillConfig:
 
 @dataclass
 class Progress:
-    phase: str  # "teacher" or "student"
+    phase: str  # "teacher:<shard dir>", "generate" or "student"
     done: int
     total: int
     loss: float | None = None
@@ -93,21 +101,78 @@ def token_stream(tokenizer, files: list[Path], seed: int) -> Iterator[int]:
         yield tokenizer.eos_token_id
 
 
-def teacher_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
-    """Store the target's top-k log-probabilities over the corpus; existing shards are kept."""
-    shard_dir = cfg.out / "teacher"
+def function_stubs(files: list[Path], seed: int, limit: int) -> list[str]:
+    """HumanEval-shaped stubs (a def line and its docstring) from functions in the sources."""
+    stubs = []
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        lines = text.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+                stub = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])) + "\n"
+                if 80 <= len(stub) <= 700:
+                    stubs.append(stub)
+    random.Random(seed).shuffle(stubs)
+    return stubs[:limit]
+
+
+def generated_documents(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress | list[list[int]]]:
+    """Token ids of conversations the target completes itself (half greedy, half sampled at T=1),
+    saved after every batch so an interrupted run resumes where it stopped."""
+    path = cfg.out / "generated.pt"
+    docs: list[list[int]] = torch.load(path) if path.exists() else []
+    stubs = function_stubs(source_files(cfg.sources), cfg.seed, cfg.generate_prompts)
+    instruction = read_config("datasets.toml")["humaneval"]["instruction"]
+    tokenizer = target.tokenizer
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    while len(docs) < len(stubs):
+        batch = stubs[len(docs) : len(docs) + cfg.generate_batch]
+        texts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": instruction.format(prompt=stub)}], add_generation_prompt=True, tokenize=False)
+            if tokenizer.chat_template
+            else stub
+            for stub in batch
+        ]
+        tokenizer.padding_side = "left"
+        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=tokenizer.chat_template is None)
+        sampled = (len(docs) // cfg.generate_batch) % 2 == 1
+        torch.manual_seed(cfg.seed + len(docs))
+        with torch.inference_mode():
+            out = target.model.generate(
+                **enc.to(target.model.device), max_new_tokens=cfg.generate_new_tokens, do_sample=sampled,
+                temperature=1.0 if sampled else None, top_k=None, top_p=None, pad_token_id=pad,
+            )
+        for row, mask in zip(out.tolist(), enc.attention_mask.tolist()):
+            prompt_pad = mask.count(0)
+            tokens = row[prompt_pad:]
+            while tokens and tokens[-1] == pad and len(tokens) > len(mask) - prompt_pad:
+                tokens.pop()  # right padding after an early stop
+            docs.append(tokens)
+        torch.save(docs, path)
+        yield Progress("generate", len(docs), len(stubs))
+    yield docs
+
+
+def teacher_shards(
+    cfg: DistillConfig, target: LoadedModel, stream: Iterator[int], n_tokens: int, shard_dir: Path
+) -> Iterator[Progress]:
+    """Store the target's top-k log-probabilities over a token stream; existing shards are kept."""
     shard_dir.mkdir(parents=True, exist_ok=True)
-    n_seqs = cfg.teacher_tokens // cfg.seq_len
+    n_seqs = n_tokens // cfg.seq_len
     n_shards = math.ceil(n_seqs / SHARD_SEQUENCES)
-    stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
+    phase = f"teacher:{shard_dir.name}"
     for shard in range(n_shards):
         path = shard_dir / f"{shard:04d}.pt"
         count = min(SHARD_SEQUENCES, n_seqs - shard * SHARD_SEQUENCES)
         ids = [next(stream, None) for _ in range(count * cfg.seq_len)]
         if None in ids:
-            raise SpecbenchError(f"the sources hold fewer than {cfg.teacher_tokens} tokens: lower --teacher-tokens or add --source")
+            raise SpecbenchError(f"the sources hold fewer than {n_tokens} tokens: lower --teacher-tokens or add --source")
         if path.exists():
-            yield Progress("teacher", shard * SHARD_SEQUENCES + count, n_seqs)
+            yield Progress(phase, shard * SHARD_SEQUENCES + count, n_seqs)
             continue
         ids = torch.tensor(ids).view(count, cfg.seq_len)
         top_logp, top_idx = [], []
@@ -118,7 +183,7 @@ def teacher_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress
                 values, indices = logp.topk(cfg.top_k, dim=-1)
                 top_logp.append(values.half().cpu())
                 top_idx.append(indices.int().cpu())
-                yield Progress("teacher", shard * SHARD_SEQUENCES + start + len(batch), n_seqs)
+                yield Progress(phase, shard * SHARD_SEQUENCES + start + len(batch), n_seqs)
         tmp = path.with_suffix(".tmp")
         torch.save({"ids": ids.int(), "top_logp": torch.cat(top_logp), "top_idx": torch.cat(top_idx)}, tmp)
         tmp.replace(path)
@@ -178,6 +243,7 @@ def kd_loss(student_logits: torch.Tensor, top_logp: torch.Tensor, top_idx: torch
 
 def load_shards(cfg: DistillConfig) -> dict[str, torch.Tensor]:
     shards = [torch.load(p) for p in sorted((cfg.out / "teacher").glob("*.pt"))]
+    shards += [torch.load(p) for p in sorted((cfg.out / "teacher-generated").glob("*.pt"))] * cfg.generated_repeats
     return {key: torch.cat([s[key] for s in shards]) for key in shards[0]}
 
 
@@ -218,7 +284,7 @@ def train_student(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]
             tmp = state_path.with_suffix(".tmp")
             torch.save({"model": student.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step}, tmp)
             tmp.replace(state_path)
-        yield Progress("student", step, total, float(loss))
+        yield Progress("student", step, total, loss.item())
     save_draft(student, target, cfg)
 
 
@@ -234,5 +300,14 @@ def save_draft(student, target: LoadedModel, cfg: DistillConfig) -> None:
 def distill(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
     cfg.validate()
     cfg.out.mkdir(parents=True, exist_ok=True)
-    yield from teacher_shards(cfg, target)
+    stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
+    yield from teacher_shards(cfg, target, stream, cfg.teacher_tokens, cfg.out / "teacher")
+    if cfg.generate_prompts:
+        for item in generated_documents(cfg, target):
+            if isinstance(item, Progress):
+                yield item
+            else:
+                docs = item
+        flat = [t for doc in docs for t in doc + [target.tokenizer.eos_token_id]]
+        yield from teacher_shards(cfg, target, iter(flat), len(flat), cfg.out / "teacher-generated")
     yield from train_student(cfg, target)

@@ -13,7 +13,8 @@ from .models import hub_reachable, read_config
 @dataclass(frozen=True)
 class Prompt:
     id: str
-    text: str
+    text: str  # the raw prompt, for base models
+    instruction: str  # the user message for models with a chat template
 
 
 def load_prompts(dataset: str, num_prompts: int | None, prompt_field: str = "prompt") -> list[Prompt]:
@@ -32,7 +33,7 @@ def load_prompts(dataset: str, num_prompts: int | None, prompt_field: str = "pro
                 f"unknown dataset '{dataset}': use {', '.join(t for t in templates if t != 'file')} "
                 "or a local .jsonl/.csv/.parquet file"
             )
-        spec = {"template": templates["file"]["template"].replace("{prompt}", "{" + prompt_field + "}")}
+        spec = {key: templates["file"][key].replace("{prompt}", "{" + prompt_field + "}") for key in ("template", "instruction")}
         records, id_field = _file_records(path, prompt_field), None
     if num_prompts is not None:
         records = records[:num_prompts]
@@ -40,7 +41,8 @@ def load_prompts(dataset: str, num_prompts: int | None, prompt_field: str = "pro
         raise SpecbenchError(f"dataset '{dataset}' has no prompts: check the file or --num-prompts")
     try:
         return [
-            Prompt(str(r[id_field]) if id_field else str(i), spec["template"].format(**r)) for i, r in enumerate(records)
+            Prompt(str(r[id_field]) if id_field else str(i), spec["template"].format(**r), spec["instruction"].format(**r))
+            for i, r in enumerate(records)
         ]
     except KeyError as e:
         raise SpecbenchError(f"dataset '{dataset}' records have no field {e}: choose one with --prompt-field") from None
