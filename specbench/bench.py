@@ -211,7 +211,7 @@ class Measurement:
     prompt_index: int
     prompt_id: str
     prompt_tokens: int
-    method: str  # "baseline" or "speculative"
+    method: str  # one of METHODS
     k: int | None
     result: DecodeResult
     seconds: float
