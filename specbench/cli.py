@@ -22,7 +22,8 @@ app = typer.Typer(
     no_args_is_help=False,
     help="Run and benchmark speculative decoding: acceptance, cost ratio, measured and predicted speedup.",
 )
-console = Console()
+# Logs and CI output are not terminals: give tables room instead of rich's 80-column default.
+console = Console() if sys.stdout.isatty() else Console(width=150)
 err_console = Console(stderr=True)
 
 # Options shared by `run` and `sweep-k`.
@@ -81,6 +82,8 @@ def _slug(name: str) -> str:
 
 
 def _benchmark(cfg, out: Path | None) -> None:
+    import torch
+
     from . import bench
     from .plot import plot_run
     from .report import RunWriter, environment, summary_table
@@ -90,9 +93,7 @@ def _benchmark(cfg, out: Path | None) -> None:
         pair, prompts, prompt_ids = bench.prepare(cfg)
     out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(cfg.target)}-{_slug(cfg.draft)}"
     writer = RunWriter(out)
-    device_name = (
-        __import__("torch").cuda.get_device_name(pair.device) if pair.device.type == "cuda" else pair.device.type
-    )
+    device_name = torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else pair.device.type
     info = {"target": cfg.target, "draft": cfg.draft, "dataset": cfg.dataset, "device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch.")}
     writer.write_json("meta.json", {**environment(device_name), "config": cfg.as_dict(), "resolved": {**info, "target_path": str(pair.target.path), "draft_path": str(pair.draft.path)}})
 
@@ -273,6 +274,7 @@ def distill(
     batch: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 8,
     generate_prompts: Annotated[int, typer.Option(help="Function stubs from the sources that the target answers itself (chat-formatted like the evaluation prompts); 0 = none.")] = 128,
     generate_new_tokens: Annotated[int, typer.Option(help="Tokens the target writes per stub.")] = 160,
+    generated_repeats: Annotated[int, typer.Option(help="Times the target's own answers count per epoch (they match what it is evaluated on).")] = 4,
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 2e-3,
     seed: Seed = 0,
     device: Device = "auto",
@@ -289,7 +291,7 @@ def distill(
     cfg = distillation.DistillConfig(
         out, target, hidden_size, layers, heads, kv_heads, intermediate_size, init, seq_len, teacher_tokens,
         top_k=top_k, epochs=epochs, batch=batch, lr=lr, seed=seed,
-        generate_prompts=generate_prompts, generate_new_tokens=generate_new_tokens,
+        generate_prompts=generate_prompts, generate_new_tokens=generate_new_tokens, generated_repeats=generated_repeats,
     )
     if source:
         cfg.sources = source

@@ -56,7 +56,7 @@ class DistillConfig:
     generate_prompts: int = 128
     generate_new_tokens: int = 160
     generate_batch: int = 16
-    generated_repeats: int = 2  # in-distribution text, so it counts this many times per epoch
+    generated_repeats: int = 4  # in-distribution text, so it counts this many times per epoch
 
     def validate(self) -> None:
         if self.init not in ("pca", "random"):

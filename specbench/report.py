@@ -79,8 +79,10 @@ def environment(device_name: str) -> dict:
 
 
 def _fmt(value, digits: int = 3) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "-"
     if isinstance(value, float):
-        return "nan" if math.isnan(value) else f"{value:.{digits}f}"
+        return f"{value:.{digits}f}"
     return str(value)
 
 
@@ -88,15 +90,15 @@ SUMMARY_COLUMNS = [
     ("k", "K"),
     ("method", "method"),
     ("alpha", "alpha"),
-    ("acceptance_rate", "accept"),
+    ("acceptance_rate", "accepted"),
     ("tau", "tau"),
     ("c", "c"),
     ("verify_ratio", "verify"),
     ("baseline_tokens_per_s", "base tok/s"),
-    ("spec_tokens_per_s", "spec tok/s"),
+    ("spec_tokens_per_s", "tok/s"),
     ("speedup", "speedup"),
     ("predicted_speedup", "pred"),
-    ("predicted_speedup_verify", "pred(verify)"),
+    ("predicted_speedup_verify", "pred+verify"),
 ]
 
 
