@@ -99,6 +99,7 @@ SUMMARY_COLUMNS = [
     ("speedup", "speedup"),
     ("predicted_speedup", "pred"),
     ("predicted_speedup_verify", "pred+verify"),
+    ("outputs_match", "= base"),
 ]
 
 
