@@ -310,8 +310,8 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, pair_i
             tokens, seconds = base_tokens, base_s
         else:
             tokens, seconds = sum(r["spec_tokens"] for r in rs), sum(r["spec_s"] for r in rs)
-        drafting = method != "baseline" and method != "hf-generate"
-        tested, drafted = (sum(r["tested"] for r in rs), sum(r["drafted"] for r in rs)) if drafting else (0, 0)
+        # Only the K methods draft; the baseline and hf-generate rows carry no acceptance figures.
+        tested, drafted = (sum(r["tested"] for r in rs), sum(r["drafted"] for r in rs)) if k else (0, 0)
         alpha = sum(r["beta_sum"] for r in rs) / tested if tested else float("nan")
         # Prompt lookup runs no draft model: its drafting cost is host-side bookkeeping.
         c = 0.0 if method == "prompt-lookup" else costs.c

@@ -17,7 +17,7 @@ import math
 import random
 import sysconfig
 import textwrap
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -120,15 +120,18 @@ def function_stubs(files: list[Path], seed: int, limit: int) -> list[str]:
     return stubs[:limit]
 
 
-def generated_documents(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress | list[list[int]]]:
+def generated_documents(cfg: DistillConfig, target: LoadedModel) -> Generator[Progress, None, list[list[int]]]:
     """Token ids of conversations the target completes itself (half greedy, half sampled at T=1),
-    saved after every batch so an interrupted run resumes where it stopped."""
+    saved after every batch so an interrupted run resumes where it stopped. Yields progress and
+    returns the documents."""
     path = cfg.out / "generated.pt"
     docs: list[list[int]] = torch.load(path) if path.exists() else []
     stubs = function_stubs(source_files(cfg.sources), cfg.seed, cfg.generate_prompts)
     instruction = read_config("datasets.toml")["humaneval"]["instruction"]
     tokenizer = target.tokenizer
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if tokenizer.pad_token is None:  # batched generation pads; EOS padding is masked out anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    pad = tokenizer.pad_token_id
     while len(docs) < len(stubs):
         batch = stubs[len(docs) : len(docs) + cfg.generate_batch]
         texts = [
@@ -154,7 +157,7 @@ def generated_documents(cfg: DistillConfig, target: LoadedModel) -> Iterator[Pro
             docs.append(tokens)
         torch.save(docs, path)
         yield Progress("generate", len(docs), len(stubs))
-    yield docs
+    return docs
 
 
 def teacher_shards(
@@ -303,11 +306,7 @@ def distill(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
     stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
     yield from teacher_shards(cfg, target, stream, cfg.teacher_tokens, cfg.out / "teacher")
     if cfg.generate_prompts:
-        for item in generated_documents(cfg, target):
-            if isinstance(item, Progress):
-                yield item
-            else:
-                docs = item
+        docs = yield from generated_documents(cfg, target)
         flat = [t for doc in docs for t in doc + [target.tokenizer.eos_token_id]]
         yield from teacher_shards(cfg, target, iter(flat), len(flat), cfg.out / "teacher-generated")
     yield from train_student(cfg, target)

@@ -262,10 +262,6 @@ class HFCausalLM:
         if n_drop:
             self.cache.crop(-n_drop)  # transformers 5.x: a negative count removes that many positions
 
-    @property
-    def cached(self) -> int:
-        return self.cache.get_seq_length()
-
 
 class _CallCounter:
     """Counts forward calls of a module (how many target/draft passes generate() made)."""
@@ -300,7 +296,7 @@ def hf_generate(
         "max_new_tokens": max_new_tokens,
         "do_sample": not sampling.greedy,
         "eos_token_id": sorted(stop_ids) or None,
-        "pad_token_id": target.tokenizer.pad_token_id or (sorted(stop_ids) or [0])[0],
+        "pad_token_id": target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else min(stop_ids, default=0),
     }
     if not sampling.greedy:
         kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)

@@ -199,3 +199,33 @@ def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_p
         assert 0 <= by_method.loc[method, "acceptance_rate"] <= 1
     assert by_method.loc["baseline", "speedup"] == 1.0
     assert "every method equals the baseline" in result.stdout
+
+
+def test_distill_makes_a_loadable_draft_and_resumes(tiny_pair, tmp_path):
+    from specbench.distill import DistillConfig, distill
+
+    sources = tmp_path / "src"
+    sources.mkdir()
+    (sources / "lib.py").write_text(
+        (
+            'def add(a, b):\n    """Add two numbers and return their sum, whatever their type."""\n    return a + b\n\n\n'
+            'def greet(name):\n    """Say hello to someone by name, on standard output."""\n    print("hello " + name)\n\n\n'
+        )
+        * 6
+    )
+    target = load(tiny_pair[0], CPU, F32)
+    cfg = DistillConfig(
+        out=tmp_path / "draft", hidden_size=32, layers=1, heads=4, kv_heads=2, intermediate_size=64,
+        seq_len=32, teacher_tokens=256, teacher_batch=4, top_k=8, epochs=2, batch=2, save_every=2,
+        sources=[str(sources)], generate_prompts=3, generate_new_tokens=8, generate_batch=2,
+    )
+    phases = [p.phase for p in distill(cfg, target)]
+    assert {"teacher:teacher", "generate", "teacher:teacher-generated", "student"} <= set(phases)
+    from safetensors import safe_open
+
+    with safe_open(cfg.out / "model.safetensors", "pt") as weights:
+        assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.float16}
+    draft = load(str(cfg.out), CPU, F32)
+    assert shared_width(target, draft) == target.width
+    # A second run finds every shard and the finished training state: nothing is recomputed.
+    assert [p.phase for p in distill(cfg, target)].count("student") == 0
