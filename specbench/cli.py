@@ -265,15 +265,17 @@ def distill(
     heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
     kv_heads: Annotated[int, typer.Option(help="Key/value heads (grouped-query attention).")] = 2,
     intermediate_size: Annotated[int, typer.Option(help="MLP width.")] = 768,
-    init: Annotated[str, typer.Option(help="pca: start from a projection of the target's embeddings; random.")] = "pca",
+    init: Annotated[str, typer.Option(help="pca: start from a projection of the target's embeddings; random; or the directory of a draft to go on training (its shape then wins over the size options).")] = "pca",
     source: Annotated[list[str] | None, typer.Option(help="Training text: files or directories of .py (default: Python's standard library).")] = None,
     teacher_tokens: Annotated[int, typer.Option(help="Tokens the target labels with its top-k distribution.")] = 300_000,
     top_k: Annotated[int, typer.Option(help="Teacher probabilities kept per position.")] = 32,
     seq_len: Annotated[int, typer.Option(help="Training sequence length.")] = 256,
     epochs: Annotated[float, typer.Option(help="Passes over the teacher data.")] = 3.0,
     batch: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 8,
-    generate_prompts: Annotated[int, typer.Option(help="Function stubs from the sources that the target answers itself (chat-formatted like the evaluation prompts); 0 = none.")] = 128,
-    generate_new_tokens: Annotated[int, typer.Option(help="Tokens the target writes per stub.")] = 160,
+    generate_prompts: Annotated[int, typer.Option(help="Function stubs from the sources that the target answers itself (chat-formatted like the evaluation prompts); 0 = none.")] = 1024,
+    generate_new_tokens: Annotated[int, typer.Option(help="Tokens the target writes per stub.")] = 128,
+    generate_batch: Annotated[int, typer.Option(help="Stubs the target answers at once.")] = 64,
+    sampled_fraction: Annotated[float, typer.Option(help="Share of answer batches sampled at T=1; the rest are greedy.")] = 0.25,
     generated_repeats: Annotated[int, typer.Option(help="Times the target's own answers count per epoch (they match what it is evaluated on).")] = 4,
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 2e-3,
     seed: Seed = 0,
@@ -291,7 +293,8 @@ def distill(
     cfg = distillation.DistillConfig(
         out, target, hidden_size, layers, heads, kv_heads, intermediate_size, init, seq_len, teacher_tokens,
         top_k=top_k, epochs=epochs, batch=batch, lr=lr, seed=seed,
-        generate_prompts=generate_prompts, generate_new_tokens=generate_new_tokens, generated_repeats=generated_repeats,
+        generate_prompts=generate_prompts, generate_new_tokens=generate_new_tokens, generate_batch=generate_batch,
+        sampled_fraction=sampled_fraction, generated_repeats=generated_repeats,
     )
     if source:
         cfg.sources = source
@@ -303,16 +306,22 @@ def distill(
         TimeElapsedColumn(), TimeRemainingColumn(), console=console,
     )
     tasks: dict[str, int] = {}
+    last = None
     with progress:
         for p in distillation.distill(cfg, teacher):
+            last = p
             if p.phase not in tasks:
                 label = {"generate": "target answers stubs", "student": "draft training (steps)"}.get(
                     p.phase, f"target labels {p.phase.split(':')[-1]} (sequences)"
                 )
                 tasks[p.phase] = progress.add_task(label, total=p.total, loss="")
             loss = f"loss {p.loss:.3f}" if p.loss is not None else ""
+            if p.agreement is not None:
+                loss += f" held-out agreement {p.agreement:.3f}"
             progress.update(tasks[p.phase], completed=p.done, total=p.total, loss=loss)
     console.print(f"draft saved in {out}/ (use --draft {out})")
+    if last is not None and last.agreement is not None:
+        console.print(f"top-1 agreement with held-out greedy answers of the target: {last.agreement:.3f} (an estimate of greedy alpha)")
 
 
 @app.command()

@@ -1,10 +1,14 @@
 """Distil a small draft model from a target that has none.
 
-Two resumable phases, both seeded:
+Three resumable phases, all seeded:
 1. teacher: the target reads Python source that is already on the machine (the standard
    library; never an evaluation set) and its top-k next-token distribution is stored in shards;
-2. student: a small Llama sharing the target's tokenizer learns those distributions (a KL loss
-   against the renormalised top-k), starting from a PCA projection of the target's embeddings.
+2. generate: the target answers function stubs taken from those sources, asked the way the
+   evaluation asks; its top-k distribution at every answer position is kept as it generates.
+   This is the text the draft will be asked to predict, so it weighs most;
+3. student: a small Llama sharing the target's tokenizer learns those distributions (a KL loss
+   against the renormalised top-k), starting from a PCA projection of the target's embeddings
+   or from an earlier draft.
 
 The result is a plain transformers checkpoint in half precision that ``--draft DIR`` loads.
 """
@@ -17,7 +21,7 @@ import math
 import random
 import sysconfig
 import textwrap
-from collections.abc import Generator, Iterator
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -39,7 +43,7 @@ class DistillConfig:
     heads: int = 4
     kv_heads: int = 2
     intermediate_size: int = 768
-    init: str = "pca"  # "pca": project the target's embeddings; "random": transformers' init
+    init: str = "pca"  # "pca": project the target's embeddings; "random": transformers' init; or a draft's directory
     seq_len: int = 256
     teacher_tokens: int = 300_000
     teacher_batch: int = 8
@@ -49,18 +53,22 @@ class DistillConfig:
     lr: float = 2e-3
     warmup_steps: int = 30
     save_every: int = 50
+    eval_every: int = 200
     seed: int = 0
     sources: list[str] = field(default_factory=lambda: [sysconfig.get_paths()["stdlib"]])
     # Conversations the target writes itself: function stubs from the sources, sent through the
     # same instruction and chat template as the evaluation prompts (never the evaluation items).
-    generate_prompts: int = 128
-    generate_new_tokens: int = 160
-    generate_batch: int = 16
+    generate_prompts: int = 1024
+    generate_new_tokens: int = 128
+    generate_batch: int = 64
+    sampled_fraction: float = 0.25
     generated_repeats: int = 4  # in-distribution text, so it counts this many times per epoch
 
     def validate(self) -> None:
-        if self.init not in ("pca", "random"):
-            raise SpecbenchError(f"--init {self.init}: use pca or random")
+        if self.init not in ("pca", "random") and not (Path(self.init) / "config.json").is_file():
+            raise SpecbenchError(f"--init {self.init}: use pca, random, or the directory of a draft checkpoint to go on training")
+        if not 0 <= self.sampled_fraction <= 1:
+            raise SpecbenchError("--sampled-fraction must lie between 0 and 1")
         if self.hidden_size % self.heads or self.heads % self.kv_heads:
             raise SpecbenchError("--hidden-size must divide by --heads, and --heads by --kv-heads")
         if self.hidden_size <= 0 or self.layers <= 0 or self.teacher_tokens < self.seq_len or self.epochs <= 0:
@@ -73,6 +81,7 @@ class Progress:
     done: int
     total: int
     loss: float | None = None
+    agreement: float | None = None  # the student's top-1 agreement with held-out greedy answers
 
 
 def source_files(roots: list[str]) -> list[Path]:
@@ -120,44 +129,76 @@ def function_stubs(files: list[Path], seed: int, limit: int) -> list[str]:
     return stubs[:limit]
 
 
-def generated_documents(cfg: DistillConfig, target: LoadedModel) -> Generator[Progress, None, list[list[int]]]:
-    """Token ids of conversations the target completes itself (half greedy, half sampled at T=1),
-    saved after every batch so an interrupted run resumes where it stopped. Yields progress and
-    returns the documents."""
-    path = cfg.out / "generated.pt"
-    docs: list[list[int]] = torch.load(path) if path.exists() else []
+def chat_prompts(cfg: DistillConfig, tokenizer) -> list[str]:
+    """Function stubs from the sources, sent through the evaluation's instruction and the chat
+    template when the target has one."""
     stubs = function_stubs(source_files(cfg.sources), cfg.seed, cfg.generate_prompts)
     instruction = read_config("datasets.toml")["humaneval"]["instruction"]
+    if not tokenizer.chat_template:
+        return stubs
+    return [
+        tokenizer.apply_chat_template([{"role": "user", "content": instruction.format(prompt=stub)}], add_generation_prompt=True, tokenize=False)
+        for stub in stubs
+    ]
+
+
+def is_sampled(cfg: DistillConfig, batch: int) -> bool:
+    """Whether answer batch ``batch`` is sampled at T=1: a ``sampled_fraction`` share, spread evenly."""
+    return math.floor((batch + 1) * cfg.sampled_fraction) > math.floor(batch * cfg.sampled_fraction)
+
+
+def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
+    """The target answers the chat prompts, a batch per shard; existing shards are kept.
+
+    Each answer is stored with the target's top-k log-probabilities at every answer position,
+    recorded while it generates, so these tokens need no second labelling pass. A share of the
+    batches is sampled at T=1, the rest greedy, as the default benchmark is.
+    """
+    out_dir = cfg.out / "generated"
+    out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = target.tokenizer
-    if tokenizer.pad_token is None:  # batched generation pads; EOS padding is masked out anyway
+    if tokenizer.pad_token is None:  # batched generation pads; padding is cut off below
         tokenizer.pad_token = tokenizer.eos_token
-    pad = tokenizer.pad_token_id
-    while len(docs) < len(stubs):
-        batch = stubs[len(docs) : len(docs) + cfg.generate_batch]
-        texts = [
-            tokenizer.apply_chat_template([{"role": "user", "content": instruction.format(prompt=stub)}], add_generation_prompt=True, tokenize=False)
-            if tokenizer.chat_template
-            else stub
-            for stub in batch
-        ]
-        tokenizer.padding_side = "left"
-        enc = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=tokenizer.chat_template is None)
-        sampled = (len(docs) // cfg.generate_batch) % 2 == 1
-        torch.manual_seed(cfg.seed + len(docs))
+    tokenizer.padding_side = "left"
+    special = tokenizer.chat_template is None
+    texts = chat_prompts(cfg, tokenizer)
+    # Prompts of similar length share a batch, so little compute goes on left padding.
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=special).input_ids]
+    order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
+    batches = [order[i : i + cfg.generate_batch] for i in range(0, len(order), cfg.generate_batch)]
+    stop = {tokenizer.eos_token_id, *torch.tensor(target.model.generation_config.eos_token_id or []).view(-1).tolist()}
+    for b, rows in enumerate(batches):
+        path = out_dir / f"{b:04d}.pt"
+        done = min((b + 1) * cfg.generate_batch, len(texts))
+        if path.exists():
+            yield Progress("generate", done, len(texts))
+            continue
+        sampled = is_sampled(cfg, b)
+        enc = tokenizer([texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=special)
+        torch.manual_seed(cfg.seed * 100_003 + b)
         with torch.inference_mode():
             out = target.model.generate(
                 **enc.to(target.model.device), max_new_tokens=cfg.generate_new_tokens, do_sample=sampled,
-                temperature=1.0 if sampled else None, top_k=None, top_p=None, pad_token_id=pad,
+                temperature=1.0 if sampled else None, top_k=None, top_p=None, pad_token_id=tokenizer.pad_token_id,
+                output_logits=True, return_dict_in_generate=True,
             )
-        for row, mask in zip(out.tolist(), enc.attention_mask.tolist()):
-            prompt_pad = mask.count(0)
-            tokens = row[prompt_pad:]
-            while tokens and tokens[-1] == pad and len(tokens) > len(mask) - prompt_pad:
-                tokens.pop()  # right padding after an early stop
-            docs.append(tokens)
-        torch.save(docs, path)
-        yield Progress("generate", len(docs), len(stubs))
-    return docs
+            top = [step[:, : target.width].float().log_softmax(-1).topk(cfg.top_k, dim=-1) for step in out.logits]
+        top_logp = torch.stack([t.values for t in top], 1).half().cpu()
+        top_idx = torch.stack([t.indices for t in top], 1).int().cpu()
+        answers = out.sequences[:, enc.input_ids.shape[1] :].cpu()
+        docs = []
+        for r in range(len(rows)):
+            prompt = enc.input_ids[r][enc.attention_mask[r].bool()].cpu()
+            ends = [i for i, t in enumerate(answers[r].tolist()) if t in stop]
+            n = ends[0] + 1 if ends else answers.shape[1]  # keep the first stop token, drop what follows
+            docs.append({
+                "ids": torch.cat([prompt, answers[r, :n]]).int(), "prompt_len": len(prompt),
+                "top_logp": top_logp[r, :n].clone(), "top_idx": top_idx[r, :n].clone(),
+            })
+        tmp = path.with_suffix(".tmp")
+        torch.save(docs, tmp)
+        tmp.replace(path)
+        yield Progress("generate", done, len(texts))
 
 
 def teacher_shards(
@@ -226,9 +267,14 @@ def pca_embeddings(target_embeddings: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def new_student(cfg: DistillConfig, target: LoadedModel):
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     torch.manual_seed(cfg.seed)
+    if cfg.init not in ("pca", "random"):  # a draft checkpoint to go on training
+        student = AutoModelForCausalLM.from_pretrained(cfg.init, dtype=torch.float32)
+        if student.get_output_embeddings().weight.shape[0] < target.width:
+            raise SpecbenchError(f"--init {cfg.init}: its vocabulary is narrower than the target's; start from pca instead")
+        return student
     student = LlamaForCausalLM(draft_config(cfg, target))
     if cfg.init == "pca":
         embeddings = target.model.get_input_embeddings().weight.detach()[: target.width]
@@ -237,25 +283,102 @@ def new_student(cfg: DistillConfig, target: LoadedModel):
     return student
 
 
+@dataclass
+class Example:
+    """A token sequence and the teacher's top-k next-token distributions at positions
+    ``start`` .. ``start + len(top_logp) - 1``; other positions carry no loss."""
+
+    ids: torch.Tensor
+    start: int
+    top_logp: torch.Tensor
+    top_idx: torch.Tensor
+
+
+def load_examples(cfg: DistillConfig) -> tuple[list[Example], list[Example]]:
+    """Training examples (the target's answers repeated ``generated_repeats`` times) and a
+    held-out set: every 16th greedy answer, on which top-1 agreement estimates greedy alpha."""
+    source = []
+    for path in sorted((cfg.out / "teacher").glob("*.pt")):
+        shard = torch.load(path)
+        source += [Example(*row) for row in zip(shard["ids"], [0] * len(shard["ids"]), shard["top_logp"], shard["top_idx"])]
+    answers, held_out = [], []
+    for path in sorted((cfg.out / "generated").glob("*.pt")):
+        greedy = not is_sampled(cfg, int(path.stem))
+        for doc in torch.load(path):
+            # The distribution of answer token j conditions on the prompt and answer[:j], so it
+            # is learned at the position just before that token.
+            example = Example(doc["ids"], doc["prompt_len"] - 1, doc["top_logp"], doc["top_idx"])
+            (held_out if greedy and (len(answers) + len(held_out)) % 16 == 0 else answers).append(example)
+    if not source and not answers:
+        raise SpecbenchError(f"no teacher data in {cfg.out}: raise --teacher-tokens or --generate-prompts")
+    return source + answers * cfg.generated_repeats, held_out
+
+
+def collate(examples: list[Example]) -> dict[str, torch.Tensor]:
+    """Right-padded batch tensors; with causal attention the padding cannot reach real positions."""
+    rows, length, k = len(examples), max(len(e.ids) for e in examples), examples[0].top_logp.shape[-1]
+    batch = {
+        "ids": torch.zeros(rows, length, dtype=torch.long),
+        "top_logp": torch.zeros(rows, length, k),
+        "top_idx": torch.zeros(rows, length, k, dtype=torch.long),
+        "labelled": torch.zeros(rows, length, dtype=torch.bool),
+    }
+    for r, e in enumerate(examples):
+        labelled = slice(e.start, e.start + len(e.top_logp))
+        batch["ids"][r, : len(e.ids)] = e.ids
+        batch["top_logp"][r, labelled] = e.top_logp.float()
+        batch["top_idx"][r, labelled] = e.top_idx.long()
+        batch["labelled"][r, labelled] = True
+    return batch
+
+
+def epoch_batches(lengths: list[int], batch: int, seed: int) -> list[list[int]]:
+    """A seeded shuffle cut into batches of similar length (sorted within windows of 32 batches),
+    so little compute goes on padding; the batches themselves come in random order."""
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    batches = []
+    for i in range(0, len(order), batch * 32):
+        window = sorted(order[i : i + batch * 32], key=lengths.__getitem__)
+        batches += [window[j : j + batch] for j in range(0, len(window), batch)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+
+def labelled_logits(student, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The student's logits at the labelled positions only: the vocabulary projection is most of
+    a small draft's cost, and prompt positions carry no loss."""
+    hidden = student.base_model(input_ids=batch["ids"]).last_hidden_state
+    return student.get_output_embeddings()(hidden[batch["labelled"]])
+
+
 def kd_loss(student_logits: torch.Tensor, top_logp: torch.Tensor, top_idx: torch.Tensor) -> torch.Tensor:
     """Cross-entropy of the student against the teacher's renormalised top-k distribution."""
     teacher = top_logp.float().softmax(-1)
-    student_logp = student_logits.float().log_softmax(-1).gather(-1, top_idx.long())
+    student_logp = student_logits.float().log_softmax(-1).gather(-1, top_idx)
     return -(teacher * student_logp).sum(-1).mean()
 
 
-def load_shards(cfg: DistillConfig) -> dict[str, torch.Tensor]:
-    shards = [torch.load(p) for p in sorted((cfg.out / "teacher").glob("*.pt"))]
-    shards += [torch.load(p) for p in sorted((cfg.out / "teacher-generated").glob("*.pt"))] * cfg.generated_repeats
-    return {key: torch.cat([s[key] for s in shards]) for key in shards[0]}
+def agreement(student, examples: list[Example], batch: int) -> float | None:
+    """How often the student's top token is the teacher's, over the labelled positions."""
+    if not examples:
+        return None
+    hits = total = 0.0
+    student.eval()
+    with torch.inference_mode():
+        for i in range(0, len(examples), batch):
+            b = collate(examples[i : i + batch])
+            hits += (labelled_logits(student, b).argmax(-1) == b["top_idx"][b["labelled"]][:, 0]).sum().item()
+            total += b["labelled"].sum().item()
+    student.train()
+    return hits / total
 
 
 def train_student(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
-    """Train (or resume training) the student on the stored teacher shards."""
-    data = load_shards(cfg)
-    n = data["ids"].shape[0]
-    steps_per_epoch = n // cfg.batch
-    total = int(steps_per_epoch * cfg.epochs)
+    """Train (or resume training) the student on the stored teacher data."""
+    examples, held_out = load_examples(cfg)
+    lengths = [len(e.ids) for e in examples]
+    per_epoch = len(epoch_batches(lengths, cfg.batch, 0))
+    total = math.ceil(per_epoch * cfg.epochs)
     student = new_student(cfg, target)
     optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -263,40 +386,45 @@ def train_student(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]
         lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)),
     )
     state_path = cfg.out / "train_state.pt"
-    step = 0
+    step, held_out_agreement = 0, None
     if state_path.exists():
         state = torch.load(state_path)
         student.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
-        step = state["step"]
+        step, held_out_agreement = state["step"], state.get("agreement")
     student.train()
+    batches, batches_epoch = [], -1
     while step < total:
-        epoch, offset = divmod(step, steps_per_epoch)
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
-        rows = order[offset * cfg.batch : (offset + 1) * cfg.batch]
-        logits = student(input_ids=data["ids"][rows].long()).logits
-        loss = kd_loss(logits, data["top_logp"][rows], data["top_idx"][rows])
+        epoch, offset = divmod(step, per_epoch)
+        if epoch != batches_epoch:
+            batches, batches_epoch = epoch_batches(lengths, cfg.batch, cfg.seed * 1000 + epoch), epoch
+        b = collate([examples[i] for i in batches[offset]])
+        loss = kd_loss(labelled_logits(student, b), b["top_logp"][b["labelled"]], b["top_idx"][b["labelled"]])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         step += 1
+        if step % cfg.eval_every == 0 or step == total:
+            held_out_agreement = agreement(student, held_out, cfg.batch)
         if step % cfg.save_every == 0 or step == total:
             tmp = state_path.with_suffix(".tmp")
-            torch.save({"model": student.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "step": step}, tmp)
+            state = {"model": student.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}
+            torch.save({**state, "step": step, "agreement": held_out_agreement}, tmp)
             tmp.replace(state_path)
-        yield Progress("student", step, total, loss.item())
-    save_draft(student, target, cfg)
+        yield Progress("student", step, total, loss.item(), held_out_agreement)
+    save_draft(student, target, cfg, held_out_agreement)
 
 
-def save_draft(student, target: LoadedModel, cfg: DistillConfig) -> None:
+def save_draft(student, target: LoadedModel, cfg: DistillConfig, held_out_agreement: float | None) -> None:
     """A plain half-precision checkpoint plus the target's tokenizer, loadable with --draft DIR."""
     student.eval()
     student.half().save_pretrained(cfg.out)
     target.tokenizer.save_pretrained(cfg.out)
     meta = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+    meta["held_out_greedy_agreement"] = held_out_agreement
     (cfg.out / "distill.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
@@ -306,7 +434,5 @@ def distill(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
     stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
     yield from teacher_shards(cfg, target, stream, cfg.teacher_tokens, cfg.out / "teacher")
     if cfg.generate_prompts:
-        docs = yield from generated_documents(cfg, target)
-        flat = [t for doc in docs for t in doc + [target.tokenizer.eos_token_id]]
-        yield from teacher_shards(cfg, target, iter(flat), len(flat), cfg.out / "teacher-generated")
+        yield from generated_shards(cfg, target)
     yield from train_student(cfg, target)
