@@ -363,6 +363,12 @@ def acceptance_rows(records: list[dict]) -> list[dict]:
     ]
 
 
+def predicted_by_k(alpha: float, costs: ForwardCosts) -> dict[int, float]:
+    """predicted_speedup_verify at every K whose verification cost was measured (1..max K), so a
+    one-K run can say whether a smaller K would have done better."""
+    return {k: metrics.predicted_speedup_verify(alpha, costs.c, k, costs.verify_ratio(k)) for k in range(1, max(costs.target))}
+
+
 def best_ks(summary: list[dict]) -> dict:
     """For specbench's loop: the best K by measured speedup and by each prediction."""
     summary = [r for r in summary if r["method"] == "speculative"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -138,10 +139,27 @@ def _benchmark(cfg, out: Path | None) -> None:
         writer.write_json("best_k.json", picks)
         console.print("best K: " + ", ".join(f"{label} K={p['k']} ({p['speedup']:.2f}x)" for label, p in picks.items()))
         console.print(f"plot: {plot_run(out)}")
+        if len(cfg.ks) == 1:
+            _suggest_k(next(r for r in summary if r["method"] == "speculative")["alpha"], costs, cfg.ks[0])
     if cfg.temperature == 0:
         mismatched = [f"{r['method']} K={r['k']}" for r in summary if r["outputs_match"] < r["num_prompts"]]
         console.print(f"greedy outputs differing from the baseline: {', '.join(mismatched)}" if mismatched else "greedy outputs: every method equals the baseline")
     console.print(f"results in {out}/")
+
+
+def _suggest_k(alpha: float, costs, k: int) -> None:
+    """After a one-K run: say so when the measured alpha and costs predict a better smaller K."""
+    from . import bench, metrics
+
+    if math.isnan(alpha):
+        return
+    by_k = bench.predicted_by_k(alpha, costs)
+    best = metrics.best_k(by_k)
+    if best != k:
+        console.print(
+            f"at this alpha and the measured forward costs, K={best} predicts {by_k[best]:.2f}x against {by_k[k]:.2f}x "
+            f"at K={k}: `specbench sweep-k` measures each K"
+        )
 
 
 @app.command()

@@ -425,6 +425,9 @@ def save_draft(student, target: LoadedModel, cfg: DistillConfig, held_out_agreem
     target.tokenizer.save_pretrained(cfg.out)
     meta = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     meta["held_out_greedy_agreement"] = held_out_agreement
+    earlier = Path(cfg.init) / "distill.json"
+    if earlier.is_file():  # a draft trained further keeps the recipe it started from
+        meta["init_recipe"] = json.loads(earlier.read_text())
     (cfg.out / "distill.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
