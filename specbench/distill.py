@@ -296,11 +296,11 @@ class Example:
 
 def load_examples(cfg: DistillConfig) -> tuple[list[Example], list[Example]]:
     """Training examples (the target's answers repeated ``generated_repeats`` times) and a
-    held-out set: every 16th greedy answer, on which top-1 agreement estimates greedy alpha."""
+    held-out set: every 16th answer if it is greedy, on which top-1 agreement estimates greedy alpha."""
     source = []
     for path in sorted((cfg.out / "teacher").glob("*.pt")):
         shard = torch.load(path)
-        source += [Example(*row) for row in zip(shard["ids"], [0] * len(shard["ids"]), shard["top_logp"], shard["top_idx"])]
+        source += [Example(ids, 0, logp, idx) for ids, logp, idx in zip(shard["ids"], shard["top_logp"], shard["top_idx"])]
     answers, held_out = [], []
     for path in sorted((cfg.out / "generated").glob("*.pt")):
         greedy = not is_sampled(cfg, int(path.stem))
@@ -424,7 +424,10 @@ def save_draft(student, target: LoadedModel, cfg: DistillConfig, held_out_agreem
     student.half().save_pretrained(cfg.out)
     target.tokenizer.save_pretrained(cfg.out)
     meta = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
-    meta["held_out_greedy_agreement"] = held_out_agreement
+    c = student.config  # a draft trained further keeps its own shape, whatever the size options said
+    shape = {"hidden_size": c.hidden_size, "layers": c.num_hidden_layers, "heads": c.num_attention_heads,
+             "kv_heads": c.num_key_value_heads, "intermediate_size": c.intermediate_size}
+    meta.update(shape, held_out_greedy_agreement=held_out_agreement)
     earlier = Path(cfg.init) / "distill.json"
     if earlier.is_file():  # a draft trained further keeps the recipe it started from
         meta["init_recipe"] = json.loads(earlier.read_text())
