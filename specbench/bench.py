@@ -106,7 +106,7 @@ def load_pair(cfg: BenchConfig) -> Pair:
             f"--method hf-assisted needs equal logit widths (target {target.width}, draft {draft.width}); transformers "
             "would switch to a different (universal) algorithm: drop hf-assisted for this pair"
         )
-    return Pair(target, draft, HFCausalLM(target.model, width), HFCausalLM(draft.model, width), device, dtype)
+    return Pair(target, draft, HFCausalLM(target.model, width), HFCausalLM(draft.model, width, draft.head_tokens), device, dtype)
 
 
 def encode_prompts(pair: Pair, prompts: list[Prompt], cfg: BenchConfig) -> list[torch.Tensor]:

@@ -16,6 +16,7 @@ The result is a plain transformers checkpoint in half precision that ``--draft D
 from __future__ import annotations
 
 import ast
+import copy
 import json
 import math
 import random
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import SpecbenchError
-from .models import LoadedModel, read_config
+from .models import HEAD_TOKENS, LoadedModel, read_config
 
 SHARD_SEQUENCES = 64
 
@@ -110,9 +111,20 @@ def token_stream(tokenizer, files: list[Path], seed: int) -> Iterator[int]:
         yield tokenizer.eos_token_id
 
 
-def function_stubs(files: list[Path], seed: int, limit: int) -> list[str]:
-    """HumanEval-shaped stubs (a def line and its docstring) from functions in the sources."""
-    stubs = []
+def is_typed(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether every argument but self/cls and the return value are annotated, as in HumanEval."""
+    args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+    return node.returns is not None and all(a.annotation is not None for a in args if a.arg not in ("self", "cls"))
+
+
+def function_stubs(files: list[Path], seed: int, limit: int, exclude: frozenset[str] = frozenset()) -> list[str]:
+    """HumanEval-shaped stubs (a def line and its docstring) from functions in the sources.
+
+    Fully annotated functions come first: the target copies the signature into its answer, and
+    a draft that never saw annotated signatures mispredicts exactly there. Functions named in
+    ``exclude`` (the evaluation set's entry points) are left out.
+    """
+    typed, untyped = [], []
     for path in files:
         try:
             text = path.read_text(encoding="utf-8")
@@ -123,16 +135,29 @@ def function_stubs(files: list[Path], seed: int, limit: int) -> list[str]:
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
                 stub = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])) + "\n"
-                if 80 <= len(stub) <= 700:
-                    stubs.append(stub)
-    random.Random(seed).shuffle(stubs)
-    return stubs[:limit]
+                if 80 <= len(stub) <= 700 and node.name not in exclude:
+                    (typed if is_typed(node) else untyped).append(stub)
+    rng = random.Random(seed)
+    rng.shuffle(typed)
+    rng.shuffle(untyped)
+    return (typed + untyped)[:limit]
+
+
+def evaluation_names() -> frozenset[str]:
+    """HumanEval's entry points, so no training stub shares a name with a held-out problem."""
+    from .prompts import humaneval_records
+
+    return frozenset(r["entry_point"] for r in humaneval_records() or [])
 
 
 def chat_prompts(cfg: DistillConfig, tokenizer) -> list[str]:
     """Function stubs from the sources, sent through the evaluation's instruction and the chat
     template when the target has one."""
-    stubs = function_stubs(source_files(cfg.sources), cfg.seed, cfg.generate_prompts)
+    stubs = function_stubs(source_files(cfg.sources), cfg.seed, cfg.generate_prompts, evaluation_names())
+    if not stubs:
+        raise SpecbenchError(
+            f"no documented functions of 80-700 characters in {', '.join(cfg.sources)}: add --source or pass --generate-prompts 0"
+        )
     instruction = read_config("datasets.toml")["humaneval"]["instruction"]
     if not tokenizer.chat_template:
         return stubs
@@ -156,7 +181,7 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
     """
     out_dir = cfg.out / "generated"
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = target.tokenizer
+    tokenizer = copy.deepcopy(target.tokenizer)  # the draft is saved with the target's own settings
     if tokenizer.pad_token is None:  # batched generation pads; padding is cut off below
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "left"
@@ -415,19 +440,29 @@ def train_student(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]
             torch.save({**state, "step": step, "agreement": held_out_agreement}, tmp)
             tmp.replace(state_path)
         yield Progress("student", step, total, loss.item(), held_out_agreement)
-    save_draft(student, target, cfg, held_out_agreement)
+    save_draft(student, target, cfg, held_out_agreement, head_tokens(examples))
 
 
-def save_draft(student, target: LoadedModel, cfg: DistillConfig, held_out_agreement: float | None) -> None:
-    """A plain half-precision checkpoint plus the target's tokenizer, loadable with --draft DIR."""
+def head_tokens(examples: list[Example]) -> list[int]:
+    """Every id that is the teacher's top choice somewhere in the training data: the draft's
+    vocabulary shortlist (a few thousand of the target's tens of thousands of ids)."""
+    return sorted(set(torch.cat([e.top_idx[:, 0] for e in examples]).tolist()))
+
+
+def save_draft(
+    student, target: LoadedModel, cfg: DistillConfig, held_out_agreement: float | None, shortlist: list[int]
+) -> None:
+    """A plain half-precision checkpoint plus the target's tokenizer, loadable with --draft DIR,
+    and the vocabulary shortlist specbench's draft projection uses."""
     student.eval()
     student.half().save_pretrained(cfg.out)
     target.tokenizer.save_pretrained(cfg.out)
+    (cfg.out / HEAD_TOKENS).write_text(json.dumps(shortlist) + "\n")
     meta = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     c = student.config  # a draft trained further keeps its own shape, whatever the size options said
     shape = {"hidden_size": c.hidden_size, "layers": c.num_hidden_layers, "heads": c.num_attention_heads,
              "kv_heads": c.num_key_value_heads, "intermediate_size": c.intermediate_size}
-    meta.update(shape, held_out_greedy_agreement=held_out_agreement)
+    meta.update(shape, held_out_greedy_agreement=held_out_agreement, head_tokens=len(shortlist))
     earlier = Path(cfg.init) / "distill.json"
     if earlier.is_file():  # a draft trained further keeps the recipe it started from
         meta["init_recipe"] = json.loads(earlier.read_text())

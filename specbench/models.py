@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -23,6 +24,7 @@ from .errors import SpecbenchError
 log = logging.getLogger("specbench")
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HEAD_TOKENS = "head_tokens.json"  # written by `specbench distill` beside a draft's weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -185,6 +187,7 @@ class LoadedModel:
     path: Path
     model: object  # a transformers PreTrainedModel
     tokenizer: object
+    head_tokens: torch.Tensor | None = None  # a distilled draft's vocabulary shortlist (head_tokens.json)
 
     @property
     def width(self) -> int:
@@ -214,7 +217,9 @@ def load(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     except (OSError, ValueError) as e:
         raise SpecbenchError(f"cannot load model '{spec}' from {path}: {str(e).splitlines()[0]}") from e
     model.eval()
-    return LoadedModel(spec, path, model, tokenizer)
+    shortlist = path / HEAD_TOKENS
+    head_tokens = torch.tensor(json.loads(shortlist.read_text())) if shortlist.is_file() else None
+    return LoadedModel(spec, path, model, tokenizer, head_tokens)
 
 
 def shared_width(target: LoadedModel, draft: LoadedModel) -> int:
@@ -238,25 +243,52 @@ def shared_width(target: LoadedModel, draft: LoadedModel) -> int:
 
 
 class HFCausalLM:
-    """A transformers model with its own DynamicCache, speaking the engine's protocol."""
+    """A transformers model with its own DynamicCache, speaking the engine's protocol.
 
-    def __init__(self, model, width: int):
+    With ``head_tokens`` the vocabulary projection covers only those ids plus every id the
+    model has read since ``reset`` (so identifiers in the prompt stay predictable); the rest get
+    logit -inf. For a small draft the full projection is most of a forward's cost. Verification
+    stays exact: drafts come from, and are judged against, this restricted distribution.
+    """
+
+    def __init__(self, model, width: int, head_tokens: torch.Tensor | None = None):
         self.model = model
         self.width = width  # logits beyond the shared width are dropped so p and q align
         self.device = model.device
+        self.head_tokens = None if head_tokens is None else head_tokens[head_tokens < width].to(self.device)
         self.reset()
 
     def reset(self) -> None:
         from transformers import DynamicCache
 
         self.cache = DynamicCache(config=self.model.config)
+        if self.head_tokens is not None:
+            self.in_head = torch.zeros(self.width, dtype=torch.bool, device=self.device)
+            self.in_head[self.head_tokens] = True
+            self.head_ids = self.head_tokens
+            self.head = self.model.get_output_embeddings().weight[self.head_ids]
+
+    def _read(self, token_ids: torch.Tensor) -> None:
+        """Add ids the model reads to the shortlist."""
+        new = token_ids[~self.in_head[token_ids]].unique()
+        if len(new):
+            self.in_head[new] = True
+            self.head_ids = torch.cat([self.head_ids, new])
+            self.head = torch.cat([self.head, self.model.get_output_embeddings().weight[new]])
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, last: int = 1) -> torch.Tensor:
-        out = self.model(
-            input_ids=token_ids.view(1, -1), past_key_values=self.cache, use_cache=True, logits_to_keep=last
-        )
-        return out.logits[0, :, : self.width]
+        if self.head_tokens is None:
+            out = self.model(
+                input_ids=token_ids.view(1, -1), past_key_values=self.cache, use_cache=True, logits_to_keep=last
+            )
+            return out.logits[0, :, : self.width]
+        self._read(token_ids)
+        hidden = self.model.base_model(input_ids=token_ids.view(1, -1), past_key_values=self.cache, use_cache=True)
+        hidden = hidden.last_hidden_state[0, -last:]
+        logits = torch.full((last, self.width), float("-inf"), dtype=hidden.dtype, device=self.device)
+        logits[:, self.head_ids] = hidden @ self.head.T
+        return logits
 
     def crop(self, n_drop: int) -> None:
         if n_drop:

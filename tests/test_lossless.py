@@ -63,6 +63,20 @@ def test_prompt_lookup_drafting_matches_target_law():
     assert chi_square_p(ToyLM(VOCAB, seed=1), lookup, 3, SamplingConfig(temperature=1.0)) > P_FLOOR
 
 
+class ShortlistedToy(ToyLM):
+    """A draft that can never propose one token, as a draft with a vocabulary shortlist cannot."""
+
+    def forward(self, token_ids: torch.Tensor, last: int = 1) -> torch.Tensor:
+        logits = super().forward(token_ids, last).clone()
+        logits[:, 1] = float("-inf")
+        return logits
+
+
+def test_a_draft_blind_to_a_token_still_gives_the_target_law():
+    # q is zero on token 1, which the target often picks: only the residual can produce it.
+    assert chi_square_p(ToyLM(VOCAB, seed=1), ShortlistedToy(VOCAB, seed=2), 2, SamplingConfig(temperature=1.0)) > P_FLOOR
+
+
 def _verify_with_residual_p(draft_tokens, q, p, generator):
     """A common bug: on rejection, resample from p instead of norm(max(0, p - q))."""
     monkey = sampling.residual

@@ -46,6 +46,30 @@ def test_shared_width_slices_the_padded_draft(tiny_pair, padded_draft):
     assert max(sampled) < target.width
 
 
+def test_shortlisted_head_scores_the_shortlist_and_what_it_read(tiny_pair):
+    target, _, draft_lm = wrapped(tiny_pair)
+    shortlist = torch.arange(0, draft_lm.width, 3)
+    short = HFCausalLM(draft_lm.model, draft_lm.width, shortlist)
+    prompt = target.tokenizer("def greet(name):\n", return_tensors="pt").input_ids[0]
+    draft_lm.reset()
+    full, got = draft_lm.forward(prompt, last=2), short.forward(prompt, last=2)
+    scored = torch.zeros(draft_lm.width, dtype=torch.bool)
+    scored[shortlist] = scored[prompt] = True
+    torch.testing.assert_close(got[:, scored], full[:, scored])
+    assert torch.isinf(got[:, ~scored]).all()
+    short.reset()  # what the last sequence read is forgotten
+    assert torch.isinf(short.forward(prompt[:1])[0, ~scored & (torch.arange(draft_lm.width) % 3 != 0)]).all()
+
+
+def test_greedy_speculative_with_a_shortlisted_draft_equals_the_baseline(tiny_pair):
+    target, target_lm, draft_lm = wrapped(tiny_pair)
+    short = HFCausalLM(draft_lm.model, draft_lm.width, torch.arange(0, draft_lm.width, 2))
+    prompt = target.tokenizer("def add(a, b):\n", return_tensors="pt").input_ids[0]
+    greedy, g = SamplingConfig(0.0), torch.Generator()
+    want = autoregressive_decode(target_lm, prompt, 40, greedy, g).tokens
+    assert speculative_decode(target_lm, short, prompt, 3, 40, greedy, g).tokens == want
+
+
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
 def test_greedy_speculative_equals_greedy_baseline_on_tiny_transformers_pair(tiny_pair, k):
     target, target_lm, draft_lm = wrapped(tiny_pair)
@@ -209,11 +233,18 @@ def test_distill_makes_a_loadable_draft_and_resumes(tiny_pair, tmp_path):
     sources.mkdir()
     (sources / "lib.py").write_text(
         (
-            'def add(a, b):\n    """Add two numbers and return their sum, whatever their type."""\n    return a + b\n\n\n'
-            'def greet(name):\n    """Say hello to someone by name, on standard output."""\n    print("hello " + name)\n\n\n'
+            'def add_up(a: int, b: int) -> int:\n    """Add two numbers and return their sum, whatever their type."""\n    return a + b\n\n\n'
+            'def greet(name):\n    """Say hello to someone by name, on standard output, then return."""\n    print("hello " + name)\n\n\n'
+            # Named like a HumanEval problem: never a training prompt.
+            'def has_close_elements(numbers, threshold):\n    """Check if any two numbers are closer than threshold."""\n'
         )
         * 6
     )
+    from specbench.distill import function_stubs, source_files
+
+    stubs = function_stubs(source_files([str(sources)]), 0, 100, frozenset({"has_close_elements"}))
+    assert len(stubs) == 12 and all("has_close" not in s for s in stubs)
+    assert all(s.startswith("def add_up") for s in stubs[:6])  # annotated signatures first
     target = load(tiny_pair[0], CPU, F32)
     cfg = DistillConfig(
         out=tmp_path / "draft", hidden_size=32, layers=1, heads=4, kv_heads=2, intermediate_size=64,
@@ -232,6 +263,11 @@ def test_distill_makes_a_loadable_draft_and_resumes(tiny_pair, tmp_path):
         assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.float16}
     draft = load(str(cfg.out), CPU, F32)
     assert shared_width(target, draft) == target.width
+    assert (draft.tokenizer.padding_side, draft.tokenizer.pad_token) == (target.tokenizer.padding_side, target.tokenizer.pad_token)
+    # The shortlist is every token the teacher ranked first in the training data.
+    answer_tops = {t for path in (cfg.out / "generated").glob("*.pt") for doc in torch.load(path) for t in doc["top_idx"][:, 0].tolist()}
+    assert draft.head_tokens is not None and set(draft.head_tokens.tolist()) <= set(range(target.width))
+    assert len(set(draft.head_tokens.tolist()) & answer_tops) > 0
     assert 0.0 <= json.loads((cfg.out / "distill.json").read_text())["held_out_greedy_agreement"] <= 1.0
     # A second run finds every shard and the finished training state: nothing is recomputed.
     assert [p.phase for p in distill(cfg, target)].count("student") == 0
