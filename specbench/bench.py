@@ -171,16 +171,22 @@ class ForwardCosts:
         return self.target[k + 1] / self.target[1]
 
 
-def _forward_seconds(lm: HFCausalLM, context: torch.Tensor, n: int, repeats: int, device: torch.device) -> float:
-    """Median time of one n-token forward on top of a cache holding ``context``."""
-    block = context[:n]
+def _forward_seconds(probes: list[tuple[HFCausalLM, int]], context: torch.Tensor, repeats: int, device: torch.device) -> list[float]:
+    """Median time of one n-token forward on top of the cache, for each (model, n) in ``probes``.
 
-    def step():
-        lm.forward(block, last=n)
-        lm.crop(n)
+    The probes take turns within every repeat, so a change in machine load during the
+    measurement moves all of them alike instead of skewing the ratios between them.
+    """
+    steps = []
+    for lm, n in probes:
+        def step(lm=lm, n=n):
+            lm.forward(context[:n], last=n)
+            lm.crop(n)
 
-    median_time(device, step, 1)  # warm-up for this shape
-    return median_time(device, step, repeats)[1]
+        median_time(device, step, 1)  # warm-up for this shape
+        steps.append(step)
+    times = [[median_time(device, step, 1)[1] for step in steps] for _ in range(repeats)]
+    return [metrics.median(column) for column in zip(*times)]
 
 
 def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg: BenchConfig) -> ForwardCosts:
@@ -199,9 +205,10 @@ def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg: BenchConfig) 
         for lm in (pair.target_lm, pair.draft_lm):
             lm.reset()
             lm.forward(prefix, last=1)
-        target = {n: _forward_seconds(pair.target_lm, probe, n, cfg.cost_repeats, pair.device) for n in sizes}
-        draft = _forward_seconds(pair.draft_lm, probe, 1, cfg.cost_repeats, pair.device)
-    return ForwardCosts(length, target, draft)
+        *target, draft = _forward_seconds(
+            [(pair.target_lm, n) for n in sizes] + [(pair.draft_lm, 1)], probe, cfg.cost_repeats, pair.device
+        )
+    return ForwardCosts(length, dict(zip(sizes, target)), draft)
 
 
 @dataclass
