@@ -256,6 +256,10 @@ class HFCausalLM:
         self.width = width  # logits beyond the shared width are dropped so p and q align
         self.device = model.device
         self.head_tokens = None if head_tokens is None else head_tokens[head_tokens < width].to(self.device)
+        if self.head_tokens is not None:  # gathered once; reset() returns to these without copying
+            self.shortlist_mask = torch.zeros(width, dtype=torch.bool, device=self.device)
+            self.shortlist_mask[self.head_tokens] = True
+            self.shortlist_head = self.model.get_output_embeddings().weight[self.head_tokens]
         self.reset()
 
     def reset(self) -> None:
@@ -263,10 +267,8 @@ class HFCausalLM:
 
         self.cache = DynamicCache(config=self.model.config)
         if self.head_tokens is not None:
-            self.in_head = torch.zeros(self.width, dtype=torch.bool, device=self.device)
-            self.in_head[self.head_tokens] = True
-            self.head_ids = self.head_tokens
-            self.head = self.model.get_output_embeddings().weight[self.head_ids]
+            self.in_head = self.shortlist_mask.clone()
+            self.head_ids, self.head = self.head_tokens, self.shortlist_head  # _read replaces, never mutates, them
 
     def _read(self, token_ids: torch.Tensor) -> None:
         """Add ids the model reads to the shortlist."""
