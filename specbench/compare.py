@@ -1,267 +1,119 @@
 """Compare two benchmark runs and flag regressions (`specbench compare`).
 
-Rows of the two ``summary.csv`` files are matched on their configuration (the
-same experiment), then each metric is judged against a tolerance:
-
-* timing metrics are noisy, so they get a *relative* tolerance (default 10%);
-* alpha, tau and acceptance rate are deterministic for a fixed seed, model and
-  hardware, so they get a tight *absolute* tolerance (default 0.01).
-
-Exit-code policy (what CI sees):
-
-* 0: nothing regressed and every baseline row was found again;
-* 1: a metric regressed, or a baseline row (or a metric value it had) is gone
-  from the current run: a benchmark that silently stops measuring a
-  configuration must not pass;
-* 2: unusable input. ``run_compare`` raises ``SpecbenchError`` for that and the
-  CLI turns it into one line on stderr and exit code 2.
-
-Rows only in the current run are reported as "new" and never fail.
+Exit code 0: nothing regressed and every baseline row was found again (rows only in the current run are "new");
+1: a metric regressed or a baseline row or value is gone, since a benchmark that stops measuring something must not
+pass; 2: unusable input (SpecbenchError, which the CLI prints as one line).
 """
 
-from __future__ import annotations
-
 import json
-import math
-from dataclasses import dataclass, field
+from collections import namedtuple
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
+from specbench import schema
 from specbench.errors import SpecbenchError
 
-EXIT_OK = 0
-EXIT_REGRESSED = 1
-EXIT_UNUSABLE = 2
-
-# Always part of the row key; a file without them cannot be matched.
-REQUIRED_KEYS = ["target", "draft", "dataset", "k", "temperature", "top_k", "top_p"]
-# Files written before there were several methods have no `method` column.
-DEFAULT_METHOD = "speculative"
-# They change what is measured, but older or hand-made files may lack them, so
-# they are keys only when both files have them.
-OPTIONAL_KEYS = ["max_new_tokens", "num_prompts", "seed"]
-# Not keys (CI and a laptop should still match on alpha), but worth a warning.
-CONTEXT_COLUMNS = ["device", "dtype"]
-
-RELATIVE_METRICS = ["speedup", "spec_tokens_per_s", "baseline_tokens_per_s"]
-ABSOLUTE_METRICS = ["alpha", "tau", "acceptance_rate"]
-KNOWN_METRICS = RELATIVE_METRICS + ABSOLUTE_METRICS
-
-OK, REGRESSED, IMPROVED, MISSING, NEW, SKIPPED = (
-    "ok", "regressed", "improved", "missing", "new", "skipped",
-)
+# k before method, so that rows are labelled "k=4 method=speculative".
+REQUIRED_KEYS = ["target", "draft", "dataset", "k", "temperature", "top_k", "top_p", "method"]
+OPTIONAL_KEYS = ["max_new_tokens", "num_prompts", "seed"]  # keys only when both files have them
+CONTEXT = ["device", "dtype"]  # not keys, so CI and a laptop still match on alpha; but timings become incomparable
+METRICS = [c.name for c in schema.COLUMNS if c.name in schema.SUMMARY and c.kind != schema.CONFIG and c.better]
+RELATIVE = {c.name for c in schema.COLUMNS if c.kind == schema.TIMING}  # noisy, so judged with a relative tolerance
+OK, REGRESSED, IMPROVED, MISSING, NEW, SKIPPED = "ok", "regressed", "improved", "missing", "new", "skipped"
 FAILING = {REGRESSED, MISSING}
+_STYLES = {OK: "green", REGRESSED: "bold red", IMPROVED: "cyan", MISSING: "bold red", NEW: "blue", SKIPPED: "dim"}
+_EPS = 1e-9  # 1.1 * 0.9 is 0.9900000000000001: a change of exactly the tolerance must stay ok
 
-# 1.1 * 0.9 is 0.9900000000000001 in floating point: without this slack a change
-# of exactly the tolerance (1.1 -> 0.99) would count as a regression.
-_EPS = 1e-9
-
-
-@dataclass
-class MetricVerdict:
-    metric: str
-    baseline: float | None
-    current: float | None
-    # Relative metrics: current / baseline - 1; absolute metrics: current - baseline.
-    change: float | None
-    status: str
-
-    @property
-    def relative(self) -> bool:
-        return self.metric in RELATIVE_METRICS
-
-
-@dataclass
-class RowVerdict:
-    key: dict
-    label: str
-    status: str
-    metrics: list[MetricVerdict]
-
-
-@dataclass
-class Comparison:
-    rows: list[RowVerdict]
-    metrics: list[str]
-    key_columns: list[str]
-    tolerance: float
-    abs_tolerance: float
-    baseline: str = ""
-    current: str = ""
-    notes: list[str] = field(default_factory=list)
-
-    @property
-    def failures(self) -> list[RowVerdict]:
-        return [row for row in self.rows if row.status in FAILING]
-
-    @property
-    def exit_code(self) -> int:
-        return EXIT_REGRESSED if self.failures else EXIT_OK
-
-
-# ---------------------------------------------------------------- loading
+MetricVerdict = namedtuple("MetricVerdict", "metric baseline current change status")  # change: relative for timings
+RowVerdict = namedtuple("RowVerdict", "key label status metrics")
+Comparison = namedtuple("Comparison",  # fields in the order of the JSON report
+                        "baseline current tolerance abs_tolerance metrics key_columns notes rows exit_code")
 
 
 def load_summary(path: str | Path) -> pd.DataFrame:
-    """Read a run directory's ``summary.csv`` (or that file itself), checked and normalised."""
-    p = Path(path)
-    if not p.exists():
-        raise SpecbenchError(
-            f"{p} does not exist; pass a run directory containing summary.csv or a summary.csv file"
-        )
-    if p.is_dir():
-        p = p / "summary.csv"
-        if not p.is_file():
-            raise SpecbenchError(
-                f"{p.parent} has no summary.csv; pass a directory written by `specbench run` "
-                "or the path of a summary.csv"
-            )
+    """Read a run directory's summary.csv (or that file itself), checked."""
+    given = Path(path)
+    p = given / "summary.csv" if given.is_dir() else given
+    if not p.is_file():
+        problem = "has no summary.csv" if given.is_dir() else "does not exist"
+        raise SpecbenchError(f"{given} {problem}; pass a run directory containing summary.csv or a summary.csv file")
     try:
-        df = pd.read_csv(p)
+        df = pd.read_csv(p, dtype={"prompts_hash": str})  # a hash made only of digits is still a hash
     except pd.errors.EmptyDataError:
         raise SpecbenchError(f"{p} is empty; re-run `specbench run` to produce it") from None
     except (pd.errors.ParserError, UnicodeDecodeError, OSError) as exc:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SpecbenchError(
-            f"{p} is not a readable CSV ({reason}); pass a summary.csv written by `specbench run`"
-        ) from None
-
-    missing = [c for c in REQUIRED_KEYS if c not in df.columns]
-    if missing:
-        raise SpecbenchError(
-            f"{p} lacks the columns {', '.join(missing)}; pass a summary.csv written by "
-            "`specbench run`"
-        )
+        raise SpecbenchError(f"{p} is not a readable CSV ({reason}); "
+                             "pass a summary.csv written by `specbench run`") from None
+    if missing := [c for c in REQUIRED_KEYS if c not in df.columns]:
+        raise SpecbenchError(f"{p} lacks the columns {', '.join(missing)}; pass a summary.csv from `specbench run`")
     if df.empty:
         raise SpecbenchError(f"{p} has a header but no rows; re-run the benchmark")
-    if "method" not in df.columns:
-        df["method"] = DEFAULT_METHOD
-    df["method"] = df["method"].fillna(DEFAULT_METHOD)
-
-    for metric in KNOWN_METRICS:
-        if metric in df.columns:
-            try:
-                df[metric] = pd.to_numeric(df[metric])
-            except (ValueError, TypeError):
-                raise SpecbenchError(
-                    f"column {metric} in {p} holds non-numeric values; "
-                    "fix or regenerate the file"
-                ) from None
+    for metric in [m for m in METRICS if m in df.columns]:
+        if (numbers := pd.to_numeric(df[metric], errors="coerce")).count() < df[metric].count():
+            raise SpecbenchError(f"column {metric} in {p} holds non-numeric values; fix or regenerate the file")
+        df[metric] = numbers
     return df
 
 
-# ---------------------------------------------------------------- pure logic
-
-
-def _key_value(value) -> str:
-    """Canonical text for a key cell, so 4, 4.0 and "4" match and blanks match blanks."""
-    if value is None or (isinstance(value, float) and math.isnan(value)):
+def _text(value) -> str:
+    """A key cell as text: 4.0 shows as 4, a blank as nothing."""
+    if value is None or pd.isna(value):
         return ""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        return str(value).strip()
-    if math.isnan(number):
-        return ""
-    return str(int(number)) if number.is_integer() else repr(number)
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value).strip()
 
 
-def _plain(value):
-    """A cell as a plain Python value (JSON-safe, NaN as None)."""
-    if value is None:
-        return None
-    if hasattr(value, "item"):
-        value = value.item()
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    return value
+def _differing(baseline: pd.DataFrame, current: pd.DataFrame, column: str) -> str | None:
+    """"a vs b" when both files have the column and its values differ; a blank is unknown, not different."""
+    before, after = (", ".join(sorted({_text(v) for v in df.get(column, [])} - {""})) for df in (baseline, current))
+    return f"{before} vs {after}" if before and after and before != after else None
 
 
-def _number(value) -> float | None:
-    value = _plain(value)
-    return None if value is None else float(value)
-
-
-def _keyed_rows(df: pd.DataFrame, keys: list[str], source: str) -> dict[tuple, pd.Series]:
-    rows: dict[tuple, pd.Series] = {}
-    for _, row in df.iterrows():
-        key = tuple(_key_value(row[c]) for c in keys)
-        if key in rows:
-            shown = ", ".join(f"{c}={v}" for c, v in zip(keys, key))
-            raise SpecbenchError(
-                f"{source or 'a summary'} has more than one row for {shown}; "
-                "keep one row per configuration"
-            )
-        rows[key] = row
-    return rows
-
-
-def _labels(keys: list[str], all_keys: list[tuple]) -> dict[tuple, str]:
-    """Short row names: only the key columns that vary, always with k and method."""
-    shown = [
-        i for i, c in enumerate(keys)
-        if c in ("k", "method") or len({key[i] for key in all_keys}) > 1
-    ]
-    return {key: " ".join(f"{keys[i]}={key[i]}" for i in shown) for key in all_keys}
-
-
-def _judge(metric: str, base: float | None, cur: float | None,
-           tolerance: float, abs_tolerance: float) -> MetricVerdict:
-    if base is None:
-        # Nothing to hold the current run to (e.g. alpha on a baseline-method row).
-        return MetricVerdict(metric, base, cur, None, SKIPPED)
-    if cur is None:
-        # The baseline measured it and the current run did not: treated like a missing row.
-        return MetricVerdict(metric, base, cur, None, MISSING)
-    if metric in RELATIVE_METRICS:
-        change = cur / base - 1 if base != 0 else None
-        low, high = base * (1 - tolerance), base * (1 + tolerance)
-    else:
-        change = cur - base
-        low, high = base - abs_tolerance, base + abs_tolerance
-    if cur < low - _EPS:
-        status = REGRESSED
-    elif cur > high + _EPS:
-        status = IMPROVED
-    else:
-        status = OK
-    return MetricVerdict(metric, base, cur, change, status)
-
-
-def _row_status(metrics: list[MetricVerdict]) -> str:
-    statuses = {m.status for m in metrics}
-    if REGRESSED in statuses or MISSING in statuses:
-        return REGRESSED
-    return IMPROVED if IMPROVED in statuses else OK
-
-
-def _choose_metrics(baseline: pd.DataFrame, current: pd.DataFrame,
-                    metrics: list[str] | None) -> list[str]:
-    if not metrics:
-        chosen = [m for m in KNOWN_METRICS if m in baseline.columns and m in current.columns]
-        if not chosen:
-            raise SpecbenchError(
-                f"the two summaries share none of the metrics {', '.join(KNOWN_METRICS)}; "
-                "compare files written by `specbench run`"
-            )
-        return chosen
-    chosen = list(dict.fromkeys(metrics))
-    unknown = [m for m in chosen if m not in KNOWN_METRICS]
-    if unknown:
-        raise SpecbenchError(
-            f"unknown metric {', '.join(unknown)}; choose from {', '.join(KNOWN_METRICS)}"
-        )
+def _choose_metrics(baseline: pd.DataFrame, current: pd.DataFrame, metrics: list[str] | None) -> list[str]:
+    shared = [m for m in schema.GATED if m in baseline.columns and m in current.columns]
+    if not (chosen := list(dict.fromkeys(metrics or shared))):
+        raise SpecbenchError(f"the two summaries share none of the metrics {', '.join(schema.GATED)}; "
+                             "compare files written by `specbench run`")
+    if unknown := [m for m in chosen if m not in METRICS]:
+        raise SpecbenchError(f"unknown metric {', '.join(unknown)}; choose from {', '.join(METRICS)}")
     for name, df in (("baseline", baseline), ("current", current)):
-        absent = [m for m in chosen if m not in df.columns]
-        if absent:
-            raise SpecbenchError(
-                f"the {name} summary has no column {', '.join(absent)}; "
-                "drop that --metric or regenerate the file"
-            )
+        if absent := [m for m in chosen if m not in df.columns]:
+            raise SpecbenchError(f"the {name} summary has no column {', '.join(absent)}; "
+                                 "drop that --metric or regenerate the file")
     return chosen
+
+
+def _normalised(baseline: pd.DataFrame, current: pd.DataFrame, keys: list[str]) -> list[pd.DataFrame]:
+    """Both frames with keys that match across files: 4, 4.0 and "4" are equal, and blanks equal blanks."""
+    both = pd.concat([baseline, current], keys=[0, 1])  # so that a column gets the same type in both files
+    for column in keys:
+        try:
+            both[column] = pd.to_numeric(both[column])
+        except (ValueError, TypeError):
+            both[column] = both[column].map(_text)
+    try:
+        both["k"] = both["k"].astype("Int64")  # blank for methods without K (0 in hand-made files)
+    except (ValueError, TypeError):
+        raise SpecbenchError("column k holds values that are not whole numbers; fix or regenerate the file") from None
+    return [both.loc[0], both.loc[1]]
+
+
+def _judge(merged: pd.DataFrame, metric: str, tolerance: float, abs_tolerance: float) -> tuple[np.ndarray, pd.Series]:
+    """The status and change of one metric on every merged row."""
+    base, cur = merged[f"{metric} base"].astype(float), merged[f"{metric} cur"].astype(float)
+    change = (cur / base - 1).where(base != 0) if metric in RELATIVE else cur - base
+    width = base * tolerance if metric in RELATIVE else abs_tolerance
+    below, above = cur < base - width - _EPS, cur > base + width + _EPS
+    worse, better = (below, above) if schema.BY_NAME[metric].better == schema.HIGHER else (above, below)
+    # The first true condition wins: a row gone from the current run is missing whatever its baseline held,
+    # and a baseline without a value (alpha of the baseline method) holds the current run to nothing.
+    status = np.select([merged["_merge"] == "left_only", merged["_merge"] == "right_only", base.isna(), cur.isna(),
+                        worse, better], [MISSING, NEW, SKIPPED, MISSING, REGRESSED, IMPROVED], OK)
+    return status, change.where(np.isin(status, [OK, REGRESSED, IMPROVED]))
 
 
 def compare_frames(baseline: pd.DataFrame, current: pd.DataFrame, tolerance: float = 0.10,
@@ -272,136 +124,74 @@ def compare_frames(baseline: pd.DataFrame, current: pd.DataFrame, tolerance: flo
         raise SpecbenchError(f"--tolerance {tolerance} is out of range; use a fraction in [0, 1)")
     if abs_tolerance < 0:
         raise SpecbenchError(f"--abs-tolerance {abs_tolerance} is negative; use a value >= 0")
+    if hashes := _differing(baseline, current, "prompts_hash"):
+        raise SpecbenchError(f"the two runs decoded different prompts (prompts_hash {hashes}): a changed dataset, "
+                             "template or tokenizer makes them incomparable; rerun the baseline")
     chosen = _choose_metrics(baseline, current, metrics)
-    keys = REQUIRED_KEYS + ["method"] + [
-        c for c in OPTIONAL_KEYS if c in baseline.columns and c in current.columns
-    ]
-    base_rows = _keyed_rows(baseline, keys, baseline_name)
-    cur_rows = _keyed_rows(current, keys, current_name)
-    if not base_rows.keys() & cur_rows.keys():
-        raise SpecbenchError(
-            f"no row of the current run matches a baseline row on {', '.join(keys)}; "
-            "run the same configuration as the baseline"
-        )
-
-    all_keys = list(base_rows) + [k for k in cur_rows if k not in base_rows]
-    labels = _labels(keys, all_keys)
-    verdicts = []
-    for key in all_keys:
-        base, cur = base_rows.get(key), cur_rows.get(key)
-        source = base if base is not None else cur
-        key_dict = {c: _plain(source[c]) for c in keys}
-        if cur is None:
-            row_metrics = [MetricVerdict(m, _number(base[m]), None, None, MISSING) for m in chosen]
-            verdicts.append(RowVerdict(key_dict, labels[key], MISSING, row_metrics))
-        elif base is None:
-            row_metrics = [MetricVerdict(m, None, _number(cur[m]), None, NEW) for m in chosen]
-            verdicts.append(RowVerdict(key_dict, labels[key], NEW, row_metrics))
-        else:
-            row_metrics = [
-                _judge(m, _number(base[m]), _number(cur[m]), tolerance, abs_tolerance)
-                for m in chosen
-            ]
-            verdicts.append(RowVerdict(key_dict, labels[key], _row_status(row_metrics), row_metrics))
-
-    notes = []
-    for column in CONTEXT_COLUMNS:
-        if column in baseline.columns and column in current.columns:
-            before = sorted({_key_value(v) for v in baseline[column]})
-            after = sorted({_key_value(v) for v in current[column]})
-            if before != after:
-                notes.append(
-                    f"{column} differs ({', '.join(before)} vs {', '.join(after)}): timing "
-                    "metrics are not comparable; restrict with --metric alpha --metric tau"
-                )
-    return Comparison(verdicts, chosen, keys, tolerance, abs_tolerance,
-                      baseline_name, current_name, notes)
-
-
-# ---------------------------------------------------------------- formatting
-
-
-def _fmt_value(value: float | None) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
-
-
-def _fmt_change(m: MetricVerdict) -> str:
-    if m.change is None:
-        return ""
-    return f"{m.change:+.1%}" if m.relative else f"{m.change:+.3f}"
+    keys = REQUIRED_KEYS + [c for c in OPTIONAL_KEYS if c in baseline.columns and c in current.columns]
+    base, cur = _normalised(baseline[keys + chosen], current[keys + chosen], keys)
+    for df, name in ((base, baseline_name), (cur, current_name)):
+        if len(twice := df[df.duplicated(keys)]):
+            shown = ", ".join(f"{c}={_text(twice[c].iloc[0])}" for c in keys)
+            raise SpecbenchError(f"{name or 'a summary'} has more than one row for {shown}; keep one per configuration")
+    merged = pd.merge(base.assign(_base_order=range(len(base))), cur.assign(_cur_order=range(len(cur))),
+                      how="outer", on=keys, validate="one_to_one", indicator=True, suffixes=(" base", " cur"))
+    if not (merged["_merge"] == "both").any():
+        raise SpecbenchError(f"no row of the current run matches a baseline row on {', '.join(keys)}; "
+                             "run the same configuration as the baseline")
+    merged = merged.sort_values(["_base_order", "_cur_order"], ignore_index=True)  # baseline rows, then new ones
+    for m in chosen:
+        merged[f"{m} status"], merged[f"{m} change"] = _judge(merged, m, tolerance, abs_tolerance)
+    statuses = merged[[f"{m} status" for m in chosen]]
+    merged["_status"] = np.select([merged["_merge"] == "left_only", merged["_merge"] == "right_only",
+                                   statuses.isin(FAILING).any(axis=1), (statuses == IMPROVED).any(axis=1)],
+                                  [MISSING, NEW, REGRESSED, IMPROVED], OK)
+    # Short row labels: only the key columns that vary, always with k and method.
+    shown = [c for c in keys if c in ("k", "method") or merged[c].nunique(dropna=False) > 1]
+    rows = [RowVerdict({c: r[c] for c in keys}, " ".join(f"{c}={_text(r[c])}" for c in shown), r["_status"],
+                       [MetricVerdict(m, r[f"{m} base"], r[f"{m} cur"], r[f"{m} change"], r[f"{m} status"])
+                        for m in chosen])
+            for r in merged.astype(object).where(merged.notna(), None).to_dict("records")]
+    notes = [f"{c} differs ({values}): timing metrics are not comparable; restrict with --metric alpha --metric tau"
+             for c in CONTEXT if (values := _differing(baseline, current, c))]
+    exit_code = int(any(row.status in FAILING for row in rows))
+    return Comparison(baseline_name, current_name, tolerance, abs_tolerance, chosen, keys, notes, rows, exit_code)
 
 
 def _cell_text(m: MetricVerdict) -> str:
-    if m.status == MISSING and m.current is None and m.baseline is not None:
-        return f"{_fmt_value(m.baseline)} -> -"
-    if m.status == NEW:
-        return _fmt_value(m.current)
-    if m.status == SKIPPED:
-        return _fmt_value(m.current) if m.current is not None else "-"
-    text = f"{_fmt_value(m.baseline)} -> {_fmt_value(m.current)}"
-    change = _fmt_change(m)
-    return f"{text} ({change})" if change else text
+    def number(v: float | None) -> str:
+        return "-" if v is None else f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+    if m.status in (NEW, SKIPPED):
+        return number(m.current)
+    change = "" if m.change is None else f" ({m.change:+.1%})" if m.metric in RELATIVE else f" ({m.change:+.3f})"
+    return f"{number(m.baseline)} -> {number(m.current)}{change}"
 
 
 def _problem(row: RowVerdict) -> str:
     if row.status == MISSING:
         return f"{row.label}: missing from the current run"
-    parts = []
-    for m in row.metrics:
-        if m.status == REGRESSED:
-            parts.append(f"{m.metric} {_fmt_value(m.baseline)} -> {_fmt_value(m.current)} "
-                         f"({_fmt_change(m)})")
-        elif m.status == MISSING:
-            parts.append(f"{m.metric} no longer measured")
-    return f"{row.label}: {', '.join(parts)}"
+    return f"{row.label}: " + ", ".join(f"{m.metric} {_cell_text(m) if m.status == REGRESSED else 'no longer measured'}"
+                                        for m in row.metrics if m.status in FAILING)
 
 
 def verdict_line(comparison: Comparison) -> str:
     """One line for logs: PASS/FAIL and, on failure, each failing row and metric."""
     tol = f"tolerance {comparison.tolerance:.0%} relative, {comparison.abs_tolerance:g} absolute"
-    failures = comparison.failures
-    if failures:
+    if failures := [row for row in comparison.rows if row.status in FAILING]:
         return f"FAIL ({tol}): " + "; ".join(_problem(row) for row in failures)
     counts = {s: sum(r.status == s for r in comparison.rows) for s in (OK, IMPROVED, NEW)}
-    compared = counts[OK] + counts[IMPROVED]
     extra = "".join(f", {counts[s]} {s}" for s in (IMPROVED, NEW) if counts[s])
-    return f"PASS ({tol}): {compared} rows within tolerance{extra}"
+    return f"PASS ({tol}): {counts[OK] + counts[IMPROVED]} rows within tolerance{extra}"
 
 
 def to_json(comparison: Comparison, path: str | Path | None = None) -> dict:
     """The verdict as a JSON-ready dict; also written to ``path`` when given."""
-    data = {
-        "verdict": "fail" if comparison.failures else "pass",
-        "exit_code": comparison.exit_code,
-        "summary": verdict_line(comparison),
-        "baseline": comparison.baseline,
-        "current": comparison.current,
-        "tolerance": comparison.tolerance,
-        "abs_tolerance": comparison.abs_tolerance,
-        "metrics": comparison.metrics,
-        "key_columns": comparison.key_columns,
-        "notes": comparison.notes,
-        "rows": [
-            {
-                "key": row.key,
-                "label": row.label,
-                "status": row.status,
-                "metrics": {
-                    m.metric: {
-                        "baseline": m.baseline,
-                        "current": m.current,
-                        "change": m.change,
-                        "change_kind": "relative" if m.relative else "absolute",
-                        "status": m.status,
-                    }
-                    for m in row.metrics
-                },
-            }
-            for row in comparison.rows
-        ],
-    }
+    rows = [{**row._asdict(), "metrics": {m.metric: {"baseline": m.baseline, "current": m.current, "change": m.change,
+                                                     "change_kind": "relative" if m.metric in RELATIVE else "absolute",
+                                                     "status": m.status} for m in row.metrics}}
+            for row in comparison.rows]
+    data = {"verdict": "fail" if comparison.exit_code else "pass", "exit_code": comparison.exit_code,
+            "summary": verdict_line(comparison), **comparison._asdict(), "rows": rows}
     if path is not None:
         _write(path, json.dumps(data, indent=2) + "\n")
     return data
@@ -409,87 +199,50 @@ def to_json(comparison: Comparison, path: str | Path | None = None) -> dict:
 
 def to_markdown(comparison: Comparison) -> str:
     """A Markdown table plus the verdict line, for CI logs and step summaries."""
+    def marked(status: str) -> str:
+        return f"**{status}**" if status in FAILING else status
     header = ["row", "status"] + comparison.metrics
-    lines = [
-        "### specbench compare",
-        "",
-        f"**{verdict_line(comparison)}**",
-        "",
-        "| " + " | ".join(header) + " |",
-        "|" + "---|" * len(header),
-    ]
+    lines = ["### specbench compare", "", f"**{verdict_line(comparison)}**", "",
+             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in comparison.rows:
-        cells = [row.label.replace("|", "\\|"), _md_status(row.status)]
-        for m in row.metrics:
-            text = _cell_text(m)
-            # A missing row is already flagged once in its status cell.
-            marked = m.status in FAILING | {IMPROVED} and row.status != MISSING
-            cells.append(f"{text} {_md_status(m.status)}" if marked else text)
-        lines.append("| " + " | ".join(cells) + " |")
-    for note in comparison.notes:
-        lines += ["", f"> note: {note}"]
+        # A missing row is flagged once, in its status cell.
+        cells = [f"{_cell_text(m)} {marked(m.status)}" if m.status in FAILING | {IMPROVED} and row.status != MISSING
+                 else _cell_text(m) for m in row.metrics]
+        lines.append("| " + " | ".join([row.label.replace("|", "\\|"), marked(row.status), *cells]) + " |")
+    lines += [line for note in comparison.notes for line in ("", f"> note: {note}")]
     return "\n".join(lines) + "\n"
 
 
-def _md_status(status: str) -> str:
-    return f"**{status}**" if status in FAILING else status
-
-
-_STYLES = {OK: "green", REGRESSED: "bold red", IMPROVED: "cyan", MISSING: "bold red",
-           NEW: "blue", SKIPPED: "dim"}
-
-
-def render_table(comparison: Comparison) -> Table:
-    """A rich table: one line per row, one column per metric, coloured by status."""
-    table = Table(title="specbench compare: baseline -> current")
-    table.add_column("row")
-    table.add_column("status")
-    for metric in comparison.metrics:
-        kind = f"±{comparison.tolerance:.0%}" if metric in RELATIVE_METRICS \
-            else f"±{comparison.abs_tolerance:g}"
-        table.add_column(f"{metric} ({kind})", justify="right")
-    for row in comparison.rows:
-        cells = [row.label, f"[{_STYLES[row.status]}]{row.status}[/]"]
-        for m in row.metrics:
-            cells.append(f"[{_STYLES[m.status]}]{_cell_text(m)}[/]")
-        table.add_row(*cells)
-    return table
-
-
 def _write(path: str | Path, text: str) -> None:
-    p = Path(path)
     try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        p.write_text(text, encoding="utf-8")
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text, encoding="utf-8")
     except OSError as exc:
-        raise SpecbenchError(f"cannot write {p} ({exc.strerror}); choose a writable path") from None
+        raise SpecbenchError(f"cannot write {path} ({exc.strerror}); choose a writable path") from None
 
 
-# ---------------------------------------------------------------- entry point
-
-
-def run_compare(baseline: str, current: str, tolerance: float = 0.10,
-                abs_tolerance: float = 0.01, metrics: list[str] | None = None,
-                json_path: str | None = None, markdown_path: str | None = None,
+def run_compare(baseline: str, current: str, tolerance: float = 0.10, abs_tolerance: float = 0.01,
+                metrics: list[str] | None = None, json_path: str | None = None, markdown_path: str | None = None,
                 console: Console | None = None) -> int:
-    """Compare two runs, print the table and verdict, write reports; return 0 or 1.
-
-    Raises SpecbenchError for unusable input (the CLI maps it to exit code 2).
-    """
+    """Compare two runs, print the table and verdict, write the reports; return 0 or 1 (SpecbenchError: 2)."""
     console = console or Console()
-    comparison = compare_frames(
-        load_summary(baseline), load_summary(current), tolerance, abs_tolerance, metrics,
-        baseline_name=str(baseline), current_name=str(current),
-    )
+    comparison = compare_frames(load_summary(baseline), load_summary(current), tolerance, abs_tolerance, metrics,
+                                baseline_name=str(baseline), current_name=str(current))
     if json_path:
         to_json(comparison, json_path)
     if markdown_path:
         _write(markdown_path, to_markdown(comparison))
-    console.print(render_table(comparison))
+    table = Table("row", "status", title="specbench compare: baseline -> current")
+    for m in comparison.metrics:
+        band = f"±{comparison.tolerance:.0%}" if m in RELATIVE else f"±{comparison.abs_tolerance:g}"
+        table.add_column(f"{m} ({band})", justify="right")
+    for row in comparison.rows:
+        table.add_row(row.label, f"[{_STYLES[row.status]}]{row.status}[/]",
+                      *(f"[{_STYLES[m.status]}]{_cell_text(m)}[/]" for m in row.metrics))
+    console.print(table)
     for note in comparison.notes:
         console.print(f"[yellow]note:[/] {note}", highlight=False)
-    style = "bold red" if comparison.failures else "bold green"
     # soft_wrap keeps the verdict on one line however narrow the terminal is.
-    console.print(verdict_line(comparison), style=style, highlight=False, markup=False,
-                  soft_wrap=True)
+    console.print(verdict_line(comparison), style="bold red" if comparison.exit_code else "bold green",
+                  highlight=False, markup=False, soft_wrap=True)
     return comparison.exit_code

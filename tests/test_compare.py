@@ -167,12 +167,42 @@ def test_metric_option_restricts_comparison(tmp_path):
     assert "speedup" not in out
 
 
-def test_file_without_method_column_matches_speculative_rows(tmp_path):
-    base = [{k: v for k, v in r.items() if k != "method"}
-            for r in summary_rows() if r["method"] == "speculative"]
-    code, out = compare(tmp_path, base, summary_rows())
+def test_k_matches_across_spellings_and_blanks():
+    # Real files leave k blank for the baseline method; a blank must match a blank, and 4.0 or "4" must match 4.
+    base = [{**r, "k": math.nan} if r["method"] == "baseline" else r for r in summary_rows()]
+    cur = [{**r, "k": None} if r["method"] == "baseline" else {**r, "k": f"{r['k']}.0"} for r in summary_rows()]
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur))
+    assert result.exit_code == 0
+    assert [r.status for r in result.rows] == ["ok"] * 4
+    assert [r.key["k"] for r in result.rows] == [1, 2, 4, None]
+
+
+def test_lower_is_better_metric_regresses_when_it_rises():
+    base = summary_rows()
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(changed(base, 2, c=0.15 * 1.5)), metrics=["c"])
+    assert result.exit_code == 1
+    assert "k=2 method=speculative: c 0.15 -> 0.225 (+50.0%)" in verdict_line(result)
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(changed(base, 2, c=0.15 * 0.5)), metrics=["c"])
+    assert result.exit_code == 0
+    assert [r.status for r in result.rows if r.key["k"] == 2] == ["improved"]
+
+
+def test_different_prompts_are_refused(tmp_path):
+    base = [{**r, "prompts_hash": "00123"} for r in summary_rows()]
+    cur = [{**r, "prompts_hash": "123"} for r in summary_rows()]
+    with pytest.raises(SpecbenchError, match=r"decoded different prompts \(prompts_hash 00123 vs 123\)") as info:
+        compare(tmp_path, base, cur)  # read from CSV: the hashes must stay text
+    assert "\n" not in str(info.value)
+    with pytest.raises(SpecbenchError, match="different prompts"):
+        compare_frames(pd.DataFrame(base), pd.DataFrame(changed(base, 2, prompts_hash="456")))
+
+
+def test_same_prompts_or_one_unknown_hash_pass(tmp_path):
+    base = [{**r, "prompts_hash": "abc123"} for r in summary_rows()]
+    code, _ = compare(tmp_path, base, base)
     assert code == 0
-    assert "1 new" in last_line(out)  # the baseline-method row exists only in the current run
+    # A file written before the column existed cannot be checked, so it is not refused.
+    assert compare_frames(pd.DataFrame(summary_rows()), pd.DataFrame(base)).exit_code == 0
 
 
 def test_optional_keys_only_when_in_both_files():
@@ -257,6 +287,9 @@ def test_missing_required_columns_raises(tmp_path):
     pd.DataFrame(summary_rows()).drop(columns=["k", "draft"]).to_csv(path, index=False)
     with pytest.raises(SpecbenchError, match="lacks the columns draft, k"):
         load_summary(path)
+    pd.DataFrame(summary_rows()).drop(columns=["method"]).to_csv(path, index=False)
+    with pytest.raises(SpecbenchError, match="lacks the columns method"):
+        load_summary(path)
 
 
 @pytest.mark.parametrize("content", [b"", b"\x89PNG\r\n\x1a\n\x00\x00\xff\xfe garbage", b"a,b\n1,2,3,4\n"])
@@ -287,6 +320,18 @@ def test_unknown_or_absent_metric_raises(tmp_path):
         compare_frames(base, cur, metrics=["latency"])
     with pytest.raises(SpecbenchError, match="current summary has no column tau"):
         compare_frames(base, cur.drop(columns=["tau"]), metrics=["tau"])
+
+
+def test_non_integer_k_raises():
+    with pytest.raises(SpecbenchError, match="not whole numbers"):
+        compare_frames(pd.DataFrame(summary_rows()), pd.DataFrame([{**r, "k": r["k"] + 0.5} for r in summary_rows()]))
+
+
+def test_every_configuration_column_has_a_role():
+    # A new configuration column in the schema must be a key, a context note or the prompt check.
+    from specbench import schema
+    from specbench.compare import CONTEXT, OPTIONAL_KEYS, REQUIRED_KEYS
+    assert sorted(schema.KEYS) == sorted(REQUIRED_KEYS + OPTIONAL_KEYS + CONTEXT + ["prompts_hash"])
 
 
 def test_duplicate_configuration_rows_raise():

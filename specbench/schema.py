@@ -1,0 +1,89 @@
+"""The results schema: every column specbench writes, with its kind, direction, format and meaning.
+
+The CSV writer orders columns by it, the rich table and compare read it, and a test keeps the
+README's column table equal to it. A new column is one entry here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CONFIG = "configuration"  # identifies the experiment; compare matches rows on these
+DETERMINISTIC = "deterministic"  # repeats exactly for a fixed seed, model and hardware
+TIMING = "timing"  # wall-clock figures: noisy on shared machines
+
+HIGHER, LOWER = "higher", "lower"
+
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    kind: str  # CONFIG, DETERMINISTIC or TIMING
+    better: str | None  # HIGHER, LOWER, or None when neither direction is better
+    fmt: str  # format spec for tables, e.g. ".3f"
+    meaning: str  # one line, shown in the README
+    header: str = ""  # short label in the summary table; empty: not shown there
+    gated: bool = False  # judged by `specbench compare` when no --metric is given
+    files: str = "both"  # "summary", "records" (per prompt) or "both"
+
+
+COLUMNS: tuple[Column, ...] = (
+    Column("target", CONFIG, None, "", "target model as given (alias, hub id, directory or .gguf)", files="summary"),
+    Column("draft", CONFIG, None, "", "draft model as given", files="summary"),
+    Column("dataset", CONFIG, None, "", "prompt source", files="summary"),
+    Column("device", CONFIG, None, "", "torch device the run used", files="summary"),
+    Column("dtype", CONFIG, None, "", "weights' dtype", files="summary"),
+    Column("prompts_hash", CONFIG, None, "", "hash of the encoded prompt ids: runs with other prompts are not comparable", files="summary"),
+    Column("method", CONFIG, None, "", "decoding method (`baseline` is the target alone)", header="method"),
+    Column("k", CONFIG, None, "d", "lookahead: draft tokens per target verification (empty for methods without K)", header="K"),
+    Column("temperature", CONFIG, None, "", "sampling temperature (0 = greedy)", files="summary"),
+    Column("top_k", CONFIG, None, "", "top-k truncation (0 = off)", files="summary"),
+    Column("top_p", CONFIG, None, "", "nucleus truncation (1.0 = off)", files="summary"),
+    Column("seed", CONFIG, None, "", "base seed of every random stream", files="summary"),
+    Column("max_new_tokens", CONFIG, None, "", "generation limit per prompt", files="summary"),
+    Column("num_prompts", CONFIG, None, "", "prompts in the row", files="summary"),
+    Column("prompt_id", CONFIG, None, "", "the prompt's id in its dataset", files="records"),
+    Column("prompt_index", CONFIG, None, "d", "the prompt's position in the run", files="records"),
+    Column("prompt_tokens", DETERMINISTIC, None, "d", "prompt length in tokens", files="records"),
+    Column("new_tokens", DETERMINISTIC, None, "d", "tokens the method generated"),
+    Column("baseline_tokens", DETERMINISTIC, None, "d", "tokens the baseline generated", files="records"),
+    Column("baseline_s", TIMING, LOWER, ".3f", "baseline wall seconds for the prompt, median of the repeats", files="records"),
+    Column("method_s", TIMING, LOWER, ".3f", "the method's wall seconds for the prompt, median of the repeats", files="records"),
+    Column("baseline_tokens_per_s", TIMING, HIGHER, ".1f", "baseline tokens / wall seconds", header="base tok/s", gated=True),
+    Column("spec_tokens_per_s", TIMING, HIGHER, ".1f", "the method's tokens / wall seconds", header="tok/s", gated=True),
+    Column("speedup", TIMING, HIGHER, ".3f", "method tokens/s over baseline tokens/s on the same prompts, end to end (prefill included)", header="speedup", gated=True),
+    Column("alpha", DETERMINISTIC, HIGHER, ".3f", "mean of sum_x min(p, q) over the draft positions tested (each accepted one and the first rejected one)", header="alpha", gated=True),
+    Column("acceptance_rate", DETERMINISTIC, HIGHER, ".3f", "accepted draft tokens / drafted tokens", header="accepted", gated=True),
+    Column("tau", DETERMINISTIC, HIGHER, ".2f", "generated tokens per target forward (prefill and bonus tokens included)", header="tau", gated=True),
+    Column("c", TIMING, LOWER, ".3f", "cost of one drafting step / one-token target forward (0 without a draft model)", header="c", files="summary"),
+    Column("verify_ratio", TIMING, LOWER, ".2f", "target forward over K+1 tokens / over one token", header="verify", files="summary"),
+    Column("predicted_speedup", TIMING, HIGHER, ".2f", "(1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)): the classic formula", header="pred", files="summary"),
+    Column("predicted_speedup_verify", TIMING, HIGHER, ".2f", "E[tokens] / (K c + verify_ratio): the formula with the measured cost of verification", header="pred+verify", files="summary"),
+    Column("drafted", DETERMINISTIC, None, "d", "draft tokens proposed"),
+    Column("accepted", DETERMINISTIC, None, "d", "draft tokens accepted"),
+    Column("beta_sum", DETERMINISTIC, None, ".3f", "sum of beta over the tested positions (alpha's numerator)"),
+    Column("tested", DETERMINISTIC, None, "d", "draft positions tested (alpha's denominator)"),
+    Column("target_forwards", DETERMINISTIC, LOWER, "d", "target forwards, prefill included"),
+    Column("draft_forwards", DETERMINISTIC, None, "d", "draft model forwards"),
+    Column("outputs_match", DETERMINISTIC, HIGHER, "d", "prompts whose output equals the baseline's token for token (greedy: must be all)", header="= base"),
+    Column("first_divergence", DETERMINISTIC, None, "d", "earliest token index where an output differs from the baseline's (-1: none)"),
+    Column("accept_hist", DETERMINISTIC, None, "", "verify rounds that accepted 0, 1, ..., K drafts", files="records"),
+)
+
+BY_NAME = {column.name: column for column in COLUMNS}
+SUMMARY = [c.name for c in COLUMNS if c.files != "records"]
+RECORDS = [c.name for c in COLUMNS if c.files != "summary"]
+KEYS = [name for name in SUMMARY if BY_NAME[name].kind == CONFIG]
+TABLE = [c for c in COLUMNS if c.header]
+GATED = [c.name for c in COLUMNS if c.gated]
+
+
+def fmt(name: str, value) -> str:
+    """A cell for tables: '-' for missing values, the column's format otherwise."""
+    if value is None or value == "" or (isinstance(value, float) and value != value):
+        return "-"
+    spec = BY_NAME[name].fmt if name in BY_NAME else ""
+    try:
+        return format(int(value) if spec == "d" else value, spec)
+    except (TypeError, ValueError):
+        return str(value)
