@@ -1,28 +1,31 @@
-"""Timing orchestration: prompts x K, baseline and speculative, forward-cost curves.
+"""The benchmark: prompts x methods x K, timed, with the forward-cost curve and the summary.
 
-Yields plain data and never prints; the CLI decides what to show and report.py what to write.
+`benchmark` runs a whole configuration and yields what it is doing, then its results; it never
+prints. Files are written through report.RunWriter as each measurement completes.
 """
 
 from __future__ import annotations
 
+import hashlib
+import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
-from . import metrics
-from .engine import DecodeResult, PromptLookupDrafter, autoregressive_decode, speculative_decode
+from . import metrics, report, schema
+from .engine import DecodeResult
 from .errors import SpecbenchError
-from .models import HFCausalLM, LoadedModel, hf_generate, load, resolve_device, resolve_dtype, shared_width
+from .methods import BASELINE, DEFAULT, METHODS, Method
+from .models import HFCausalLM, LoadedModel, load, resolve_device, resolve_dtype, shared_width
 from .prompts import Prompt, load_prompts
 from .sampling import SamplingConfig
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"
-# Methods that take a lookahead K; "baseline" always runs and "hf-generate" has no K.
-K_METHODS = ("speculative", "prompt-lookup", "hf-assisted")
-METHODS = ("baseline", *K_METHODS, "hf-generate")
+SUMMARY_EVERY_S = 10.0  # summary.csv is rewritten at most this often while decoding, and at the end
 
 
 @dataclass
@@ -31,7 +34,7 @@ class BenchConfig:
     draft: str = DEFAULT_DRAFT
     dataset: str = "humaneval"
     ks: list[int] = field(default_factory=lambda: [4])
-    methods: list[str] = field(default_factory=lambda: ["speculative"])
+    methods: list[str] = field(default_factory=lambda: list(DEFAULT))
     num_prompts: int | None = 10
     max_new_tokens: int = 64
     temperature: float = 0.0
@@ -47,15 +50,16 @@ class BenchConfig:
     chat: str = "auto"  # auto: use the target's chat template when it has one; on; off
 
     @property
-    def plan(self) -> list[tuple[str, int | None]]:
+    def plan(self) -> list[tuple[Method, int | None]]:
         """(method, K) pairs decoded per prompt after the baseline."""
         steps = []
-        for method in dict.fromkeys(self.methods):
-            if method in K_METHODS:
-                steps += [(method, k) for k in self.ks]
-            elif method != "baseline":
-                steps.append((method, None))
+        for method in (METHODS[name] for name in dict.fromkeys(self.methods) if name != BASELINE.name):
+            steps += [(method, k) for k in self.ks] if method.takes_k else [(method, None)]
         return steps
+
+    @property
+    def needs_draft(self) -> bool:
+        return any(method.needs_draft for method, _ in self.plan)
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -63,13 +67,14 @@ class BenchConfig:
 
     def validate(self) -> None:
         problems = [
-            (any(k < 1 for k in self.ks) or not self.ks, "K must be at least 1 (--k / --ks)"),
+            (any(k < 1 for k in self.ks) or not self.ks, "K must be at least 1 (--k)"),
             (self.max_new_tokens < 1, "--max-new-tokens must be at least 1"),
             (self.num_prompts is not None and self.num_prompts < 1, "--num-prompts must be at least 1"),
             (self.temperature < 0, "--temperature must be >= 0 (0 means greedy)"),
             (self.top_k < 0, "--top-k must be >= 0 (0 turns it off)"),
             (not 0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
             (self.repeats < 1 or self.warmup < 0, "--repeats must be >= 1 and --warmup >= 0"),
+            (self.cost_repeats < 1, "--cost-repeats must be at least 1"),
             (not set(self.methods) <= set(METHODS), f"unknown --method in {self.methods}: choose from {', '.join(METHODS)}"),
             (self.chat not in ("auto", "on", "off"), f"--chat {self.chat}: use auto, on or off"),
         ]
@@ -83,10 +88,12 @@ class BenchConfig:
 
 @dataclass
 class Pair:
+    """The loaded target, and the draft when a method needs one."""
+
     target: LoadedModel
-    draft: LoadedModel
     target_lm: HFCausalLM
-    draft_lm: HFCausalLM
+    draft: LoadedModel | None
+    draft_lm: HFCausalLM | None
     device: torch.device
     dtype: torch.dtype
 
@@ -99,19 +106,20 @@ def load_pair(cfg: BenchConfig) -> Pair:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     target = load(cfg.target, device, dtype)
+    if not cfg.needs_draft:
+        return Pair(target, HFCausalLM(target.model, target.width), None, None, device, dtype)
     draft = load(cfg.draft, device, dtype)
     width = shared_width(target, draft)
-    if "hf-assisted" in cfg.methods and target.width != draft.width:
-        raise SpecbenchError(
-            f"--method hf-assisted needs equal logit widths (target {target.width}, draft {draft.width}); transformers "
-            "would switch to a different (universal) algorithm: drop hf-assisted for this pair"
-        )
-    return Pair(target, draft, HFCausalLM(target.model, width), HFCausalLM(draft.model, width, draft.head_tokens), device, dtype)
+    pair = Pair(target, HFCausalLM(target.model, width), draft, HFCausalLM(draft.model, width, draft.head_tokens), device, dtype)
+    for method, _ in cfg.plan:
+        method.check(pair)
+    return pair
 
 
 def encode_prompts(pair: Pair, prompts: list[Prompt], cfg: BenchConfig) -> list[torch.Tensor]:
     """Token ids per prompt, left-truncated so prompt + new tokens + a full draft fit the window."""
-    windows = [w for w in (pair.target.context_window, pair.draft.context_window) if w]
+    models = [pair.target] + ([pair.draft] if pair.draft else [])
+    windows = [m.context_window for m in models if m.context_window]
     room = min(windows) - cfg.max_new_tokens - max(cfg.ks) - 1 if windows else None
     if room is not None and room < 1:
         raise SpecbenchError(
@@ -138,6 +146,14 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], cfg: BenchConfig) -> list[
     return encoded
 
 
+def prompts_hash(prompt_ids: list[torch.Tensor]) -> str:
+    """A short hash of the encoded prompts: two runs are comparable only when it is equal."""
+    digest = hashlib.sha256()
+    for ids in prompt_ids:
+        digest.update(ids.to(torch.int64).cpu().numpy().tobytes() + b"|")
+    return digest.hexdigest()[:16]
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -161,14 +177,27 @@ def median_time(device: torch.device, fn: Callable[[], object], repeats: int) ->
 class ForwardCosts:
     context_tokens: int
     target: dict[int, float]  # tokens in one forward -> median seconds
-    draft_single: float
+    draft_single: float | None  # None when no draft model was loaded
 
     @property
     def c(self) -> float:
-        return self.draft_single / self.target[1]
+        return math.nan if self.draft_single is None else self.draft_single / self.target[1]
 
     def verify_ratio(self, k: int) -> float:
         return self.target[k + 1] / self.target[1]
+
+    def rows(self) -> list[dict]:
+        """verify_cost.csv: one row per model and forward size."""
+        rows = [{"model": "target", "tokens": n, "context_tokens": self.context_tokens, "seconds": s, "ratio": s / self.target[1]} for n, s in self.target.items()]
+        if self.draft_single is not None:
+            rows.append({"model": "draft", "tokens": 1, "context_tokens": self.context_tokens, "seconds": self.draft_single, "ratio": self.c})
+        return rows
+
+    @classmethod
+    def from_rows(cls, rows: list[dict]) -> ForwardCosts:
+        target = {int(r["tokens"]): float(r["seconds"]) for r in rows if r["model"] == "target"}
+        draft = [float(r["seconds"]) for r in rows if r["model"] == "draft"]
+        return cls(int(rows[0]["context_tokens"]), target, draft[0] if draft else None)
 
 
 def _forward_seconds(probes: list[tuple[HFCausalLM, int]], context: torch.Tensor, repeats: int, device: torch.device) -> list[float]:
@@ -179,9 +208,10 @@ def _forward_seconds(probes: list[tuple[HFCausalLM, int]], context: torch.Tensor
     """
     steps = []
     for lm, n in probes:
+
         def step(lm=lm, n=n):
             lm.forward(context[:n], last=n)
-            lm.crop(n)
+            lm.keep([], n)
 
         median_time(device, step, 1)  # warm-up for this shape
         steps.append(step)
@@ -201,95 +231,63 @@ def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg: BenchConfig) 
     context = tokens.repeat(length // len(tokens) + 2)[: length + max(cfg.ks) + 1]
     prefix, probe = context[:length], context[length:]
     sizes = range(1, max(cfg.ks) + 2)
+    models = [pair.target_lm] + ([pair.draft_lm] if pair.draft_lm else [])
     with torch.inference_mode():
-        for lm in (pair.target_lm, pair.draft_lm):
+        for lm in models:
             lm.reset()
             lm.forward(prefix, last=1)
-        *target, draft = _forward_seconds(
-            [(pair.target_lm, n) for n in sizes] + [(pair.draft_lm, 1)], probe, cfg.cost_repeats, pair.device
-        )
-    return ForwardCosts(length, dict(zip(sizes, target)), draft)
+        probes = [(pair.target_lm, n) for n in sizes] + [(lm, 1) for lm in models[1:]]
+        seconds = _forward_seconds(probes, probe, cfg.cost_repeats, pair.device)
+    return ForwardCosts(length, dict(zip(sizes, seconds)), seconds[len(sizes)] if pair.draft_lm else None)
 
 
-@dataclass
-class Measurement:
-    """One timed decode of one prompt."""
-
-    prompt_index: int
-    prompt_id: str
-    prompt_tokens: int
-    method: str  # one of METHODS
-    k: int | None
-    result: DecodeResult
-    seconds: float
+def generator_for(device: torch.device, seed: int, prompt_index: int, method: str) -> torch.Generator:
+    """An independent, reproducible random stream per (seed, prompt, method), from a stable hash of
+    the three: adding, removing or reordering methods changes no other method's samples."""
+    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{method}".encode(), digest_size=8).digest()
+    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-def generator_for(device: torch.device, seed: int, prompt_index: int, stream: int) -> torch.Generator:
-    """Independent, reproducible random streams per (seed, prompt, method)."""
-    return torch.Generator(device=device).manual_seed((seed * 1_000_003 + prompt_index) * 8 + stream)
-
-
-def decode(
-    pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, method: str, k: int | None
-) -> tuple[DecodeResult, float]:
+def decode(pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, method: Method, k: int | None) -> tuple[DecodeResult, float]:
     """Time one prompt's decode (median of cfg.repeats, each from the same seed, so identical work)."""
-    sampling, stream = cfg.sampling, METHODS.index(method)
-    args = (ids, cfg.max_new_tokens, sampling)
 
-    def fn():
-        generator = generator_for(pair.device, cfg.seed, index, stream)
-        if method == "baseline":
-            return autoregressive_decode(pair.target_lm, *args, generator, pair.stop_ids)
-        if method == "speculative":
-            return speculative_decode(pair.target_lm, pair.draft_lm, ids, k, cfg.max_new_tokens, sampling, generator, pair.stop_ids)
-        if method == "prompt-lookup":
-            lookup = PromptLookupDrafter(pair.target_lm.width)
-            return speculative_decode(pair.target_lm, lookup, ids, k, cfg.max_new_tokens, sampling, generator, pair.stop_ids)
-        seed = int(torch.randint(2**62, (1,), generator=generator, device=pair.device))
-        assistant = pair.draft if method == "hf-assisted" else None
-        return hf_generate(pair.target, *args, seed, pair.stop_ids, assistant, k)
+    def once():
+        generator = generator_for(pair.device, cfg.seed, index, method.name)
+        return method.decode(pair, ids, k, cfg.sampling, cfg.max_new_tokens, generator)
 
-    return median_time(pair.device, fn, cfg.repeats)
+    return median_time(pair.device, once, cfg.repeats)
 
 
 def warm_up(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor]) -> None:
     """Untimed runs of every decoder, so allocation, kernel selection and caches settle first."""
     for _ in range(cfg.warmup):
-        for method, k in [("baseline", None), *cfg.plan]:
+        for method, k in [(BASELINE, None), *cfg.plan]:
             decode(pair, cfg, prompt_ids[0], 0, method, k)
 
 
-def run(pair: Pair, cfg: BenchConfig, prompts: list[Prompt], prompt_ids: list[torch.Tensor]) -> Iterator[Measurement]:
-    """Per prompt: the baseline once (shared by every method and K), then each (method, K)."""
-    for index, (prompt, ids) in enumerate(zip(prompts, prompt_ids)):
-        for method, k in [("baseline", None), *cfg.plan]:
-            result, seconds = decode(pair, cfg, ids, index, method, k)
-            yield Measurement(index, prompt.id, len(ids), method, k, result, seconds)
-
-
-def record(baseline: Measurement, spec: Measurement) -> dict:
-    """The per-prompt, per-K row of records.csv."""
-    b, s = baseline.result, spec.result
+def record(prompt: Prompt, index: int, ids: torch.Tensor, baseline: tuple[DecodeResult, float], method: Method, k: int | None, measured: tuple[DecodeResult, float]) -> dict:
+    """The per-prompt, per-(method, K) row of records.csv."""
+    (b, b_seconds), (s, seconds) = baseline, measured
     divergence = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens)) if x != y), None)
     if divergence is None and len(b.tokens) != len(s.tokens):
         divergence = min(len(b.tokens), len(s.tokens))
-    k = spec.k
+    drafts = method.takes_k
     return {
-        "prompt_id": spec.prompt_id,
-        "prompt_index": spec.prompt_index,
-        "method": spec.method,
+        "method": method.name,
         "k": k,
-        "prompt_tokens": spec.prompt_tokens,
+        "prompt_id": prompt.id,
+        "prompt_index": index,
+        "prompt_tokens": len(ids),
+        "new_tokens": len(s.tokens),
         "baseline_tokens": len(b.tokens),
-        "spec_tokens": len(s.tokens),
-        "baseline_s": baseline.seconds,
-        "spec_s": spec.seconds,
-        "baseline_tokens_per_s": len(b.tokens) / baseline.seconds,
-        "spec_tokens_per_s": len(s.tokens) / spec.seconds,
-        "speedup": (len(s.tokens) / spec.seconds) / (len(b.tokens) / baseline.seconds),
-        "alpha": s.beta_sum / s.tested if s.tested else float("nan"),
-        "acceptance_rate": s.accepted / s.drafted if s.drafted else float("nan"),
-        "tau": len(s.tokens) / s.target_forwards if k else float("nan"),
+        "baseline_s": b_seconds,
+        "method_s": seconds,
+        "baseline_tokens_per_s": len(b.tokens) / b_seconds,
+        "spec_tokens_per_s": len(s.tokens) / seconds,
+        "speedup": (len(s.tokens) / seconds) / (len(b.tokens) / b_seconds),
+        "alpha": s.beta_sum / s.tested if s.tested else math.nan,
+        "acceptance_rate": s.accepted / s.drafted if s.drafted else math.nan,
+        "tau": len(s.tokens) / s.target_forwards if drafts else math.nan,
         "drafted": s.drafted,
         "accepted": s.accepted,
         "beta_sum": s.beta_sum,
@@ -302,91 +300,108 @@ def record(baseline: Measurement, spec: Measurement) -> dict:
     }
 
 
-def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, pair_info: dict) -> list[dict]:
+def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_info: dict) -> list[dict]:
     """One summary row per (method, K) over the prompts measured so far, after a baseline row."""
     rows = []
-    for method, k in [("baseline", None), *cfg.plan]:
-        if method == "baseline":  # its figures ride along in every record: count each prompt once
-            rs = list({r["prompt_id"]: r for r in records}.values())
+    for method, k in [(BASELINE, None), *cfg.plan]:
+        if method is BASELINE:  # its figures ride along in every record: count each prompt once
+            rs = list({r["prompt_index"]: r for r in records}.values())
         else:
-            rs = [r for r in records if r["method"] == method and r["k"] == k]
+            rs = [r for r in records if r["method"] == method.name and r["k"] == k]
         if not rs:
             continue
         base_tokens, base_s = sum(r["baseline_tokens"] for r in rs), sum(r["baseline_s"] for r in rs)
-        if method == "baseline":
-            tokens, seconds = base_tokens, base_s
-        else:
-            tokens, seconds = sum(r["spec_tokens"] for r in rs), sum(r["spec_s"] for r in rs)
-        # Only the K methods draft; the baseline and hf-generate rows carry no acceptance figures.
-        tested, drafted = (sum(r["tested"] for r in rs), sum(r["drafted"] for r in rs)) if k else (0, 0)
-        alpha = sum(r["beta_sum"] for r in rs) / tested if tested else float("nan")
-        # Prompt lookup runs no draft model: its drafting cost is host-side bookkeeping.
-        c = 0.0 if method == "prompt-lookup" else costs.c
-        verify_ratio = costs.verify_ratio(k) if k else float("nan")
-        rows.append(
-            {
-                **pair_info,
-                "method": method,
-                "num_prompts": len(rs),
+        tokens, seconds = (base_tokens, base_s) if method is BASELINE else (sum(r["new_tokens"] for r in rs), sum(r["method_s"] for r in rs))
+        totals = {name: sum(r[name] for r in rs) for name in ("drafted", "accepted", "beta_sum", "tested", "target_forwards", "draft_forwards")}
+        drafts = method.takes_k
+        alpha = totals["beta_sum"] / totals["tested"] if totals["tested"] else math.nan
+        c = method.c(costs)
+        verify_ratio = costs.verify_ratio(k) if drafts else math.nan
+        matched = len(rs) if method is BASELINE else sum(r["outputs_match"] for r in rs)
+        divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0 and method is not BASELINE]
+        values = {
+                **run_info,
+                "method": method.name,
                 "k": k,
                 "temperature": cfg.temperature,
                 "top_k": cfg.top_k,
                 "top_p": cfg.top_p,
                 "seed": cfg.seed,
                 "max_new_tokens": cfg.max_new_tokens,
+                "num_prompts": len(rs),
                 "new_tokens": tokens,
                 "baseline_tokens_per_s": base_tokens / base_s,
                 "spec_tokens_per_s": tokens / seconds,
                 "speedup": (tokens / seconds) / (base_tokens / base_s),
                 "alpha": alpha,
-                "acceptance_rate": sum(r["accepted"] for r in rs) / drafted if drafted else float("nan"),
-                "tau": tokens / sum(r["target_forwards"] for r in rs) if k else float("nan"),
-                "c": c if k else float("nan"),
+                "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else math.nan,
+                "tau": tokens / totals["target_forwards"] if drafts else math.nan,
+                "c": c,
                 "verify_ratio": verify_ratio,
-                "predicted_speedup": metrics.predicted_speedup(alpha, c, k) if k else float("nan"),
-                "predicted_speedup_verify": metrics.predicted_speedup_verify(alpha, c, k, verify_ratio) if k else float("nan"),
-                "outputs_match": len(rs) if method == "baseline" else sum(r["outputs_match"] for r in rs),
-                "first_divergence": -1 if method == "baseline" else min(
-                    (r["first_divergence"] for r in rs if r["first_divergence"] >= 0), default=-1
-                ),
-            }
-        )
+                "predicted_speedup": metrics.predicted_speedup(alpha, c, k) if drafts else math.nan,
+                "predicted_speedup_verify": metrics.predicted_speedup_verify(alpha, c, k, verify_ratio) if drafts else math.nan,
+                **(totals if drafts else dict.fromkeys(totals, math.nan)),
+                "outputs_match": matched,
+                "first_divergence": min(divergences, default=-1),
+        }
+        rows.append({name: values[name] for name in schema.SUMMARY})
     return rows
 
 
 def acceptance_rows(records: list[dict]) -> list[dict]:
-    """Per K and draft position: how often that position was accepted (acceptance.csv)."""
-    hists: dict[int, list[int]] = {}
+    """Per method, K and draft position: how often that position was accepted (acceptance.csv)."""
+    hists: dict[tuple[str, int], list[int]] = {}
     for r in records:
-        if r["method"] != "speculative":
+        if not r["accept_hist"]:
             continue
         counts = [int(x) for x in r["accept_hist"].split()]
-        total = hists.setdefault(r["k"], [0] * len(counts))
-        hists[r["k"]] = [a + b for a, b in zip(total, counts)]
+        total = hists.setdefault((r["method"], r["k"]), [0] * len(counts))
+        hists[(r["method"], r["k"])] = [a + b for a, b in zip(total, counts)]
     return [
-        {"k": k, "position": i + 1, "acceptance": rate, "verify_steps": sum(hist)}
-        for k, hist in sorted(hists.items())
+        {"method": method, "k": k, "position": i + 1, "acceptance": rate, "verify_steps": sum(hist)}
+        for (method, k), hist in sorted(hists.items())
         for i, rate in enumerate(metrics.acceptance_by_position(hist))
     ]
 
 
-def predicted_by_k(alpha: float, costs: ForwardCosts) -> dict[int, float]:
+def predicted_by_k(alpha: float, c: float, costs: ForwardCosts) -> dict[int, float]:
     """predicted_speedup_verify at every K whose verification cost was measured (1..max K), so a
     one-K run can say whether a smaller K would have done better."""
-    return {k: metrics.predicted_speedup_verify(alpha, costs.c, k, costs.verify_ratio(k)) for k in range(1, max(costs.target))}
+    return {k: metrics.predicted_speedup_verify(alpha, c, k, costs.verify_ratio(k)) for k in range(1, max(costs.target))}
 
 
 def best_ks(summary: list[dict]) -> dict:
-    """For specbench's loop: the best K by measured speedup and by each prediction."""
-    summary = [r for r in summary if r["method"] == "speculative"]
-    if not summary:
-        return {}
-    picks = {}
-    for label, column in [("measured", "speedup"), ("predicted", "predicted_speedup"), ("predicted_verify", "predicted_speedup_verify")]:
-        by_k = {r["k"]: r[column] for r in summary}
-        k = metrics.best_k(by_k)
-        picks[label] = {"k": k, "speedup": by_k[k], "by_k": by_k}
+    """Per method with K: the best K by measured speedup and by each prediction."""
+    picks: dict[str, dict] = {}
+    for row in summary:
+        if not METHODS[row["method"]].takes_k:
+            continue
+        for label, column in [("measured", "speedup"), ("predicted", "predicted_speedup"), ("predicted_verify", "predicted_speedup_verify")]:
+            if not math.isnan(row[column]):
+                picks.setdefault(row["method"], {}).setdefault(label, {"by_k": {}})["by_k"][row["k"]] = row[column]
+    for by_label in picks.values():
+        for pick in by_label.values():
+            pick["k"] = metrics.best_k(pick["by_k"])
+            pick["speedup"] = pick["by_k"][pick["k"]]
     return picks
+
+
+def suggestions(summary: list[dict], costs: ForwardCosts, ks: list[int]) -> list[str]:
+    """After a one-K run: where the measured alpha and costs predict a better K, say so."""
+    if len(ks) != 1:
+        return []
+    lines = []
+    for row in summary:
+        if not METHODS[row["method"]].takes_k or math.isnan(row["alpha"]) or math.isnan(row["c"]):
+            continue
+        by_k = predicted_by_k(row["alpha"], row["c"], costs)
+        best = metrics.best_k(by_k)
+        if best != ks[0]:
+            lines.append(
+                f"{row['method']}: at this alpha and the measured forward costs, K={best} predicts {by_k[best]:.2f}x "
+                f"against {by_k[ks[0]]:.2f}x at K={ks[0]}: `specbench run --k 1,2,3,4` measures each K"
+            )
+    return lines
 
 
 def prepare(cfg: BenchConfig) -> tuple[Pair, list[Prompt], list[torch.Tensor]]:
@@ -395,3 +410,93 @@ def prepare(cfg: BenchConfig) -> tuple[Pair, list[Prompt], list[torch.Tensor]]:
     prompts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.prompt_field)
     pair = load_pair(cfg)
     return pair, prompts, encode_prompts(pair, prompts, cfg)
+
+
+# ---------------------------------------------------------------- the whole run
+
+
+@dataclass
+class Step:
+    """What the benchmark is doing: a stage, and for decoding how far it got."""
+
+    stage: str
+    done: int = 0
+    total: int = 0
+    label: str = ""
+
+
+@dataclass
+class Results:
+    out: Path
+    title: str
+    summary: list[dict]
+    best_ks: dict
+    suggestions: list[str]
+    plot: Path | None
+    greedy: bool
+
+
+def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Step | Results]:
+    """Run ``cfg`` into the run directory ``out``, yielding Steps as it goes and Results at the end.
+
+    With ``resume``, a run interrupted in ``out`` with the same configuration continues: prompts
+    complete in records.csv keep their rows and outputs; the others are decoded now.
+    """
+    cfg.validate()
+    writer = report.RunWriter(out)  # fails on an unusable directory before anything is loaded
+    previous = writer.previous_run(cfg.as_dict()) if resume else None
+    yield Step("loading models and prompts")
+    pair, prompts, prompt_ids = prepare(cfg)
+    run_hash = prompts_hash(prompt_ids)
+    if previous is not None and previous.prompts_hash != run_hash:
+        raise SpecbenchError(f"--resume: the prompts now encode differently from the run in {out} (a changed dataset, template or tokenizer): run without --resume")
+    device_name = torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else pair.device.type
+    run_info = {"target": cfg.target, "draft": cfg.draft, "dataset": cfg.dataset, "device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch."), "prompts_hash": run_hash}
+    resolved = {**run_info, "target_path": str(pair.target.path), "draft_path": str(pair.draft.path) if pair.draft else None}
+    writer.write_json("meta.json", {**report.environment(device_name), "config": cfg.as_dict(), "resolved": resolved})
+
+    if previous is not None and previous.costs:
+        costs = ForwardCosts.from_rows(previous.costs)
+    else:
+        yield Step("measuring forward costs (c, verify_ratio)")
+        costs = measure_costs(pair, prompt_ids, cfg)
+        writer.write_csv("verify_cost.csv", costs.rows())
+    yield Step("warming up")
+    warm_up(pair, cfg, prompt_ids)
+
+    plan = cfg.plan
+    done = previous.complete_prompts(len(plan)) if previous is not None else set()
+    records = writer.start_records([r for r in previous.records if r["prompt_index"] in done] if previous else [], done)
+    todo = [i for i in range(len(prompts)) if i not in done]
+    total, finished, written = len(todo) * (1 + len(plan)), 0, time.monotonic()
+    try:
+        for index in todo:
+            prompt, ids = prompts[index], prompt_ids[index]
+            baseline = decode(pair, cfg, ids, index, BASELINE, None)
+            writer.output(prompt.id, index, None, BASELINE.name, baseline[0].tokens, pair.target.tokenizer.decode(baseline[0].tokens))
+            finished += 1
+            yield Step("decoding", finished, total, BASELINE.name)
+            for method, k in plan:
+                measured = decode(pair, cfg, ids, index, method, k)
+                writer.output(prompt.id, index, k, method.name, measured[0].tokens, pair.target.tokenizer.decode(measured[0].tokens))
+                records.append(record(prompt, index, ids, baseline, method, k, measured))
+                writer.append_record(records[-1])
+                finished += 1
+                yield Step("decoding", finished, total, f"{method.name} K={k}" if k else method.name)
+                if time.monotonic() - written > SUMMARY_EVERY_S:
+                    writer.write_csv("summary.csv", summarize(records, costs, cfg, run_info))
+                    written = time.monotonic()
+    finally:
+        summary = summarize(records, costs, cfg, run_info)
+        writer.write_csv("summary.csv", summary)
+        writer.write_csv("acceptance.csv", acceptance_rows(records))
+        writer.close()
+    picks = best_ks(summary)
+    plot = None
+    if picks:
+        writer.write_json("best_k.json", picks)
+        from .plot import plot_run
+
+        plot = plot_run(out)
+    title = f"{cfg.target} <- {cfg.draft} on {cfg.dataset} ({len(prompts)} prompts)" if pair.draft else f"{cfg.target} on {cfg.dataset} ({len(prompts)} prompts)"
+    yield Results(out, title, summary, picks, suggestions(summary, costs, cfg.ks), plot, cfg.sampling.greedy)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
-import math
 import sys
 import time
 from pathlib import Path
@@ -27,9 +28,10 @@ app = typer.Typer(
 console = Console() if sys.stdout.isatty() else Console(width=150)
 err_console = Console(stderr=True)
 
-# Options shared by `run` and `sweep-k`.
+# Options of `run` (and so of `sweep-k`, the same command with other defaults).
 Target = Annotated[str, typer.Option(help="Target model: alias from configs/models.toml, hub id, local dir or .gguf file.")]
 Draft = Annotated[str, typer.Option(help="Draft model (same forms as --target); must share the target's tokenizer.")]
+Ks = Annotated[str, typer.Option("--k", "--ks", help="Lookahead (draft tokens per verification); a comma-separated list sweeps, e.g. 1,2,4.")]
 Dataset = Annotated[str, typer.Option(help="humaneval, xsum, or a local .jsonl/.csv/.parquet file.")]
 PromptField = Annotated[str, typer.Option(help="Field holding the prompt in a local dataset file.")]
 NumPrompts = Annotated[int, typer.Option(help="How many prompts (from the start of the dataset).")]
@@ -37,7 +39,7 @@ MaxNewTokens = Annotated[int, typer.Option(help="Tokens to generate per prompt (
 Temperature = Annotated[float, typer.Option(help="0 = greedy (exact argmax); > 0 samples.")]
 TopK = Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")]
 TopP = Annotated[float, typer.Option(help="Nucleus sampling mass (1.0 = off).")]
-Seed = Annotated[int, typer.Option(help="Base seed; each prompt's generators derive from (seed, prompt index).")]
+Seed = Annotated[int, typer.Option(help="Base seed; each prompt's generators derive from (seed, prompt index, method).")]
 Device = Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
 Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16.")]
 Repeats = Annotated[int, typer.Option(help="Timed repeats per prompt and method; the median is kept.")]
@@ -45,18 +47,17 @@ Warmup = Annotated[int, typer.Option(help="Untimed warm-up passes over the first
 CostRepeats = Annotated[int, typer.Option(help="Repeats per forward-cost measurement (c, verify_ratio).")]
 Chat = Annotated[str, typer.Option(help="auto: wrap prompts in the target's chat template when it has one (instruct models); on; off (raw prompts).")]
 Out = Annotated[Path | None, typer.Option(help="Run directory (default results/<time>-<target>-<draft>/).")]
-Method = Annotated[
-    list[str] | None,
-    typer.Option(
-        help="Decoding method, repeatable or comma-separated: speculative (specbench's loop, default), "
-        "prompt-lookup (n-gram drafts, no draft model), hf-assisted (transformers' assisted generation, K tokens), "
-        "hf-generate (transformers' plain generate). The baseline always runs."
-    ),
-]
+Resume = Annotated[bool, typer.Option(help="Continue an interrupted run in --out with the same configuration: finished prompts are kept.")]
 
 
-def _methods(values: list[str] | None) -> list[str]:
-    return [m.strip() for v in values or ["speculative"] for m in v.split(",") if m.strip()]
+def _method_help() -> str:
+    from .methods import METHODS
+
+    listed = "; ".join(f"{m.name}: {m.help}" for m in METHODS.values())
+    return f"Decoding methods, repeatable or comma-separated ({listed})."
+
+
+Method = Annotated[list[str] | None, typer.Option(help=_method_help())]
 
 
 def _setup_logging() -> None:
@@ -72,9 +73,9 @@ def _parse_ks(text: str) -> list[int]:
     try:
         ks = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
-        raise SpecbenchError(f"--ks {text!r} is not a comma-separated list of integers, e.g. 1,2,3,4,6,8") from None
+        raise SpecbenchError(f"--k {text!r} is not an integer or a comma-separated list of integers, e.g. 1,2,3,4") from None
     if not ks:
-        raise SpecbenchError("--ks is empty: give a list such as 1,2,3,4,6,8")
+        raise SpecbenchError("--k is empty: give a lookahead such as 4 or a list such as 1,2,3,4")
     return ks
 
 
@@ -82,91 +83,45 @@ def _slug(name: str) -> str:
     return Path(name).stem.replace("/", "_") if name.endswith(".gguf") else name.rstrip("/").replace("/", "_")
 
 
-def _benchmark(cfg, out: Path | None) -> None:
-    import torch
+def _show(events) -> None:
+    """Progress while the benchmark runs, then its tables and verdicts."""
+    from .bench import Results
+    from .report import summary_table
 
-    from . import bench
-    from .plot import plot_run
-    from .report import RunWriter, environment, summary_table
-
-    _setup_logging()
-    with console.status("loading models and prompts"):
-        pair, prompts, prompt_ids = bench.prepare(cfg)
-    out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(cfg.target)}-{_slug(cfg.draft)}"
-    writer = RunWriter(out)
-    device_name = torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else pair.device.type
-    info = {"target": cfg.target, "draft": cfg.draft, "dataset": cfg.dataset, "device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch.")}
-    writer.write_json("meta.json", {**environment(device_name), "config": cfg.as_dict(), "resolved": {**info, "target_path": str(pair.target.path), "draft_path": str(pair.draft.path)}})
-
-    with console.status("measuring forward costs (c, verify_ratio)"):
-        costs = bench.measure_costs(pair, prompt_ids, cfg)
-    writer.write_csv(
-        "verify_cost.csv",
-        [{"tokens": n, "context_tokens": costs.context_tokens, "target_s": s, "ratio": s / costs.target[1]} for n, s in costs.target.items()],
-    )
-    with console.status("warming up"):
-        bench.warm_up(pair, cfg, prompt_ids)
-
-    records: list[dict] = []
-    summary: list[dict] = []
-    tokenizer = pair.target.tokenizer
     progress = Progress(
         TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
         console=console,
     )
-    try:
-        with progress:
-            task = progress.add_task("decoding", total=len(prompts) * (1 + len(cfg.plan)))
-            for m in bench.run(pair, cfg, prompts, prompt_ids):
-                writer.output(m.prompt_id, m.k, m.method, m.result.tokens, tokenizer.decode(m.result.tokens))
-                if m.method == "baseline":
-                    baseline = m
-                else:
-                    records.append(bench.record(baseline, m))
-                    writer.append("records.csv", records[-1])
-                    writer.write_csv("summary.csv", bench.summarize(records, costs, cfg, info))
-                progress.update(task, advance=1, description=f"{m.method} K={m.k}" if m.k else m.method)
-    finally:
-        summary = bench.summarize(records, costs, cfg, info)
-        writer.write_csv("summary.csv", summary)
-        writer.write_csv("acceptance.csv", bench.acceptance_rows(records))
-        writer.close()
-    if not summary:
+    results, task = None, None
+    with progress:
+        for event in events:
+            if isinstance(event, Results):
+                results = event
+            elif task is None:
+                task = progress.add_task(event.stage, total=None)
+            else:
+                progress.update(task, description=event.label or event.stage, completed=event.done, total=event.total or None)
+    if results is None or not results.summary:
         return
-    console.print(summary_table(summary, f"{cfg.target} <- {cfg.draft} on {cfg.dataset} ({len(prompts)} prompts)"))
-    picks = bench.best_ks(summary)
-    if picks:
-        writer.write_json("best_k.json", picks)
-        console.print("best K: " + ", ".join(f"{label} K={p['k']} ({p['speedup']:.2f}x)" for label, p in picks.items()))
-        console.print(f"plot: {plot_run(out)}")
-        if len(cfg.ks) == 1:
-            _suggest_k(next(r for r in summary if r["method"] == "speculative")["alpha"], costs, cfg.ks[0])
-    if cfg.temperature == 0:
-        mismatched = [f"{r['method']} K={r['k']}" for r in summary if r["outputs_match"] < r["num_prompts"]]
+    console.print(summary_table(results.summary, results.title))
+    for method, picks in results.best_ks.items():
+        console.print(f"best K for {method}: " + ", ".join(f"{label} K={p['k']} ({p['speedup']:.2f}x)" for label, p in picks.items()))
+    if results.plot:
+        console.print(f"plot: {results.plot}")
+    for line in results.suggestions:
+        console.print(line)
+    if results.greedy:
+        mismatched = [f"{r['method']} K={r['k']}" for r in results.summary if r["outputs_match"] < r["num_prompts"]]
         console.print(f"greedy outputs differing from the baseline: {', '.join(mismatched)}" if mismatched else "greedy outputs: every method equals the baseline")
-    console.print(f"results in {out}/")
-
-
-def _suggest_k(alpha: float, costs, k: int) -> None:
-    """After a one-K run: say so when the measured alpha and costs predict a better smaller K."""
-    from . import bench, metrics
-
-    if math.isnan(alpha):
-        return
-    by_k = bench.predicted_by_k(alpha, costs)
-    best = metrics.best_k(by_k)
-    if best != k:
-        console.print(
-            f"at this alpha and the measured forward costs, K={best} predicts {by_k[best]:.2f}x against {by_k[k]:.2f}x "
-            f"at K={k}: `specbench sweep-k` measures each K"
-        )
+    console.print(f"results in {results.out}/")
 
 
 @app.command()
 def run(
     target: Target = "smollm2-135m",
     draft: Draft = "smollm2-135m-draft",
-    k: Annotated[int, typer.Option("--k", help="Lookahead: draft tokens per target verification.")] = 4,
+    k: Ks = "4",
+    method: Method = None,
     dataset: Dataset = "humaneval",
     prompt_field: PromptField = "prompt",
     num_prompts: NumPrompts = 10,
@@ -180,48 +135,57 @@ def run(
     repeats: Repeats = 1,
     warmup: Warmup = 1,
     cost_repeats: CostRepeats = 10,
-    method: Method = None,
     chat: Chat = "auto",
     out: Out = None,
+    resume: Resume = False,
 ) -> None:
-    """Speculative and baseline decoding on a target/draft pair at one K."""
-    from .bench import BenchConfig
+    """Decode prompts with the baseline and each method at each K; write and show what was measured."""
+    from . import bench
+    from .methods import DEFAULT
 
-    cfg = BenchConfig(
-        target=target, draft=draft, ks=[k], dataset=dataset, methods=_methods(method), num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, repeats=repeats, warmup=warmup, prompt_field=prompt_field, cost_repeats=cost_repeats, chat=chat,
+    _setup_logging()
+    cfg = bench.BenchConfig(
+        target=target,
+        draft=draft,
+        ks=_parse_ks(k),
+        methods=[m.strip() for v in method or DEFAULT for m in v.split(",") if m.strip()],
+        dataset=dataset,
+        prompt_field=prompt_field,
+        num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        device=device,
+        dtype=dtype,
+        repeats=repeats,
+        warmup=warmup,
+        cost_repeats=cost_repeats,
+        chat=chat,
     )
-    _benchmark(cfg, out)
+    if resume and out is None:
+        raise SpecbenchError("--resume needs --out DIR: the run directory to continue")
+    out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(target)}-{_slug(draft)}"
+    _show(bench.benchmark(cfg, out, resume))
 
 
-@app.command("sweep-k")
-def sweep_k(
-    target: Target = "smollm2-135m",
-    draft: Draft = "smollm2-135m-draft",
-    ks: Annotated[str, typer.Option(help="Comma-separated lookaheads to sweep.")] = "1,2,3,4,6,8",
-    dataset: Dataset = "humaneval",
-    prompt_field: PromptField = "prompt",
-    num_prompts: NumPrompts = 10,
-    max_new_tokens: MaxNewTokens = 64,
-    temperature: Temperature = 0.0,
-    top_k: TopK = 0,
-    top_p: TopP = 1.0,
-    seed: Seed = 0,
-    device: Device = "auto",
-    dtype: Dtype = "auto",
-    repeats: Repeats = 1,
-    warmup: Warmup = 1,
-    cost_repeats: CostRepeats = 10,
-    method: Method = None,
-    chat: Chat = "auto",
-    out: Out = None,
-) -> None:
-    """Sweep the lookahead K: one baseline per prompt shared by all K, one summary row per K."""
-    from .bench import BenchConfig
+def _with_defaults(command, **defaults):
+    """The same command with other option defaults (sweep-k is run with a list of K)."""
+    signature = inspect.signature(command, eval_str=True)  # typer reads the Annotated options from it
+    params = [p.replace(default=defaults.get(p.name, p.default)) for p in signature.parameters.values()]
 
-    cfg = BenchConfig(
-        target=target, draft=draft, ks=_parse_ks(ks), dataset=dataset, methods=_methods(method), num_prompts=num_prompts, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, device=device, dtype=dtype, repeats=repeats, warmup=warmup, prompt_field=prompt_field, cost_repeats=cost_repeats, chat=chat,
-    )
-    _benchmark(cfg, out)
+    @functools.wraps(command)
+    def variant(**options):
+        return command(**options)
+
+    variant.__signature__ = signature.replace(parameters=params)
+    return variant
+
+
+app.command("sweep-k", help="`run` with K swept over 1,2,3,4,6,8 by default: one baseline per prompt shared by all K.")(
+    _with_defaults(run, k="1,2,3,4,6,8")
+)
 
 
 @app.command()
@@ -262,8 +226,8 @@ def theory(
 def compare(
     baseline: Annotated[str, typer.Argument(help="Baseline run directory or summary.csv.")],
     current: Annotated[str, typer.Argument(help="Current run directory or summary.csv.")],
-    tolerance: Annotated[float, typer.Option(help="Relative tolerance for throughput and speedup.")] = 0.10,
-    abs_tolerance: Annotated[float, typer.Option(help="Absolute tolerance for alpha, tau and acceptance_rate.")] = 0.01,
+    tolerance: Annotated[float, typer.Option(help="Relative tolerance for timing metrics (throughput, speedup, c).")] = 0.10,
+    abs_tolerance: Annotated[float, typer.Option(help="Absolute tolerance for deterministic metrics (alpha, tau, acceptance_rate).")] = 0.01,
     metric: Annotated[list[str] | None, typer.Option(help="Compare only this metric (repeatable).")] = None,
     json: Annotated[str | None, typer.Option("--json", help="Write the verdict as JSON here.")] = None,
     markdown: Annotated[str | None, typer.Option(help="Write a Markdown table here.")] = None,
@@ -309,10 +273,26 @@ def distill(
 
     _setup_logging()
     cfg = distillation.DistillConfig(
-        out, target, hidden_size, layers, heads, kv_heads, intermediate_size, init, seq_len, teacher_tokens,
-        top_k=top_k, epochs=epochs, batch=batch, lr=lr, seed=seed,
-        generate_prompts=generate_prompts, generate_new_tokens=generate_new_tokens, generate_batch=generate_batch,
-        sampled_fraction=sampled_fraction, generated_repeats=generated_repeats,
+        out=out,
+        target=target,
+        hidden_size=hidden_size,
+        layers=layers,
+        heads=heads,
+        kv_heads=kv_heads,
+        intermediate_size=intermediate_size,
+        init=init,
+        seq_len=seq_len,
+        teacher_tokens=teacher_tokens,
+        top_k=top_k,
+        epochs=epochs,
+        batch=batch,
+        lr=lr,
+        seed=seed,
+        generate_prompts=generate_prompts,
+        generate_new_tokens=generate_new_tokens,
+        generate_batch=generate_batch,
+        sampled_fraction=sampled_fraction,
+        generated_repeats=generated_repeats,
     )
     if source:
         cfg.sources = source

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 
 from .errors import SpecbenchError
 from .models import HEAD_TOKENS, LoadedModel, read_config
+from .report import replacing
 
 SHARD_SEQUENCES = 64
 
@@ -220,9 +221,8 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
                 "ids": torch.cat([prompt, answers[r, :n]]).int(), "prompt_len": len(prompt),
                 "top_logp": top_logp[r, :n].clone(), "top_idx": top_idx[r, :n].clone(),
             })
-        tmp = path.with_suffix(".tmp")
-        torch.save(docs, tmp)
-        tmp.replace(path)
+        with replacing(path) as tmp:
+            torch.save(docs, tmp)
         yield Progress("generate", done, len(texts))
 
 
@@ -253,9 +253,8 @@ def teacher_shards(
                 top_logp.append(values.half().cpu())
                 top_idx.append(indices.int().cpu())
                 yield Progress(phase, shard * SHARD_SEQUENCES + start + len(batch), n_seqs)
-        tmp = path.with_suffix(".tmp")
-        torch.save({"ids": ids.int(), "top_logp": torch.cat(top_logp), "top_idx": torch.cat(top_idx)}, tmp)
-        tmp.replace(path)
+        with replacing(path) as tmp:
+            torch.save({"ids": ids.int(), "top_logp": torch.cat(top_logp), "top_idx": torch.cat(top_idx)}, tmp)
 
 
 def draft_config(cfg: DistillConfig, target: LoadedModel):
@@ -435,10 +434,9 @@ def train_student(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]
         if step % cfg.eval_every == 0 or step == total:
             held_out_agreement = agreement(student, held_out, cfg.batch)
         if step % cfg.save_every == 0 or step == total:
-            tmp = state_path.with_suffix(".tmp")
             state = {"model": student.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}
-            torch.save({**state, "step": step, "agreement": held_out_agreement}, tmp)
-            tmp.replace(state_path)
+            with replacing(state_path) as tmp:
+                torch.save({**state, "step": step, "agreement": held_out_agreement}, tmp)
         yield Progress("student", step, total, loss.item(), held_out_agreement)
     save_draft(student, target, cfg, held_out_agreement, head_tokens(examples))
 

@@ -1,17 +1,20 @@
 """Decode loops over token ids: plain autoregressive (the baseline) and speculative.
 
 The loops see a small model protocol, never a tokenizer or transformers itself, so tests can
-drive them with a toy model whose distributions are known exactly.
+drive them with a toy model whose distributions are known exactly. One speculative round
+(draft, verify, accept, update both caches) is its own function: `speculative_decode` loops
+it, and a drafter that nests speculation calls it for its own level.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 
-from .sampling import SamplingConfig, next_token, sample, verify_greedy, verify_sampled, warp
+from .sampling import SamplingConfig, Verdict, next_token, sample, verify_chain_greedy, verify_chain_sampled, warp
 
 
 class CausalLM(Protocol):
@@ -22,11 +25,52 @@ class CausalLM(Protocol):
     def reset(self) -> None:
         """Empty the cache before a new sequence."""
 
-    def forward(self, token_ids: torch.Tensor, last: int = 1) -> torch.Tensor:
-        """Append 1-D ``token_ids`` to the cache; return logits [last, V] for the final positions."""
+    def forward(
+        self, token_ids: torch.Tensor, last: int = 1, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Append 1-D ``token_ids`` to the cache; return logits [last, V] for the final positions.
 
-    def crop(self, n_drop: int) -> None:
-        """Drop the newest ``n_drop`` positions from the cache."""
+        ``positions`` (position ids) and ``mask`` ([n, cached + n] bool: which cache positions each
+        new token attends to) verify a tree in one forward; None means an ordinary causal append.
+        """
+
+    def keep(self, path: Sequence[int], new: int) -> None:
+        """Of the newest ``new`` cache positions keep those at offsets ``path`` (ascending), drop the rest."""
+
+
+@dataclass
+class Draft:
+    """What a drafter proposes: a chain or a tree of candidate tokens after the last accepted one."""
+
+    tokens: torch.Tensor  # [n] ids
+    parents: list[int]  # each token's parent: an index into tokens, or -1 for the last accepted token
+    q: torch.Tensor | None  # [n, V] rows the tokens were sampled from; None for deterministic candidates
+    forwards: int = 0  # draft-model forwards it cost
+
+    @classmethod
+    def chain(cls, tokens: torch.Tensor, q: torch.Tensor | None, forwards: int = 0) -> Draft:
+        return cls(tokens, list(range(-1, len(tokens) - 1)), q, forwards)
+
+    @property
+    def is_chain(self) -> bool:
+        return self.parents == list(range(-1, len(self.tokens) - 1))
+
+    def on_path(self, path: list[int]) -> torch.Tensor:
+        """The tokens at ``path``; a chain's accepted path is a prefix, taken as a view (no index copy)."""
+        return self.tokens[: len(path)] if self.is_chain else self.tokens[path]
+
+
+class Drafter(Protocol):
+    """Proposes drafts for one sequence and learns which of its tokens the target kept."""
+
+    def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
+        """A new sequence: the prompt and the first token the target generated."""
+
+    def propose(self, k: int) -> Draft:
+        """Candidates for the next ``k`` positions (fewer when it has nothing to offer)."""
+
+    def accepted(self, draft: Draft, verdict: Verdict) -> None:
+        """The target kept ``verdict.path`` of ``draft`` and then ``verdict.next_token``."""
 
 
 @dataclass
@@ -72,7 +116,7 @@ def autoregressive_decode(
 
 
 class ModelDrafter:
-    """Drafts by sampling a small model autoregressively (it keeps its own KV cache)."""
+    """Drafts a chain by sampling a small model autoregressively (it keeps its own KV cache)."""
 
     def __init__(self, model: CausalLM, cfg: SamplingConfig, generator: torch.Generator):
         self.model, self.cfg, self.generator = model, cfg, generator
@@ -82,7 +126,7 @@ class ModelDrafter:
         self.model.forward(prompt_ids, last=1)
         self.pending = first  # tokens the draft has not read yet
 
-    def propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, k: int) -> Draft:
         drafted, q_rows = [], []
         for _ in range(k):
             logits = self.model.forward(self.pending, last=1)[-1]
@@ -92,48 +136,85 @@ class ModelDrafter:
                 q_rows.append(warp(logits, self.cfg))
                 self.pending = sample(q_rows[-1], self.generator)
             drafted.append(self.pending)
-        return torch.cat(drafted), (torch.stack(q_rows) if q_rows else None)
+        return Draft.chain(torch.cat(drafted), torch.stack(q_rows) if q_rows else None, forwards=k)
 
-    def accepted(self, drafts: torch.Tensor, n: int, next_token: torch.Tensor) -> None:
-        if n == len(drafts):
+    def accepted(self, draft: Draft, verdict: Verdict) -> None:
+        n, k = verdict.accepted, len(draft.tokens)
+        if n == k:
             # It never read its own last draft: it reads it now, with the target's bonus token.
-            self.pending = torch.cat([drafts[-1:], next_token])
+            self.pending = torch.cat([draft.tokens[-1:], verdict.next_token])
         else:
-            self.model.crop(len(drafts) - 1 - n)
-            self.pending = next_token
+            self.model.keep(range(n), k - 1)  # its cache holds drafts 1..k-1
+            self.pending = verdict.next_token
 
 
 class PromptLookupDrafter:
     """Drafts by n-gram lookup: the tokens that followed the latest earlier occurrence of the
-    sequence's last n tokens (n from ``max_ngram`` down to 1). Its q is one-hot on what it
-    proposes, so verification stays exact under sampling."""
+    sequence's last n tokens (n from ``max_ngram`` down to 1). Its candidates are deterministic
+    (q is None), which verification treats as a one-hot q, so it stays exact under sampling."""
 
-    def __init__(self, vocab: int, max_ngram: int = 3):
-        self.vocab, self.max_ngram = vocab, max_ngram
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
 
     def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
         self.device = prompt_ids.device
         self.seen = prompt_ids.tolist() + first.tolist()
 
-    def propose(self, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def propose(self, k: int) -> Draft:
         seen = self.seen
         for n in range(min(self.max_ngram, len(seen) - 1), 0, -1):
             tail = seen[-n:]
             for start in range(len(seen) - n - 1, -1, -1):
                 if seen[start : start + n] == tail:
-                    drafts = torch.tensor(seen[start + n : start + n + k], device=self.device)
-                    return drafts, torch.nn.functional.one_hot(drafts, self.vocab).float()
-        empty = torch.zeros(0, dtype=torch.long, device=self.device)
-        return empty, torch.zeros(0, self.vocab, device=self.device)
+                    return Draft.chain(torch.tensor(seen[start + n : start + n + k], device=self.device), None)
+        return Draft.chain(torch.zeros(0, dtype=torch.long, device=self.device), None)
 
-    def accepted(self, drafts: torch.Tensor, n: int, next_token: torch.Tensor) -> None:
-        self.seen += drafts[:n].tolist() + next_token.tolist()
+    def accepted(self, draft: Draft, verdict: Verdict) -> None:
+        self.seen += draft.on_path(verdict.path).tolist() + verdict.next_token.tolist()
+
+
+@dataclass
+class Round:
+    """One speculative round: the draft, the verdict, and the target's warped rows at every
+    position it scored ([n+1, V]; None under greedy), which a level above uses as its q."""
+
+    draft: Draft
+    verdict: Verdict
+    p: torch.Tensor | None
+
+    @property
+    def emitted(self) -> torch.Tensor:
+        return torch.cat([self.draft.on_path(self.verdict.path), self.verdict.next_token])
+
+
+def verify(draft: Draft, target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> tuple[Verdict, torch.Tensor | None]:
+    """The verdict on ``draft`` from the target's logits at the root and every draft token."""
+    if not draft.is_chain:
+        raise NotImplementedError("tree verification arrives with --method tree")
+    if cfg.greedy:
+        return verify_chain_greedy(draft.tokens, target_logits), None
+    p = warp(target_logits, cfg)
+    return verify_chain_sampled(draft.tokens, draft.q, p, generator), p
+
+
+def speculative_round(
+    target: CausalLM, drafter: Drafter, last: torch.Tensor, k: int, cfg: SamplingConfig, generator: torch.Generator
+) -> Round:
+    """Draft up to ``k`` tokens after ``last`` (the one token the target has not read), verify them
+    in one target forward, and leave both caches holding exactly the accepted path."""
+    draft = drafter.propose(k)
+    n = len(draft.tokens)
+    target_logits = target.forward(torch.cat([last, draft.tokens]), last=n + 1)
+    verdict, p = verify(draft, target_logits, cfg, generator)
+    target.keep([0] + [i + 1 for i in verdict.path], n + 1)  # offset 0 is ``last`` itself
+    drafter.accepted(draft, verdict)
+    return Round(draft, verdict, p)
 
 
 @torch.inference_mode()
 def speculative_decode(
     target: CausalLM,
-    draft: CausalLM | ModelDrafter | PromptLookupDrafter,
+    drafter: Drafter,
     prompt_ids: torch.Tensor,
     k: int,
     max_new_tokens: int,
@@ -143,13 +224,11 @@ def speculative_decode(
 ) -> DecodeResult:
     """Speculative decoding with lookahead ``k``; output law equals the target's (exactly).
 
-    ``draft`` is a model (drafting by sampling it) or a drafter. Between rounds the target's
-    cache holds every token but the newest one (``last``), which it reads first in the next
-    verification forward together with up to ``k`` drafted tokens.
+    Between rounds the target's cache holds every token but the newest one (``last``), which it
+    reads first in the next verification forward together with the drafted tokens.
     """
     if k < 1:
         raise ValueError("k must be >= 1")
-    drafter = draft if hasattr(draft, "propose") else ModelDrafter(draft, cfg, generator)
     target.reset()
     last = next_token(target.forward(prompt_ids, last=1)[-1], cfg, generator)
     drafter.start(prompt_ids, last)
@@ -158,27 +237,17 @@ def speculative_decode(
         return result
     beta_sum = 0.0  # becomes a device tensor under sampling: summed there, read once at the end
     while True:
-        drafts, q = drafter.propose(k)
-        n_drafts = len(drafts)
-        target_logits = target.forward(torch.cat([last, drafts]), last=n_drafts + 1)
-        if cfg.greedy:
-            verdict = verify_greedy(drafts, target_logits)
-        else:
-            verdict = verify_sampled(drafts, q, warp(target_logits, cfg), generator)
-        n = verdict.accepted
-        target.crop(n_drafts - n)
-        drafter.accepted(drafts, n, verdict.next_token)
-        last = verdict.next_token
-
+        step = speculative_round(target, drafter, last, k, cfg, generator)
+        verdict, last = step.verdict, step.verdict.next_token
         result.target_forwards += 1
-        result.draft_forwards += n_drafts if isinstance(drafter, ModelDrafter) else 0
-        result.drafted += n_drafts
-        result.accepted += n
+        result.draft_forwards += step.draft.forwards
+        result.drafted += len(step.draft.tokens)
+        result.accepted += verdict.accepted
         result.tested += verdict.tested
-        result.accept_counts.append(n)
+        result.accept_counts.append(verdict.accepted)
         beta_sum = beta_sum + verdict.beta_sum
         new_from = len(result.tokens)
-        result.tokens += torch.cat([drafts[:n], last]).tolist()
+        result.tokens += step.emitted.tolist()
         end = _end(result.tokens, new_from, max_new_tokens, stop_ids)
         if end is not None:
             del result.tokens[end:]

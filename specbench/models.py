@@ -12,6 +12,7 @@ import re
 import shutil
 import socket
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -201,9 +202,8 @@ class LoadedModel:
     @property
     def stop_ids(self) -> frozenset[int]:
         ids = self.model.generation_config.eos_token_id
-        ids = ids if isinstance(ids, list) else [ids]
-        ids.append(self.tokenizer.eos_token_id)
-        return frozenset(i for i in ids if i is not None)
+        ids = list(ids) if isinstance(ids, list) else [ids]  # a copy: the config's own list stays as it is
+        return frozenset(i for i in [*ids, self.tokenizer.eos_token_id] if i is not None)
 
 
 def load(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
@@ -278,23 +278,61 @@ class HFCausalLM:
             self.head_ids = torch.cat([self.head_ids, new])
             self.head = torch.cat([self.head, self.model.get_output_embeddings().weight[new]])
 
+    def _inputs(self, token_ids: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None) -> dict:
+        """Keyword arguments of the model call; without positions and mask, exactly the linear decode's."""
+        inputs = {"input_ids": token_ids.view(1, -1), "past_key_values": self.cache, "use_cache": True}
+        if positions is None and mask is None:
+            return inputs
+        n, past = token_ids.shape[0], self.cache.get_seq_length()
+        if positions is None:
+            positions = torch.arange(past, past + n, device=self.device)
+        inputs["position_ids"] = positions.to(self.device).view(1, -1)  # transformers feeds these to RoPE as given
+        if mask is not None:
+            if mask.shape != (n, past + n):
+                raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({n}, {past + n})")
+            # A 4D mask reaches attention untouched. Additive and in the model's dtype, because eager
+            # attention adds it to the scores (a bool would be added as 0/1); sdpa accepts it as well.
+            dtype = self.model.dtype
+            additive = torch.zeros(mask.shape, dtype=dtype, device=self.device)
+            inputs["attention_mask"] = additive.masked_fill_(~mask.to(self.device), torch.finfo(dtype).min)[None, None]
+        return inputs
+
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, last: int = 1) -> torch.Tensor:
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        last: int = 1,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        inputs = self._inputs(token_ids, positions, mask)
         if self.head_tokens is None:
-            out = self.model(
-                input_ids=token_ids.view(1, -1), past_key_values=self.cache, use_cache=True, logits_to_keep=last
-            )
+            out = self.model(**inputs, logits_to_keep=last)
             return out.logits[0, :, : self.width]
         self._read(token_ids)
-        hidden = self.model.base_model(input_ids=token_ids.view(1, -1), past_key_values=self.cache, use_cache=True)
-        hidden = hidden.last_hidden_state[0, -last:]
+        hidden = self.model.base_model(**inputs).last_hidden_state[0, -last:]
         logits = torch.full((last, self.width), float("-inf"), dtype=hidden.dtype, device=self.device)
         logits[:, self.head_ids] = hidden @ self.head.T
         return logits
 
-    def crop(self, n_drop: int) -> None:
-        if n_drop:
-            self.cache.crop(-n_drop)  # transformers 5.x: a negative count removes that many positions
+    @torch.inference_mode()  # the cache holds inference tensors, which only change in place in this mode
+    def keep(self, path: Sequence[int], new: int) -> None:
+        """Of the newest ``new`` cache positions keep those at offsets ``path`` (ascending), in order.
+
+        The shortlist keeps every id read, dropped ones included: it stays exact because drafts
+        are sampled from, and verified against, the same restricted distribution.
+        """
+        path = list(path)
+        if path != list(range(len(path))):
+            offsets = torch.tensor(path, device=self.device)
+            for layer in self.cache.layers:
+                if not layer.is_initialized:
+                    continue
+                start = layer.keys.shape[-2] - new
+                for states in (layer.keys, layer.values):  # [batch, heads, length, dim]
+                    states[:, :, start : start + len(path)] = states.index_select(2, offsets + start)
+        if new > len(path):
+            self.cache.crop(-(new - len(path)))  # transformers 5.x: a negative count removes that many positions
 
 
 class _CallCounter:

@@ -16,28 +16,32 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path:
 
     try:
         summary = pd.read_csv(run_dir / "summary.csv")
-        acceptance = pd.read_csv(run_dir / "acceptance.csv")
+        # Methods that report no acceptance (transformers' own) leave no acceptance.csv.
+        has_acceptance = (run_dir / "acceptance.csv").is_file()
+        acceptance = pd.read_csv(run_dir / "acceptance.csv") if has_acceptance else pd.DataFrame(columns=["method", "k", "position", "acceptance"])
         verify = pd.read_csv(run_dir / "verify_cost.csv")
     except (OSError, ValueError) as e:
         raise SpecbenchError(f"cannot read the run's CSVs in {run_dir} ({str(e).splitlines()[0]}): pass a run directory") from None
-    spec = summary[summary.get("method", "speculative") == "speculative"].sort_values("k")
-    first = spec.iloc[0]
+    drafting = summary[summary["k"].notna()].sort_values("k")  # the rows of methods that take K
+    if drafting.empty:
+        raise SpecbenchError(f"{run_dir}/summary.csv has no method with a lookahead K: nothing to plot")
+    verify = verify[verify["model"] == "target"]
+    first = drafting.iloc[0]
     fig, (ax_speed, ax_accept, ax_verify) = plt.subplots(1, 3, figsize=(15, 4.5))
-    fig.suptitle(
-        f"{first['target']} <- {first['draft']} on {first['dataset']}, T={first['temperature']}, "
-        f"{first['device']}, c={first['c']:.3f}"
-    )
+    fig.suptitle(f"{first['target']} <- {first['draft']} on {first['dataset']}, T={first['temperature']}, {first['device']}")
 
-    ax_speed.plot(spec["k"], spec["speedup"], "o-", label="measured", linewidth=2)
-    ax_speed.plot(spec["k"], spec["predicted_speedup"], "s--", label="predicted (verify free)")
-    ax_speed.plot(spec["k"], spec["predicted_speedup_verify"], "^--", label="predicted (measured verify cost)")
+    for (method, rows), color in zip(drafting.groupby("method", sort=False), plt.rcParams["axes.prop_cycle"].by_key()["color"]):
+        ax_speed.plot(rows["k"], rows["speedup"], "o-", color=color, label=f"{method}: measured", linewidth=2)
+        if rows["predicted_speedup_verify"].notna().any():
+            ax_speed.plot(rows["k"], rows["predicted_speedup"], "s:", color=color, label=f"{method}: predicted (verify free)")
+            ax_speed.plot(rows["k"], rows["predicted_speedup_verify"], "^--", color=color, label=f"{method}: predicted (measured verify)")
     ax_speed.axhline(1.0, color="grey", linewidth=0.8)
     ax_speed.set(xlabel="lookahead K", ylabel="speedup over the target alone", title="speedup vs K")
-    ax_speed.set_xticks(spec["k"])
-    ax_speed.legend()
+    ax_speed.set_xticks(sorted(drafting["k"].unique()))
+    ax_speed.legend(fontsize="small")
 
-    for k, rows in acceptance.groupby("k"):
-        ax_accept.plot(rows["position"], rows["acceptance"], "o-", label=f"K={k}")
+    for (method, k), rows in acceptance.groupby(["method", "k"], sort=False):
+        ax_accept.plot(rows["position"], rows["acceptance"], "o-", label=f"{method} K={k}")
     ax_accept.set_xticks(sorted(acceptance["position"].unique()))
     ax_accept.set(xlabel="draft position", ylabel="accepted per verify step", title="acceptance by position", ylim=(0, 1.02))
     ax_accept.legend(fontsize="small")

@@ -1,60 +1,142 @@
 """Results on disk (CSV, JSONL, JSON) and on screen (rich tables). Rows are appended and
-flushed as they complete, so an interrupted run keeps everything it measured."""
+flushed as they complete, so an interrupted run keeps everything it measured, and `--resume`
+reads them back."""
 
 from __future__ import annotations
 
 import csv
 import json
-import math
+import os
 import platform
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.table import Table
 
-from . import __version__
+from . import __version__, schema
+from .errors import SpecbenchError
+
+RECORDS, OUTPUTS = "records.csv", "outputs.jsonl"
+
+
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; when the block succeeds it replaces ``path`` in one
+    rename, so a reader never sees a half-written file."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        yield tmp
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _parse(name: str, text: str):
+    """A records.csv cell back to the value written (schema formats: d = integer, empty = text)."""
+    spec = schema.BY_NAME[name].fmt
+    if spec == "" or text in ("True", "False"):
+        return text == "True" if text in ("True", "False") else text
+    if text == "":
+        return None if name == "k" else float("nan")
+    return int(float(text)) if spec == "d" else float(text)
+
+
+def _read_csv(path: Path) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+@dataclass
+class PreviousRun:
+    """What an interrupted run left in its directory."""
+
+    records: list[dict]
+    costs: list[dict]  # verify_cost.csv rows (empty if it never got that far)
+    prompts_hash: str | None
+
+    def complete_prompts(self, steps: int) -> set[int]:
+        """Prompts with a record for every (method, K) step of the plan."""
+        counts: dict[int, int] = {}
+        for r in self.records:
+            counts[r["prompt_index"]] = counts.get(r["prompt_index"], 0) + 1
+        return {index for index, n in counts.items() if n == steps}
 
 
 class RunWriter:
     def __init__(self, out: Path):
         self.out = out
-        out.mkdir(parents=True, exist_ok=True)
-        self._writers: dict[str, tuple[object, csv.DictWriter]] = {}
-        self._outputs = open(out / "outputs.jsonl", "w", encoding="utf-8")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / ".specbench-write-check"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise SpecbenchError(f"cannot write results to {out} ({e.strerror or e}): choose another --out") from None
+        self._files: dict[str, object] = {}
+        self._records: csv.DictWriter | None = None
 
-    def append(self, name: str, row: dict) -> None:
-        """Append a row to ``name`` (a CSV in the run directory), writing the header first."""
-        if name not in self._writers:
-            f = open(self.out / name, "w", newline="", encoding="utf-8")
-            self._writers[name] = (f, csv.DictWriter(f, fieldnames=list(row)))
-            self._writers[name][1].writeheader()
-        f, writer = self._writers[name]
-        writer.writerow(row)
-        f.flush()
+    def previous_run(self, config: dict) -> PreviousRun:
+        """The state of an interrupted run in this directory, which must have the same configuration."""
+        meta_path = self.out / "meta.json"
+        if not meta_path.is_file():
+            raise SpecbenchError(f"--resume: {self.out} holds no run to resume (no meta.json): drop --resume")
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        config = json.loads(json.dumps(config))  # tuples and lists compare alike after a round trip
+        changed = [key for key in sorted(set(config) | set(meta.get("config", {}))) if config.get(key) != meta["config"].get(key)]
+        if changed:
+            was = ", ".join(f"{key} {meta['config'].get(key)!r} -> {config.get(key)!r}" for key in changed)
+            raise SpecbenchError(f"--resume: the run in {self.out} has another configuration ({was}): use the same options or another --out")
+        records = [{k: _parse(k, v) for k, v in row.items()} for row in _read_csv(self.out / RECORDS)] if (self.out / RECORDS).is_file() else []
+        costs = _read_csv(self.out / "verify_cost.csv") if (self.out / "verify_cost.csv").is_file() else []
+        return PreviousRun(records, costs, meta.get("resolved", {}).get("prompts_hash"))
 
-    def output(self, prompt_id: str, k: int | None, method: str, token_ids: list[int], text: str) -> None:
-        obj = {"prompt_id": prompt_id, "k": k, "method": method, "token_ids": token_ids, "text": text}
-        self._outputs.write(json.dumps(obj) + "\n")
-        self._outputs.flush()
+    def start_records(self, kept: list[dict], done: set[int]) -> list[dict]:
+        """Begin records.csv and outputs.jsonl with the rows and outputs of the prompts in ``done``
+        (none for a fresh run) and open both for appending. Returns the kept records."""
+        outputs = []
+        if done and (self.out / OUTPUTS).is_file():
+            lines = (self.out / OUTPUTS).read_text(encoding="utf-8").splitlines()
+            outputs = [line for line in lines if json.loads(line).get("prompt_index") in done]
+        with replacing(self.out / OUTPUTS) as tmp:
+            tmp.write_text("".join(line + "\n" for line in outputs), encoding="utf-8")
+        with replacing(self.out / RECORDS) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=schema.RECORDS)
+            writer.writeheader()
+            writer.writerows(kept)
+        self._files[OUTPUTS] = open(self.out / OUTPUTS, "a", encoding="utf-8")
+        self._files[RECORDS] = open(self.out / RECORDS, "a", newline="", encoding="utf-8")
+        self._records = csv.DictWriter(self._files[RECORDS], fieldnames=schema.RECORDS)
+        return list(kept)
+
+    def append_record(self, row: dict) -> None:
+        self._records.writerow(row)
+        self._files[RECORDS].flush()
+
+    def output(self, prompt_id: str, prompt_index: int, k: int | None, method: str, token_ids: list[int], text: str) -> None:
+        obj = {"prompt_id": prompt_id, "prompt_index": prompt_index, "k": k, "method": method, "token_ids": token_ids, "text": text}
+        self._files[OUTPUTS].write(json.dumps(obj) + "\n")
+        self._files[OUTPUTS].flush()
 
     def write_csv(self, name: str, rows: list[dict]) -> None:
         """Replace ``name`` with ``rows`` (for files rewritten whole, like summary.csv)."""
         if not rows:
             return
-        tmp = self.out / (name + ".tmp")
-        with open(tmp, "w", newline="", encoding="utf-8") as f:
+        with replacing(self.out / name) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=list(rows[0]))
             writer.writeheader()
             writer.writerows(rows)
-        tmp.replace(self.out / name)
 
     def write_json(self, name: str, obj: dict) -> None:
-        (self.out / name).write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
+        with replacing(self.out / name) as tmp:
+            tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
 
     def close(self) -> None:
-        for f, _ in self._writers.values():
+        for f in self._files.values():
             f.close()
-        self._outputs.close()
+        self._files.clear()
 
 
 def environment(device_name: str) -> dict:
@@ -62,9 +144,7 @@ def environment(device_name: str) -> dict:
     import transformers
 
     try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
-        ).stdout.strip() or None
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
@@ -78,35 +158,10 @@ def environment(device_name: str) -> dict:
     }
 
 
-def _fmt(value, digits: int = 3) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
-SUMMARY_COLUMNS = [
-    ("k", "K"),
-    ("method", "method"),
-    ("alpha", "alpha"),
-    ("acceptance_rate", "accepted"),
-    ("tau", "tau"),
-    ("c", "c"),
-    ("verify_ratio", "verify"),
-    ("baseline_tokens_per_s", "base tok/s"),
-    ("spec_tokens_per_s", "tok/s"),
-    ("speedup", "speedup"),
-    ("predicted_speedup", "pred"),
-    ("predicted_speedup_verify", "pred+verify"),
-    ("outputs_match", "= base"),
-]
-
-
 def summary_table(rows: list[dict], title: str) -> Table:
     table = Table(title=title)
-    for _, header in SUMMARY_COLUMNS:
-        table.add_column(header, justify="right")
+    for column in schema.TABLE:
+        table.add_column(column.header, justify="right")
     for row in rows:
-        table.add_row(*(_fmt(row.get(key, "")) for key, _ in SUMMARY_COLUMNS))
+        table.add_row(*(schema.fmt(column.name, row.get(column.name)) for column in schema.TABLE))
     return table

@@ -67,28 +67,35 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Verdict:
-    """Outcome of verifying K drafted tokens."""
+    """Outcome of verifying a draft: the accepted path and the token the target adds after it."""
 
-    accepted: int  # leading draft tokens kept, 0..K
-    next_token: torch.Tensor  # 1-element tensor: the replacement, or the bonus token if all K were kept
+    path: list[int]  # indices of the accepted draft tokens, root to leaf (a chain accepts a prefix)
+    next_token: torch.Tensor  # 1-element tensor: the replacement, or the bonus token if the whole path passed
     beta_sum: torch.Tensor | float  # sum of beta = sum_x min(p, q) over the tested positions (on device)
     tested: int  # positions whose beta counts towards alpha: the accepted ones and the first rejected one
 
+    @property
+    def accepted(self) -> int:
+        return len(self.path)
 
-def verify_sampled(
+
+def verify_chain_sampled(
     draft_tokens: torch.Tensor,
-    q: torch.Tensor,
+    q: torch.Tensor | None,
     p: torch.Tensor,
     generator: torch.Generator,
 ) -> Verdict:
-    """Speculative sampling's accept/reject step.
+    """Speculative sampling's accept/reject step for a chain of K drafts.
 
-    draft_tokens: [K] ids drafted from q; q: [K, V] draft probabilities; p: [K+1, V] target
-    probabilities (warped identically). Accept x_i with probability min(1, p_i(x_i)/q_i(x_i)),
-    in order; on the first rejection sample from norm(max(0, p_i - q_i)); if all K pass, sample
-    a bonus token from p_{K+1}. The result is distributed exactly as sampling from p.
+    draft_tokens: [K] ids; q: [K, V] the draft probabilities they were sampled from, or None for
+    deterministic candidates (prompt lookup), which are exactly the one-hot q; p: [K+1, V] target
+    probabilities (warped identically). Accept x_i with probability min(1, p_i(x_i)/q_i(x_i)), in
+    order; on the first rejection sample from norm(max(0, p_i - q_i)); if all K pass, sample a bonus
+    token from p_{K+1}. The result is distributed exactly as sampling from p.
     """
     k = draft_tokens.shape[0]
+    if q is None:
+        q = torch.nn.functional.one_hot(draft_tokens, p.shape[-1]).to(p.dtype)
     positions = torch.arange(k, device=p.device)
     p_x = p[positions, draft_tokens]
     q_x = q[positions, draft_tokens]
@@ -104,10 +111,10 @@ def verify_sampled(
         token = sample(p[k], generator)
         tested = k
     beta_sum = torch.minimum(p[:tested], q[:tested]).sum()
-    return Verdict(accepted, token, beta_sum, tested)
+    return Verdict(list(range(accepted)), token, beta_sum, tested)
 
 
-def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
+def verify_chain_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
     """Greedy verification: keep draft tokens while they equal the target's argmax.
 
     target_logits: [K+1, V]. The replacement (or bonus) token is the target argmax at the first
@@ -118,4 +125,4 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Ve
     choice = target_logits.argmax(-1)
     accepted = int((draft_tokens == choice[:k]).cumprod(0).sum())
     tested = min(accepted + 1, k)
-    return Verdict(accepted, choice[accepted : accepted + 1], float(accepted), tested)
+    return Verdict(list(range(accepted)), choice[accepted : accepted + 1], float(accepted), tested)

@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from specbench import engine, sampling
-from specbench.engine import PromptLookupDrafter, autoregressive_decode, speculative_decode
+from specbench.engine import ModelDrafter, PromptLookupDrafter, autoregressive_decode, speculative_decode
 from specbench.sampling import SamplingConfig
 
 from .toy import ToyLM, exact_distribution
@@ -28,12 +28,15 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def chi_square_p(target: ToyLM, draft: ToyLM, k: int, cfg: SamplingConfig, seed: int = 0) -> float:
+def chi_square_p(target: ToyLM, draft, k: int, cfg: SamplingConfig, seed: int = 0) -> float:
+    """p-value of the sequences sampled by speculative decoding against the target's exact law;
+    ``draft`` is a drafter, or a model that drafts by sampling."""
     law = exact_distribution(target, PROMPT, LENGTH, cfg)
     generator = torch.Generator().manual_seed(seed)
+    drafter = draft if hasattr(draft, "propose") else ModelDrafter(draft, cfg, generator)
     prompt = torch.tensor(PROMPT)
     counts = Counter(
-        tuple(speculative_decode(target, draft, prompt, k, LENGTH, cfg, generator).tokens) for _ in range(SAMPLES)
+        tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator).tokens) for _ in range(SAMPLES)
     )
     assert set(counts) <= {s for s, p in law.items() if p > 0}, "sampled a sequence the target cannot produce"
     # Cells the warp made impossible carry no information; keep the rest.
@@ -59,7 +62,7 @@ def test_speculative_sampling_matches_target_law(cfg, k):
 
 def test_prompt_lookup_drafting_matches_target_law():
     # One-hot drafts proposed from n-gram matches; with 3 tokens, matches are frequent.
-    lookup = PromptLookupDrafter(VOCAB, max_ngram=2)
+    lookup = PromptLookupDrafter(max_ngram=2)
     assert chi_square_p(ToyLM(VOCAB, seed=1), lookup, 3, SamplingConfig(temperature=1.0)) > P_FLOOR
 
 
@@ -82,27 +85,26 @@ def _verify_with_residual_p(draft_tokens, q, p, generator):
     monkey = sampling.residual
     try:
         sampling.residual = lambda p_row, q_row: p_row
-        return sampling.verify_sampled(draft_tokens, q, p, generator)
+        return sampling.verify_chain_sampled(draft_tokens, q, p, generator)
     finally:
         sampling.residual = monkey
 
 
 def _verify_with_stale_bonus(draft_tokens, q, p, generator):
     """Another bug: the bonus token drawn from p_K (an off-by-one) instead of p_{K+1}."""
-    return sampling.verify_sampled(draft_tokens, q, torch.cat([p[:-1], p[-2:-1]]), generator)
+    return sampling.verify_chain_sampled(draft_tokens, q, torch.cat([p[:-1], p[-2:-1]]), generator)
 
 
 @pytest.mark.parametrize("broken", [_verify_with_residual_p, _verify_with_stale_bonus])
 def test_the_test_catches_a_broken_verifier(monkeypatch, broken):
-    monkeypatch.setattr(engine, "verify_sampled", broken)
+    monkeypatch.setattr(engine, "verify_chain_sampled", broken)
     assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 1, SamplingConfig(temperature=1.0)) < P_FLOOR
 
 
 def test_identical_draft_accepts_everything_and_earns_the_bonus():
     target = ToyLM(VOCAB, seed=1)
-    result = speculative_decode(
-        target, ToyLM(VOCAB, seed=1), torch.tensor(PROMPT), 3, 21, SamplingConfig(1.0), torch.Generator().manual_seed(0)
-    )
+    cfg, g = SamplingConfig(1.0), torch.Generator().manual_seed(0)
+    result = speculative_decode(target, ModelDrafter(ToyLM(VOCAB, seed=1), cfg, g), torch.tensor(PROMPT), 3, 21, cfg, g)
     assert result.accept_counts == [3] * 5  # 1 token from prefill, then 5 rounds of K + 1 = 4
     assert len(result.tokens) == 21
     assert result.beta_sum == pytest.approx(result.tested)
@@ -115,8 +117,9 @@ def test_greedy_speculative_equals_greedy_baseline_on_toy(k, drafter):
     if drafter == "model":  # the target plus noise: agrees often, not always
         draft = ToyLM(5, seed=3)
         draft.table = draft.table + 1.5 * torch.randn(draft.table.shape, generator=torch.Generator().manual_seed(9))
+        draft = ModelDrafter(draft, SamplingConfig(0.0), torch.Generator())
     else:
-        draft = PromptLookupDrafter(5)
+        draft = PromptLookupDrafter()
     greedy, g = SamplingConfig(0.0), torch.Generator()
     want = autoregressive_decode(target, prompt, 30, greedy, g).tokens
     got = speculative_decode(target, draft, prompt, k, 30, greedy, g)
@@ -131,4 +134,4 @@ def test_stop_token_ends_both_decoders_at_the_same_place():
     stop = frozenset({full[7]})
     cut = full[: full.index(full[7]) + 1]
     assert autoregressive_decode(target, prompt, 30, greedy, g, stop).tokens == cut
-    assert speculative_decode(target, draft, prompt, 4, 30, greedy, g, stop).tokens == cut
+    assert speculative_decode(target, ModelDrafter(draft, greedy, g), prompt, 4, 30, greedy, g, stop).tokens == cut

@@ -78,8 +78,8 @@ def test_predicted_by_k_weighs_the_measured_verification_cost():
 
     # A CPU-like profile: four or more tokens cost twice one token's forward.
     cpu = ForwardCosts(context_tokens=100, target={1: 1.0, 2: 1.1, 3: 1.2, 4: 2.0, 5: 2.0}, draft_single=0.1)
-    assert sorted(predicted_by_k(0.6, cpu)) == [1, 2, 3, 4]
-    assert metrics.best_k(predicted_by_k(0.6, cpu)) == 2
+    assert sorted(predicted_by_k(0.6, cpu.c, cpu)) == [1, 2, 3, 4]
+    assert metrics.best_k(predicted_by_k(0.6, cpu.c, cpu)) == 2
     # Free verification, as the classic formula assumes, moves the best K up.
     free = ForwardCosts(context_tokens=100, target={n: 1.0 for n in range(1, 6)}, draft_single=0.05)
-    assert metrics.best_k(predicted_by_k(0.8, free)) == 4
+    assert metrics.best_k(predicted_by_k(0.8, free.c, free)) == 4

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specbench import metrics
-from specbench.engine import autoregressive_decode, speculative_decode
+from specbench.engine import ModelDrafter, autoregressive_decode, speculative_decode
 from specbench.models import HFCausalLM, load, shared_width
 from specbench.sampling import SamplingConfig
 
@@ -41,8 +41,8 @@ def test_shared_width_slices_the_padded_draft(tiny_pair, padded_draft):
     prompt = target.tokenizer("def add(a, b):\n", return_tensors="pt").input_ids[0]
     greedy, g = SamplingConfig(0.0), torch.Generator()
     want = autoregressive_decode(target_lm, prompt, 30, greedy, g).tokens
-    assert speculative_decode(target_lm, draft_lm, prompt, 3, 30, greedy, g).tokens == want
-    sampled = speculative_decode(target_lm, draft_lm, prompt, 3, 30, SamplingConfig(1.0), g).tokens
+    assert speculative_decode(target_lm, ModelDrafter(draft_lm, greedy, g), prompt, 3, 30, greedy, g).tokens == want
+    sampled = speculative_decode(target_lm, ModelDrafter(draft_lm, SamplingConfig(1.0), g), prompt, 3, 30, SamplingConfig(1.0), g).tokens
     assert max(sampled) < target.width
 
 
@@ -67,7 +67,7 @@ def test_greedy_speculative_with_a_shortlisted_draft_equals_the_baseline(tiny_pa
     prompt = target.tokenizer("def add(a, b):\n", return_tensors="pt").input_ids[0]
     greedy, g = SamplingConfig(0.0), torch.Generator()
     want = autoregressive_decode(target_lm, prompt, 40, greedy, g).tokens
-    assert speculative_decode(target_lm, short, prompt, 3, 40, greedy, g).tokens == want
+    assert speculative_decode(target_lm, ModelDrafter(short, greedy, g), prompt, 3, 40, greedy, g).tokens == want
 
 
 @pytest.mark.parametrize("k", [1, 2, 3, 5])
@@ -76,7 +76,7 @@ def test_greedy_speculative_equals_greedy_baseline_on_tiny_transformers_pair(tin
     prompt = target.tokenizer("def add(a, b):\n", return_tensors="pt").input_ids[0]
     greedy, g = SamplingConfig(0.0), torch.Generator()
     want = autoregressive_decode(target_lm, prompt, 40, greedy, g).tokens
-    got = speculative_decode(target_lm, draft_lm, prompt, k, 40, greedy, g)
+    got = speculative_decode(target_lm, ModelDrafter(draft_lm, greedy, g), prompt, k, 40, greedy, g)
     assert got.tokens == want
     assert got.drafted > 0 and got.target_forwards < 40  # it really speculated
 
@@ -185,12 +185,15 @@ def test_sweep_shares_one_baseline_and_writes_the_sweep_files(tiny_pair, prompts
     acceptance = pd.read_csv(out / "acceptance.csv")
     assert acceptance.groupby("k")["position"].max().to_dict() == {1: 1, 2: 2, 3: 3}
     assert (acceptance.groupby("k")["acceptance"].apply(lambda a: a.is_monotonic_decreasing)).all()
-    verify = pd.read_csv(out / "verify_cost.csv")
+    costs = pd.read_csv(out / "verify_cost.csv")
+    verify = costs[costs["model"] == "target"]
     assert verify["tokens"].tolist() == [1, 2, 3, 4]
+    draft_step = costs.loc[costs["model"] == "draft", "seconds"].item() / verify.loc[verify["tokens"] == 1, "seconds"].item()
+    assert summary["c"].eq(summary["c"].iloc[0]).all() and summary["c"].iloc[0] == pytest.approx(draft_step)
     for _, row in summary.iterrows():
         ratio = verify.loc[verify["tokens"] == row["k"] + 1, "ratio"].item()
         assert row["verify_ratio"] == pytest.approx(ratio)
-    best = json.loads((out / "best_k.json").read_text())
+    best = json.loads((out / "best_k.json").read_text())["speculative"]
     assert best["measured"]["k"] == summary.loc[summary["speedup"].idxmax(), "k"]
     assert best["predicted_verify"]["k"] == summary.loc[summary["predicted_speedup_verify"].idxmax(), "k"]
     (out / "sweep.png").unlink()

@@ -5,7 +5,7 @@ import importlib.util
 import pytest
 import torch
 
-from specbench.engine import autoregressive_decode, speculative_decode
+from specbench.engine import ModelDrafter, autoregressive_decode, speculative_decode
 from specbench.models import HFCausalLM, load, local_dir, resolve, shared_width
 from specbench.prompts import load_prompts
 from specbench.sampling import SamplingConfig
@@ -45,5 +45,5 @@ def test_greedy_speculative_equals_greedy_target_on_smollm2(tmp_path_factory, ta
         width = shared_width(target, draft)
         t_lm, d_lm = HFCausalLM(target.model, width), HFCausalLM(draft.model, width)
         for k in (1, 3, 5):
-            got = speculative_decode(t_lm, d_lm, ids, k, 40, greedy, g, target.stop_ids)
+            got = speculative_decode(t_lm, ModelDrafter(d_lm, greedy, g), ids, k, 40, greedy, g, target.stop_ids)
             assert got.tokens == want, f"{name} draft, K={k}"

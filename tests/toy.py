@@ -25,16 +25,19 @@ class ToyLM:
     def reset(self) -> None:
         self.seen = []
 
-    def forward(self, token_ids: torch.Tensor, last: int = 1) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, last: int = 1, positions=None, mask=None) -> torch.Tensor:
+        """``positions`` are ignored: the law depends only on the attended ids, in order."""
         rows = []
-        for t in token_ids.tolist():
+        for i, t in enumerate(token_ids.tolist()):
             self.seen.append(t)
-            rows.append(self.logits_after(self.seen))
+            context = self.seen if mask is None else [s for s, ok in zip(self.seen, mask[i].tolist()) if ok]
+            rows.append(self.logits_after(context))
         return torch.stack(rows[-last:])
 
-    def crop(self, n_drop: int) -> None:
-        if n_drop:
-            del self.seen[-n_drop:]
+    def keep(self, path, new: int) -> None:
+        if new:
+            tail = self.seen[-new:]
+            self.seen[-new:] = [tail[i] for i in path]
 
 
 def exact_distribution(model: ToyLM, prompt: list[int], length: int, cfg: SamplingConfig) -> dict[tuple, float]:

@@ -1,0 +1,112 @@
+"""Decoding methods as registered objects.
+
+A method says whether it takes a lookahead K, whether it needs the draft model, what its cost
+ratio c is, and how it decodes one prompt. Nothing outside this module names a method: adding
+one is a class here and an entry in METHODS.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+from .engine import DecodeResult, Drafter, ModelDrafter, PromptLookupDrafter, autoregressive_decode, speculative_decode
+from .errors import SpecbenchError
+from .models import hf_generate
+from .sampling import SamplingConfig
+
+if TYPE_CHECKING:
+    from .bench import ForwardCosts, Pair
+
+
+class Method:
+    name = ""
+    help = ""
+    takes_k = True  # decodes with a lookahead K (one row per K)
+    needs_draft = False  # the --draft model must be loaded
+
+    def check(self, pair: Pair) -> None:
+        """Raise SpecbenchError when this method cannot run on ``pair``."""
+
+    def c(self, costs: ForwardCosts) -> float:
+        """Cost of one drafting step in one-token target forwards (NaN: the method does not draft)."""
+        return math.nan
+
+    def decode(
+        self, pair: Pair, ids: torch.Tensor, k: int | None, sampling: SamplingConfig, max_new_tokens: int, generator: torch.Generator
+    ) -> DecodeResult:
+        raise NotImplementedError
+
+
+class Baseline(Method):
+    name, help, takes_k = "baseline", "the target alone, one token per forward with a KV cache (always runs)", False
+
+    def decode(self, pair, ids, k, sampling, max_new_tokens, generator):
+        return autoregressive_decode(pair.target_lm, ids, max_new_tokens, sampling, generator, pair.stop_ids)
+
+
+class SpeculativeLoop(Method):
+    """A method that runs specbench's own speculative loop with its own drafter."""
+
+    def drafter(self, pair: Pair, sampling: SamplingConfig, generator: torch.Generator) -> Drafter:
+        raise NotImplementedError
+
+    def decode(self, pair, ids, k, sampling, max_new_tokens, generator):
+        drafter = self.drafter(pair, sampling, generator)
+        return speculative_decode(pair.target_lm, drafter, ids, k, max_new_tokens, sampling, generator, pair.stop_ids)
+
+
+class Speculative(SpeculativeLoop):
+    name, help, needs_draft = "speculative", "specbench's loop: the draft model samples K tokens, one target forward verifies them", True
+
+    def c(self, costs):
+        return costs.c
+
+    def drafter(self, pair, sampling, generator):
+        return ModelDrafter(pair.draft_lm, sampling, generator)
+
+
+class PromptLookup(SpeculativeLoop):
+    name, help = "prompt-lookup", "K tokens copied from the latest match of the last n-gram in prompt and output; no draft model"
+
+    def c(self, costs):
+        return 0.0  # no draft model runs; its lookups are host-side bookkeeping
+
+    def drafter(self, pair, sampling, generator):
+        return PromptLookupDrafter()
+
+
+def _seed(generator: torch.Generator) -> int:
+    """transformers' generate samples from the global generator: seed it from this method's stream."""
+    return int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+
+
+class HFAssisted(Method):
+    name, help, needs_draft = "hf-assisted", "transformers' generate(assistant_model=draft) with exactly K draft tokens per round", True
+
+    def check(self, pair):
+        if pair.target.width != pair.draft.width:
+            raise SpecbenchError(
+                f"--method hf-assisted needs equal logit widths (target {pair.target.width}, draft {pair.draft.width}); "
+                "transformers would switch to a different (universal) algorithm: drop hf-assisted for this pair"
+            )
+
+    def c(self, costs):
+        return costs.c
+
+    def decode(self, pair, ids, k, sampling, max_new_tokens, generator):
+        return hf_generate(pair.target, ids, max_new_tokens, sampling, _seed(generator), pair.stop_ids, pair.draft, k)
+
+
+class HFGenerate(Method):
+    name, help, takes_k = "hf-generate", "transformers' plain generate (checks that the baseline is as fast)", False
+
+    def decode(self, pair, ids, k, sampling, max_new_tokens, generator):
+        return hf_generate(pair.target, ids, max_new_tokens, sampling, _seed(generator), pair.stop_ids)
+
+
+METHODS: dict[str, Method] = {m.name: m for m in (Baseline(), Speculative(), PromptLookup(), HFAssisted(), HFGenerate())}
+BASELINE = METHODS["baseline"]
+DEFAULT = [Speculative.name]  # what `specbench run` measures when no --method is given
