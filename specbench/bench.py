@@ -75,7 +75,10 @@ class BenchConfig:
             (not 0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
             (self.repeats < 1 or self.warmup < 0, "--repeats must be >= 1 and --warmup >= 0"),
             (self.cost_repeats < 1, "--cost-repeats must be at least 1"),
-            (not set(self.methods) <= set(METHODS), f"unknown --method in {self.methods}: choose from {', '.join(METHODS)}"),
+            (
+                not set(self.methods) <= set(METHODS),
+                f"unknown --method in {self.methods}: choose from {', '.join(METHODS)}",
+            ),
             (self.chat not in ("auto", "on", "off"), f"--chat {self.chat}: use auto, on or off"),
         ]
         for bad, message in problems:
@@ -110,7 +113,9 @@ def load_pair(cfg: BenchConfig) -> Pair:
         return Pair(target, HFCausalLM(target.model, target.width), None, None, device, dtype)
     draft = load(cfg.draft, device, dtype)
     width = shared_width(target, draft)
-    pair = Pair(target, HFCausalLM(target.model, width), draft, HFCausalLM(draft.model, width, draft.head_tokens), device, dtype)
+    pair = Pair(
+        target, HFCausalLM(target.model, width), draft, HFCausalLM(draft.model, width, draft.head_tokens), device, dtype
+    )
     for method, _ in cfg.plan:
         method.check(pair)
     return pair
@@ -188,9 +193,26 @@ class ForwardCosts:
 
     def rows(self) -> list[dict]:
         """verify_cost.csv: one row per model and forward size."""
-        rows = [{"model": "target", "tokens": n, "context_tokens": self.context_tokens, "seconds": s, "ratio": s / self.target[1]} for n, s in self.target.items()]
+        rows = [
+            {
+                "model": "target",
+                "tokens": n,
+                "context_tokens": self.context_tokens,
+                "seconds": s,
+                "ratio": s / self.target[1],
+            }
+            for n, s in self.target.items()
+        ]
         if self.draft_single is not None:
-            rows.append({"model": "draft", "tokens": 1, "context_tokens": self.context_tokens, "seconds": self.draft_single, "ratio": self.c})
+            rows.append(
+                {
+                    "model": "draft",
+                    "tokens": 1,
+                    "context_tokens": self.context_tokens,
+                    "seconds": self.draft_single,
+                    "ratio": self.c,
+                }
+            )
         return rows
 
     @classmethod
@@ -200,7 +222,9 @@ class ForwardCosts:
         return cls(int(rows[0]["context_tokens"]), target, draft[0] if draft else None)
 
 
-def _forward_seconds(probes: list[tuple[HFCausalLM, int]], context: torch.Tensor, repeats: int, device: torch.device) -> list[float]:
+def _forward_seconds(
+    probes: list[tuple[HFCausalLM, int]], context: torch.Tensor, repeats: int, device: torch.device
+) -> list[float]:
     """Median time of one n-token forward on top of the cache, for each (model, n) in ``probes``.
 
     The probes take turns within every repeat, so a change in machine load during the
@@ -216,7 +240,7 @@ def _forward_seconds(probes: list[tuple[HFCausalLM, int]], context: torch.Tensor
         median_time(device, step, 1)  # warm-up for this shape
         steps.append(step)
     times = [[median_time(device, step, 1)[1] for step in steps] for _ in range(repeats)]
-    return [metrics.median(column) for column in zip(*times)]
+    return [metrics.median(column) for column in zip(*times, strict=True)]
 
 
 def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg: BenchConfig) -> ForwardCosts:
@@ -238,7 +262,7 @@ def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg: BenchConfig) 
             lm.forward(prefix, last=1)
         probes = [(pair.target_lm, n) for n in sizes] + [(lm, 1) for lm in models[1:]]
         seconds = _forward_seconds(probes, probe, cfg.cost_repeats, pair.device)
-    return ForwardCosts(length, dict(zip(sizes, seconds)), seconds[len(sizes)] if pair.draft_lm else None)
+    return ForwardCosts(length, dict(zip(sizes, seconds, strict=False)), seconds[len(sizes)] if pair.draft_lm else None)
 
 
 def generator_for(device: torch.device, seed: int, prompt_index: int, method: str) -> torch.Generator:
@@ -248,7 +272,9 @@ def generator_for(device: torch.device, seed: int, prompt_index: int, method: st
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-def decode(pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, method: Method, k: int | None) -> tuple[DecodeResult, float]:
+def decode(
+    pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, method: Method, k: int | None
+) -> tuple[DecodeResult, float]:
     """Time one prompt's decode (median of cfg.repeats, each from the same seed, so identical work)."""
 
     def once():
@@ -265,10 +291,18 @@ def warm_up(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor]) -> Non
             decode(pair, cfg, prompt_ids[0], 0, method, k)
 
 
-def record(prompt: Prompt, index: int, ids: torch.Tensor, baseline: tuple[DecodeResult, float], method: Method, k: int | None, measured: tuple[DecodeResult, float]) -> dict:
+def record(
+    prompt: Prompt,
+    index: int,
+    ids: torch.Tensor,
+    baseline: tuple[DecodeResult, float],
+    method: Method,
+    k: int | None,
+    measured: tuple[DecodeResult, float],
+) -> dict:
     """The per-prompt, per-(method, K) row of records.csv."""
     (b, b_seconds), (s, seconds) = baseline, measured
-    divergence = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens)) if x != y), None)
+    divergence = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens, strict=False)) if x != y), None)
     if divergence is None and len(b.tokens) != len(s.tokens):
         divergence = min(len(b.tokens), len(s.tokens))
     drafts = method.takes_k
@@ -311,38 +345,45 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_in
         if not rs:
             continue
         base_tokens, base_s = sum(r["baseline_tokens"] for r in rs), sum(r["baseline_s"] for r in rs)
-        tokens, seconds = (base_tokens, base_s) if method is BASELINE else (sum(r["new_tokens"] for r in rs), sum(r["method_s"] for r in rs))
-        totals = {name: sum(r[name] for r in rs) for name in ("drafted", "accepted", "beta_sum", "tested", "target_forwards", "draft_forwards")}
-        drafts = method.takes_k
+        tokens, seconds = (
+            (base_tokens, base_s)
+            if method is BASELINE
+            else (sum(r["new_tokens"] for r in rs), sum(r["method_s"] for r in rs))
+        )
+        drafts = method.takes_k  # the baseline's figures ride in every record, but it drafts nothing
+        counted = ("drafted", "accepted", "beta_sum", "tested", "target_forwards", "draft_forwards")
+        totals = {name: sum(r[name] for r in rs) if drafts else 0 for name in counted}
         alpha = totals["beta_sum"] / totals["tested"] if totals["tested"] else math.nan
         c = method.c(costs)
         verify_ratio = costs.verify_ratio(k) if drafts else math.nan
         matched = len(rs) if method is BASELINE else sum(r["outputs_match"] for r in rs)
         divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0 and method is not BASELINE]
         values = {
-                **run_info,
-                "method": method.name,
-                "k": k,
-                "temperature": cfg.temperature,
-                "top_k": cfg.top_k,
-                "top_p": cfg.top_p,
-                "seed": cfg.seed,
-                "max_new_tokens": cfg.max_new_tokens,
-                "num_prompts": len(rs),
-                "new_tokens": tokens,
-                "baseline_tokens_per_s": base_tokens / base_s,
-                "spec_tokens_per_s": tokens / seconds,
-                "speedup": (tokens / seconds) / (base_tokens / base_s),
-                "alpha": alpha,
-                "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else math.nan,
-                "tau": tokens / totals["target_forwards"] if drafts else math.nan,
-                "c": c,
-                "verify_ratio": verify_ratio,
-                "predicted_speedup": metrics.predicted_speedup(alpha, c, k) if drafts else math.nan,
-                "predicted_speedup_verify": metrics.predicted_speedup_verify(alpha, c, k, verify_ratio) if drafts else math.nan,
-                **(totals if drafts else dict.fromkeys(totals, math.nan)),
-                "outputs_match": matched,
-                "first_divergence": min(divergences, default=-1),
+            **run_info,
+            "method": method.name,
+            "k": k,
+            "temperature": cfg.temperature,
+            "top_k": cfg.top_k,
+            "top_p": cfg.top_p,
+            "seed": cfg.seed,
+            "max_new_tokens": cfg.max_new_tokens,
+            "num_prompts": len(rs),
+            "new_tokens": tokens,
+            "baseline_tokens_per_s": base_tokens / base_s,
+            "spec_tokens_per_s": tokens / seconds,
+            "speedup": (tokens / seconds) / (base_tokens / base_s),
+            "alpha": alpha,
+            "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else math.nan,
+            "tau": tokens / totals["target_forwards"] if drafts else math.nan,
+            "c": c,
+            "verify_ratio": verify_ratio,
+            "predicted_speedup": metrics.predicted_speedup(alpha, c, k) if drafts else math.nan,
+            "predicted_speedup_verify": metrics.predicted_speedup_verify(alpha, c, k, verify_ratio)
+            if drafts
+            else math.nan,
+            **(totals if drafts else dict.fromkeys(totals, math.nan)),
+            "outputs_match": matched,
+            "first_divergence": min(divergences, default=-1),
         }
         rows.append({name: values[name] for name in schema.SUMMARY})
     return rows
@@ -356,7 +397,7 @@ def acceptance_rows(records: list[dict]) -> list[dict]:
             continue
         counts = [int(x) for x in r["accept_hist"].split()]
         total = hists.setdefault((r["method"], r["k"]), [0] * len(counts))
-        hists[(r["method"], r["k"])] = [a + b for a, b in zip(total, counts)]
+        hists[(r["method"], r["k"])] = [a + b for a, b in zip(total, counts, strict=True)]
     return [
         {"method": method, "k": k, "position": i + 1, "acceptance": rate, "verify_steps": sum(hist)}
         for (method, k), hist in sorted(hists.items())
@@ -367,7 +408,9 @@ def acceptance_rows(records: list[dict]) -> list[dict]:
 def predicted_by_k(alpha: float, c: float, costs: ForwardCosts) -> dict[int, float]:
     """predicted_speedup_verify at every K whose verification cost was measured (1..max K), so a
     one-K run can say whether a smaller K would have done better."""
-    return {k: metrics.predicted_speedup_verify(alpha, c, k, costs.verify_ratio(k)) for k in range(1, max(costs.target))}
+    return {
+        k: metrics.predicted_speedup_verify(alpha, c, k, costs.verify_ratio(k)) for k in range(1, max(costs.target))
+    }
 
 
 def best_ks(summary: list[dict]) -> dict:
@@ -376,7 +419,11 @@ def best_ks(summary: list[dict]) -> dict:
     for row in summary:
         if not METHODS[row["method"]].takes_k:
             continue
-        for label, column in [("measured", "speedup"), ("predicted", "predicted_speedup"), ("predicted_verify", "predicted_speedup_verify")]:
+        for label, column in [
+            ("measured", "speedup"),
+            ("predicted", "predicted_speedup"),
+            ("predicted_verify", "predicted_speedup_verify"),
+        ]:
             if not math.isnan(row[column]):
                 picks.setdefault(row["method"], {}).setdefault(label, {"by_k": {}})["by_k"][row["k"]] = row[column]
     for by_label in picks.values():
@@ -449,10 +496,23 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
     pair, prompts, prompt_ids = prepare(cfg)
     run_hash = prompts_hash(prompt_ids)
     if previous is not None and previous.prompts_hash != run_hash:
-        raise SpecbenchError(f"--resume: the prompts now encode differently from the run in {out} (a changed dataset, template or tokenizer): run without --resume")
+        raise SpecbenchError(
+            f"--resume: the prompts now encode differently from the run in {out} (a changed dataset, template or tokenizer): run without --resume"
+        )
     device_name = torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else pair.device.type
-    run_info = {"target": cfg.target, "draft": cfg.draft, "dataset": cfg.dataset, "device": str(pair.device), "dtype": str(pair.dtype).removeprefix("torch."), "prompts_hash": run_hash}
-    resolved = {**run_info, "target_path": str(pair.target.path), "draft_path": str(pair.draft.path) if pair.draft else None}
+    run_info = {
+        "target": cfg.target,
+        "draft": cfg.draft,
+        "dataset": cfg.dataset,
+        "device": str(pair.device),
+        "dtype": str(pair.dtype).removeprefix("torch."),
+        "prompts_hash": run_hash,
+    }
+    resolved = {
+        **run_info,
+        "target_path": str(pair.target.path),
+        "draft_path": str(pair.draft.path) if pair.draft else None,
+    }
     writer.write_json("meta.json", {**report.environment(device_name), "config": cfg.as_dict(), "resolved": resolved})
 
     if previous is not None and previous.costs:
@@ -473,12 +533,26 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
         for index in todo:
             prompt, ids = prompts[index], prompt_ids[index]
             baseline = decode(pair, cfg, ids, index, BASELINE, None)
-            writer.output(prompt.id, index, None, BASELINE.name, baseline[0].tokens, pair.target.tokenizer.decode(baseline[0].tokens))
+            writer.output(
+                prompt.id,
+                index,
+                None,
+                BASELINE.name,
+                baseline[0].tokens,
+                pair.target.tokenizer.decode(baseline[0].tokens),
+            )
             finished += 1
             yield Step("decoding", finished, total, BASELINE.name)
             for method, k in plan:
                 measured = decode(pair, cfg, ids, index, method, k)
-                writer.output(prompt.id, index, k, method.name, measured[0].tokens, pair.target.tokenizer.decode(measured[0].tokens))
+                writer.output(
+                    prompt.id,
+                    index,
+                    k,
+                    method.name,
+                    measured[0].tokens,
+                    pair.target.tokenizer.decode(measured[0].tokens),
+                )
                 records.append(record(prompt, index, ids, baseline, method, k, measured))
                 writer.append_record(records[-1])
                 finished += 1
@@ -498,5 +572,9 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
         from .plot import plot_run
 
         plot = plot_run(out)
-    title = f"{cfg.target} <- {cfg.draft} on {cfg.dataset} ({len(prompts)} prompts)" if pair.draft else f"{cfg.target} on {cfg.dataset} ({len(prompts)} prompts)"
+    title = (
+        f"{cfg.target} <- {cfg.draft} on {cfg.dataset} ({len(prompts)} prompts)"
+        if pair.draft
+        else f"{cfg.target} on {cfg.dataset} ({len(prompts)} prompts)"
+    )
     yield Results(out, title, summary, picks, suggestions(summary, costs, cfg.ks), plot, cfg.sampling.greedy)

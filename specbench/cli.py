@@ -29,9 +29,16 @@ console = Console() if sys.stdout.isatty() else Console(width=150)
 err_console = Console(stderr=True)
 
 # Options of `run` (and so of `sweep-k`, the same command with other defaults).
-Target = Annotated[str, typer.Option(help="Target model: alias from configs/models.toml, hub id, local dir or .gguf file.")]
+Target = Annotated[
+    str, typer.Option(help="Target model: alias from configs/models.toml, hub id, local dir or .gguf file.")
+]
 Draft = Annotated[str, typer.Option(help="Draft model (same forms as --target); must share the target's tokenizer.")]
-Ks = Annotated[str, typer.Option("--k", "--ks", help="Lookahead (draft tokens per verification); a comma-separated list sweeps, e.g. 1,2,4.")]
+Ks = Annotated[
+    str,
+    typer.Option(
+        "--k", "--ks", help="Lookahead (draft tokens per verification); a comma-separated list sweeps, e.g. 1,2,4."
+    ),
+]
 Dataset = Annotated[str, typer.Option(help="humaneval, xsum, or a local .jsonl/.csv/.parquet file.")]
 PromptField = Annotated[str, typer.Option(help="Field holding the prompt in a local dataset file.")]
 NumPrompts = Annotated[int, typer.Option(help="How many prompts (from the start of the dataset).")]
@@ -39,15 +46,25 @@ MaxNewTokens = Annotated[int, typer.Option(help="Tokens to generate per prompt (
 Temperature = Annotated[float, typer.Option(help="0 = greedy (exact argmax); > 0 samples.")]
 TopK = Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")]
 TopP = Annotated[float, typer.Option(help="Nucleus sampling mass (1.0 = off).")]
-Seed = Annotated[int, typer.Option(help="Base seed; each prompt's generators derive from (seed, prompt index, method).")]
+Seed = Annotated[
+    int, typer.Option(help="Base seed; each prompt's generators derive from (seed, prompt index, method).")
+]
 Device = Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
 Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16.")]
 Repeats = Annotated[int, typer.Option(help="Timed repeats per prompt and method; the median is kept.")]
 Warmup = Annotated[int, typer.Option(help="Untimed warm-up passes over the first prompt before timing.")]
 CostRepeats = Annotated[int, typer.Option(help="Repeats per forward-cost measurement (c, verify_ratio).")]
-Chat = Annotated[str, typer.Option(help="auto: wrap prompts in the target's chat template when it has one (instruct models); on; off (raw prompts).")]
+Chat = Annotated[
+    str,
+    typer.Option(
+        help="auto: wrap prompts in the target's chat template when it has one (instruct models); on; off (raw prompts)."
+    ),
+]
 Out = Annotated[Path | None, typer.Option(help="Run directory (default results/<time>-<target>-<draft>/).")]
-Resume = Annotated[bool, typer.Option(help="Continue an interrupted run in --out with the same configuration: finished prompts are kept.")]
+Resume = Annotated[
+    bool,
+    typer.Option(help="Continue an interrupted run in --out with the same configuration: finished prompts are kept."),
+]
 
 
 def _method_help() -> str:
@@ -61,7 +78,9 @@ Method = Annotated[list[str] | None, typer.Option(help=_method_help())]
 
 
 def _setup_logging() -> None:
-    logging.basicConfig(level=logging.WARNING, handlers=[RichHandler(console=err_console, show_path=False)], format="%(message)s")
+    logging.basicConfig(
+        level=logging.WARNING, handlers=[RichHandler(console=err_console, show_path=False)], format="%(message)s"
+    )
     logging.getLogger("specbench").setLevel(logging.INFO)
     import transformers
 
@@ -73,7 +92,9 @@ def _parse_ks(text: str) -> list[int]:
     try:
         ks = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
-        raise SpecbenchError(f"--k {text!r} is not an integer or a comma-separated list of integers, e.g. 1,2,3,4") from None
+        raise SpecbenchError(
+            f"--k {text!r} is not an integer or a comma-separated list of integers, e.g. 1,2,3,4"
+        ) from None
     if not ks:
         raise SpecbenchError("--k is empty: give a lookahead such as 4 or a list such as 1,2,3,4")
     return ks
@@ -89,7 +110,11 @@ def _show(events) -> None:
     from .report import summary_table
 
     progress = Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), TimeRemainingColumn(),
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
         console=console,
     )
     results, task = None, None
@@ -100,19 +125,28 @@ def _show(events) -> None:
             elif task is None:
                 task = progress.add_task(event.stage, total=None)
             else:
-                progress.update(task, description=event.label or event.stage, completed=event.done, total=event.total or None)
+                progress.update(
+                    task, description=event.label or event.stage, completed=event.done, total=event.total or None
+                )
     if results is None or not results.summary:
         return
     console.print(summary_table(results.summary, results.title))
     for method, picks in results.best_ks.items():
-        console.print(f"best K for {method}: " + ", ".join(f"{label} K={p['k']} ({p['speedup']:.2f}x)" for label, p in picks.items()))
+        console.print(
+            f"best K for {method}: "
+            + ", ".join(f"{label} K={p['k']} ({p['speedup']:.2f}x)" for label, p in picks.items())
+        )
     if results.plot:
         console.print(f"plot: {results.plot}")
     for line in results.suggestions:
         console.print(line)
     if results.greedy:
         mismatched = [f"{r['method']} K={r['k']}" for r in results.summary if r["outputs_match"] < r["num_prompts"]]
-        console.print(f"greedy outputs differing from the baseline: {', '.join(mismatched)}" if mismatched else "greedy outputs: every method equals the baseline")
+        console.print(
+            f"greedy outputs differing from the baseline: {', '.join(mismatched)}"
+            if mismatched
+            else "greedy outputs: every method equals the baseline"
+        )
     console.print(f"results in {results.out}/")
 
 
@@ -226,8 +260,12 @@ def theory(
 def compare(
     baseline: Annotated[str, typer.Argument(help="Baseline run directory or summary.csv.")],
     current: Annotated[str, typer.Argument(help="Current run directory or summary.csv.")],
-    tolerance: Annotated[float, typer.Option(help="Relative tolerance for timing metrics (throughput, speedup, c).")] = 0.10,
-    abs_tolerance: Annotated[float, typer.Option(help="Absolute tolerance for deterministic metrics (alpha, tau, acceptance_rate).")] = 0.01,
+    tolerance: Annotated[
+        float, typer.Option(help="Relative tolerance for timing metrics (throughput, speedup, c).")
+    ] = 0.10,
+    abs_tolerance: Annotated[
+        float, typer.Option(help="Absolute tolerance for deterministic metrics (alpha, tau, acceptance_rate).")
+    ] = 0.01,
     metric: Annotated[list[str] | None, typer.Option(help="Compare only this metric (repeatable).")] = None,
     json: Annotated[str | None, typer.Option("--json", help="Write the verdict as JSON here.")] = None,
     markdown: Annotated[str | None, typer.Option(help="Write a Markdown table here.")] = None,
@@ -247,18 +285,37 @@ def distill(
     heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
     kv_heads: Annotated[int, typer.Option(help="Key/value heads (grouped-query attention).")] = 2,
     intermediate_size: Annotated[int, typer.Option(help="MLP width.")] = 768,
-    init: Annotated[str, typer.Option(help="pca: start from a projection of the target's embeddings; random; or the directory of a draft to go on training (its shape then wins over the size options).")] = "pca",
-    source: Annotated[list[str] | None, typer.Option(help="Training text: files or directories of .py (default: Python's standard library).")] = None,
-    teacher_tokens: Annotated[int, typer.Option(help="Tokens the target labels with its top-k distribution.")] = 300_000,
+    init: Annotated[
+        str,
+        typer.Option(
+            help="pca: start from a projection of the target's embeddings; random; or the directory of a draft to go on training (its shape then wins over the size options)."
+        ),
+    ] = "pca",
+    source: Annotated[
+        list[str] | None,
+        typer.Option(help="Training text: files or directories of .py (default: Python's standard library)."),
+    ] = None,
+    teacher_tokens: Annotated[
+        int, typer.Option(help="Tokens the target labels with its top-k distribution.")
+    ] = 300_000,
     top_k: Annotated[int, typer.Option(help="Teacher probabilities kept per position.")] = 32,
     seq_len: Annotated[int, typer.Option(help="Training sequence length.")] = 256,
     epochs: Annotated[float, typer.Option(help="Passes over the teacher data.")] = 3.0,
     batch: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 8,
-    generate_prompts: Annotated[int, typer.Option(help="Function stubs from the sources that the target answers itself (chat-formatted like the evaluation prompts); 0 = none.")] = 1024,
+    generate_prompts: Annotated[
+        int,
+        typer.Option(
+            help="Function stubs from the sources that the target answers itself (chat-formatted like the evaluation prompts); 0 = none."
+        ),
+    ] = 1024,
     generate_new_tokens: Annotated[int, typer.Option(help="Tokens the target writes per stub.")] = 128,
     generate_batch: Annotated[int, typer.Option(help="Stubs the target answers at once.")] = 64,
-    sampled_fraction: Annotated[float, typer.Option(help="Share of answer batches sampled at T=1; the rest are greedy.")] = 0.25,
-    generated_repeats: Annotated[int, typer.Option(help="Times the target's own answers count per epoch (they match what it is evaluated on).")] = 4,
+    sampled_fraction: Annotated[
+        float, typer.Option(help="Share of answer batches sampled at T=1; the rest are greedy.")
+    ] = 0.25,
+    generated_repeats: Annotated[
+        int, typer.Option(help="Times the target's own answers count per epoch (they match what it is evaluated on).")
+    ] = 4,
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 2e-3,
     seed: Seed = 0,
     device: Device = "auto",
@@ -300,8 +357,13 @@ def distill(
     with console.status("loading the target"):
         teacher = load(target, resolve_device(device), __import__("torch").float32)
     progress = Progress(
-        TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[loss]}"),
-        TimeElapsedColumn(), TimeRemainingColumn(), console=console,
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[loss]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
     )
     tasks: dict[str, int] = {}
     last = None
@@ -319,7 +381,9 @@ def distill(
             progress.update(tasks[p.phase], completed=p.done, total=p.total, loss=loss)
     console.print(f"draft saved in {out}/ (use --draft {out})")
     if last is not None and last.agreement is not None:
-        console.print(f"top-1 agreement with held-out greedy answers of the target: {last.agreement:.3f} (an estimate of greedy alpha)")
+        console.print(
+            f"top-1 agreement with held-out greedy answers of the target: {last.agreement:.3f} (an estimate of greedy alpha)"
+        )
 
 
 @app.command()

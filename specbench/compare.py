@@ -12,7 +12,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from rich.console import Console
-from rich.table import Table
 
 from specbench import schema
 from specbench.errors import SpecbenchError
@@ -25,13 +24,14 @@ METRICS = [c.name for c in schema.COLUMNS if c.name in schema.SUMMARY and c.kind
 RELATIVE = {c.name for c in schema.COLUMNS if c.kind == schema.TIMING}  # noisy, so judged with a relative tolerance
 OK, REGRESSED, IMPROVED, MISSING, NEW, SKIPPED = "ok", "regressed", "improved", "missing", "new", "skipped"
 FAILING = {REGRESSED, MISSING}
-_STYLES = {OK: "green", REGRESSED: "bold red", IMPROVED: "cyan", MISSING: "bold red", NEW: "blue", SKIPPED: "dim"}
 _EPS = 1e-9  # 1.1 * 0.9 is 0.9900000000000001: a change of exactly the tolerance must stay ok
 
 MetricVerdict = namedtuple("MetricVerdict", "metric baseline current change status")  # change: relative for timings
 RowVerdict = namedtuple("RowVerdict", "key label status metrics")
-Comparison = namedtuple("Comparison",  # fields in the order of the JSON report
-                        "baseline current tolerance abs_tolerance metrics key_columns notes rows exit_code")
+# Its fields come in the order of the JSON report.
+Comparison = namedtuple(
+    "Comparison", "baseline current tolerance abs_tolerance metrics key_columns notes rows exit_code"
+)
 
 
 def load_summary(path: str | Path) -> pd.DataFrame:
@@ -43,12 +43,11 @@ def load_summary(path: str | Path) -> pd.DataFrame:
         raise SpecbenchError(f"{given} {problem}; pass a run directory containing summary.csv or a summary.csv file")
     try:
         df = pd.read_csv(p, dtype={"prompts_hash": str})  # a hash made only of digits is still a hash
-    except pd.errors.EmptyDataError:
-        raise SpecbenchError(f"{p} is empty; re-run `specbench run` to produce it") from None
-    except (pd.errors.ParserError, UnicodeDecodeError, OSError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise SpecbenchError(f"{p} is not a readable CSV ({reason}); "
-                             "pass a summary.csv written by `specbench run`") from None
+    except (ValueError, OSError) as exc:  # pandas' parser and empty-file errors are ValueErrors
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise SpecbenchError(
+            f"{p} is not a readable CSV ({reason}); pass a summary.csv written by `specbench run`"
+        ) from None
     if missing := [c for c in REQUIRED_KEYS if c not in df.columns]:
         raise SpecbenchError(f"{p} lacks the columns {', '.join(missing)}; pass a summary.csv from `specbench run`")
     if df.empty:
@@ -68,7 +67,7 @@ def _text(value) -> str:
 
 
 def _differing(baseline: pd.DataFrame, current: pd.DataFrame, column: str) -> str | None:
-    """"a vs b" when both files have the column and its values differ; a blank is unknown, not different."""
+    """ "a vs b" when both files have the column and its values differ; a blank is unknown, not different."""
     before, after = (", ".join(sorted({_text(v) for v in df.get(column, [])} - {""})) for df in (baseline, current))
     return f"{before} vs {after}" if before and after and before != after else None
 
@@ -76,14 +75,17 @@ def _differing(baseline: pd.DataFrame, current: pd.DataFrame, column: str) -> st
 def _choose_metrics(baseline: pd.DataFrame, current: pd.DataFrame, metrics: list[str] | None) -> list[str]:
     shared = [m for m in schema.GATED if m in baseline.columns and m in current.columns]
     if not (chosen := list(dict.fromkeys(metrics or shared))):
-        raise SpecbenchError(f"the two summaries share none of the metrics {', '.join(schema.GATED)}; "
-                             "compare files written by `specbench run`")
+        raise SpecbenchError(
+            f"the two summaries share none of the metrics {', '.join(schema.GATED)}; compare files written by `specbench run`"
+        )
     if unknown := [m for m in chosen if m not in METRICS]:
         raise SpecbenchError(f"unknown metric {', '.join(unknown)}; choose from {', '.join(METRICS)}")
-    for name, df in (("baseline", baseline), ("current", current)):
-        if absent := [m for m in chosen if m not in df.columns]:
-            raise SpecbenchError(f"the {name} summary has no column {', '.join(absent)}; "
-                                 "drop that --metric or regenerate the file")
+    if absent := [
+        (name, m) for name, df in (("baseline", baseline), ("current", current)) for m in chosen if m not in df
+    ]:
+        raise SpecbenchError(
+            f"the {absent[0][0]} summary has no column {absent[0][1]}; drop that --metric or regenerate the file"
+        )
     return chosen
 
 
@@ -102,8 +104,8 @@ def _normalised(baseline: pd.DataFrame, current: pd.DataFrame, keys: list[str]) 
     return [both.loc[0], both.loc[1]]
 
 
-def _judge(merged: pd.DataFrame, metric: str, tolerance: float, abs_tolerance: float) -> tuple[np.ndarray, pd.Series]:
-    """The status and change of one metric on every merged row."""
+def _judge(merged: pd.DataFrame, side: pd.Series, metric: str, tolerance: float, abs_tolerance: float):
+    """The status and change of one metric on every merged row (``side``: MISSING, NEW or "" per row)."""
     base, cur = merged[f"{metric} base"].astype(float), merged[f"{metric} cur"].astype(float)
     change = (cur / base - 1).where(base != 0) if metric in RELATIVE else cur - base
     width = base * tolerance if metric in RELATIVE else abs_tolerance
@@ -111,22 +113,24 @@ def _judge(merged: pd.DataFrame, metric: str, tolerance: float, abs_tolerance: f
     worse, better = (below, above) if schema.BY_NAME[metric].better == schema.HIGHER else (above, below)
     # The first true condition wins: a row gone from the current run is missing whatever its baseline held,
     # and a baseline without a value (alpha of the baseline method) holds the current run to nothing.
-    status = np.select([merged["_merge"] == "left_only", merged["_merge"] == "right_only", base.isna(), cur.isna(),
-                        worse, better], [MISSING, NEW, SKIPPED, MISSING, REGRESSED, IMPROVED], OK)
+    status = np.select(
+        [side != "", base.isna(), cur.isna(), worse, better], [side, SKIPPED, MISSING, REGRESSED, IMPROVED], OK
+    )
     return status, change.where(np.isin(status, [OK, REGRESSED, IMPROVED]))
 
 
-def compare_frames(baseline: pd.DataFrame, current: pd.DataFrame, tolerance: float = 0.10,
-                   abs_tolerance: float = 0.01, metrics: list[str] | None = None,
-                   baseline_name: str = "", current_name: str = "") -> Comparison:
-    """Match rows on configuration and judge each metric. No I/O."""
-    if not 0 <= tolerance < 1:
-        raise SpecbenchError(f"--tolerance {tolerance} is out of range; use a fraction in [0, 1)")
-    if abs_tolerance < 0:
-        raise SpecbenchError(f"--abs-tolerance {abs_tolerance} is negative; use a value >= 0")
+def compare_frames(
+    baseline, current, tolerance=0.10, abs_tolerance=0.01, metrics=None, baseline_name="", current_name=""
+):
+    """Match the rows of two summary frames on configuration and judge each metric (a list of names,
+    default schema.GATED); the names label the files in messages. Returns a Comparison. No I/O."""
+    if not (0 <= tolerance < 1 and abs_tolerance >= 0):
+        raise SpecbenchError(f"--tolerance {tolerance} must lie in [0, 1) and --abs-tolerance {abs_tolerance} be >= 0")
     if hashes := _differing(baseline, current, "prompts_hash"):
-        raise SpecbenchError(f"the two runs decoded different prompts (prompts_hash {hashes}): a changed dataset, "
-                             "template or tokenizer makes them incomparable; rerun the baseline")
+        raise SpecbenchError(
+            f"the two runs decoded different prompts (prompts_hash {hashes}): a changed dataset, "
+            "template or tokenizer makes them incomparable; rerun the baseline"
+        )
     chosen = _choose_metrics(baseline, current, metrics)
     keys = REQUIRED_KEYS + [c for c in OPTIONAL_KEYS if c in baseline.columns and c in current.columns]
     base, cur = _normalised(baseline[keys + chosen], current[keys + chosen], keys)
@@ -134,26 +138,33 @@ def compare_frames(baseline: pd.DataFrame, current: pd.DataFrame, tolerance: flo
         if len(twice := df[df.duplicated(keys)]):
             shown = ", ".join(f"{c}={_text(twice[c].iloc[0])}" for c in keys)
             raise SpecbenchError(f"{name or 'a summary'} has more than one row for {shown}; keep one per configuration")
-    merged = pd.merge(base.assign(_base_order=range(len(base))), cur.assign(_cur_order=range(len(cur))),
-                      how="outer", on=keys, validate="one_to_one", indicator=True, suffixes=(" base", " cur"))
+    ordered = base.assign(_base_order=range(len(base))), cur.assign(_cur_order=range(len(cur)))
+    merged = pd.merge(*ordered, how="outer", on=keys, validate="one_to_one", indicator=True, suffixes=(" base", " cur"))
     if not (merged["_merge"] == "both").any():
-        raise SpecbenchError(f"no row of the current run matches a baseline row on {', '.join(keys)}; "
-                             "run the same configuration as the baseline")
+        raise SpecbenchError(
+            f"no row of the current run matches a baseline row on {', '.join(keys)}; "
+            "run the same configuration as the baseline"
+        )
     merged = merged.sort_values(["_base_order", "_cur_order"], ignore_index=True)  # baseline rows, then new ones
+    side = merged["_merge"].map({"left_only": MISSING, "right_only": NEW, "both": ""}).astype(str)
     for m in chosen:
-        merged[f"{m} status"], merged[f"{m} change"] = _judge(merged, m, tolerance, abs_tolerance)
+        merged[f"{m} status"], merged[f"{m} change"] = _judge(merged, side, m, tolerance, abs_tolerance)
     statuses = merged[[f"{m} status" for m in chosen]]
-    merged["_status"] = np.select([merged["_merge"] == "left_only", merged["_merge"] == "right_only",
-                                   statuses.isin(FAILING).any(axis=1), (statuses == IMPROVED).any(axis=1)],
-                                  [MISSING, NEW, REGRESSED, IMPROVED], OK)
+    failing, improved = statuses.isin(FAILING).any(axis=1), (statuses == IMPROVED).any(axis=1)
+    merged["_status"] = np.select([side != "", failing, improved], [side, REGRESSED, IMPROVED], OK)
     # Short row labels: only the key columns that vary, always with k and method.
     shown = [c for c in keys if c in ("k", "method") or merged[c].nunique(dropna=False) > 1]
-    rows = [RowVerdict({c: r[c] for c in keys}, " ".join(f"{c}={_text(r[c])}" for c in shown), r["_status"],
-                       [MetricVerdict(m, r[f"{m} base"], r[f"{m} cur"], r[f"{m} change"], r[f"{m} status"])
-                        for m in chosen])
-            for r in merged.astype(object).where(merged.notna(), None).to_dict("records")]
-    notes = [f"{c} differs ({values}): timing metrics are not comparable; restrict with --metric alpha --metric tau"
-             for c in CONTEXT if (values := _differing(baseline, current, c))]
+    rows = [
+        RowVerdict(
+            {c: r[c] for c in keys},
+            " ".join(f"{c}={_text(r[c])}" for c in shown),
+            r["_status"],
+            [MetricVerdict(m, r[f"{m} base"], r[f"{m} cur"], r[f"{m} change"], r[f"{m} status"]) for m in chosen],
+        )
+        for r in merged.astype(object).where(merged.notna(), None).to_dict("records")
+    ]
+    note = "{} differs ({}): timing metrics are not comparable; restrict with --metric alpha --metric tau"
+    notes = [note.format(c, values) for c in CONTEXT if (values := _differing(baseline, current, c))]
     exit_code = int(any(row.status in FAILING for row in rows))
     return Comparison(baseline_name, current_name, tolerance, abs_tolerance, chosen, keys, notes, rows, exit_code)
 
@@ -161,6 +172,7 @@ def compare_frames(baseline: pd.DataFrame, current: pd.DataFrame, tolerance: flo
 def _cell_text(m: MetricVerdict) -> str:
     def number(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
+
     if m.status in (NEW, SKIPPED):
         return number(m.current)
     change = "" if m.change is None else f" ({m.change:+.1%})" if m.metric in RELATIVE else f" ({m.change:+.3f})"
@@ -170,8 +182,10 @@ def _cell_text(m: MetricVerdict) -> str:
 def _problem(row: RowVerdict) -> str:
     if row.status == MISSING:
         return f"{row.label}: missing from the current run"
-    return f"{row.label}: " + ", ".join(f"{m.metric} {_cell_text(m) if m.status == REGRESSED else 'no longer measured'}"
-                                        for m in row.metrics if m.status in FAILING)
+    failing = [m for m in row.metrics if m.status in FAILING]
+    return f"{row.label}: " + ", ".join(
+        f"{m.metric} {_cell_text(m) if m.status == REGRESSED else 'no longer measured'}" for m in failing
+    )
 
 
 def verdict_line(comparison: Comparison) -> str:
@@ -184,65 +198,52 @@ def verdict_line(comparison: Comparison) -> str:
     return f"PASS ({tol}): {counts[OK] + counts[IMPROVED]} rows within tolerance{extra}"
 
 
-def to_json(comparison: Comparison, path: str | Path | None = None) -> dict:
-    """The verdict as a JSON-ready dict; also written to ``path`` when given."""
-    rows = [{**row._asdict(), "metrics": {m.metric: {"baseline": m.baseline, "current": m.current, "change": m.change,
-                                                     "change_kind": "relative" if m.metric in RELATIVE else "absolute",
-                                                     "status": m.status} for m in row.metrics}}
-            for row in comparison.rows]
-    data = {"verdict": "fail" if comparison.exit_code else "pass", "exit_code": comparison.exit_code,
-            "summary": verdict_line(comparison), **comparison._asdict(), "rows": rows}
-    if path is not None:
-        _write(path, json.dumps(data, indent=2) + "\n")
+def to_json(comparison: Comparison) -> dict:
+    """The verdict as a JSON-ready dict."""
+
+    def metric(m: MetricVerdict) -> dict:
+        return {**m._asdict(), "change_kind": "relative" if m.metric in RELATIVE else "absolute"}
+
+    rows = [{**row._asdict(), "metrics": {m.metric: metric(m) for m in row.metrics}} for row in comparison.rows]
+    verdict = {"verdict": "fail" if comparison.exit_code else "pass", "exit_code": comparison.exit_code}
+    data = {**verdict, "summary": verdict_line(comparison), **comparison._asdict(), "rows": rows}
     return data
+
+
+def cells(row: RowVerdict, style) -> list[str]:
+    """A row's label, status and metric cells, each status shown through ``style(text, status)``."""
+    # A missing row is flagged once, in its status cell.
+    flagged = [m.status in FAILING | {IMPROVED} and row.status != MISSING for m in row.metrics]
+    metrics = [style(_cell_text(m), m.status if flag else None) for m, flag in zip(row.metrics, flagged, strict=True)]
+    return [style(row.label, None), style(row.status, row.status), *metrics]
 
 
 def to_markdown(comparison: Comparison) -> str:
     """A Markdown table plus the verdict line, for CI logs and step summaries."""
-    def marked(status: str) -> str:
-        return f"**{status}**" if status in FAILING else status
-    header = ["row", "status"] + comparison.metrics
-    lines = ["### specbench compare", "", f"**{verdict_line(comparison)}**", "",
-             "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in comparison.rows:
-        # A missing row is flagged once, in its status cell.
-        cells = [f"{_cell_text(m)} {marked(m.status)}" if m.status in FAILING | {IMPROVED} and row.status != MISSING
-                 else _cell_text(m) for m in row.metrics]
-        lines.append("| " + " | ".join([row.label.replace("|", "\\|"), marked(row.status), *cells]) + " |")
+
+    def style(text: str, status: str | None) -> str:
+        shown = f"**{status}**" if status in FAILING else status
+        return text.replace("|", "\\|") if status is None else shown if text == status else f"{text} {shown}"
+
+    header = ["row", "status", *comparison.metrics]
+    lines = ["### specbench compare", "", f"**{verdict_line(comparison)}**", "", "| " + " | ".join(header) + " |"]
+    lines += ["|" + "---|" * len(header)] + ["| " + " | ".join(cells(row, style)) + " |" for row in comparison.rows]
     lines += [line for note in comparison.notes for line in ("", f"> note: {note}")]
     return "\n".join(lines) + "\n"
 
 
-def _write(path: str | Path, text: str) -> None:
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise SpecbenchError(f"cannot write {path} ({exc.strerror}); choose a writable path") from None
+def run_compare(
+    baseline, current, tolerance=0.1, abs_tolerance=0.01, metrics=None, json_path=None, markdown_path=None, console=None
+):
+    """Compare two run directories (or summary.csv paths), print the table and verdict, write the
+    JSON and Markdown reports where paths are given; return 0 or 1 (unusable input: SpecbenchError)."""
+    from .report import print_comparison, write_text
 
-
-def run_compare(baseline: str, current: str, tolerance: float = 0.10, abs_tolerance: float = 0.01,
-                metrics: list[str] | None = None, json_path: str | None = None, markdown_path: str | None = None,
-                console: Console | None = None) -> int:
-    """Compare two runs, print the table and verdict, write the reports; return 0 or 1 (SpecbenchError: 2)."""
-    console = console or Console()
-    comparison = compare_frames(load_summary(baseline), load_summary(current), tolerance, abs_tolerance, metrics,
-                                baseline_name=str(baseline), current_name=str(current))
+    frames = load_summary(baseline), load_summary(current)
+    comparison = compare_frames(*frames, tolerance, abs_tolerance, metrics, str(baseline), str(current))
     if json_path:
-        to_json(comparison, json_path)
+        write_text(json_path, json.dumps(to_json(comparison), indent=2) + "\n")
     if markdown_path:
-        _write(markdown_path, to_markdown(comparison))
-    table = Table("row", "status", title="specbench compare: baseline -> current")
-    for m in comparison.metrics:
-        band = f"±{comparison.tolerance:.0%}" if m in RELATIVE else f"±{comparison.abs_tolerance:g}"
-        table.add_column(f"{m} ({band})", justify="right")
-    for row in comparison.rows:
-        table.add_row(row.label, f"[{_STYLES[row.status]}]{row.status}[/]",
-                      *(f"[{_STYLES[m.status]}]{_cell_text(m)}[/]" for m in row.metrics))
-    console.print(table)
-    for note in comparison.notes:
-        console.print(f"[yellow]note:[/] {note}", highlight=False)
-    # soft_wrap keeps the verdict on one line however narrow the terminal is.
-    console.print(verdict_line(comparison), style="bold red" if comparison.exit_code else "bold green",
-                  highlight=False, markup=False, soft_wrap=True)
+        write_text(markdown_path, to_markdown(comparison))
+    print_comparison(console or Console(), comparison, verdict_line(comparison))
     return comparison.exit_code

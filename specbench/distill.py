@@ -27,7 +27,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from .errors import SpecbenchError
 from .models import HEAD_TOKENS, LoadedModel, read_config
@@ -68,7 +67,9 @@ class DistillConfig:
 
     def validate(self) -> None:
         if self.init not in ("pca", "random") and not (Path(self.init) / "config.json").is_file():
-            raise SpecbenchError(f"--init {self.init}: use pca, random, or the directory of a draft checkpoint to go on training")
+            raise SpecbenchError(
+                f"--init {self.init}: use pca, random, or the directory of a draft checkpoint to go on training"
+            )
         if not 0 <= self.sampled_fraction <= 1:
             raise SpecbenchError("--sampled-fraction must lie between 0 and 1")
         if self.hidden_size % self.heads or self.heads % self.kv_heads:
@@ -93,7 +94,9 @@ def source_files(roots: list[str]) -> list[Path]:
     for root in roots:
         root_path = Path(root)
         if not root_path.exists():
-            raise SpecbenchError(f"training source {root} does not exist: pass directories of text or code with --source")
+            raise SpecbenchError(
+                f"training source {root} does not exist: pass directories of text or code with --source"
+            )
         candidates = [root_path] if root_path.is_file() else root_path.rglob("*.py")
         files += [p for p in candidates if not skip & set(p.relative_to(root_path).parts)]
     return sorted(files)
@@ -163,7 +166,9 @@ def chat_prompts(cfg: DistillConfig, tokenizer) -> list[str]:
     if not tokenizer.chat_template:
         return stubs
     return [
-        tokenizer.apply_chat_template([{"role": "user", "content": instruction.format(prompt=stub)}], add_generation_prompt=True, tokenize=False)
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": instruction.format(prompt=stub)}], add_generation_prompt=True, tokenize=False
+        )
         for stub in stubs
     ]
 
@@ -204,9 +209,15 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
         torch.manual_seed(cfg.seed * 100_003 + b)
         with torch.inference_mode():
             out = target.model.generate(
-                **enc.to(target.model.device), max_new_tokens=cfg.generate_new_tokens, do_sample=sampled,
-                temperature=1.0 if sampled else None, top_k=None, top_p=None, pad_token_id=tokenizer.pad_token_id,
-                output_logits=True, return_dict_in_generate=True,
+                **enc.to(target.model.device),
+                max_new_tokens=cfg.generate_new_tokens,
+                do_sample=sampled,
+                temperature=1.0 if sampled else None,
+                top_k=None,
+                top_p=None,
+                pad_token_id=tokenizer.pad_token_id,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
             top = [step[:, : target.width].float().log_softmax(-1).topk(cfg.top_k, dim=-1) for step in out.logits]
         top_logp = torch.stack([t.values for t in top], 1).half().cpu()
@@ -217,10 +228,14 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
             prompt = enc.input_ids[r][enc.attention_mask[r].bool()].cpu()
             ends = [i for i, t in enumerate(answers[r].tolist()) if t in stop]
             n = ends[0] + 1 if ends else answers.shape[1]  # keep the first stop token, drop what follows
-            docs.append({
-                "ids": torch.cat([prompt, answers[r, :n]]).int(), "prompt_len": len(prompt),
-                "top_logp": top_logp[r, :n].clone(), "top_idx": top_idx[r, :n].clone(),
-            })
+            docs.append(
+                {
+                    "ids": torch.cat([prompt, answers[r, :n]]).int(),
+                    "prompt_len": len(prompt),
+                    "top_logp": top_logp[r, :n].clone(),
+                    "top_idx": top_idx[r, :n].clone(),
+                }
+            )
         with replacing(path) as tmp:
             torch.save(docs, tmp)
         yield Progress("generate", done, len(texts))
@@ -239,7 +254,9 @@ def teacher_shards(
         count = min(SHARD_SEQUENCES, n_seqs - shard * SHARD_SEQUENCES)
         ids = [next(stream, None) for _ in range(count * cfg.seq_len)]
         if None in ids:
-            raise SpecbenchError(f"the sources hold fewer than {n_tokens} tokens: lower --teacher-tokens or add --source")
+            raise SpecbenchError(
+                f"the sources hold fewer than {n_tokens} tokens: lower --teacher-tokens or add --source"
+            )
         if path.exists():
             yield Progress(phase, shard * SHARD_SEQUENCES + count, n_seqs)
             continue
@@ -297,7 +314,9 @@ def new_student(cfg: DistillConfig, target: LoadedModel):
     if cfg.init not in ("pca", "random"):  # a draft checkpoint to go on training
         student = AutoModelForCausalLM.from_pretrained(cfg.init, dtype=torch.float32)
         if student.get_output_embeddings().weight.shape[0] < target.width:
-            raise SpecbenchError(f"--init {cfg.init}: its vocabulary is narrower than the target's; start from pca instead")
+            raise SpecbenchError(
+                f"--init {cfg.init}: its vocabulary is narrower than the target's; start from pca instead"
+            )
         return student
     student = LlamaForCausalLM(draft_config(cfg, target))
     if cfg.init == "pca":
@@ -324,7 +343,10 @@ def load_examples(cfg: DistillConfig) -> tuple[list[Example], list[Example]]:
     source = []
     for path in sorted((cfg.out / "teacher").glob("*.pt")):
         shard = torch.load(path)
-        source += [Example(ids, 0, logp, idx) for ids, logp, idx in zip(shard["ids"], shard["top_logp"], shard["top_idx"])]
+        source += [
+            Example(ids, 0, logp, idx)
+            for ids, logp, idx in zip(shard["ids"], shard["top_logp"], shard["top_idx"], strict=True)
+        ]
     answers, held_out = [], []
     for path in sorted((cfg.out / "generated").glob("*.pt")):
         greedy = not is_sampled(cfg, int(path.stem))
@@ -434,7 +456,11 @@ def train_student(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]
         if step % cfg.eval_every == 0 or step == total:
             held_out_agreement = agreement(student, held_out, cfg.batch)
         if step % cfg.save_every == 0 or step == total:
-            state = {"model": student.state_dict(), "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict()}
+            state = {
+                "model": student.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "schedule": schedule.state_dict(),
+            }
             with replacing(state_path) as tmp:
                 torch.save({**state, "step": step, "agreement": held_out_agreement}, tmp)
         yield Progress("student", step, total, loss.item(), held_out_agreement)
@@ -458,8 +484,13 @@ def save_draft(
     (cfg.out / HEAD_TOKENS).write_text(json.dumps(shortlist) + "\n")
     meta = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     c = student.config  # a draft trained further keeps its own shape, whatever the size options said
-    shape = {"hidden_size": c.hidden_size, "layers": c.num_hidden_layers, "heads": c.num_attention_heads,
-             "kv_heads": c.num_key_value_heads, "intermediate_size": c.intermediate_size}
+    shape = {
+        "hidden_size": c.hidden_size,
+        "layers": c.num_hidden_layers,
+        "heads": c.num_attention_heads,
+        "kv_heads": c.num_key_value_heads,
+        "intermediate_size": c.intermediate_size,
+    }
     meta.update(shape, held_out_greedy_agreement=held_out_agreement, head_tokens=len(shortlist))
     earlier = Path(cfg.init) / "distill.json"
     if earlier.is_file():  # a draft trained further keeps the recipe it started from

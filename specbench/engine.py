@@ -26,7 +26,11 @@ class CausalLM(Protocol):
         """Empty the cache before a new sequence."""
 
     def forward(
-        self, token_ids: torch.Tensor, last: int = 1, positions: torch.Tensor | None = None, mask: torch.Tensor | None = None
+        self,
+        token_ids: torch.Tensor,
+        last: int = 1,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Append 1-D ``token_ids`` to the cache; return logits [last, V] for the final positions.
 
@@ -187,7 +191,9 @@ class Round:
         return torch.cat([self.draft.on_path(self.verdict.path), self.verdict.next_token])
 
 
-def verify(draft: Draft, target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> tuple[Verdict, torch.Tensor | None]:
+def verify(
+    draft: Draft, target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
+) -> tuple[Verdict, torch.Tensor | None]:
     """The verdict on ``draft`` from the target's logits at the root and every draft token."""
     if not draft.is_chain:
         raise NotImplementedError("tree verification arrives with --method tree")

@@ -35,7 +35,13 @@ class Method:
         return math.nan
 
     def decode(
-        self, pair: Pair, ids: torch.Tensor, k: int | None, sampling: SamplingConfig, max_new_tokens: int, generator: torch.Generator
+        self,
+        pair: Pair,
+        ids: torch.Tensor,
+        k: int | None,
+        sampling: SamplingConfig,
+        max_new_tokens: int,
+        generator: torch.Generator,
     ) -> DecodeResult:
         raise NotImplementedError
 
@@ -59,7 +65,11 @@ class SpeculativeLoop(Method):
 
 
 class Speculative(SpeculativeLoop):
-    name, help, needs_draft = "speculative", "specbench's loop: the draft model samples K tokens, one target forward verifies them", True
+    name, help, needs_draft = (
+        "speculative",
+        "specbench's loop: the draft model samples K tokens, one target forward verifies them",
+        True,
+    )
 
     def c(self, costs):
         return costs.c
@@ -69,7 +79,10 @@ class Speculative(SpeculativeLoop):
 
 
 class PromptLookup(SpeculativeLoop):
-    name, help = "prompt-lookup", "K tokens copied from the latest match of the last n-gram in prompt and output; no draft model"
+    name, help = (
+        "prompt-lookup",
+        "K tokens copied from the latest match of the last n-gram in prompt and output; no draft model",
+    )
 
     def c(self, costs):
         return 0.0  # no draft model runs; its lookups are host-side bookkeeping
@@ -84,7 +97,11 @@ def _seed(generator: torch.Generator) -> int:
 
 
 class HFAssisted(Method):
-    name, help, needs_draft = "hf-assisted", "transformers' generate(assistant_model=draft) with exactly K draft tokens per round", True
+    name, help, needs_draft = (
+        "hf-assisted",
+        "transformers' generate(assistant_model=draft) with exactly K draft tokens per round",
+        True,
+    )
 
     def check(self, pair):
         if pair.target.width != pair.draft.width:
@@ -107,6 +124,8 @@ class HFGenerate(Method):
         return hf_generate(pair.target, ids, max_new_tokens, sampling, _seed(generator), pair.stop_ids)
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (Baseline(), Speculative(), PromptLookup(), HFAssisted(), HFGenerate())}
+METHODS: dict[str, Method] = {
+    m.name: m for m in (Baseline(), Speculative(), PromptLookup(), HFAssisted(), HFGenerate())
+}
 BASELINE = METHODS["baseline"]
 DEFAULT = [Speculative.name]  # what `specbench run` measures when no --method is given

@@ -11,13 +11,13 @@ import os
 import re
 import shutil
 import socket
-import tomllib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from urllib.parse import urlparse
 
+import tomllib
 import torch
 
 from .errors import SpecbenchError
@@ -98,7 +98,9 @@ def resolve(spec: str) -> ModelSource:
         return ModelSource(spec, "gguf", str(path.resolve()))
     if path.is_dir():
         if not (path / "config.json").is_file():
-            raise SpecbenchError(f"'{spec}' is a directory without config.json: point at a saved transformers checkpoint")
+            raise SpecbenchError(
+                f"'{spec}' is a directory without config.json: point at a saved transformers checkpoint"
+            )
         return ModelSource(spec, "dir", str(path.resolve()))
     if HUB_ID.match(spec):
         return ModelSource(spec, "hub", spec)
@@ -165,7 +167,9 @@ def _converted_gguf(gguf: Path) -> Path:
 def resolve_device(device: str) -> torch.device:
     if device != "auto":
         if device.startswith("cuda") and not torch.cuda.is_available():
-            raise SpecbenchError(f"--device {device} asked for, but torch sees no CUDA device: use --device cpu or auto")
+            raise SpecbenchError(
+                f"--device {device} asked for, but torch sees no CUDA device: use --device cpu or auto"
+            )
         return torch.device(device)
     if torch.cuda.is_available():
         return torch.device("cuda")
@@ -368,7 +372,9 @@ def hf_generate(
         "max_new_tokens": max_new_tokens,
         "do_sample": not sampling.greedy,
         "eos_token_id": sorted(stop_ids) or None,
-        "pad_token_id": target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else min(stop_ids, default=0),
+        "pad_token_id": target.tokenizer.pad_token_id
+        if target.tokenizer.pad_token_id is not None
+        else min(stop_ids, default=0),
     }
     if not sampling.greedy:
         kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)

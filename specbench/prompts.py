@@ -33,7 +33,10 @@ def load_prompts(dataset: str, num_prompts: int | None, prompt_field: str = "pro
                 f"unknown dataset '{dataset}': use {', '.join(t for t in templates if t != 'file')} "
                 "or a local .jsonl/.csv/.parquet file"
             )
-        spec = {key: templates["file"][key].replace("{prompt}", "{" + prompt_field + "}") for key in ("template", "instruction")}
+        spec = {
+            key: templates["file"][key].replace("{prompt}", "{" + prompt_field + "}")
+            for key in ("template", "instruction")
+        }
         records, id_field = _file_records(path, prompt_field), None
     if num_prompts is not None:
         records = records[:num_prompts]
@@ -41,7 +44,9 @@ def load_prompts(dataset: str, num_prompts: int | None, prompt_field: str = "pro
         raise SpecbenchError(f"dataset '{dataset}' has no prompts: check the file or --num-prompts")
     try:
         return [
-            Prompt(str(r[id_field]) if id_field else str(i), spec["template"].format(**r), spec["instruction"].format(**r))
+            Prompt(
+                str(r[id_field]) if id_field else str(i), spec["template"].format(**r), spec["instruction"].format(**r)
+            )
             for i, r in enumerate(records)
         ]
     except KeyError as e:

@@ -85,11 +85,21 @@ class RunWriter:
             raise SpecbenchError(f"--resume: {self.out} holds no run to resume (no meta.json): drop --resume")
         meta = json.loads(meta_path.read_text(encoding="utf-8"))
         config = json.loads(json.dumps(config))  # tuples and lists compare alike after a round trip
-        changed = [key for key in sorted(set(config) | set(meta.get("config", {}))) if config.get(key) != meta["config"].get(key)]
+        changed = [
+            key
+            for key in sorted(set(config) | set(meta.get("config", {})))
+            if config.get(key) != meta["config"].get(key)
+        ]
         if changed:
             was = ", ".join(f"{key} {meta['config'].get(key)!r} -> {config.get(key)!r}" for key in changed)
-            raise SpecbenchError(f"--resume: the run in {self.out} has another configuration ({was}): use the same options or another --out")
-        records = [{k: _parse(k, v) for k, v in row.items()} for row in _read_csv(self.out / RECORDS)] if (self.out / RECORDS).is_file() else []
+            raise SpecbenchError(
+                f"--resume: the run in {self.out} has another configuration ({was}): use the same options or another --out"
+            )
+        records = (
+            [{k: _parse(k, v) for k, v in row.items()} for row in _read_csv(self.out / RECORDS)]
+            if (self.out / RECORDS).is_file()
+            else []
+        )
         costs = _read_csv(self.out / "verify_cost.csv") if (self.out / "verify_cost.csv").is_file() else []
         return PreviousRun(records, costs, meta.get("resolved", {}).get("prompts_hash"))
 
@@ -115,8 +125,17 @@ class RunWriter:
         self._records.writerow(row)
         self._files[RECORDS].flush()
 
-    def output(self, prompt_id: str, prompt_index: int, k: int | None, method: str, token_ids: list[int], text: str) -> None:
-        obj = {"prompt_id": prompt_id, "prompt_index": prompt_index, "k": k, "method": method, "token_ids": token_ids, "text": text}
+    def output(
+        self, prompt_id: str, prompt_index: int, k: int | None, method: str, token_ids: list[int], text: str
+    ) -> None:
+        obj = {
+            "prompt_id": prompt_id,
+            "prompt_index": prompt_index,
+            "k": k,
+            "method": method,
+            "token_ids": token_ids,
+            "text": text,
+        }
         self._files[OUTPUTS].write(json.dumps(obj) + "\n")
         self._files[OUTPUTS].flush()
 
@@ -144,7 +163,12 @@ def environment(device_name: str) -> dict:
     import transformers
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
+            ).stdout.strip()
+            or None
+        )
     except (OSError, subprocess.SubprocessError):
         commit = None
     return {
@@ -165,3 +189,51 @@ def summary_table(rows: list[dict], title: str) -> Table:
     for row in rows:
         table.add_row(*(schema.fmt(column.name, row.get(column.name)) for column in schema.TABLE))
     return table
+
+
+STATUS_STYLES = {
+    "ok": "green",
+    "regressed": "bold red",
+    "improved": "cyan",
+    "missing": "bold red",
+    "new": "blue",
+    "skipped": "dim",
+}
+
+
+def comparison_table(comparison) -> Table:
+    """`specbench compare` on screen: a row per configuration, a column per metric, coloured by status."""
+    from .compare import RELATIVE, cells
+
+    table = Table("row", "status", title="specbench compare: baseline -> current")
+    for m in comparison.metrics:
+        band = f"±{comparison.tolerance:.0%}" if m in RELATIVE else f"±{comparison.abs_tolerance:g}"
+        table.add_column(f"{m} ({band})", justify="right")
+    for row in comparison.rows:
+        statuses = [row.status, row.status, *(m.status for m in row.metrics)]
+        styled = zip(cells(row, lambda text, _: text), statuses, strict=True)
+        table.add_row(*(f"[{STATUS_STYLES[status]}]{cell}[/]" for cell, status in styled))
+    return table
+
+
+def print_comparison(console, comparison, verdict: str) -> None:
+    console.print(comparison_table(comparison))
+    for note in comparison.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    # soft_wrap keeps the verdict on one line however narrow the terminal is.
+    console.print(
+        verdict,
+        style="bold red" if comparison.exit_code else "bold green",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
+
+
+def write_text(path: str | Path, text: str) -> None:
+    """A report at a path the user chose: its directory is made, a failure is one line."""
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise SpecbenchError(f"cannot write {path} ({exc.strerror}); choose a writable path") from None

@@ -71,7 +71,9 @@ def padded_draft(tiny_pair, tmp_path_factory) -> str:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
-    return str(build_llama(tmp_path_factory.mktemp("padded") / "draft", tokenizer, layers=1, hidden=32, seed=1, vocab_pad=16))
+    return str(
+        build_llama(tmp_path_factory.mktemp("padded") / "draft", tokenizer, layers=1, hidden=32, seed=1, vocab_pad=16)
+    )
 
 
 @pytest.fixture(scope="session")

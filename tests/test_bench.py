@@ -5,7 +5,6 @@ import re
 from pathlib import Path
 
 import pandas as pd
-import pytest
 
 from specbench import bench, schema
 from specbench.bench import BenchConfig, Results
@@ -17,7 +16,15 @@ ROOT = Path(__file__).parent.parent
 
 
 def config(tiny_pair, prompts_file, **options) -> BenchConfig:
-    options = {"target": tiny_pair[0], "draft": tiny_pair[1], "dataset": prompts_file, "max_new_tokens": 16, "cost_repeats": 2, "warmup": 0, **options}
+    options = {
+        "target": tiny_pair[0],
+        "draft": tiny_pair[1],
+        "dataset": prompts_file,
+        "max_new_tokens": 16,
+        "cost_repeats": 2,
+        "warmup": 0,
+        **options,
+    }
     return BenchConfig(**options)
 
 
@@ -32,8 +39,23 @@ def outputs(out: Path) -> list[dict]:
 def test_a_k_list_sweeps_and_writes_best_k_and_the_plot(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "run"
     result = specbench(
-        "run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--k", "1,2,4", "--dataset", prompts_file,
-        "--num-prompts", "2", "--max-new-tokens", "16", "--cost-repeats", "2", "--out", str(out),
+        "run",
+        "--target",
+        tiny_pair[0],
+        "--draft",
+        tiny_pair[1],
+        "--k",
+        "1,2,4",
+        "--dataset",
+        prompts_file,
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--cost-repeats",
+        "2",
+        "--out",
+        str(out),
     )
     assert result.returncode == 0, result.stderr
     summary = pd.read_csv(out / "summary.csv")
@@ -97,9 +119,16 @@ def test_an_unusable_out_directory_fails_before_any_model_is_loaded(tmp_path):
 def test_rows_follow_the_schema(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "run"
     run(config(tiny_pair, prompts_file, ks=[2], methods=["speculative", "prompt-lookup"], num_prompts=1), out)
-    assert list(pd.read_csv(out / "summary.csv").columns) == schema.SUMMARY
+    summary = pd.read_csv(out / "summary.csv")
+    assert list(summary.columns) == schema.SUMMARY
+    # The baseline drafts nothing: no acceptance figures, though its records carry the methods' counts.
+    assert summary.loc[0, ["alpha", "acceptance_rate", "tau", "drafted"]].isna().all()
+    assert summary.loc[1:, ["alpha", "acceptance_rate", "tau"]].notna().all().all()
     assert list(pd.read_csv(out / "records.csv").columns) == schema.RECORDS
-    assert json.loads((out / "meta.json").read_text())["resolved"]["prompts_hash"] == pd.read_csv(out / "summary.csv")["prompts_hash"][0]
+    assert (
+        json.loads((out / "meta.json").read_text())["resolved"]["prompts_hash"]
+        == pd.read_csv(out / "summary.csv")["prompts_hash"][0]
+    )
 
 
 def test_a_run_without_a_draft_method_loads_no_draft(tiny_pair, prompts_file, tmp_path):

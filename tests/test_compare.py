@@ -22,22 +22,49 @@ def summary_rows(ks=(1, 2, 4)):
     rows = []
     for k in ks:
         alpha = 0.80
-        rows.append({
-            "target": "smollm2-135m", "draft": "smollm2-tiny", "dataset": "humaneval",
-            "num_prompts": 4, "k": k, "method": "speculative", "temperature": 0.0,
-            "top_k": 0, "top_p": 1.0, "seed": 0, "device": "cpu", "dtype": "float32",
-            "new_tokens": 128, "baseline_tokens_per_s": 20.0, "spec_tokens_per_s": 20.0 * (1 + k / 4),
-            "speedup": 1 + k / 4, "alpha": alpha, "acceptance_rate": 0.75, "tau": 1 + k * 0.6,
-            "c": 0.15, "verify_ratio": 1.5,
-            "predicted_speedup": (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * 0.15 + 1)),
-            "predicted_speedup_verify": (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * 0.15 + 1.5)),
-        })
-    rows.append({
-        **rows[0], "k": 0, "method": "baseline", "spec_tokens_per_s": math.nan,
-        "speedup": 1.0, "alpha": math.nan, "acceptance_rate": math.nan, "tau": math.nan,
-        "c": math.nan, "verify_ratio": math.nan, "predicted_speedup": math.nan,
-        "predicted_speedup_verify": math.nan,
-    })
+        rows.append(
+            {
+                "target": "smollm2-135m",
+                "draft": "smollm2-tiny",
+                "dataset": "humaneval",
+                "num_prompts": 4,
+                "k": k,
+                "method": "speculative",
+                "temperature": 0.0,
+                "top_k": 0,
+                "top_p": 1.0,
+                "seed": 0,
+                "device": "cpu",
+                "dtype": "float32",
+                "new_tokens": 128,
+                "baseline_tokens_per_s": 20.0,
+                "spec_tokens_per_s": 20.0 * (1 + k / 4),
+                "speedup": 1 + k / 4,
+                "alpha": alpha,
+                "acceptance_rate": 0.75,
+                "tau": 1 + k * 0.6,
+                "c": 0.15,
+                "verify_ratio": 1.5,
+                "predicted_speedup": (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * 0.15 + 1)),
+                "predicted_speedup_verify": (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * 0.15 + 1.5)),
+            }
+        )
+    rows.append(
+        {
+            **rows[0],
+            "k": 0,
+            "method": "baseline",
+            "spec_tokens_per_s": math.nan,
+            "speedup": 1.0,
+            "alpha": math.nan,
+            "acceptance_rate": math.nan,
+            "tau": math.nan,
+            "c": math.nan,
+            "verify_ratio": math.nan,
+            "predicted_speedup": math.nan,
+            "predicted_speedup_verify": math.nan,
+        }
+    )
     return rows
 
 
@@ -331,6 +358,7 @@ def test_every_configuration_column_has_a_role():
     # A new configuration column in the schema must be a key, a context note or the prompt check.
     from specbench import schema
     from specbench.compare import CONTEXT, OPTIONAL_KEYS, REQUIRED_KEYS
+
     assert sorted(schema.KEYS) == sorted(REQUIRED_KEYS + OPTIONAL_KEYS + CONTEXT + ["prompts_hash"])
 
 

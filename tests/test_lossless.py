@@ -77,7 +77,9 @@ class ShortlistedToy(ToyLM):
 
 def test_a_draft_blind_to_a_token_still_gives_the_target_law():
     # q is zero on token 1, which the target often picks: only the residual can produce it.
-    assert chi_square_p(ToyLM(VOCAB, seed=1), ShortlistedToy(VOCAB, seed=2), 2, SamplingConfig(temperature=1.0)) > P_FLOOR
+    assert (
+        chi_square_p(ToyLM(VOCAB, seed=1), ShortlistedToy(VOCAB, seed=2), 2, SamplingConfig(temperature=1.0)) > P_FLOOR
+    )
 
 
 def _verify_with_residual_p(draft_tokens, q, p, generator):

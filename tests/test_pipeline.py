@@ -23,9 +23,7 @@ SUMMARY_COLUMNS = (
 
 
 def specbench(*args, timeout=300):
-    return subprocess.run(
-        [sys.executable, "-m", "specbench", *args], capture_output=True, text=True, timeout=timeout
-    )
+    return subprocess.run([sys.executable, "-m", "specbench", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def wrapped(tiny_pair):
@@ -42,7 +40,9 @@ def test_shared_width_slices_the_padded_draft(tiny_pair, padded_draft):
     greedy, g = SamplingConfig(0.0), torch.Generator()
     want = autoregressive_decode(target_lm, prompt, 30, greedy, g).tokens
     assert speculative_decode(target_lm, ModelDrafter(draft_lm, greedy, g), prompt, 3, 30, greedy, g).tokens == want
-    sampled = speculative_decode(target_lm, ModelDrafter(draft_lm, SamplingConfig(1.0), g), prompt, 3, 30, SamplingConfig(1.0), g).tokens
+    sampled = speculative_decode(
+        target_lm, ModelDrafter(draft_lm, SamplingConfig(1.0), g), prompt, 3, 30, SamplingConfig(1.0), g
+    ).tokens
     assert max(sampled) < target.width
 
 
@@ -92,8 +92,21 @@ def test_baseline_matches_transformers_generate(tiny_pair):
 def test_run_writes_every_file_with_the_contract_columns(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "run"
     result = specbench(
-        "run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--k", "3", "--dataset", prompts_file,
-        "--max-new-tokens", "24", "--cost-repeats", "3", "--out", str(out),
+        "run",
+        "--target",
+        tiny_pair[0],
+        "--draft",
+        tiny_pair[1],
+        "--k",
+        "3",
+        "--dataset",
+        prompts_file,
+        "--max-new-tokens",
+        "24",
+        "--cost-repeats",
+        "3",
+        "--out",
+        str(out),
     )
     assert result.returncode == 0, result.stderr
     summary = pd.read_csv(out / "summary.csv")
@@ -116,8 +129,27 @@ def test_run_writes_every_file_with_the_contract_columns(tiny_pair, prompts_file
 
 
 def test_sampled_run_is_reproducible(tiny_pair, prompts_file, tmp_path):
-    args = ["run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--k", "2", "--dataset", prompts_file,
-            "--max-new-tokens", "16", "--temperature", "1.0", "--top-p", "0.9", "--cost-repeats", "2", "--seed", "7"]
+    args = [
+        "run",
+        "--target",
+        tiny_pair[0],
+        "--draft",
+        tiny_pair[1],
+        "--k",
+        "2",
+        "--dataset",
+        prompts_file,
+        "--max-new-tokens",
+        "16",
+        "--temperature",
+        "1.0",
+        "--top-p",
+        "0.9",
+        "--cost-repeats",
+        "2",
+        "--seed",
+        "7",
+    ]
     first, second = specbench(*args, "--out", str(tmp_path / "a")), specbench(*args, "--out", str(tmp_path / "b"))
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
     assert (tmp_path / "a" / "outputs.jsonl").read_text() == (tmp_path / "b" / "outputs.jsonl").read_text()
@@ -149,28 +181,47 @@ def test_uncached_hub_model_fails_fast_with_one_line():
 )
 def test_bad_input_is_one_clear_line(tiny_pair, prompts_file, args, needle):
     base = {"--target": tiny_pair[0], "--draft": tiny_pair[1], "--dataset": prompts_file}
-    base.update(dict(zip(args[::2], args[1::2])))
+    base.update(dict(zip(args[::2], args[1::2], strict=True)))
     result = specbench("run", *[x for kv in base.items() for x in kv], "--out", "/nonexistent-never-written")
     one_line_error(result, needle)
 
 
 def test_hf_assisted_refuses_unequal_widths(tiny_pair, padded_draft, prompts_file):
-    result = specbench("run", "--target", tiny_pair[0], "--draft", padded_draft, "--dataset", prompts_file, "--method", "hf-assisted")
+    result = specbench(
+        "run", "--target", tiny_pair[0], "--draft", padded_draft, "--dataset", prompts_file, "--method", "hf-assisted"
+    )
     one_line_error(result, "hf-assisted")
 
 
 def test_empty_dataset_and_foreign_tokenizer(tiny_pair, foreign_draft, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    one_line_error(specbench("run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--dataset", str(empty)), "no prompts")
+    one_line_error(
+        specbench("run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--dataset", str(empty)), "no prompts"
+    )
     one_line_error(specbench("run", "--target", tiny_pair[0], "--draft", foreign_draft), "tokenizers of")
 
 
 def test_sweep_shares_one_baseline_and_writes_the_sweep_files(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "sweep"
     result = specbench(
-        "sweep-k", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--ks", "3,1,2", "--dataset", prompts_file,
-        "--num-prompts", "2", "--max-new-tokens", "20", "--cost-repeats", "2", "--out", str(out),
+        "sweep-k",
+        "--target",
+        tiny_pair[0],
+        "--draft",
+        tiny_pair[1],
+        "--ks",
+        "3,1,2",
+        "--dataset",
+        prompts_file,
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "20",
+        "--cost-repeats",
+        "2",
+        "--out",
+        str(out),
     )
     assert result.returncode == 0, result.stderr
     summary = pd.read_csv(out / "summary.csv")
@@ -188,7 +239,9 @@ def test_sweep_shares_one_baseline_and_writes_the_sweep_files(tiny_pair, prompts
     costs = pd.read_csv(out / "verify_cost.csv")
     verify = costs[costs["model"] == "target"]
     assert verify["tokens"].tolist() == [1, 2, 3, 4]
-    draft_step = costs.loc[costs["model"] == "draft", "seconds"].item() / verify.loc[verify["tokens"] == 1, "seconds"].item()
+    draft_step = (
+        costs.loc[costs["model"] == "draft", "seconds"].item() / verify.loc[verify["tokens"] == 1, "seconds"].item()
+    )
     assert summary["c"].eq(summary["c"].iloc[0]).all() and summary["c"].iloc[0] == pytest.approx(draft_step)
     for _, row in summary.iterrows():
         ratio = verify.loc[verify["tokens"] == row["k"] + 1, "ratio"].item()
@@ -211,9 +264,27 @@ def test_theory_command_prints_the_optimum():
 def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "methods"
     result = specbench(
-        "run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--k", "3", "--dataset", prompts_file,
-        "--method", "speculative,prompt-lookup", "--method", "hf-assisted", "--method", "hf-generate",
-        "--max-new-tokens", "24", "--cost-repeats", "2", "--out", str(out),
+        "run",
+        "--target",
+        tiny_pair[0],
+        "--draft",
+        tiny_pair[1],
+        "--k",
+        "3",
+        "--dataset",
+        prompts_file,
+        "--method",
+        "speculative,prompt-lookup",
+        "--method",
+        "hf-assisted",
+        "--method",
+        "hf-generate",
+        "--max-new-tokens",
+        "24",
+        "--cost-repeats",
+        "2",
+        "--out",
+        str(out),
     )
     assert result.returncode == 0, result.stderr
     summary = pd.read_csv(out / "summary.csv")
@@ -250,9 +321,23 @@ def test_distill_makes_a_loadable_draft_and_resumes(tiny_pair, tmp_path):
     assert all(s.startswith("def add_up") for s in stubs[:6])  # annotated signatures first
     target = load(tiny_pair[0], CPU, F32)
     cfg = DistillConfig(
-        out=tmp_path / "draft", hidden_size=32, layers=1, heads=4, kv_heads=2, intermediate_size=64,
-        seq_len=32, teacher_tokens=256, teacher_batch=4, top_k=8, epochs=2, batch=2, save_every=2,
-        sources=[str(sources)], generate_prompts=3, generate_new_tokens=8, generate_batch=2,
+        out=tmp_path / "draft",
+        hidden_size=32,
+        layers=1,
+        heads=4,
+        kv_heads=2,
+        intermediate_size=64,
+        seq_len=32,
+        teacher_tokens=256,
+        teacher_batch=4,
+        top_k=8,
+        epochs=2,
+        batch=2,
+        save_every=2,
+        sources=[str(sources)],
+        generate_prompts=3,
+        generate_new_tokens=8,
+        generate_batch=2,
     )
     phases = [p.phase for p in distill(cfg, target)]
     assert {"teacher:teacher", "generate", "student"} <= set(phases)
@@ -266,9 +351,17 @@ def test_distill_makes_a_loadable_draft_and_resumes(tiny_pair, tmp_path):
         assert {weights.get_tensor(name).dtype for name in weights.keys()} == {torch.float16}
     draft = load(str(cfg.out), CPU, F32)
     assert shared_width(target, draft) == target.width
-    assert (draft.tokenizer.padding_side, draft.tokenizer.pad_token) == (target.tokenizer.padding_side, target.tokenizer.pad_token)
+    assert (draft.tokenizer.padding_side, draft.tokenizer.pad_token) == (
+        target.tokenizer.padding_side,
+        target.tokenizer.pad_token,
+    )
     # The shortlist is every token the teacher ranked first in the training data.
-    answer_tops = {t for path in (cfg.out / "generated").glob("*.pt") for doc in torch.load(path) for t in doc["top_idx"][:, 0].tolist()}
+    answer_tops = {
+        t
+        for path in (cfg.out / "generated").glob("*.pt")
+        for doc in torch.load(path)
+        for t in doc["top_idx"][:, 0].tolist()
+    }
     assert draft.head_tokens is not None and set(draft.head_tokens.tolist()) <= set(range(target.width))
     assert len(set(draft.head_tokens.tolist()) & answer_tops) > 0
     assert 0.0 <= json.loads((cfg.out / "distill.json").read_text())["held_out_greedy_agreement"] <= 1.0

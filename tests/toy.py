@@ -30,7 +30,9 @@ class ToyLM:
         rows = []
         for i, t in enumerate(token_ids.tolist()):
             self.seen.append(t)
-            context = self.seen if mask is None else [s for s, ok in zip(self.seen, mask[i].tolist()) if ok]
+            # Node i has read the cache and nodes 0..i; the mask's later columns are its later siblings.
+            allowed = mask[i, : len(self.seen)].tolist() if mask is not None else [True] * len(self.seen)
+            context = [s for s, ok in zip(self.seen, allowed, strict=True) if ok]
             rows.append(self.logits_after(context))
         return torch.stack(rows[-last:])
 
