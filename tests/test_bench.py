@@ -10,7 +10,7 @@ from specbench import bench, schema
 from specbench.bench import BenchConfig, Results
 from specbench.methods import METHODS
 
-from .test_pipeline import one_line_error, specbench
+from .test_pipeline import on_tiny_pair, one_line_error, specbench
 
 ROOT = Path(__file__).parent.parent
 
@@ -38,12 +38,9 @@ def outputs(out: Path) -> list[dict]:
 
 def test_a_k_list_sweeps_and_writes_best_k_and_the_plot(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "run"
-    result = specbench(
+    result = on_tiny_pair(
         "run",
-        "--target",
-        tiny_pair[0],
-        "--draft",
-        tiny_pair[1],
+        tiny_pair,
         "--k",
         "1,2,4",
         "--dataset",
@@ -161,3 +158,29 @@ def test_the_readme_column_table_is_the_schema():
     rows = re.findall(r"^\| `(\w+)` \| (\w+) \| (\w*) \| (.+) \|$", readme, flags=re.M)
     want = [(c.name, c.kind, c.better or "", c.meaning) for c in schema.COLUMNS]
     assert rows == want
+
+
+def test_the_readme_example_method_is_exact_and_registers(monkeypatch):
+    import torch
+
+    from specbench import methods
+    from specbench.engine import autoregressive_decode, speculative_decode
+    from specbench.sampling import SamplingConfig
+
+    from .test_lossless import P_FLOOR, VOCAB, chi_square_p
+    from .toy import ToyLM
+
+    readme = (ROOT / "README.md").read_text()
+    example = readme.split("## Adding a method", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    monkeypatch.setattr(methods, "METHODS", dict(methods.METHODS))
+    namespace = vars(methods).copy()
+    exec(example, namespace)
+    assert "repeat" in namespace["METHODS"]
+    drafter = namespace["RepeatDrafter"]()
+    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, SamplingConfig(temperature=1.0)) > P_FLOOR
+    target, prompt, greedy = ToyLM(5, seed=3), torch.tensor([1, 4]), SamplingConfig(0.0)
+    want = autoregressive_decode(target, prompt, 30, greedy, torch.Generator()).tokens
+    assert (
+        speculative_decode(target, namespace["RepeatDrafter"](), prompt, 3, 30, greedy, torch.Generator()).tokens
+        == want
+    )

@@ -91,12 +91,9 @@ def test_baseline_matches_transformers_generate(tiny_pair):
 
 def test_run_writes_every_file_with_the_contract_columns(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "run"
-    result = specbench(
+    result = on_tiny_pair(
         "run",
-        "--target",
-        tiny_pair[0],
-        "--draft",
-        tiny_pair[1],
+        tiny_pair,
         "--k",
         "3",
         "--dataset",
@@ -155,6 +152,11 @@ def test_sampled_run_is_reproducible(tiny_pair, prompts_file, tmp_path):
     assert (tmp_path / "a" / "outputs.jsonl").read_text() == (tmp_path / "b" / "outputs.jsonl").read_text()
 
 
+def on_tiny_pair(command: str, tiny_pair, *args, timeout=300):
+    """``specbench COMMAND`` with the tiny target and draft."""
+    return specbench(command, "--target", tiny_pair[0], "--draft", tiny_pair[1], *args, timeout=timeout)
+
+
 def one_line_error(result, *needles):
     assert result.returncode != 0
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
@@ -204,12 +206,9 @@ def test_empty_dataset_and_foreign_tokenizer(tiny_pair, foreign_draft, tmp_path)
 
 def test_sweep_shares_one_baseline_and_writes_the_sweep_files(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "sweep"
-    result = specbench(
+    result = on_tiny_pair(
         "sweep-k",
-        "--target",
-        tiny_pair[0],
-        "--draft",
-        tiny_pair[1],
+        tiny_pair,
         "--ks",
         "3,1,2",
         "--dataset",
@@ -263,12 +262,9 @@ def test_theory_command_prints_the_optimum():
 
 def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "methods"
-    result = specbench(
+    result = on_tiny_pair(
         "run",
-        "--target",
-        tiny_pair[0],
-        "--draft",
-        tiny_pair[1],
+        tiny_pair,
         "--k",
         "3",
         "--dataset",
