@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Protocol
 
 import torch
@@ -55,7 +56,7 @@ class Draft:
     def chain(cls, tokens: torch.Tensor, q: torch.Tensor | None, forwards: int = 0) -> Draft:
         return cls(tokens, list(range(-1, len(tokens) - 1)), q, forwards)
 
-    @property
+    @cached_property  # asked several times a round; a draft is never changed after it is made
     def is_chain(self) -> bool:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 

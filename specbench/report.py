@@ -37,8 +37,10 @@ def replacing(path: Path) -> Iterator[Path]:
 def _parse(name: str, text: str):
     """A records.csv cell back to the value written (schema formats: d = integer, empty = text)."""
     spec = schema.BY_NAME[name].fmt
-    if spec == "" or text in ("True", "False"):
-        return text == "True" if text in ("True", "False") else text
+    if text in ("True", "False"):
+        return text == "True"
+    if spec == "":
+        return text
     if text == "":
         return None if name == "k" else float("nan")
     return int(float(text)) if spec == "d" else float(text)
