@@ -10,7 +10,7 @@ import hashlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -22,6 +22,7 @@ from .methods import BASELINE, DEFAULT, METHODS, Method
 from .models import HFCausalLM, LoadedModel, load, resolve_device, resolve_dtype, shared_width
 from .prompts import Prompt, load_prompts
 from .sampling import SamplingConfig
+from .timing import PhaseClock, Phases, TimedLM, synchronize
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"
@@ -104,6 +105,11 @@ class Pair:
     def stop_ids(self) -> frozenset[int]:
         return self.target.stop_ids
 
+    def timed(self, clock: PhaseClock) -> Pair:
+        """This pair with every forward of its models lapped on ``clock``."""
+        draft_lm = TimedLM(self.draft_lm, clock, "draft") if self.draft_lm else None
+        return replace(self, target_lm=TimedLM(self.target_lm, clock, "verify"), draft_lm=draft_lm)
+
 
 def load_pair(cfg: BenchConfig) -> Pair:
     device = resolve_device(cfg.device)
@@ -157,13 +163,6 @@ def prompts_hash(prompt_ids: list[torch.Tensor]) -> str:
     for ids in prompt_ids:
         digest.update(ids.to(torch.int64).cpu().numpy().tobytes() + b"|")
     return digest.hexdigest()[:16]
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "mps":
-        torch.mps.synchronize()
 
 
 def median_time(device: torch.device, fn: Callable[[], object], repeats: int) -> tuple[object, float]:
@@ -272,16 +271,30 @@ def generator_for(device: torch.device, seed: int, prompt_index: int, method: st
     return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
 
 
-def decode(
-    pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, method: Method, k: int | None
-) -> tuple[DecodeResult, float]:
-    """Time one prompt's decode (median of cfg.repeats, each from the same seed, so identical work)."""
+@dataclass
+class Measurement:
+    """One prompt decoded by one method: the median run of the repeats and its phases."""
 
-    def once():
+    result: DecodeResult
+    seconds: float
+    phases: Phases
+
+
+def decode(pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, method: Method, k: int | None) -> Measurement:
+    """Time one prompt's decode cfg.repeats times (each from the same seed, so identical work) and
+    keep the median run (the faster of the middle two for an even count), phases and all."""
+    clock = PhaseClock(pair.device)
+    runs = []
+    for _ in range(cfg.repeats):
         generator = generator_for(pair.device, cfg.seed, index, method.name)
-        return method.decode(pair, ids, k, cfg.sampling, cfg.max_new_tokens, generator)
-
-    return median_time(pair.device, once, cfg.repeats)
+        synchronize(pair.device)
+        start = time.perf_counter()
+        clock.start()
+        result = method.decode(pair, ids, k, cfg.sampling, cfg.max_new_tokens, generator, clock)
+        phases = clock.stop()
+        synchronize(pair.device)
+        runs.append(Measurement(result, time.perf_counter() - start, phases))
+    return sorted(runs, key=lambda run: run.seconds)[(len(runs) - 1) // 2]
 
 
 def warm_up(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor]) -> None:
@@ -291,34 +304,50 @@ def warm_up(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor]) -> Non
             decode(pair, cfg, prompt_ids[0], 0, method, k)
 
 
+def _totals(m: Measurement) -> dict:
+    """The figures of one decode that add up over prompts (metrics.phase_figures reads them)."""
+    return {
+        "new_tokens": len(m.result.tokens),
+        "target_forwards": m.result.target_forwards,
+        "draft_forwards": m.result.draft_forwards,
+        "method_s": m.seconds,
+        "prefill_s": m.phases.prefill,
+        "draft_s": m.phases.draft,
+        "verify_s": m.phases.verify,
+        "other_s": m.phases.other,
+    }
+
+
+TOTALS = list(_totals(Measurement(DecodeResult([]), 0.0, Phases())))
+
+
 def record(
     prompt: Prompt,
     index: int,
     ids: torch.Tensor,
-    baseline: tuple[DecodeResult, float],
+    baseline: Measurement,
     method: Method,
     k: int | None,
-    measured: tuple[DecodeResult, float],
+    measured: Measurement,
 ) -> dict:
-    """The per-prompt, per-(method, K) row of records.csv."""
-    (b, b_seconds), (s, seconds) = baseline, measured
+    """The per-prompt, per-(method, K) row of records.csv (the baseline has its own row, too)."""
+    b, s = baseline.result, measured.result
     divergence = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens, strict=False)) if x != y), None)
     if divergence is None and len(b.tokens) != len(s.tokens):
         divergence = min(len(b.tokens), len(s.tokens))
     drafts = method.takes_k
+    rate, base_rate = len(s.tokens) / measured.seconds, len(b.tokens) / baseline.seconds
     return {
         "method": method.name,
         "k": k,
         "prompt_id": prompt.id,
         "prompt_index": index,
         "prompt_tokens": len(ids),
-        "new_tokens": len(s.tokens),
         "baseline_tokens": len(b.tokens),
-        "baseline_s": b_seconds,
-        "method_s": seconds,
-        "baseline_tokens_per_s": len(b.tokens) / b_seconds,
-        "spec_tokens_per_s": len(s.tokens) / seconds,
-        "speedup": (len(s.tokens) / seconds) / (len(b.tokens) / b_seconds),
+        "baseline_s": baseline.seconds,
+        "baseline_tokens_per_s": base_rate,
+        "spec_tokens_per_s": rate,
+        "speedup": rate / base_rate,
         "alpha": s.beta_sum / s.tested if s.tested else math.nan,
         "acceptance_rate": s.accepted / s.drafted if s.drafted else math.nan,
         "tau": len(s.tokens) / s.target_forwards if drafts else math.nan,
@@ -326,8 +355,8 @@ def record(
         "accepted": s.accepted,
         "beta_sum": s.beta_sum,
         "tested": s.tested,
-        "target_forwards": s.target_forwards,
-        "draft_forwards": s.draft_forwards,
+        **_totals(measured),
+        **metrics.phase_figures(_totals(measured), _totals(baseline)),
         "outputs_match": divergence is None,
         "first_divergence": -1 if divergence is None else divergence,
         "accept_hist": " ".join(str(s.accept_counts.count(n)) for n in range(k + 1)) if s.accept_counts else "",
@@ -335,31 +364,31 @@ def record(
 
 
 def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_info: dict) -> list[dict]:
-    """One summary row per (method, K) over the prompts measured so far, after a baseline row."""
+    """One summary row per (method, K) over the prompts measured so far, the baseline's first.
+
+    Each row sums its prompts' totals and compares them with the baseline's on the same prompts.
+    """
+    baselines = {r["prompt_index"]: r for r in records if r["method"] == BASELINE.name}
     rows = []
     for method, k in [(BASELINE, None), *cfg.plan]:
-        if method is BASELINE:  # its figures ride along in every record: count each prompt once
-            rs = list({r["prompt_index"]: r for r in records}.values())
-        else:
-            rs = [r for r in records if r["method"] == method.name and r["k"] == k]
+        rs = [r for r in records if r["method"] == method.name and r["k"] == k]
         if not rs:
             continue
-        base_tokens, base_s = sum(r["baseline_tokens"] for r in rs), sum(r["baseline_s"] for r in rs)
-        tokens, seconds = (
-            (base_tokens, base_s)
-            if method is BASELINE
-            else (sum(r["new_tokens"] for r in rs), sum(r["method_s"] for r in rs))
-        )
-        drafts = method.takes_k  # the baseline's figures ride in every record, but it drafts nothing
-        counted = ("drafted", "accepted", "beta_sum", "tested", "target_forwards", "draft_forwards")
-        totals = {name: sum(r[name] for r in rs) if drafts else 0 for name in counted}
+        run = {name: sum(r[name] for r in rs) for name in TOTALS}
+        base = {name: sum(baselines[r["prompt_index"]][name] for r in rs) for name in TOTALS}
+        tokens, seconds = run["new_tokens"], run["method_s"]
+        base_tokens, base_s = base["new_tokens"], base["method_s"]
+        drafts = method.takes_k  # only methods with a K draft; the others' counts are left empty
+        counted = ("drafted", "accepted", "beta_sum", "tested")
+        totals = {name: sum(r[name] for r in rs) for name in counted}
         alpha = totals["beta_sum"] / totals["tested"] if totals["tested"] else math.nan
         c = method.c(costs)
         verify_ratio = costs.verify_ratio(k) if drafts else math.nan
-        matched = len(rs) if method is BASELINE else sum(r["outputs_match"] for r in rs)
-        divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0 and method is not BASELINE]
+        divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0]
         values = {
             **run_info,
+            **run,
+            **metrics.phase_figures(run, base, len(rs)),
             "method": method.name,
             "k": k,
             "temperature": cfg.temperature,
@@ -368,13 +397,12 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_in
             "seed": cfg.seed,
             "max_new_tokens": cfg.max_new_tokens,
             "num_prompts": len(rs),
-            "new_tokens": tokens,
             "baseline_tokens_per_s": base_tokens / base_s,
             "spec_tokens_per_s": tokens / seconds,
             "speedup": (tokens / seconds) / (base_tokens / base_s),
             "alpha": alpha,
             "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else math.nan,
-            "tau": tokens / totals["target_forwards"] if drafts else math.nan,
+            "tau": tokens / run["target_forwards"] if drafts else math.nan,
             "c": c,
             "verify_ratio": verify_ratio,
             "predicted_speedup": metrics.predicted_speedup(alpha, c, k) if drafts else math.nan,
@@ -382,7 +410,7 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_in
             if drafts
             else math.nan,
             **(totals if drafts else dict.fromkeys(totals, math.nan)),
-            "outputs_match": matched,
+            "outputs_match": sum(r["outputs_match"] for r in rs),
             "first_divergence": min(divergences, default=-1),
         }
         rows.append({name: values[name] for name in schema.SUMMARY})
@@ -525,7 +553,7 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
     warm_up(pair, cfg, prompt_ids)
 
     plan = cfg.plan
-    done = previous.complete_prompts(len(plan)) if previous is not None else set()
+    done = previous.complete_prompts(1 + len(plan)) if previous is not None else set()
     records = writer.start_records([r for r in previous.records if r["prompt_index"] in done] if previous else [], done)
     todo = [i for i in range(len(prompts)) if i not in done]
     total, finished, written = len(todo) * (1 + len(plan)), 0, time.monotonic()
@@ -533,26 +561,10 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
         for index in todo:
             prompt, ids = prompts[index], prompt_ids[index]
             baseline = decode(pair, cfg, ids, index, BASELINE, None)
-            writer.output(
-                prompt.id,
-                index,
-                None,
-                BASELINE.name,
-                baseline[0].tokens,
-                pair.target.tokenizer.decode(baseline[0].tokens),
-            )
-            finished += 1
-            yield Step("decoding", finished, total, BASELINE.name)
-            for method, k in plan:
-                measured = decode(pair, cfg, ids, index, method, k)
-                writer.output(
-                    prompt.id,
-                    index,
-                    k,
-                    method.name,
-                    measured[0].tokens,
-                    pair.target.tokenizer.decode(measured[0].tokens),
-                )
+            for method, k in [(BASELINE, None), *plan]:
+                measured = baseline if method is BASELINE else decode(pair, cfg, ids, index, method, k)
+                tokens = measured.result.tokens
+                writer.output(prompt.id, index, k, method.name, tokens, pair.target.tokenizer.decode(tokens))
                 records.append(record(prompt, index, ids, baseline, method, k, measured))
                 writer.append_record(records[-1])
                 finished += 1

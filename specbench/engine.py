@@ -82,7 +82,7 @@ class Drafter(Protocol):
 class DecodeResult:
     tokens: list[int]  # generated ids, prompt excluded
     target_forwards: int = 0  # calls of the target (prefill included)
-    draft_forwards: int = 0
+    draft_forwards: int = 0  # calls of the draft model after its prefill
     drafted: int = 0
     accepted: int = 0
     beta_sum: float = 0.0

@@ -16,6 +16,7 @@ from .engine import DecodeResult, Drafter, ModelDrafter, PromptLookupDrafter, au
 from .errors import SpecbenchError
 from .models import hf_generate
 from .sampling import SamplingConfig
+from .timing import PhaseClock
 
 if TYPE_CHECKING:
     from .bench import ForwardCosts, Pair
@@ -42,15 +43,19 @@ class Method:
         sampling: SamplingConfig,
         max_new_tokens: int,
         generator: torch.Generator,
+        clock: PhaseClock,
     ) -> DecodeResult:
+        """Decode one prompt, lapping ``clock`` around every model forward (see timing.py)."""
         raise NotImplementedError
 
 
 class Baseline(Method):
     name, help, takes_k = "baseline", "the target alone, one token per forward with a KV cache (always runs)", False
 
-    def decode(self, pair, ids, k, sampling, max_new_tokens, generator):
-        return autoregressive_decode(pair.target_lm, ids, max_new_tokens, sampling, generator, pair.stop_ids)
+    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock):
+        return autoregressive_decode(
+            pair.timed(clock).target_lm, ids, max_new_tokens, sampling, generator, pair.stop_ids
+        )
 
 
 class SpeculativeLoop(Method):
@@ -59,9 +64,10 @@ class SpeculativeLoop(Method):
     def drafter(self, pair: Pair, sampling: SamplingConfig, generator: torch.Generator) -> Drafter:
         raise NotImplementedError
 
-    def decode(self, pair, ids, k, sampling, max_new_tokens, generator):
-        drafter = self.drafter(pair, sampling, generator)
-        return speculative_decode(pair.target_lm, drafter, ids, k, max_new_tokens, sampling, generator, pair.stop_ids)
+    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock):
+        timed = pair.timed(clock)
+        drafter = self.drafter(timed, sampling, generator)
+        return speculative_decode(timed.target_lm, drafter, ids, k, max_new_tokens, sampling, generator, pair.stop_ids)
 
 
 class Speculative(SpeculativeLoop):
@@ -113,15 +119,16 @@ class HFAssisted(Method):
     def c(self, costs):
         return costs.c
 
-    def decode(self, pair, ids, k, sampling, max_new_tokens, generator):
-        return hf_generate(pair.target, ids, max_new_tokens, sampling, _seed(generator), pair.stop_ids, pair.draft, k)
+    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock):
+        seed = _seed(generator)
+        return hf_generate(pair.target, ids, max_new_tokens, sampling, seed, pair.stop_ids, pair.draft, k, clock)
 
 
 class HFGenerate(Method):
     name, help, takes_k = "hf-generate", "transformers' plain generate (checks that the baseline is as fast)", False
 
-    def decode(self, pair, ids, k, sampling, max_new_tokens, generator):
-        return hf_generate(pair.target, ids, max_new_tokens, sampling, _seed(generator), pair.stop_ids)
+    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock):
+        return hf_generate(pair.target, ids, max_new_tokens, sampling, _seed(generator), pair.stop_ids, clock=clock)
 
 
 METHODS: dict[str, Method] = {

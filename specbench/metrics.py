@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 
 def expected_tokens(alpha: float, k: int) -> float:
@@ -41,6 +42,37 @@ def max_useful_c(alpha: float, ks: Iterable[int]) -> float:
     the smallest K (at K = 1 it is alpha itself).
     """
     return max((expected_tokens(alpha, k) - 1.0) / k for k in ks)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b else math.nan
+
+
+def phase_figures(run: Mapping[str, float], base: Mapping[str, float], decodes: int = 1) -> dict[str, float]:
+    """How a run's decode time compares with the baseline's on the same prompts, forward by forward.
+
+    ``run`` and ``base`` hold totals over ``decodes`` decodes: new_tokens, target_forwards,
+    draft_forwards, method_s, prefill_s, draft_s, verify_s. Each decode's prefill forward yields
+    its first token, so decoding proper is the other tokens and the other target forwards (rounds).
+    The baseline's mean one-token forward is the unit of cost. ``predicted_speedup_run`` is what
+    the run would reach if only its forwards took time; ``efficiency`` is the share of it reached.
+    """
+    step = _ratio(base["verify_s"], base["target_forwards"] - decodes)
+    rounds = run["target_forwards"] - decodes
+    c_run = _ratio(_ratio(run["draft_s"], run["draft_forwards"]), step)
+    verify_ratio = _ratio(_ratio(run["verify_s"], rounds), step)
+    drafting = _ratio(run["draft_forwards"], rounds) * c_run if run["draft_forwards"] else 0.0
+    predicted = _ratio(_ratio(run["new_tokens"] - decodes, rounds), drafting + verify_ratio)
+    rate = _ratio(run["new_tokens"] - decodes, run["method_s"] - run["prefill_s"])
+    base_rate = _ratio(base["new_tokens"] - decodes, base["method_s"] - base["prefill_s"])
+    decode_speedup = _ratio(rate, base_rate)
+    return {
+        "decode_speedup": decode_speedup,
+        "c_run": c_run,
+        "verify_ratio_run": verify_ratio,
+        "predicted_speedup_run": predicted,
+        "efficiency": _ratio(decode_speedup, predicted),
+    }
 
 
 def median(values: Sequence[float]) -> float:

@@ -339,18 +339,26 @@ class HFCausalLM:
             self.cache.crop(-(new - len(path)))  # transformers 5.x: a negative count removes that many positions
 
 
-class _CallCounter:
-    """Counts forward calls of a module (how many target/draft passes generate() made)."""
+class _ForwardLaps:
+    """Counts a module's forward calls and, given a clock, laps it around each one, so transformers'
+    generate is split into phases like specbench's loop (the module's first call is its prefill)."""
 
-    def __init__(self, module):
-        self.count = 0
-        self._handle = module.register_forward_pre_hook(self._hook)
+    def __init__(self, module, clock, phase: str):
+        self.count, self.clock, self.phase = 0, clock, phase
+        self._handles = [module.register_forward_pre_hook(self._before), module.register_forward_hook(self._after)]
 
-    def _hook(self, *_):
+    def _before(self, *_):
+        if self.clock is not None:
+            self.clock.lap("other")
+
+    def _after(self, *_):
+        if self.clock is not None:
+            self.clock.lap(self.phase if self.count else "prefill")
         self.count += 1
 
     def remove(self) -> None:
-        self._handle.remove()
+        for handle in self._handles:
+            handle.remove()
 
 
 def hf_generate(
@@ -362,10 +370,15 @@ def hf_generate(
     stop_ids: frozenset[int],
     assistant: LoadedModel | None = None,
     k: int | None = None,
+    clock=None,
 ):
     """transformers' own ``generate``: plain, or assisted by ``assistant`` with exactly ``k``
     draft tokens per round (constant schedule, confidence threshold off, so K means what it
-    means in specbench's loop). Returns the engine's DecodeResult with forward counts."""
+    means in specbench's loop). Returns the engine's DecodeResult with forward counts; ``clock``
+    (a timing.PhaseClock) is lapped around every forward of both models.
+
+    transformers' first target call also verifies the first drafts, so its prefill holds a round.
+    """
     from .engine import DecodeResult
 
     kwargs = {
@@ -386,7 +399,9 @@ def hf_generate(
         config.num_assistant_tokens_schedule = "constant"
         config.assistant_confidence_threshold = 0.0
         kwargs["assistant_model"] = assistant.model
-    counters = [_CallCounter(target.model)] + ([_CallCounter(assistant.model)] if assistant is not None else [])
+    counters = [_ForwardLaps(target.model, clock, "verify")]
+    if assistant is not None:
+        counters.append(_ForwardLaps(assistant.model, clock, "draft"))
     torch.manual_seed(seed)  # generate() samples from the global generator
     try:
         ids = prompt_ids.view(1, -1)
@@ -397,6 +412,7 @@ def hf_generate(
     tokens = out[0, prompt_ids.shape[0] :].tolist()
     result = DecodeResult(tokens=tokens, target_forwards=counters[0].count)
     if assistant is not None:
-        result.draft_forwards = result.drafted = counters[1].count
+        result.drafted = counters[1].count  # every assistant call drafts one token, its first one too
+        result.draft_forwards = counters[1].count - 1  # after its prefill, as in specbench's loop
         result.accepted = len(tokens) - result.target_forwards  # each target pass adds accepted + 1
     return result

@@ -89,7 +89,7 @@ def test_an_interrupted_run_resumes_without_measuring_anything_twice(tiny_pair, 
 
     results = run(cfg, out, resume=True)
     records = pd.read_csv(out / "records.csv")
-    assert sorted(records.groupby(["prompt_index", "method", "k"]).size().tolist()) == [1] * 3 * 4
+    assert sorted(records.groupby(["prompt_index", "method", "k"], dropna=False).size().tolist()) == [1] * 3 * 5
     kept = first[first["prompt_index"] == 0].reset_index(drop=True)
     pd.testing.assert_frame_equal(records[records["prompt_index"] == 0].reset_index(drop=True), kept)  # timings too
     assert sorted((o["prompt_index"], o["method"], o["k"] or 0) for o in outputs(out)) == sorted(

@@ -83,3 +83,27 @@ def test_predicted_by_k_weighs_the_measured_verification_cost():
     # Free verification, as the classic formula assumes, moves the best K up.
     free = ForwardCosts(context_tokens=100, target={n: 1.0 for n in range(1, 6)}, draft_single=0.05)
     assert metrics.best_k(predicted_by_k(0.8, free.c, free)) == 4
+
+
+def test_phase_figures_account_for_forwards_and_overhead():
+    # The baseline: a 0.5 s prefill, then 10 one-token steps of 0.1 s each and 0.1 s of overhead.
+    base = dict(
+        new_tokens=11, target_forwards=11, draft_forwards=0, method_s=1.6, prefill_s=0.5, draft_s=0, verify_s=1.0
+    )
+    # K = 2 over 4 rounds: 8 draft forwards of 0.01 s, 4 verifications of 0.12 s, 0.04 s of overhead.
+    run = dict(
+        new_tokens=11, target_forwards=5, draft_forwards=8, method_s=1.15, prefill_s=0.55, draft_s=0.08, verify_s=0.48
+    )
+    got = metrics.phase_figures(run, base)
+    assert got["c_run"] == pytest.approx(0.1) and got["verify_ratio_run"] == pytest.approx(1.2)
+    assert got["predicted_speedup_run"] == pytest.approx((10 / 4) / (2 * 0.1 + 1.2))
+    assert got["decode_speedup"] == pytest.approx((10 / 0.6) / (10 / 1.1))
+    # Efficiency is the run's share of decode time in forwards over the baseline's.
+    assert got["efficiency"] == pytest.approx((0.56 / 0.6) / (1.0 / 1.1))
+    # Against itself the baseline loses nothing, and it drafts nothing.
+    itself = metrics.phase_figures(base, base)
+    assert itself["efficiency"] == pytest.approx(1.0) and math.isnan(itself["c_run"])
+    # Sums over two prompts subtract one prefill forward per prompt.
+    double = {name: 2 * value for name, value in run.items()}
+    twice = metrics.phase_figures(double, {name: 2 * value for name, value in base.items()}, decodes=2)
+    assert twice == pytest.approx(got)

@@ -117,7 +117,9 @@ def test_run_writes_every_file_with_the_contract_columns(tiny_pair, prompts_file
     )
     assert 0 <= row["alpha"] <= 1 and 1 <= row["tau"] <= 4
     records = pd.read_csv(out / "records.csv")
-    assert len(records) == 3 and records["outputs_match"].all()  # greedy: exact
+    assert (
+        len(records) == 3 * 2 and records["outputs_match"].all()
+    )  # the baseline's rows and speculative's; greedy: exact
     outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert sorted(o["method"] for o in outputs) == ["baseline"] * 3 + ["speculative"] * 3
     meta = json.loads((out / "meta.json").read_text())
@@ -228,7 +230,7 @@ def test_sweep_shares_one_baseline_and_writes_the_sweep_files(tiny_pair, prompts
     assert summary["k"].tolist() == [1, 2, 3]
     outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
     assert sum(o["method"] == "baseline" for o in outputs) == 2  # once per prompt, not per K
-    assert len(pd.read_csv(out / "records.csv")) == 2 * 3
+    assert len(pd.read_csv(out / "records.csv")) == 2 * (1 + 3)
     # Every K's records refer to the same baseline timing of each prompt.
     records = pd.read_csv(out / "records.csv")
     assert records.groupby("prompt_id")["baseline_s"].nunique().eq(1).all()
@@ -287,7 +289,13 @@ def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_p
     assert summary["method"].tolist() == ["baseline", "speculative", "prompt-lookup", "hf-assisted", "hf-generate"]
     assert (summary["outputs_match"] == 3).all() and (summary["first_divergence"] == -1).all()
     records = pd.read_csv(out / "records.csv")
-    assert len(records) == 3 * 4 and records["outputs_match"].all()
+    assert len(records) == 3 * 5 and records["outputs_match"].all()
+    # Every method's decode time is split into phases that add up to its wall time.
+    phases = records[["prefill_s", "draft_s", "verify_s", "other_s"]]
+    assert (phases >= 0).all().all() and (phases["prefill_s"] > 0).all() and (phases["verify_s"] > 0).all()
+    assert ((phases.sum(axis=1) - records["method_s"]).abs() <= 0.02 * records["method_s"]).all()
+    drafting = records.set_index("method")["draft_s"]
+    assert (drafting[["speculative", "hf-assisted"]] > 0).all() and (drafting[["baseline", "prompt-lookup"]] == 0).all()
     by_method = summary.set_index("method")
     for method in ("speculative", "prompt-lookup", "hf-assisted"):
         assert 1 <= by_method.loc[method, "tau"] <= 4  # measured for every drafting method

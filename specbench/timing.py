@@ -1,0 +1,101 @@
+"""Where a decode's time goes: its wall time split into phases (prefill, draft, verify, other).
+
+A clock is lapped at every boundary between a model forward and the rest of the loop. On CPU a
+lap reads the host clock: CPU ops finish before they return, so that is exact. On CUDA a lap
+records an event on the stream and the events are read once, when the decode ends, so timing
+adds no host synchronisation to the loop it measures.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+PHASES = ("prefill", "draft", "verify", "other")
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+@dataclass
+class Phases:
+    """Seconds per phase of one decode. ``verify`` is every target forward after the prefill
+    (for the baseline, its one-token steps); ``draft`` every draft forward after the draft's prefill;
+    ``other`` the rest: sampling, accept/reject, cache bookkeeping, Python."""
+
+    prefill: float = 0.0
+    draft: float = 0.0
+    verify: float = 0.0
+    other: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.prefill + self.draft + self.verify + self.other
+
+
+class PhaseClock:
+    """Laps of one decode at a time: ``start``, then ``lap(phase)`` whenever a phase ends, then ``stop``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.events = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = []
+
+    def _now(self):
+        if self.events:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        synchronize(self.device)  # a no-op on CPU; on MPS the only way to know a phase has ended
+        return time.perf_counter()
+
+    def start(self) -> None:
+        self.marks = [("", self._now())]
+
+    def lap(self, phase: str) -> None:
+        """The time since the previous lap belongs to ``phase``."""
+        self.marks.append((phase, self._now()))
+
+    def stop(self) -> Phases:
+        """End the decode (the time since the last lap is ``other``) and sum the laps per phase."""
+        self.lap("other")
+        if self.events:
+            torch.cuda.synchronize(self.device)
+            seconds = [a.elapsed_time(b) / 1000 for (_, a), (_, b) in zip(self.marks, self.marks[1:], strict=False)]
+        else:
+            seconds = [b - a for (_, a), (_, b) in zip(self.marks, self.marks[1:], strict=False)]
+        phases = Phases()
+        for (phase, _), s in zip(self.marks[1:], seconds, strict=True):
+            setattr(phases, phase, getattr(phases, phase) + s)
+        return phases
+
+
+class TimedLM:
+    """A CausalLM whose forwards are laps of ``clock``: the first forward after ``reset`` is
+    ``prefill``, later ones are ``phase``; the time before each forward is ``other``."""
+
+    def __init__(self, lm, clock: PhaseClock, phase: str):
+        self.lm, self.clock, self.phase = lm, clock, phase
+        self.device = lm.device
+        self.fresh = True
+
+    def reset(self) -> None:
+        self.lm.reset()
+        self.fresh = True
+
+    def forward(self, token_ids, last=1, positions=None, mask=None):
+        self.clock.lap("other")
+        logits = self.lm.forward(token_ids, last, positions, mask)
+        self.clock.lap("prefill" if self.fresh else self.phase)
+        self.fresh = False
+        return logits
+
+    def keep(self, path: Sequence[int], new: int) -> None:
+        self.lm.keep(path, new)
