@@ -177,57 +177,69 @@ def median_time(device: torch.device, fn: Callable[[], object], repeats: int) ->
     return out, metrics.median(times)
 
 
+COST_SIZES = 8  # verify_cost.csv covers target forwards of 1..max(this, K + 1) tokens: the whole curve
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One forward size's cost over the repeats."""
+
+    seconds: float  # median
+    iqr_s: float  # interquartile range of the repeats
+    ratio_iqr: float  # interquartile range of (this / the one-token target forward), within each repeat
+
+
 @dataclass
 class ForwardCosts:
     context_tokens: int
-    target: dict[int, float]  # tokens in one forward -> median seconds
-    draft_single: float | None  # None when no draft model was loaded
+    target: dict[int, Cost]  # tokens in one forward -> its cost
+    draft_single: Cost | None  # None when no draft model was loaded
+    repeats: int
 
     @property
     def c(self) -> float:
-        return math.nan if self.draft_single is None else self.draft_single / self.target[1]
+        return math.nan if self.draft_single is None else self.draft_single.seconds / self.target[1].seconds
 
     def verify_ratio(self, k: int) -> float:
-        return self.target[k + 1] / self.target[1]
+        return self.target[k + 1].seconds / self.target[1].seconds
 
     def rows(self) -> list[dict]:
-        """verify_cost.csv: one row per model and forward size."""
-        rows = [
+        """verify_cost.csv: one row per model and forward size, with the spread of its repeats."""
+        costs = [("target", n, cost) for n, cost in self.target.items()]
+        if self.draft_single is not None:
+            costs.append(("draft", 1, self.draft_single))
+        return [
             {
-                "model": "target",
+                "model": model,
                 "tokens": n,
                 "context_tokens": self.context_tokens,
-                "seconds": s,
-                "ratio": s / self.target[1],
+                "seconds": cost.seconds,
+                "iqr_s": cost.iqr_s,
+                "ratio": cost.seconds / self.target[1].seconds,
+                "ratio_iqr": cost.ratio_iqr,
+                "repeats": self.repeats,
             }
-            for n, s in self.target.items()
+            for model, n, cost in costs
         ]
-        if self.draft_single is not None:
-            rows.append(
-                {
-                    "model": "draft",
-                    "tokens": 1,
-                    "context_tokens": self.context_tokens,
-                    "seconds": self.draft_single,
-                    "ratio": self.c,
-                }
-            )
-        return rows
 
     @classmethod
     def from_rows(cls, rows: list[dict]) -> ForwardCosts:
-        target = {int(r["tokens"]): float(r["seconds"]) for r in rows if r["model"] == "target"}
-        draft = [float(r["seconds"]) for r in rows if r["model"] == "draft"]
-        return cls(int(rows[0]["context_tokens"]), target, draft[0] if draft else None)
+        def cost(r):
+            return Cost(float(r["seconds"]), float(r["iqr_s"]), float(r["ratio_iqr"]))
+
+        target = {int(r["tokens"]): cost(r) for r in rows if r["model"] == "target"}
+        draft = [cost(r) for r in rows if r["model"] == "draft"]
+        return cls(int(rows[0]["context_tokens"]), target, draft[0] if draft else None, int(rows[0]["repeats"]))
 
 
 def _forward_seconds(
     probes: list[tuple[HFCausalLM, int]], context: torch.Tensor, repeats: int, device: torch.device
-) -> list[float]:
-    """Median time of one n-token forward on top of the cache, for each (model, n) in ``probes``.
+) -> list[list[float]]:
+    """Seconds of one n-token forward on top of the cache, per repeat and per (model, n) in ``probes``.
 
     The probes take turns within every repeat, so a change in machine load during the
-    measurement moves all of them alike instead of skewing the ratios between them.
+    measurement moves all of them alike instead of skewing the ratios between them. Two untimed
+    rounds first let allocation and the kernel choice for each shape settle.
     """
     steps = []
     for lm, n in probes:
@@ -236,32 +248,39 @@ def _forward_seconds(
             lm.forward(context[:n], last=n)
             lm.keep([], n)
 
-        median_time(device, step, 1)  # warm-up for this shape
         steps.append(step)
-    times = [[median_time(device, step, 1)[1] for step in steps] for _ in range(repeats)]
-    return [metrics.median(column) for column in zip(*times, strict=True)]
+    times = [[median_time(device, step, 1)[1] for step in steps] for _ in range(2 + repeats)]
+    return times[2:]
 
 
 def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg: BenchConfig) -> ForwardCosts:
-    """Single-token forward times of both models and target forward times for 1..max(K)+1 tokens.
+    """Single-token forward times of both models and target forward times for 1..max(K+1, COST_SIZES) tokens.
 
     Measured at the context length decoding actually runs at: the median prompt plus half the
     generated tokens, built from real prompt tokens.
     """
     lengths = sorted(len(ids) for ids in prompt_ids)
     length = lengths[len(lengths) // 2] + cfg.max_new_tokens // 2
+    windows = [m.context_window for m in (pair.target, pair.draft) if m is not None and m.context_window]
+    room = min(windows, default=length + COST_SIZES) - length  # K + 1 always fits (encode_prompts made sure)
+    sizes = range(1, max(max(cfg.ks) + 1, min(COST_SIZES, room)) + 1)
     tokens = torch.cat(prompt_ids)
-    context = tokens.repeat(length // len(tokens) + 2)[: length + max(cfg.ks) + 1]
+    context = tokens.repeat(length // len(tokens) + 2)[: length + sizes[-1]]
     prefix, probe = context[:length], context[length:]
-    sizes = range(1, max(cfg.ks) + 2)
     models = [pair.target_lm] + ([pair.draft_lm] if pair.draft_lm else [])
     with torch.inference_mode():
         for lm in models:
             lm.reset()
             lm.forward(prefix, last=1)
         probes = [(pair.target_lm, n) for n in sizes] + [(lm, 1) for lm in models[1:]]
-        seconds = _forward_seconds(probes, probe, cfg.cost_repeats, pair.device)
-    return ForwardCosts(length, dict(zip(sizes, seconds, strict=False)), seconds[len(sizes)] if pair.draft_lm else None)
+        times = _forward_seconds(probes, probe, cfg.cost_repeats, pair.device)
+    costs = []
+    for column in zip(*times, strict=True):
+        ratios = [t / repeat[0] for t, repeat in zip(column, times, strict=True)]
+        costs.append(Cost(metrics.median(column), metrics.iqr(column), metrics.iqr(ratios)))
+    return ForwardCosts(
+        length, dict(zip(sizes, costs, strict=False)), costs[len(sizes)] if pair.draft_lm else None, cfg.cost_repeats
+    )
 
 
 def generator_for(device: torch.device, seed: int, prompt_index: int, method: str) -> torch.Generator:
@@ -507,7 +526,7 @@ class Results:
     summary: list[dict]
     best_ks: dict
     suggestions: list[str]
-    plot: Path | None
+    plots: list[Path]
     greedy: bool
 
 
@@ -578,15 +597,14 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
         writer.write_csv("acceptance.csv", acceptance_rows(records))
         writer.close()
     picks = best_ks(summary)
-    plot = None
+    from .plot import plot_phases, plot_run
+
     if picks:
         writer.write_json("best_k.json", picks)
-        from .plot import plot_run
-
-        plot = plot_run(out)
+    plots = [path for path in (plot_phases(out), plot_run(out)) if path is not None] if summary else []
     title = (
         f"{cfg.target} <- {cfg.draft} on {cfg.dataset} ({len(prompts)} prompts)"
         if pair.draft
         else f"{cfg.target} on {cfg.dataset} ({len(prompts)} prompts)"
     )
-    yield Results(out, title, summary, picks, suggestions(summary, costs, cfg.ks), plot, cfg.sampling.greedy)
+    yield Results(out, title, summary, picks, suggestions(summary, costs, cfg.ks), plots, cfg.sampling.greedy)

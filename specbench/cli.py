@@ -107,7 +107,7 @@ def _slug(name: str) -> str:
 def _show(events) -> None:
     """Progress while the benchmark runs, then its tables and verdicts."""
     from .bench import Results
-    from .report import summary_table
+    from .report import phase_table, summary_table
 
     progress = Progress(
         TextColumn("[bold]{task.description}"),
@@ -131,13 +131,14 @@ def _show(events) -> None:
     if results is None or not results.summary:
         return
     console.print(summary_table(results.summary, results.title))
+    console.print(phase_table(results.summary))
     for method, picks in results.best_ks.items():
         console.print(
             f"best K for {method}: "
             + ", ".join(f"{label} K={p['k']} ({p['speedup']:.2f}x)" for label, p in picks.items())
         )
-    if results.plot:
-        console.print(f"plot: {results.plot}")
+    for path in results.plots:
+        console.print(f"plot: {path}")
     for line in results.suggestions:
         console.print(line)
     if results.greedy:
@@ -388,10 +389,13 @@ def distill(
 
 @app.command()
 def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written by run or sweep-k.")]) -> None:
-    """Redraw a run's figure (speedup vs K, acceptance by position, verification cost) from its CSVs."""
-    from .plot import plot_run
+    """Redraw a run's figures from its CSVs: time per token by phase, and (for methods with K)
+    speedup vs K, acceptance by position and verification cost."""
+    from .plot import plot_phases, plot_run
 
-    console.print(f"wrote {plot_run(run_dir)}")
+    for path in (plot_phases(run_dir), plot_run(run_dir)):
+        if path is not None:
+            console.print(f"wrote {path}")
 
 
 def main() -> None:

@@ -79,6 +79,14 @@ def median(values: Sequence[float]) -> float:
     return statistics.median(values)
 
 
+def iqr(values: Sequence[float]) -> float:
+    """Interquartile range (0 for fewer than two values)."""
+    if len(values) < 2:
+        return 0.0
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q3 - q1
+
+
 def acceptance_by_position(hist: Sequence[int]) -> list[float]:
     """How often draft position i (0-based) was accepted per verify step, from ``hist[n]`` =
     number of verify steps that accepted exactly n drafts (n = 0..K): P(accepted > i)."""

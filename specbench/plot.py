@@ -1,4 +1,5 @@
-"""The sweep figure, drawn from a run directory's CSVs alone (so `specbench plot` can redraw it)."""
+"""The run's figures, drawn from its CSVs alone (so `specbench plot` can redraw them): the sweep
+over K, and the time per generated token phase by phase."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from pathlib import Path
 from .errors import SpecbenchError
 
 
-def plot_run(run_dir: Path, name: str = "sweep.png") -> Path:
+def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
+    """Speedup vs K, acceptance by position and the verification cost (None: no method takes K)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -31,7 +33,7 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path:
         ) from None
     drafting = summary[summary["k"].notna()].sort_values("k")  # the rows of methods that take K
     if drafting.empty:
-        raise SpecbenchError(f"{run_dir}/summary.csv has no method with a lookahead K: nothing to plot")
+        return None
     verify = verify[verify["model"] == "target"]
     first = drafting.iloc[0]
     fig, (ax_speed, ax_accept, ax_verify) = plt.subplots(1, 3, figsize=(15, 4.5))
@@ -69,7 +71,9 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path:
     )
     ax_accept.legend(fontsize="small")
 
-    ax_verify.plot(verify["tokens"], verify["ratio"], "o-")
+    # Bars span the interquartile range of the ratio within the repeats: the measurement's own noise.
+    spread = verify["ratio_iqr"] / 2 if "ratio_iqr" in verify else None
+    ax_verify.errorbar(verify["tokens"], verify["ratio"], yerr=spread, fmt="o-", capsize=3, label="measured")
     ax_verify.plot(verify["tokens"], [1.0] * len(verify), color="grey", linewidth=0.8, label="the formula's assumption")
     ax_verify.set_xticks(verify["tokens"])
     ax_verify.set(
@@ -79,6 +83,47 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path:
     )
     ax_verify.legend()
 
+    fig.tight_layout()
+    path = run_dir / name
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+PHASE_COLORS = {"prefill_s": "#9e9e9e", "draft_s": "#4c9be8", "verify_s": "#e8834c", "other_s": "#d64550"}
+
+
+def plot_phases(run_dir: Path, name: str = "phases.png") -> Path:
+    """Stacked bars of milliseconds per generated token (prefill, draft, verify, other), one bar per
+    method and K with the baseline first, so a gap between methods shows in the phase it comes from."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    try:
+        summary = pd.read_csv(run_dir / "summary.csv")
+    except (OSError, ValueError) as e:
+        raise SpecbenchError(
+            f"cannot read {run_dir}/summary.csv ({str(e).splitlines()[0]}): pass a run directory"
+        ) from None
+    labels = [m if pd.isna(k) else f"{m}\nK={int(k)}" for m, k in zip(summary["method"], summary["k"], strict=True)]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(summary) + 2), 4.5))
+    bottom = pd.Series(0.0, index=summary.index)
+    for column, color in PHASE_COLORS.items():
+        ms = 1000 * summary[column] / summary["new_tokens"]
+        ax.bar(labels, ms, bottom=bottom, color=color, label=column.removesuffix("_s"))
+        bottom += ms
+    for x, (total, speedup) in enumerate(zip(bottom, summary["decode_speedup"], strict=True)):
+        ax.annotate(f"{speedup:.2f}x", (x, total), ha="center", va="bottom", fontsize="small")
+    first = summary.iloc[0]
+    ax.set(
+        ylabel="ms per generated token",
+        title=f"where the time goes: {first['target']} on {first['dataset']}, {first['device']} "
+        "(labels: decode speedup, prefill excluded)",
+    )
+    ax.legend(loc="upper right", fontsize="small")
     fig.tight_layout()
     path = run_dir / name
     fig.savefig(path, dpi=110)

@@ -180,6 +180,8 @@ def environment(device_name: str) -> dict:
         "transformers": transformers.__version__,
         "platform": platform.platform(),
         "device_name": device_name,
+        "torch_threads": torch.get_num_threads(),
+        "sdpa_force_gqa": os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA"),
         "git_commit": commit,
     }
 
@@ -190,6 +192,23 @@ def summary_table(rows: list[dict], title: str) -> Table:
         table.add_column(column.header, justify="right")
     for row in rows:
         table.add_row(*(schema.fmt(column.name, row.get(column.name)) for column in schema.TABLE))
+    return table
+
+
+PHASE_COLUMNS = ("prefill_s", "draft_s", "verify_s", "other_s")
+
+
+def phase_table(rows: list[dict]) -> Table:
+    """Where each method's time went: milliseconds per generated token, phase by phase."""
+    table = Table("method", "K", *(f"{name.removesuffix('_s')} ms" for name in PHASE_COLUMNS), "total ms", "other %")
+    table.title = "time per generated token"
+    for column in table.columns:
+        column.justify = "right"
+    for row in rows:
+        per_token = [1000 * row[name] / row["new_tokens"] for name in PHASE_COLUMNS]
+        cells = [f"{ms:.2f}" for ms in per_token]
+        other = row["other_s"] / (row["method_s"] - row["prefill_s"])  # of the decode proper
+        table.add_row(row["method"], schema.fmt("k", row["k"]), *cells, f"{sum(per_token):.2f}", f"{other:.1%}")
     return table
 
 

@@ -74,8 +74,7 @@ COLUMNS: tuple[Column, ...] = (
         TIMING,
         LOWER,
         ".3f",
-        "the method's wall seconds for the prompt, median of the repeats",
-        files="records",
+        "the method's wall seconds: per prompt the median of the repeats; in the summary their sum",
     ),
     Column(
         "baseline_tokens_per_s",

@@ -59,8 +59,8 @@ def test_a_k_list_sweeps_and_writes_best_k_and_the_plot(tiny_pair, prompts_file,
     assert summary["k"].tolist()[1:] == [1, 2, 4] and summary["method"].tolist() == ["baseline"] + ["speculative"] * 3
     best = json.loads((out / "best_k.json").read_text())
     assert set(best["speculative"]["measured"]["by_k"]) == {"1", "2", "4"}
-    assert (out / "sweep.png").stat().st_size > 10_000
-    assert "best K for speculative" in result.stdout
+    assert (out / "sweep.png").stat().st_size > 10_000 and (out / "phases.png").stat().st_size > 10_000
+    assert "best K for speculative" in result.stdout and "time per generated token" in result.stdout
 
 
 def test_sampled_outputs_of_a_method_do_not_depend_on_the_others_in_the_run(tiny_pair, prompts_file, tmp_path):

@@ -5,7 +5,7 @@ import math
 import pytest
 
 from specbench import metrics
-from specbench.bench import ForwardCosts
+from specbench.bench import Cost, ForwardCosts
 
 
 @pytest.mark.parametrize(
@@ -67,21 +67,32 @@ def test_acceptance_by_position():
     assert all(math.isnan(x) for x in metrics.acceptance_by_position([0, 0, 0]))
 
 
-def test_forward_costs_ratios():
-    costs = ForwardCosts(context_tokens=100, target={1: 0.04, 2: 0.05, 5: 0.08}, draft_single=0.004)
+def forward_costs(target: dict[int, float], draft: float) -> ForwardCosts:
+    """Costs with the given median seconds (and no spread)."""
+    return ForwardCosts(100, {n: Cost(s, 0.0, 0.0) for n, s in target.items()}, Cost(draft, 0.0, 0.0), repeats=1)
+
+
+def test_forward_costs_ratios_and_their_rows_round_trip():
+    costs = forward_costs({1: 0.04, 2: 0.05, 5: 0.08}, 0.004)
     assert costs.c == pytest.approx(0.1)
     assert costs.verify_ratio(4) == pytest.approx(2.0)
+    assert ForwardCosts.from_rows([{k: str(v) for k, v in row.items()} for row in costs.rows()]) == costs
+
+
+def test_iqr_is_the_spread_of_the_middle_half():
+    assert metrics.iqr([1.0, 2.0, 3.0, 4.0, 100.0]) == pytest.approx(2.0)  # an outlier barely moves it
+    assert metrics.iqr([5.0]) == 0.0
 
 
 def test_predicted_by_k_weighs_the_measured_verification_cost():
-    from specbench.bench import ForwardCosts, predicted_by_k
+    from specbench.bench import predicted_by_k
 
     # A CPU-like profile: four or more tokens cost twice one token's forward.
-    cpu = ForwardCosts(context_tokens=100, target={1: 1.0, 2: 1.1, 3: 1.2, 4: 2.0, 5: 2.0}, draft_single=0.1)
+    cpu = forward_costs({1: 1.0, 2: 1.1, 3: 1.2, 4: 2.0, 5: 2.0}, 0.1)
     assert sorted(predicted_by_k(0.6, cpu.c, cpu)) == [1, 2, 3, 4]
     assert metrics.best_k(predicted_by_k(0.6, cpu.c, cpu)) == 2
     # Free verification, as the classic formula assumes, moves the best K up.
-    free = ForwardCosts(context_tokens=100, target={n: 1.0 for n in range(1, 6)}, draft_single=0.05)
+    free = forward_costs({n: 1.0 for n in range(1, 6)}, 0.05)
     assert metrics.best_k(predicted_by_k(0.8, free.c, free)) == 4
 
 

@@ -239,7 +239,8 @@ def test_sweep_shares_one_baseline_and_writes_the_sweep_files(tiny_pair, prompts
     assert (acceptance.groupby("k")["acceptance"].apply(lambda a: a.is_monotonic_decreasing)).all()
     costs = pd.read_csv(out / "verify_cost.csv")
     verify = costs[costs["model"] == "target"]
-    assert verify["tokens"].tolist() == [1, 2, 3, 4]
+    assert verify["tokens"].tolist() == list(range(1, 9))  # the whole curve, beyond the largest K + 1
+    assert (verify[["iqr_s", "ratio_iqr"]] >= 0).all().all() and (verify["repeats"] == 2).all()
     draft_step = (
         costs.loc[costs["model"] == "draft", "seconds"].item() / verify.loc[verify["tokens"] == 1, "seconds"].item()
     )

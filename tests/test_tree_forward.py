@@ -203,3 +203,33 @@ def test_a_mask_of_the_wrong_shape_is_refused(target_model):
     _, mask = tree_inputs([-1, 0], 2, CPU)
     with pytest.raises(ValueError, match="mask has shape"):
         lm.forward(torch.tensor([4, 5]), mask=mask)
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_grouped_attention_on_cpu_changes_no_logit(tiny_pair, monkeypatch, mask):
+    # load() sets TRANSFORMERS_SDPA_FORCE_GQA on CPU so verification skips the copy of repeated
+    # key/value heads; the scores of a multi-token forward (causal or tree-masked) must not move.
+    from transformers.integrations import sdpa_attention
+
+    from specbench.models import GROUPED_SDPA
+
+    copies = []
+    repeat_kv = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv", lambda *a: copies.append(1) or repeat_kv(*a))
+    lm = wrap(load(tiny_pair[0], CPU, F32).model, False)
+    assert lm.model.config.num_key_value_heads < lm.model.config.num_attention_heads  # the case it is for
+    prefix, nodes = prompt_and_nodes(lm, 4)
+    parents = [-1, 0, 0, 1]
+    scores, copied = {}, {}
+    for grouped in ("0", "1"):
+        monkeypatch.setenv(GROUPED_SDPA, grouped)
+        copies.clear()
+        if mask:
+            scores[grouped] = tree_round(lm, prefix, nodes, parents)
+        else:
+            lm.reset()
+            lm.forward(prefix)
+            scores[grouped] = lm.forward(torch.tensor(nodes), last=4)
+        copied[grouped] = len(copies)
+    assert copied["0"] > 0 and copied["1"] == 0  # the setting removes the copies...
+    assert torch.equal(scores["0"], scores["1"])  # ...and nothing else
