@@ -48,6 +48,7 @@ class BenchConfig:
     warmup: int = 1
     prompt_field: str = "prompt"
     cost_repeats: int = 10
+    threads: int = 0  # torch's CPU threads; 0 leaves torch's default
     chat: str = "auto"  # auto: use the target's chat template when it has one; on; off
 
     @property
@@ -76,6 +77,7 @@ class BenchConfig:
             (not 0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
             (self.repeats < 1 or self.warmup < 0, "--repeats must be >= 1 and --warmup >= 0"),
             (self.cost_repeats < 1, "--cost-repeats must be at least 1"),
+            (self.threads < 0, "--threads must be >= 0 (0 is torch's default)"),
             (
                 not set(self.methods) <= set(METHODS),
                 f"unknown --method in {self.methods}: choose from {', '.join(METHODS)}",
@@ -112,6 +114,8 @@ class Pair:
 
 
 def load_pair(cfg: BenchConfig) -> Pair:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
     target = load(cfg.target, device, dtype)
@@ -498,6 +502,22 @@ def suggestions(summary: list[dict], costs: ForwardCosts, ks: list[int]) -> list
     return lines
 
 
+NOISY = 0.1  # a forward-cost ratio whose interquartile range exceeds this share of it is noisy
+
+
+def noisy_costs(costs: ForwardCosts) -> list[str]:
+    """A warning when the forward costs moved too much between repeats to be trusted."""
+    one = costs.target[1].seconds
+    noisy = [n for n, cost in costs.target.items() if cost.ratio_iqr > NOISY * cost.seconds / one]
+    if not noisy:
+        return []
+    return [
+        f"forward costs are noisy (the ratio's interquartile range is over {NOISY:.0%} of it at {noisy} tokens, "
+        f"see verify_cost.csv): the machine is busy, or torch runs more threads ({torch.get_num_threads()}) than "
+        "there are free cores: try --threads 1"
+    ]
+
+
 def prepare(cfg: BenchConfig) -> tuple[Pair, list[Prompt], list[torch.Tensor]]:
     """Validate, load the pair and the prompts; every input error surfaces here, before timing."""
     cfg.validate()
@@ -607,4 +627,5 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
         if pair.draft
         else f"{cfg.target} on {cfg.dataset} ({len(prompts)} prompts)"
     )
-    yield Results(out, title, summary, picks, suggestions(summary, costs, cfg.ks), plots, cfg.sampling.greedy)
+    notes = suggestions(summary, costs, cfg.ks) + noisy_costs(costs)
+    yield Results(out, title, summary, picks, notes, plots, cfg.sampling.greedy)

@@ -54,6 +54,13 @@ Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on cuda, float32 on cpu
 Repeats = Annotated[int, typer.Option(help="Timed repeats per prompt and method; the median is kept.")]
 Warmup = Annotated[int, typer.Option(help="Untimed warm-up passes over the first prompt before timing.")]
 CostRepeats = Annotated[int, typer.Option(help="Repeats per forward-cost measurement (c, verify_ratio).")]
+Threads = Annotated[
+    int,
+    typer.Option(
+        help="CPU threads for torch (0: torch's default, one per core). On a shared machine use fewer threads "
+        "than free cores: a thread that waits for a busy core stalls every forward."
+    ),
+]
 Chat = Annotated[
     str,
     typer.Option(
@@ -170,6 +177,7 @@ def run(
     repeats: Repeats = 1,
     warmup: Warmup = 1,
     cost_repeats: CostRepeats = 10,
+    threads: Threads = 0,
     chat: Chat = "auto",
     out: Out = None,
     resume: Resume = False,
@@ -197,6 +205,7 @@ def run(
         repeats=repeats,
         warmup=warmup,
         cost_repeats=cost_repeats,
+        threads=threads,
         chat=chat,
     )
     if resume and out is None:

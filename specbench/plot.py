@@ -123,7 +123,8 @@ def plot_phases(run_dir: Path, name: str = "phases.png") -> Path:
         title=f"where the time goes: {first['target']} on {first['dataset']}, {first['device']} "
         "(labels: decode speedup, prefill excluded)",
     )
-    ax.legend(loc="upper right", fontsize="small")
+    ax.set_ylim(top=1.2 * bottom.max())  # room for the labels and the legend above the bars
+    ax.legend(loc="upper center", ncol=len(PHASE_COLORS), fontsize="small")
     fig.tight_layout()
     path = run_dir / name
     fig.savefig(path, dpi=110)

@@ -118,3 +118,13 @@ def test_phase_figures_account_for_forwards_and_overhead():
     double = {name: 2 * value for name, value in run.items()}
     twice = metrics.phase_figures(double, {name: 2 * value for name, value in base.items()}, decodes=2)
     assert twice == pytest.approx(got)
+
+
+def test_noisy_forward_costs_are_called_out():
+    from specbench.bench import noisy_costs
+
+    steady = forward_costs({1: 1.0, 2: 1.1, 3: 1.2}, 0.1)
+    assert noisy_costs(steady) == []
+    shaky = ForwardCosts(100, {**steady.target, 3: Cost(1.2, 0.5, 0.4)}, steady.draft_single, repeats=10)
+    (warning,) = noisy_costs(shaky)
+    assert "[3] tokens" in warning and "--threads 1" in warning

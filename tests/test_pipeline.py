@@ -102,6 +102,8 @@ def test_run_writes_every_file_with_the_contract_columns(tiny_pair, prompts_file
         "24",
         "--cost-repeats",
         "3",
+        "--threads",
+        "1",
         "--out",
         str(out),
     )
@@ -124,7 +126,7 @@ def test_run_writes_every_file_with_the_contract_columns(tiny_pair, prompts_file
     assert sorted(o["method"] for o in outputs) == ["baseline"] * 3 + ["speculative"] * 3
     meta = json.loads((out / "meta.json").read_text())
     assert {"python", "torch", "transformers", "specbench", "device_name", "git_commit", "config"} <= set(meta)
-    assert meta["config"]["ks"] == [3]
+    assert meta["config"]["ks"] == [3] and meta["torch_threads"] == 1  # --threads 1 reached torch
 
 
 def test_sampled_run_is_reproducible(tiny_pair, prompts_file, tmp_path):
@@ -181,6 +183,7 @@ def test_uncached_hub_model_fails_fast_with_one_line():
         (["--dataset", "missing.jsonl"], "dataset file not found"),
         (["--max-new-tokens", "400"], "context window"),
         (["--dataset", "xsum"], "unreachable"),
+        (["--threads", "-1"], "--threads must be >= 0"),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_pair, prompts_file, args, needle):
