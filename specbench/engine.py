@@ -15,7 +15,16 @@ from typing import Protocol
 
 import torch
 
-from .sampling import SamplingConfig, Verdict, next_token, sample, verify_chain_greedy, verify_chain_sampled, warp
+from .sampling import (
+    SamplingConfig,
+    Verdict,
+    argmax,
+    next_token,
+    sample,
+    verify_chain_greedy,
+    verify_chain_sampled,
+    warp,
+)
 
 
 class CausalLM(Protocol):
@@ -136,7 +145,7 @@ class ModelDrafter:
         for _ in range(k):
             logits = self.model.forward(self.pending, last=1)[-1]
             if self.cfg.greedy:
-                self.pending = logits.argmax(-1, keepdim=True)
+                self.pending = argmax(logits)
             else:
                 q_rows.append(warp(logits, self.cfg))
                 self.pending = sample(q_rows[-1], self.generator)

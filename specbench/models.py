@@ -293,8 +293,9 @@ class HFCausalLM:
 
     def _read(self, token_ids: torch.Tensor) -> None:
         """Add ids the model reads to the shortlist."""
-        new = token_ids[~self.in_head[token_ids]].unique()
-        if len(new):
+        unseen = ~self.in_head[token_ids]
+        if unseen.any():  # rarely, once the prompt is read: one cheap test rather than a unique() per forward
+            new = token_ids[unseen].unique()
             self.in_head[new] = True
             self.head_ids = torch.cat([self.head_ids, new])
             self.head = torch.cat([self.head, self.model.get_output_embeddings().weight[new]])
