@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field, replace
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from . import metrics, report, schema
-from .engine import DecodeResult
+from .engine import DecodeResult, tree_parents
 from .errors import SpecbenchError
 from .methods import BASELINE, DEFAULT, METHODS, Method
 from .models import HFCausalLM, LoadedModel, load, resolve_device, resolve_dtype, shared_width
@@ -41,6 +42,8 @@ class BenchConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    eta: float = 0.0
+    trees: list[str] = field(default_factory=lambda: ["2,2"])  # shapes for tree methods: branching per depth
     seed: int = 0
     device: str = "auto"
     dtype: str = "auto"
@@ -52,20 +55,32 @@ class BenchConfig:
     chat: str = "auto"  # auto: use the target's chat template when it has one; on; off
 
     @property
-    def plan(self) -> list[tuple[Method, int | None]]:
-        """(method, K) pairs decoded per prompt after the baseline."""
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(int(b) for b in tree.split(",")) for tree in self.trees]
+
+    @property
+    def plan(self) -> list[Decoder]:
+        """What is decoded per prompt after the baseline: each method at each K, or each tree shape."""
         steps = []
         for method in (METHODS[name] for name in dict.fromkeys(self.methods) if name != BASELINE.name):
-            steps += [(method, k) for k in self.ks] if method.takes_k else [(method, None)]
+            if method.takes_tree:
+                steps += [Decoder(method, len(shape), shape) for shape in self.shapes]
+            else:
+                steps += [Decoder(method, k) for k in self.ks] if method.takes_k else [Decoder(method)]
         return steps
 
     @property
+    def widest(self) -> int:
+        """Most tokens in one target forward: K + 1 for a chain, the tree's nodes + 1 for a tree."""
+        return 1 + max([max(self.ks)] + [len(tree_parents(step.tree)) for step in self.plan if step.tree])
+
+    @property
     def needs_draft(self) -> bool:
-        return any(method.needs_draft for method, _ in self.plan)
+        return any(step.method.needs_draft for step in self.plan)
 
     @property
     def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_k, self.top_p)
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.eta)
 
     def validate(self) -> None:
         problems = [
@@ -75,6 +90,11 @@ class BenchConfig:
             (self.temperature < 0, "--temperature must be >= 0 (0 means greedy)"),
             (self.top_k < 0, "--top-k must be >= 0 (0 turns it off)"),
             (not 0 < self.top_p <= 1, "--top-p must be in (0, 1]"),
+            (not 0 <= self.eta < 1, "--eta must be in [0, 1) (0 turns it off)"),
+            (
+                not all(re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", tree) for tree in self.trees),
+                f"--tree {' '.join(self.trees)}: give the branching at each depth, like 2,2,1",
+            ),
             (self.repeats < 1 or self.warmup < 0, "--repeats must be >= 1 and --warmup >= 0"),
             (self.cost_repeats < 1, "--cost-repeats must be at least 1"),
             (self.threads < 0, "--threads must be >= 0 (0 is torch's default)"),
@@ -126,8 +146,8 @@ def load_pair(cfg: BenchConfig) -> Pair:
     pair = Pair(
         target, HFCausalLM(target.model, width), draft, HFCausalLM(draft.model, width, draft.head_tokens), device, dtype
     )
-    for method, _ in cfg.plan:
-        method.check(pair)
+    for step in cfg.plan:
+        step.method.check(pair)
     return pair
 
 
@@ -135,7 +155,7 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], cfg: BenchConfig) -> list[
     """Token ids per prompt, left-truncated so prompt + new tokens + a full draft fit the window."""
     models = [pair.target] + ([pair.draft] if pair.draft else [])
     windows = [m.context_window for m in models if m.context_window]
-    room = min(windows) - cfg.max_new_tokens - max(cfg.ks) - 1 if windows else None
+    room = min(windows) - cfg.max_new_tokens - cfg.widest if windows else None
     if room is not None and room < 1:
         raise SpecbenchError(
             f"--max-new-tokens {cfg.max_new_tokens} plus K does not fit the context window of {min(windows)} tokens: "
@@ -267,7 +287,7 @@ def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg: BenchConfig) 
     length = lengths[len(lengths) // 2] + cfg.max_new_tokens // 2
     windows = [m.context_window for m in (pair.target, pair.draft) if m is not None and m.context_window]
     room = min(windows, default=length + COST_SIZES) - length  # K + 1 always fits (encode_prompts made sure)
-    sizes = range(1, max(max(cfg.ks) + 1, min(COST_SIZES, room)) + 1)
+    sizes = range(1, max(cfg.widest, min(COST_SIZES, room)) + 1)
     tokens = torch.cat(prompt_ids)
     context = tokens.repeat(length // len(tokens) + 2)[: length + sizes[-1]]
     prefix, probe = context[:length], context[length:]
@@ -303,17 +323,35 @@ class Measurement:
     phases: Phases
 
 
-def decode(pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, method: Method, k: int | None) -> Measurement:
+@dataclass(frozen=True)
+class Decoder:
+    """One way of decoding a prompt: a method, with its lookahead K (a tree's depth) and tree shape."""
+
+    method: Method
+    k: int | None = None
+    tree: tuple[int, ...] | None = None
+
+    @property
+    def label(self) -> str:
+        if self.tree:
+            return f"{self.method.name} tree={','.join(map(str, self.tree))}"
+        return f"{self.method.name} K={self.k}" if self.k else self.method.name
+
+
+def decode(pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, decoder: Decoder) -> Measurement:
     """Time one prompt's decode cfg.repeats times (each from the same seed, so identical work) and
     keep the median run (the faster of the middle two for an even count), phases and all."""
     clock = PhaseClock(pair.device)
     runs = []
     for _ in range(cfg.repeats):
+        method = decoder.method
         generator = generator_for(pair.device, cfg.seed, index, method.name)
         synchronize(pair.device)
         start = time.perf_counter()
         clock.start()
-        result = method.decode(pair, ids, k, cfg.sampling, cfg.max_new_tokens, generator, clock)
+        result = method.decode(
+            pair, ids, decoder.k, cfg.sampling, cfg.max_new_tokens, generator, clock, tree=decoder.tree
+        )
         phases = clock.stop()
         synchronize(pair.device)
         runs.append(Measurement(result, time.perf_counter() - start, phases))
@@ -323,8 +361,8 @@ def decode(pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, method: 
 def warm_up(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor]) -> None:
     """Untimed runs of every decoder, so allocation, kernel selection and caches settle first."""
     for _ in range(cfg.warmup):
-        for method, k in [(BASELINE, None), *cfg.plan]:
-            decode(pair, cfg, prompt_ids[0], 0, method, k)
+        for decoder in [Decoder(BASELINE), *cfg.plan]:
+            decode(pair, cfg, prompt_ids[0], 0, decoder)
 
 
 def _totals(m: Measurement) -> dict:
@@ -349,20 +387,21 @@ def record(
     index: int,
     ids: torch.Tensor,
     baseline: Measurement,
-    method: Method,
-    k: int | None,
+    decoder: Decoder,
     measured: Measurement,
 ) -> dict:
-    """The per-prompt, per-(method, K) row of records.csv (the baseline has its own row, too)."""
+    """The per-prompt, per-decoder row of records.csv (the baseline has its own row, too)."""
     b, s = baseline.result, measured.result
+    method, k = decoder.method, decoder.k
     divergence = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens, strict=False)) if x != y), None)
     if divergence is None and len(b.tokens) != len(s.tokens):
         divergence = min(len(b.tokens), len(s.tokens))
-    drafts = method.takes_k
+    drafts = method.drafts
     rate, base_rate = len(s.tokens) / measured.seconds, len(b.tokens) / baseline.seconds
     return {
         "method": method.name,
         "k": k,
+        "tree": shape_text(decoder.tree),
         "prompt_id": prompt.id,
         "prompt_index": index,
         "prompt_tokens": len(ids),
@@ -374,6 +413,7 @@ def record(
         "alpha": s.beta_sum / s.tested if s.tested else math.nan,
         "acceptance_rate": s.accepted / s.drafted if s.drafted else math.nan,
         "tau": len(s.tokens) / s.target_forwards if drafts else math.nan,
+        "nodes": s.drafted / (s.target_forwards - 1) if drafts and s.target_forwards > 1 else math.nan,
         "drafted": s.drafted,
         "accepted": s.accepted,
         "beta_sum": s.beta_sum,
@@ -383,7 +423,12 @@ def record(
         "outputs_match": divergence is None,
         "first_divergence": -1 if divergence is None else divergence,
         "accept_hist": " ".join(str(s.accept_counts.count(n)) for n in range(k + 1)) if s.accept_counts else "",
+        "rank_hist": " ".join(map(str, s.rank_counts)),
     }
+
+
+def shape_text(tree: tuple[int, ...] | None) -> str:
+    return ",".join(map(str, tree)) if tree else ""
 
 
 def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_info: dict) -> list[dict]:
@@ -393,20 +438,24 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_in
     """
     baselines = {r["prompt_index"]: r for r in records if r["method"] == BASELINE.name}
     rows = []
-    for method, k in [(BASELINE, None), *cfg.plan]:
-        rs = [r for r in records if r["method"] == method.name and r["k"] == k]
+    for decoder in [Decoder(BASELINE), *cfg.plan]:
+        method, k, tree = decoder.method, decoder.k, shape_text(decoder.tree)
+        rs = [r for r in records if r["method"] == method.name and r["k"] == k and r["tree"] == tree]
         if not rs:
             continue
         run = {name: sum(r[name] for r in rs) for name in TOTALS}
         base = {name: sum(baselines[r["prompt_index"]][name] for r in rs) for name in TOTALS}
         tokens, seconds = run["new_tokens"], run["method_s"]
         base_tokens, base_s = base["new_tokens"], base["method_s"]
-        drafts = method.takes_k  # only methods with a K draft; the others' counts are left empty
+        drafts = method.drafts  # only drafting methods; the others' counts are left empty
+        chain = drafts and not decoder.tree  # the chain formulas apply
         counted = ("drafted", "accepted", "beta_sum", "tested")
         totals = {name: sum(r[name] for r in rs) for name in counted}
         alpha = totals["beta_sum"] / totals["tested"] if totals["tested"] else math.nan
         c = method.c(costs)
-        verify_ratio = costs.verify_ratio(k) if drafts else math.nan
+        rounds = run["target_forwards"] - len(rs)
+        nodes = totals["drafted"] / rounds if drafts and rounds else math.nan
+        verify_ratio = costs.verify_ratio(k if chain else round(nodes)) if drafts and nodes == nodes else math.nan
         divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0]
         values = {
             **run_info,
@@ -414,6 +463,8 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_in
             **metrics.phase_figures(run, base, len(rs)),
             "method": method.name,
             "k": k,
+            "tree": tree,
+            "eta": cfg.eta,
             "temperature": cfg.temperature,
             "top_k": cfg.top_k,
             "top_p": cfg.top_p,
@@ -426,11 +477,12 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_in
             "alpha": alpha,
             "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else math.nan,
             "tau": tokens / run["target_forwards"] if drafts else math.nan,
+            "nodes": nodes,
             "c": c,
             "verify_ratio": verify_ratio,
-            "predicted_speedup": metrics.predicted_speedup(alpha, c, k) if drafts else math.nan,
+            "predicted_speedup": metrics.predicted_speedup(alpha, c, k) if chain else math.nan,
             "predicted_speedup_verify": metrics.predicted_speedup_verify(alpha, c, k, verify_ratio)
-            if drafts
+            if chain
             else math.nan,
             **(totals if drafts else dict.fromkeys(totals, math.nan)),
             "outputs_match": sum(r["outputs_match"] for r in rs),
@@ -441,19 +493,30 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_in
 
 
 def acceptance_rows(records: list[dict]) -> list[dict]:
-    """Per method, K and draft position: how often that position was accepted (acceptance.csv)."""
-    hists: dict[tuple[str, int], list[int]] = {}
+    """acceptance.csv: per method, K and tree, how often each draft depth was accepted per verify
+    step (``by`` depth), and for trees which sibling an accepted node was (``by`` rank: the share of
+    accepted nodes that were the 1st, 2nd, ... child of their parent)."""
+    depths: dict[tuple, list[int]] = {}
+    ranks: dict[tuple, list[int]] = {}
     for r in records:
-        if not r["accept_hist"]:
-            continue
-        counts = [int(x) for x in r["accept_hist"].split()]
-        total = hists.setdefault((r["method"], r["k"]), [0] * len(counts))
-        hists[(r["method"], r["k"])] = [a + b for a, b in zip(total, counts, strict=True)]
-    return [
-        {"method": method, "k": k, "position": i + 1, "acceptance": rate, "verify_steps": sum(hist)}
-        for (method, k), hist in sorted(hists.items())
-        for i, rate in enumerate(metrics.acceptance_by_position(hist))
-    ]
+        key = (r["method"], r["k"], r["tree"])
+        for hists, cell in ((depths, r["accept_hist"]), (ranks, r["rank_hist"])):
+            counts = [int(x) for x in cell.split()] if cell else []
+            total = hists.setdefault(key, [])
+            total += [0] * (len(counts) - len(total))
+            hists[key] = [a + b for a, b in zip(total, counts + [0] * (len(total) - len(counts)), strict=True)]
+    rows = []
+    for (method, k, tree), hist in sorted(depths.items(), key=str):
+        for i, rate in enumerate(metrics.acceptance_by_position(hist) if hist else []):
+            rows.append(
+                dict(method=method, k=k, tree=tree, by="depth", position=i + 1, acceptance=rate, verify_steps=sum(hist))
+            )
+        for i, count in enumerate(ranks[(method, k, tree)]):
+            share = count / sum(ranks[(method, k, tree)])
+            rows.append(
+                dict(method=method, k=k, tree=tree, by="rank", position=i + 1, acceptance=share, verify_steps=sum(hist))
+            )
+    return rows
 
 
 def predicted_by_k(alpha: float, c: float, costs: ForwardCosts) -> dict[int, float]:
@@ -599,15 +662,15 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
     try:
         for index in todo:
             prompt, ids = prompts[index], prompt_ids[index]
-            baseline = decode(pair, cfg, ids, index, BASELINE, None)
-            for method, k in [(BASELINE, None), *plan]:
-                measured = baseline if method is BASELINE else decode(pair, cfg, ids, index, method, k)
-                tokens = measured.result.tokens
-                writer.output(prompt.id, index, k, method.name, tokens, pair.target.tokenizer.decode(tokens))
-                records.append(record(prompt, index, ids, baseline, method, k, measured))
+            baseline = decode(pair, cfg, ids, index, Decoder(BASELINE))
+            for decoder in [Decoder(BASELINE), *plan]:
+                measured = baseline if decoder.method is BASELINE else decode(pair, cfg, ids, index, decoder)
+                tokens, text = measured.result.tokens, pair.target.tokenizer.decode(measured.result.tokens)
+                writer.output(prompt.id, index, decoder.k, decoder.method.name, tokens, text, shape_text(decoder.tree))
+                records.append(record(prompt, index, ids, baseline, decoder, measured))
                 writer.append_record(records[-1])
                 finished += 1
-                yield Step("decoding", finished, total, f"{method.name} K={k}" if k else method.name)
+                yield Step("decoding", finished, total, decoder.label)
                 if time.monotonic() - written > SUMMARY_EVERY_S:
                     writer.write_csv("summary.csv", summarize(records, costs, cfg, run_info))
                     written = time.monotonic()

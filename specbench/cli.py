@@ -46,6 +46,18 @@ MaxNewTokens = Annotated[int, typer.Option(help="Tokens to generate per prompt (
 Temperature = Annotated[float, typer.Option(help="0 = greedy (exact argmax); > 0 samples.")]
 TopK = Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")]
 TopP = Annotated[float, typer.Option(help="Nucleus sampling mass (1.0 = off).")]
+Eta = Annotated[
+    float,
+    typer.Option(help="Eta sampling's epsilon, applied to target and draft alike after top-k and top-p (0 = off)."),
+]
+Trees = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--tree",
+        help="Tree shape for --method tree and lookup-tree: the branching at each depth, e.g. 2,2,1 "
+        "(2 + 4 + 4 = 10 nodes, K = 3). Repeat to compare shapes. Default 2,2.",
+    ),
+]
 Seed = Annotated[
     int, typer.Option(help="Base seed; each prompt's generators derive from (seed, prompt index, method).")
 ]
@@ -171,6 +183,8 @@ def run(
     temperature: Temperature = 0.0,
     top_k: TopK = 0,
     top_p: TopP = 1.0,
+    eta: Eta = 0.0,
+    tree: Trees = None,
     seed: Seed = 0,
     device: Device = "auto",
     dtype: Dtype = "auto",
@@ -199,6 +213,8 @@ def run(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        eta=eta,
+        trees=[t.replace(" ", "") for t in tree or ["2,2"]],
         seed=seed,
         device=device,
         dtype=dtype,

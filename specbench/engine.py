@@ -19,12 +19,16 @@ from .sampling import (
     SamplingConfig,
     Verdict,
     argmax,
+    children,
     next_token,
     sample,
     verify_chain_greedy,
     verify_chain_sampled,
+    verify_tree_greedy,
+    verify_tree_sampled,
     warp,
 )
+from .tree import tree_inputs
 
 
 class CausalLM(Protocol):
@@ -50,6 +54,10 @@ class CausalLM(Protocol):
 
     def keep(self, path: Sequence[int], new: int) -> None:
         """Of the newest ``new`` cache positions keep those at offsets ``path`` (ascending), drop the rest."""
+
+    @property
+    def length(self) -> int:
+        """Tokens in the cache."""
 
 
 @dataclass
@@ -97,6 +105,7 @@ class DecodeResult:
     beta_sum: float = 0.0
     tested: int = 0
     accept_counts: list[int] = field(default_factory=list)  # accepted drafts per verify step
+    rank_counts: list[int] = field(default_factory=list)  # accepted nodes by their rank among siblings
 
 
 def _end(tokens: list[int], new_from: int, max_new_tokens: int, stop_ids: frozenset[int]) -> int | None:
@@ -187,6 +196,109 @@ class PromptLookupDrafter:
         self.seen += draft.on_path(verdict.path).tolist() + verdict.next_token.tolist()
 
 
+def tree_parents(shape: Sequence[int]) -> list[int]:
+    """Parents of a full tree in level order: ``shape[d]`` children for every node at depth d
+    (the root, the last accepted token, is -1). ``(1,) * K`` is a chain of K."""
+    parents, level = [], [-1]
+    for branching in shape:
+        start = len(parents)
+        parents += [parent for parent in level for _ in range(branching)]
+        level = list(range(start, len(parents)))
+    return parents
+
+
+class TreeDrafter:
+    """Drafts a token tree of a fixed shape with a small model, one forward per level.
+
+    Under greedy a node's children are the draft's top-b tokens there; under sampling they are b
+    independent draws from its warped distribution (the q row all b share). Each level is read in
+    one forward with the tree mask, so a node sees only its own ancestors; the leaves are never read.
+    """
+
+    def __init__(self, model: CausalLM, cfg: SamplingConfig, generator: torch.Generator, shape: Sequence[int]):
+        self.model, self.cfg, self.generator, self.shape = model, cfg, generator, tuple(shape)
+        self.parents = tree_parents(self.shape)
+        self.inner = len(self.parents) - _level_size(self.shape, len(self.shape) - 1)  # read: all but the leaves
+
+    def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
+        self.model.reset()
+        self.model.forward(prompt_ids, last=1)
+        self.pending = first
+
+    def propose(self, k: int) -> Draft:
+        self.read = len(self.pending)
+        rows = self.model.forward(self.pending, last=1)
+        base = self.model.length
+        positions, mask = tree_inputs(self.parents, base, rows.device)
+        tokens, q_rows, start = [], [], 0
+        for depth, branching in enumerate(self.shape):
+            level = []
+            for logits in rows:
+                if self.cfg.greedy:
+                    level.append(logits.topk(branching).indices)
+                else:
+                    q = warp(logits, self.cfg)
+                    level.append(torch.multinomial(q, branching, replacement=True, generator=self.generator))
+                    q_rows += [q] * branching
+            level = torch.cat(level)
+            tokens.append(level)
+            end = start + len(level)
+            if depth + 1 < len(self.shape):
+                rows = self.model.forward(
+                    level, last=len(level), positions=positions[start:end], mask=mask[start:end, : base + end]
+                )
+            start = end
+        q = torch.stack(q_rows) if q_rows else None
+        return Draft(torch.cat(tokens), self.parents, q, forwards=len(self.shape))
+
+    def accepted(self, draft: Draft, verdict: Verdict) -> None:
+        kept = [n for n in verdict.path if n < self.inner]
+        self.model.keep(list(range(self.read)) + [self.read + n for n in kept], self.read + self.inner)
+        leaf = [n for n in verdict.path if n >= self.inner]  # an accepted leaf, which the draft never read
+        self.pending = torch.cat([draft.tokens[leaf], verdict.next_token])
+
+
+def _level_size(shape: Sequence[int], depth: int) -> int:
+    size = 1
+    for branching in shape[: depth + 1]:
+        size *= branching
+    return size
+
+
+class LookupTreeDrafter(PromptLookupDrafter):
+    """Prompt lookup with several candidates: the continuations of every earlier occurrence of the
+    sequence's last n tokens (the longest n that occurs), most recent first, merged into a trie of
+    at most ``nodes`` tokens and ``depth`` levels. Deterministic candidates, so exact under sampling."""
+
+    def __init__(self, nodes: int, depth: int, max_ngram: int = 3):
+        super().__init__(max_ngram)
+        self.nodes, self.depth = nodes, depth
+
+    def propose(self, k: int) -> Draft:
+        seen, continuations = self.seen, []
+        for n in range(min(self.max_ngram, len(seen) - 1), 0, -1):
+            tail = seen[-n:]
+            continuations = [
+                seen[start + n : start + n + self.depth]
+                for start in range(len(seen) - n - 1, -1, -1)
+                if seen[start : start + n] == tail
+            ]
+            if continuations:
+                break
+        tokens, parents, index = [], [], {}
+        for continuation in continuations:
+            parent = -1
+            for token in continuation:
+                if (parent, token) not in index:
+                    if len(tokens) == self.nodes:
+                        break
+                    index[(parent, token)] = len(tokens)
+                    tokens.append(token)
+                    parents.append(parent)
+                parent = index[(parent, token)]
+        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), parents, None)
+
+
 @dataclass
 class Round:
     """One speculative round: the draft, the verdict, and the target's warped rows at every
@@ -205,12 +317,14 @@ def verify(
     draft: Draft, target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
 ) -> tuple[Verdict, torch.Tensor | None]:
     """The verdict on ``draft`` from the target's logits at the root and every draft token."""
-    if not draft.is_chain:
-        raise NotImplementedError("tree verification arrives with --method tree")
     if cfg.greedy:
-        return verify_chain_greedy(draft.tokens, target_logits), None
+        if draft.is_chain:
+            return verify_chain_greedy(draft.tokens, target_logits), None
+        return verify_tree_greedy(draft.tokens, draft.parents, target_logits), None
     p = warp(target_logits, cfg)
-    return verify_chain_sampled(draft.tokens, draft.q, p, generator), p
+    if draft.is_chain:
+        return verify_chain_sampled(draft.tokens, draft.q, p, generator), p
+    return verify_tree_sampled(draft.tokens, draft.parents, draft.q, p, generator), p
 
 
 def speculative_round(
@@ -220,7 +334,12 @@ def speculative_round(
     in one target forward, and leave both caches holding exactly the accepted path."""
     draft = drafter.propose(k)
     n = len(draft.tokens)
-    target_logits = target.forward(torch.cat([last, draft.tokens]), last=n + 1)
+    ids = torch.cat([last, draft.tokens])
+    if draft.is_chain:
+        target_logits = target.forward(ids, last=n + 1)
+    else:  # ``last`` is the root; a draft token with parent -1 hangs from it
+        positions, mask = tree_inputs([-1] + [p + 1 for p in draft.parents], target.length, ids.device)
+        target_logits = target.forward(ids, last=n + 1, positions=positions, mask=mask)
     verdict, p = verify(draft, target_logits, cfg, generator)
     target.keep([0] + [i + 1 for i in verdict.path], n + 1)  # offset 0 is ``last`` itself
     drafter.accepted(draft, verdict)
@@ -261,6 +380,12 @@ def speculative_decode(
         result.accepted += verdict.accepted
         result.tested += verdict.tested
         result.accept_counts.append(verdict.accepted)
+        if not step.draft.is_chain:
+            siblings = children(step.draft.parents)
+            for node in verdict.path:
+                rank = siblings[step.draft.parents[node]].index(node)
+                result.rank_counts += [0] * (rank + 1 - len(result.rank_counts))
+                result.rank_counts[rank] += 1
         beta_sum = beta_sum + verdict.beta_sum
         new_from = len(result.tokens)
         result.tokens += step.emitted.tolist()

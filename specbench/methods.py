@@ -12,7 +12,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .engine import DecodeResult, Drafter, ModelDrafter, PromptLookupDrafter, autoregressive_decode, speculative_decode
+from .engine import (
+    DecodeResult,
+    Drafter,
+    LookupTreeDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    TreeDrafter,
+    autoregressive_decode,
+    speculative_decode,
+    tree_parents,
+)
 from .errors import SpecbenchError
 from .models import hf_generate
 from .sampling import SamplingConfig
@@ -26,7 +36,12 @@ class Method:
     name = ""
     help = ""
     takes_k = True  # decodes with a lookahead K (one row per K)
+    takes_tree = False  # drafts a tree of the --tree shape (one row per shape; K is its depth)
     needs_draft = False  # the --draft model must be loaded
+
+    @property
+    def drafts(self) -> bool:
+        return self.takes_k or self.takes_tree
 
     def check(self, pair: Pair) -> None:
         """Raise SpecbenchError when this method cannot run on ``pair``."""
@@ -44,15 +59,17 @@ class Method:
         max_new_tokens: int,
         generator: torch.Generator,
         clock: PhaseClock,
+        tree: tuple[int, ...] | None = None,
     ) -> DecodeResult:
-        """Decode one prompt, lapping ``clock`` around every model forward (see timing.py)."""
+        """Decode one prompt, lapping ``clock`` around every model forward (see timing.py); ``tree``
+        is the shape for methods that take one."""
         raise NotImplementedError
 
 
 class Baseline(Method):
     name, help, takes_k = "baseline", "the target alone, one token per forward with a KV cache (always runs)", False
 
-    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock):
+    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock, tree=None):
         return autoregressive_decode(
             pair.timed(clock).target_lm, ids, max_new_tokens, sampling, generator, pair.stop_ids
         )
@@ -61,12 +78,14 @@ class Baseline(Method):
 class SpeculativeLoop(Method):
     """A method that runs specbench's own speculative loop with its own drafter."""
 
-    def drafter(self, pair: Pair, sampling: SamplingConfig, generator: torch.Generator) -> Drafter:
+    def drafter(
+        self, pair: Pair, sampling: SamplingConfig, generator: torch.Generator, tree: tuple[int, ...] | None
+    ) -> Drafter:
         raise NotImplementedError
 
-    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock):
+    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock, tree=None):
         timed = pair.timed(clock)
-        drafter = self.drafter(timed, sampling, generator)
+        drafter = self.drafter(timed, sampling, generator, tree)
         return speculative_decode(timed.target_lm, drafter, ids, k, max_new_tokens, sampling, generator, pair.stop_ids)
 
 
@@ -80,7 +99,7 @@ class Speculative(SpeculativeLoop):
     def c(self, costs):
         return costs.c
 
-    def drafter(self, pair, sampling, generator):
+    def drafter(self, pair, sampling, generator, tree):
         return ModelDrafter(pair.draft_lm, sampling, generator)
 
 
@@ -93,8 +112,41 @@ class PromptLookup(SpeculativeLoop):
     def c(self, costs):
         return 0.0  # no draft model runs; its lookups are host-side bookkeeping
 
-    def drafter(self, pair, sampling, generator):
+    def drafter(self, pair, sampling, generator, tree):
         return PromptLookupDrafter()
+
+
+class Tree(SpeculativeLoop):
+    name, help, takes_k, takes_tree, needs_draft = (
+        "tree",
+        "the draft model expands a token tree of the --tree shape (top-b children under greedy, b draws from q "
+        "under sampling); one target forward verifies the whole tree",
+        False,
+        True,
+        True,
+    )
+
+    def c(self, costs):
+        return costs.c
+
+    def drafter(self, pair, sampling, generator, tree):
+        return TreeDrafter(pair.draft_lm, sampling, generator, tree)
+
+
+class LookupTree(SpeculativeLoop):
+    name, help, takes_k, takes_tree = (
+        "lookup-tree",
+        "prompt lookup with every earlier continuation of the last n-gram, merged into a trie of at most the "
+        "--tree shape's nodes and depth; no draft model",
+        False,
+        True,
+    )
+
+    def c(self, costs):
+        return 0.0
+
+    def drafter(self, pair, sampling, generator, tree):
+        return LookupTreeDrafter(nodes=len(tree_parents(tree)), depth=len(tree))
 
 
 def _seed(generator: torch.Generator) -> int:
@@ -119,7 +171,7 @@ class HFAssisted(Method):
     def c(self, costs):
         return costs.c
 
-    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock):
+    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock, tree=None):
         seed = _seed(generator)
         return hf_generate(pair.target, ids, max_new_tokens, sampling, seed, pair.stop_ids, pair.draft, k, clock)
 
@@ -127,12 +179,12 @@ class HFAssisted(Method):
 class HFGenerate(Method):
     name, help, takes_k = "hf-generate", "transformers' plain generate (checks that the baseline is as fast)", False
 
-    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock):
+    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock, tree=None):
         return hf_generate(pair.target, ids, max_new_tokens, sampling, _seed(generator), pair.stop_ids, clock=clock)
 
 
 METHODS: dict[str, Method] = {
-    m.name: m for m in (Baseline(), Speculative(), PromptLookup(), HFAssisted(), HFGenerate())
+    m.name: m for m in (Baseline(), Speculative(), PromptLookup(), Tree(), LookupTree(), HFAssisted(), HFGenerate())
 }
 BASELINE = METHODS["baseline"]
 DEFAULT = [Speculative.name]  # what `specbench run` measures when no --method is given

@@ -291,6 +291,10 @@ class HFCausalLM:
             self.in_head = self.shortlist_mask.clone()
             self.head_ids, self.head = self.head_tokens, self.shortlist_head  # _read replaces, never mutates, them
 
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
     def _read(self, token_ids: torch.Tensor) -> None:
         """Add ids the model reads to the shortlist."""
         unseen = ~self.in_head[token_ids]
@@ -409,6 +413,8 @@ def hf_generate(
     }
     if not sampling.greedy:
         kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+        if sampling.eta > 0:
+            kwargs["eta_cutoff"] = sampling.eta
     else:
         kwargs.update(temperature=None, top_k=None, top_p=None)
     if assistant is not None:

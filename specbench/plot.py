@@ -31,18 +31,20 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
         raise SpecbenchError(
             f"cannot read the run's CSVs in {run_dir} ({str(e).splitlines()[0]}): pass a run directory"
         ) from None
-    drafting = summary[summary["k"].notna()].sort_values("k")  # the rows of methods that take K
+    drafting = summary[summary["k"].notna()].sort_values("k")  # the rows of methods that draft
+    has_tree = "tree" in drafting and drafting["tree"].notna().any()
+    chains = drafting[drafting["tree"].isna()] if has_tree else drafting
     if drafting.empty:
         return None
     verify = verify[verify["model"] == "target"]
     first = drafting.iloc[0]
-    fig, (ax_speed, ax_accept, ax_verify) = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, (ax_speed, ax_forward, ax_accept, ax_verify) = plt.subplots(1, 4, figsize=(20, 4.5))
     fig.suptitle(
         f"{first['target']} <- {first['draft']} on {first['dataset']}, T={first['temperature']}, {first['device']}"
     )
 
     for (method, rows), color in zip(
-        drafting.groupby("method", sort=False),
+        chains.groupby("method", sort=False),
         itertools.cycle(plt.rcParams["axes.prop_cycle"].by_key()["color"]),
         strict=False,
     ):
@@ -60,14 +62,33 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
             )
     ax_speed.axhline(1.0, color="grey", linewidth=0.8)
     ax_speed.set(xlabel="lookahead K", ylabel="speedup over the target alone", title="speedup vs K")
-    ax_speed.set_xticks(sorted(drafting["k"].unique()))
+    ax_speed.set_xticks(sorted(chains["k"].unique()) if not chains.empty else [])
     ax_speed.legend(fontsize="small")
 
+    # Chains and trees on one axis: what each buys per target forward, and what that costs.
+    for _, row in drafting.iterrows():
+        label = f"{row['method']} " + (
+            f"tree {row['tree']}" if has_tree and pd.notna(row["tree"]) else f"K={int(row['k'])}"
+        )
+        ax_forward.scatter(row["tau"], row["speedup"], marker="^" if label.count("tree") else "o")
+        ax_forward.annotate(
+            label, (row["tau"], row["speedup"]), fontsize="x-small", xytext=(3, 3), textcoords="offset points"
+        )
+    ax_forward.axhline(1.0, color="grey", linewidth=0.8)
+    ax_forward.set(xlabel="tokens per target forward (tau)", ylabel="speedup", title="chains and trees")
+
+    if "by" in acceptance:
+        acceptance = acceptance[acceptance["by"] == "depth"]
     for (method, k), rows in acceptance.groupby(["method", "k"], sort=False):
-        ax_accept.plot(rows["position"], rows["acceptance"], "o-", label=f"{method} K={k}")
+        for tree, branch in rows.groupby(rows["tree"].astype("string").fillna("") if "tree" in rows else [""] * len(rows)):
+            label = f"{method} tree {tree}" if tree else f"{method} K={k}"
+            ax_accept.plot(branch["position"], branch["acceptance"], "o-", label=label)
     ax_accept.set_xticks(sorted(acceptance["position"].unique()))
     ax_accept.set(
-        xlabel="draft position", ylabel="accepted per verify step", title="acceptance by position", ylim=(0, 1.02)
+        xlabel="draft position (depth)",
+        ylabel="accepted per verify step",
+        title="acceptance by position",
+        ylim=(0, 1.02),
     )
     ax_accept.legend(fontsize="small")
 

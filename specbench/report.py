@@ -60,7 +60,7 @@ class PreviousRun:
     prompts_hash: str | None
 
     def complete_prompts(self, steps: int) -> set[int]:
-        """Prompts with a record for every (method, K) step of the plan."""
+        """Prompts with a record for every decoder of the plan."""
         counts: dict[int, int] = {}
         for r in self.records:
             counts[r["prompt_index"]] = counts.get(r["prompt_index"], 0) + 1
@@ -128,12 +128,20 @@ class RunWriter:
         self._files[RECORDS].flush()
 
     def output(
-        self, prompt_id: str, prompt_index: int, k: int | None, method: str, token_ids: list[int], text: str
+        self,
+        prompt_id: str,
+        prompt_index: int,
+        k: int | None,
+        method: str,
+        token_ids: list[int],
+        text: str,
+        tree: str = "",
     ) -> None:
         obj = {
             "prompt_id": prompt_id,
             "prompt_index": prompt_index,
             "k": k,
+            "tree": tree,
             "method": method,
             "token_ids": token_ids,
             "text": text,

@@ -6,6 +6,7 @@ baseline and the speculative decoder never share a stream of random numbers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ class SamplingConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    eta: float = 0.0  # eta sampling's epsilon (0 = off)
 
     @property
     def greedy(self) -> bool:
@@ -24,7 +26,7 @@ class SamplingConfig:
 
 
 def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p, over the last dimension (float32)."""
+    """Probabilities after temperature, top-k, top-p and eta, over the last dimension (float32)."""
     if cfg.greedy:
         raise ValueError("warp() is for sampling; greedy decoding uses argmax")
     logits = logits.float() / cfg.temperature
@@ -39,6 +41,14 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         # strictly before it already reaches top_p (so the most likely token always stays).
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= cfg.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    if cfg.eta > 0:
+        # Eta sampling (Hewitt et al. 2022), as transformers' EtaLogitsWarper: drop tokens below
+        # min(eta, sqrt(eta) * exp(-entropy)), never the most likely one.
+        probs = logits.softmax(-1)
+        entropy = -torch.special.xlogy(probs, probs).sum(-1, keepdim=True)
+        cutoff = torch.clamp(math.sqrt(cfg.eta) * torch.exp(-entropy), max=cfg.eta)
+        drop = (probs < cutoff) & (logits < logits.max(-1, keepdim=True).values)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits.softmax(-1)
 
@@ -134,3 +144,73 @@ def verify_chain_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor)
     accepted = int((draft_tokens == choice[:k]).cumprod(0).sum())
     tested = min(accepted + 1, k)
     return Verdict(list(range(accepted)), choice[accepted : accepted + 1], float(accepted), tested)
+
+
+def normalised(weights: torch.Tensor) -> torch.Tensor:
+    return weights / weights.sum(-1, keepdim=True)
+
+
+def children(parents: list[int]) -> dict[int, list[int]]:
+    """Each node's children in draft order; key -1 holds the root's (the last accepted token's)."""
+    kids: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        kids.setdefault(parent, []).append(node)
+    return kids
+
+
+def verify_tree_greedy(tokens: torch.Tensor, parents: list[int], target_logits: torch.Tensor) -> Verdict:
+    """Greedy verification of a tree: from the root, follow the child equal to the target's argmax.
+
+    target_logits: [n+1, V], row 0 at the root and row i+1 at node i. The token after the last
+    accepted node is the target's argmax there, so the output equals greedy target decoding.
+    """
+    choice = argmax(target_logits).squeeze(-1).tolist()
+    ids, kids = tokens.tolist(), children(parents)
+    path, node = [], -1
+    while (child := next((c for c in kids.get(node, []) if ids[c] == choice[node + 1]), None)) is not None:
+        path.append(child)
+        node = child
+    tested = len(path) + (node in kids)  # the depths where a child was tried
+    return Verdict(path, torch.tensor([choice[node + 1]], device=tokens.device), float(len(path)), tested)
+
+
+def verify_tree_sampled(
+    tokens: torch.Tensor, parents: list[int], q: torch.Tensor | None, p: torch.Tensor, generator: torch.Generator
+) -> Verdict:
+    """Multi-candidate speculative sampling over a tree (SpecInfer's rule), exact for either kind of draft.
+
+    p: [n+1, V] target probabilities, row 0 at the root and row i+1 at node i. q: [n, V], row i the
+    distribution node i was drawn from (siblings share one row: they are independent draws from
+    it), or None for deterministic candidates. At each node the children are tried in order:
+    - drawn from q: accept x with probability min(1, p(x)/q(x)); on a rejection p becomes
+      norm(max(0, p - q)) and the next child is tried against it;
+    - deterministic: accept x with probability p(x); on a rejection p(x) becomes 0, p is
+      renormalised, and the next child is tried.
+    After an acceptance the walk continues from that child with the target's row there; when no
+    child is accepted (or the node has none) the next token is sampled from what p has become.
+    """
+    ids, kids = tokens.tolist(), children(parents)
+    path, node, beta_sum, tested = [], -1, 0.0, 0
+    while True:
+        p_row, accepted = p[node + 1], None
+        siblings = kids.get(node, [])
+        if siblings:
+            first = ids[siblings[0]]
+            q_row = None if q is None else q[siblings[0]]
+            beta_sum += float(p_row[first] if q_row is None else torch.minimum(p_row, q_row).sum())
+            tested += 1
+        for child in siblings:
+            x, u = ids[child], float(torch.rand((), generator=generator, device=p.device))
+            if u * (1.0 if q_row is None else float(q_row[x])) < float(p_row[x]):
+                accepted = child
+                break
+            if q_row is None:
+                p_row = p_row.clone()
+                p_row[x] = 0.0
+                p_row = normalised(p_row)
+            else:
+                p_row = normalised(residual(p_row, q_row))
+        if accepted is None:
+            return Verdict(path, sample(p_row, generator), beta_sum, tested)
+        path.append(accepted)
+        node = accepted

@@ -50,9 +50,18 @@ COLUMNS: tuple[Column, ...] = (
         "lookahead: draft tokens per target verification (empty for methods without K)",
         header="K",
     ),
+    Column(
+        "tree",
+        CONFIG,
+        None,
+        "",
+        "tree shape, the branching at each depth (tree methods; K is its depth)",
+        header="tree",
+    ),
     Column("temperature", CONFIG, None, "", "sampling temperature (0 = greedy)", files="summary"),
     Column("top_k", CONFIG, None, "", "top-k truncation (0 = off)", files="summary"),
     Column("top_p", CONFIG, None, "", "nucleus truncation (1.0 = off)", files="summary"),
+    Column("eta", CONFIG, None, "", "eta-sampling epsilon (0 = off)", files="summary"),
     Column("seed", CONFIG, None, "", "base seed of every random stream", files="summary"),
     Column("max_new_tokens", CONFIG, None, "", "generation limit per prompt", files="summary"),
     Column("num_prompts", CONFIG, None, "", "prompts in the row", files="summary"),
@@ -123,6 +132,14 @@ COLUMNS: tuple[Column, ...] = (
         "generated tokens per target forward (prefill and bonus tokens included)",
         header="tau",
         gated=True,
+    ),
+    Column(
+        "nodes",
+        DETERMINISTIC,
+        None,
+        ".2f",
+        "draft tokens verified per target forward (K for a chain of a draft model)",
+        header="nodes",
     ),
     Column(
         "c",
@@ -229,6 +246,14 @@ COLUMNS: tuple[Column, ...] = (
         "earliest token index where an output differs from the baseline's (-1: none)",
     ),
     Column("accept_hist", DETERMINISTIC, None, "", "verify rounds that accepted 0, 1, ..., K drafts", files="records"),
+    Column(
+        "rank_hist",
+        DETERMINISTIC,
+        None,
+        "",
+        "accepted tree nodes that were their parent's 1st, 2nd, ... child",
+        files="records",
+    ),
 )
 
 BY_NAME = {column.name: column for column in COLUMNS}

@@ -100,3 +100,7 @@ class TimedLM:
 
     def keep(self, path: Sequence[int], new: int) -> None:
         self.lm.keep(path, new)
+
+    @property
+    def length(self) -> int:
+        return self.lm.length

@@ -7,7 +7,15 @@ import torch
 from scipy.stats import chisquare
 
 from specbench import engine, sampling
-from specbench.engine import ModelDrafter, PromptLookupDrafter, autoregressive_decode, speculative_decode
+from specbench.engine import (
+    LookupTreeDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    TreeDrafter,
+    autoregressive_decode,
+    speculative_decode,
+    tree_parents,
+)
 from specbench.sampling import SamplingConfig
 
 from .toy import ToyLM, exact_distribution
@@ -137,3 +145,72 @@ def test_stop_token_ends_both_decoders_at_the_same_place():
     cut = full[: full.index(full[7]) + 1]
     assert autoregressive_decode(target, prompt, 30, greedy, g, stop).tokens == cut
     assert speculative_decode(target, ModelDrafter(draft, greedy, g), prompt, 4, 30, greedy, g, stop).tokens == cut
+
+
+# ---------------------------------------------------------------- trees
+
+SAMPLED_TREES = [
+    (SamplingConfig(temperature=1.0), (2, 2)),
+    (SamplingConfig(temperature=1.0), (3, 1, 1)),
+    (SamplingConfig(temperature=0.8, top_k=2), (2, 2)),
+    (SamplingConfig(temperature=1.2, top_p=0.85), (3, 1, 1)),
+    (SamplingConfig(temperature=1.0, eta=0.2), (2, 2)),
+    (SamplingConfig(temperature=1.3, top_k=2, eta=0.1), (3, 1, 1)),
+]
+
+
+@pytest.mark.parametrize("cfg,shape", SAMPLED_TREES)
+def test_tree_of_children_drawn_from_q_gives_the_target_law(cfg, shape):
+    drafter = TreeDrafter(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(5), shape)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, len(shape), cfg) > P_FLOOR
+
+
+@pytest.mark.parametrize(
+    "cfg,shape",
+    [
+        (SamplingConfig(temperature=1.0), (2, 2)),
+        (SamplingConfig(temperature=1.0), (3, 1, 1)),
+        (SamplingConfig(temperature=1.2, top_p=0.85), (2, 2)),
+        (SamplingConfig(temperature=1.0, eta=0.2), (3, 1, 1)),
+    ],
+)
+def test_tree_of_deterministic_candidates_gives_the_target_law(cfg, shape):
+    drafter = LookupTreeDrafter(nodes=len(tree_parents(shape)), depth=len(shape), max_ngram=2)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, len(shape), cfg) > P_FLOOR
+
+
+def test_the_test_catches_a_tree_verifier_that_keeps_p_after_a_rejection(monkeypatch):
+    monkeypatch.setattr(sampling, "residual", lambda p_row, q_row: p_row)
+    cfg = SamplingConfig(temperature=1.0)
+    drafter = TreeDrafter(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(5), (2, 2))
+    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, cfg) < P_FLOOR
+
+
+def test_the_test_catches_a_tree_verifier_that_does_not_renormalise(monkeypatch):
+    monkeypatch.setattr(sampling, "normalised", lambda weights: weights)
+    drafter = LookupTreeDrafter(nodes=6, depth=2, max_ngram=2)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, SamplingConfig(temperature=1.0)) < P_FLOOR
+
+
+@pytest.mark.parametrize("shape", [(2, 2), (3, 1, 1), (2, 2, 1), (4,)])
+def test_greedy_tree_decoding_equals_the_greedy_baseline_on_toy(shape):
+    target, prompt, greedy = ToyLM(5, seed=3), torch.tensor([1, 4]), SamplingConfig(0.0)
+    draft = ToyLM(5, seed=3)
+    draft.table = draft.table + 1.5 * torch.randn(draft.table.shape, generator=torch.Generator().manual_seed(9))
+    want = autoregressive_decode(target, prompt, 30, greedy, torch.Generator()).tokens
+    for drafter in (
+        TreeDrafter(draft, greedy, torch.Generator(), shape),
+        LookupTreeDrafter(len(tree_parents(shape)), len(shape)),
+    ):
+        got = speculative_decode(target, drafter, prompt, len(shape), 30, greedy, torch.Generator())
+        assert got.tokens == want and 0 < got.accepted <= got.drafted
+
+
+def test_eta_truncation_is_transformers_eta_warper():
+    from transformers.generation.logits_process import EtaLogitsWarper
+
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
+    for eta in (0.01, 0.1, 0.3):
+        ours = sampling.warp(logits, SamplingConfig(temperature=1.0, eta=eta)) > 0
+        theirs = torch.isfinite(EtaLogitsWarper(eta)(None, logits.clone()))
+        assert torch.equal(ours, theirs) and (~ours).any()  # it truncates, exactly where transformers does

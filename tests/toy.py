@@ -36,6 +36,10 @@ class ToyLM:
             rows.append(self.logits_after(context))
         return torch.stack(rows[-last:])
 
+    @property
+    def length(self) -> int:
+        return len(self.seen)
+
     def keep(self, path, new: int) -> None:
         if new:
             tail = self.seen[-new:]
