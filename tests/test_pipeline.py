@@ -381,3 +381,45 @@ def test_distill_makes_a_loadable_draft_and_resumes(tiny_pair, tmp_path):
     assert load(str(more.out), CPU, F32).model.config.hidden_size == 32
     recipe = json.loads((more.out / "distill.json").read_text())
     assert recipe["hidden_size"] == recipe["init_recipe"]["hidden_size"] == 32
+
+
+def test_tree_methods_run_several_shapes_and_equal_the_greedy_baseline(tiny_pair, prompts_file, tmp_path):
+    out = tmp_path / "trees"
+    result = on_tiny_pair(
+        "run",
+        tiny_pair,
+        "--method",
+        "tree,lookup-tree,speculative",
+        "--tree",
+        "2,2",
+        "--tree",
+        "3,1,1",
+        "--k",
+        "2",
+        "--dataset",
+        prompts_file,
+        "--max-new-tokens",
+        "20",
+        "--cost-repeats",
+        "2",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    summary = pd.read_csv(out / "summary.csv", dtype={"tree": str})
+    trees = summary[summary["tree"].notna()]
+    assert sorted(zip(trees["method"], trees["tree"], trees["k"], strict=True)) == [
+        ("lookup-tree", "2,2", 2),
+        ("lookup-tree", "3,1,1", 3),
+        ("tree", "2,2", 2),
+        ("tree", "3,1,1", 3),
+    ]
+    assert (summary["outputs_match"] == summary["num_prompts"]).all()  # greedy: every shape is exact
+    drafted = summary.set_index(["method", "tree"]).loc[("tree", "2,2")]
+    assert drafted["nodes"] == 6 and drafted["tau"] >= 1  # a full 2,2 tree every round
+    acceptance = pd.read_csv(out / "acceptance.csv", dtype={"tree": str})
+    ranks = acceptance[(acceptance["by"] == "rank") & (acceptance["method"] == "tree")]
+    assert not ranks.empty and ranks.groupby("tree")["acceptance"].sum().round(9).eq(1).all()
+    costs = pd.read_csv(out / "verify_cost.csv")
+    assert costs.loc[costs["model"] == "target", "tokens"].max() == 10  # the 3,1,1 tree's 9 nodes + its root
+    assert (out / "sweep.png").stat().st_size > 10_000
