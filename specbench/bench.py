@@ -423,7 +423,7 @@ def record(
         "outputs_match": divergence is None,
         "first_divergence": -1 if divergence is None else divergence,
         "accept_hist": " ".join(str(s.accept_counts.count(n)) for n in range(k + 1)) if s.accept_counts else "",
-        "rank_hist": " ".join(map(str, s.rank_counts)),
+        "rank_hist": " ".join(map(str, s.rank_counts)) if decoder.tree else "",
     }
 
 

@@ -380,12 +380,11 @@ def speculative_decode(
         result.accepted += verdict.accepted
         result.tested += verdict.tested
         result.accept_counts.append(verdict.accepted)
-        if not step.draft.is_chain:
-            siblings = children(step.draft.parents)
-            for node in verdict.path:
-                rank = siblings[step.draft.parents[node]].index(node)
-                result.rank_counts += [0] * (rank + 1 - len(result.rank_counts))
-                result.rank_counts[rank] += 1
+        siblings = {} if step.draft.is_chain else children(step.draft.parents)  # in a chain every node is a 1st child
+        for node in verdict.path:
+            rank = siblings[step.draft.parents[node]].index(node) if siblings else 0
+            result.rank_counts += [0] * (rank + 1 - len(result.rank_counts))
+            result.rank_counts[rank] += 1
         beta_sum = beta_sum + verdict.beta_sum
         new_from = len(result.tokens)
         result.tokens += step.emitted.tolist()

@@ -62,15 +62,15 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
             )
     ax_speed.axhline(1.0, color="grey", linewidth=0.8)
     ax_speed.set(xlabel="lookahead K", ylabel="speedup over the target alone", title="speedup vs K")
-    ax_speed.set_xticks(sorted(chains["k"].unique()) if not chains.empty else [])
-    ax_speed.legend(fontsize="small")
+    if not chains.empty:
+        ax_speed.set_xticks(sorted(chains["k"].unique()))
+        ax_speed.legend(fontsize="small")
 
     # Chains and trees on one axis: what each buys per target forward, and what that costs.
     for _, row in drafting.iterrows():
-        label = f"{row['method']} " + (
-            f"tree {row['tree']}" if has_tree and pd.notna(row["tree"]) else f"K={int(row['k'])}"
-        )
-        ax_forward.scatter(row["tau"], row["speedup"], marker="^" if label.count("tree") else "o")
+        is_tree = has_tree and pd.notna(row["tree"])
+        label = f"{row['method']} {row['tree']}" if is_tree else f"{row['method']} K={int(row['k'])}"
+        ax_forward.scatter(row["tau"], row["speedup"], marker="^" if is_tree else "o")
         ax_forward.annotate(
             label, (row["tau"], row["speedup"]), fontsize="x-small", xytext=(3, 3), textcoords="offset points"
         )
@@ -80,8 +80,10 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
     if "by" in acceptance:
         acceptance = acceptance[acceptance["by"] == "depth"]
     for (method, k), rows in acceptance.groupby(["method", "k"], sort=False):
-        for tree, branch in rows.groupby(rows["tree"].astype("string").fillna("") if "tree" in rows else [""] * len(rows)):
-            label = f"{method} tree {tree}" if tree else f"{method} K={k}"
+        for tree, branch in rows.groupby(
+            rows["tree"].astype("string").fillna("") if "tree" in rows else [""] * len(rows)
+        ):
+            label = f"{method} {tree}" if tree else f"{method} K={k}"
             ax_accept.plot(branch["position"], branch["acceptance"], "o-", label=label)
     ax_accept.set_xticks(sorted(acceptance["position"].unique()))
     ax_accept.set(

@@ -208,7 +208,8 @@ PHASE_COLUMNS = ("prefill_s", "draft_s", "verify_s", "other_s")
 
 def phase_table(rows: list[dict]) -> Table:
     """Where each method's time went: milliseconds per generated token, phase by phase."""
-    table = Table("method", "K", *(f"{name.removesuffix('_s')} ms" for name in PHASE_COLUMNS), "total ms", "other %")
+    names = (f"{name.removesuffix('_s')} ms" for name in PHASE_COLUMNS)
+    table = Table("method", "K", "tree", *names, "total ms", "other %")
     table.title = "time per generated token"
     for column in table.columns:
         column.justify = "right"
@@ -216,7 +217,8 @@ def phase_table(rows: list[dict]) -> Table:
         per_token = [1000 * row[name] / row["new_tokens"] for name in PHASE_COLUMNS]
         cells = [f"{ms:.2f}" for ms in per_token]
         other = row["other_s"] / (row["method_s"] - row["prefill_s"])  # of the decode proper
-        table.add_row(row["method"], schema.fmt("k", row["k"]), *cells, f"{sum(per_token):.2f}", f"{other:.1%}")
+        key = (row["method"], schema.fmt("k", row["k"]), schema.fmt("tree", row.get("tree")))
+        table.add_row(*key, *cells, f"{sum(per_token):.2f}", f"{other:.1%}")
     return table
 
 
