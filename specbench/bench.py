@@ -189,16 +189,18 @@ def prompts_hash(prompt_ids: list[torch.Tensor]) -> str:
     return digest.hexdigest()[:16]
 
 
-def median_time(device: torch.device, fn: Callable[[], object], repeats: int) -> tuple[object, float]:
-    """Run ``fn`` ``repeats`` times with the device synchronised around each; last result, median seconds."""
-    times, out = [], None
+def median_run(device: torch.device, fn: Callable[[], object], repeats: int) -> tuple[object, float]:
+    """Run ``fn`` ``repeats`` times with the device synchronised around each; the result and seconds
+    of the median run (the faster of the middle two for an even count)."""
+    runs = []
     for _ in range(repeats):
         synchronize(device)
         start = time.perf_counter()
         out = fn()
         synchronize(device)
-        times.append(time.perf_counter() - start)
-    return out, metrics.median(times)
+        runs.append((time.perf_counter() - start, out))
+    seconds, out = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
+    return out, seconds
 
 
 COST_SIZES = 8  # verify_cost.csv covers target forwards of 1..max(this, K + 1) tokens: the whole curve
@@ -273,7 +275,7 @@ def _forward_seconds(
             lm.keep([], n)
 
         steps.append(step)
-    times = [[median_time(device, step, 1)[1] for step in steps] for _ in range(2 + repeats)]
+    times = [[median_run(device, step, 1)[1] for step in steps] for _ in range(2 + repeats)]
     return times[2:]
 
 
@@ -340,22 +342,19 @@ class Decoder:
 
 def decode(pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, decoder: Decoder) -> Measurement:
     """Time one prompt's decode cfg.repeats times (each from the same seed, so identical work) and
-    keep the median run (the faster of the middle two for an even count), phases and all."""
+    keep the median run, phases and all."""
     clock = PhaseClock(pair.device)
-    runs = []
-    for _ in range(cfg.repeats):
-        method = decoder.method
-        generator = generator_for(pair.device, cfg.seed, index, method.name)
-        synchronize(pair.device)
-        start = time.perf_counter()
+
+    def once():
+        generator = generator_for(pair.device, cfg.seed, index, decoder.method.name)
         clock.start()
-        result = method.decode(
+        result = decoder.method.decode(
             pair, ids, decoder.k, cfg.sampling, cfg.max_new_tokens, generator, clock, tree=decoder.tree
         )
-        phases = clock.stop()
-        synchronize(pair.device)
-        runs.append(Measurement(result, time.perf_counter() - start, phases))
-    return sorted(runs, key=lambda run: run.seconds)[(len(runs) - 1) // 2]
+        return result, clock.stop()
+
+    (result, phases), seconds = median_run(pair.device, once, cfg.repeats)
+    return Measurement(result, seconds, phases)
 
 
 def warm_up(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor]) -> None:
@@ -455,7 +454,7 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_in
         c = method.c(costs)
         rounds = run["target_forwards"] - len(rs)
         nodes = totals["drafted"] / rounds if drafts and rounds else math.nan
-        verify_ratio = costs.verify_ratio(k if chain else round(nodes)) if drafts and nodes == nodes else math.nan
+        verify_ratio = costs.verify_ratio(k if chain else round(nodes)) if not math.isnan(nodes) else math.nan
         divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0]
         values = {
             **run_info,

@@ -8,6 +8,7 @@ it, and a drafter that nests speculation calls it for its own level.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -218,7 +219,7 @@ class TreeDrafter:
     def __init__(self, model: CausalLM, cfg: SamplingConfig, generator: torch.Generator, shape: Sequence[int]):
         self.model, self.cfg, self.generator, self.shape = model, cfg, generator, tuple(shape)
         self.parents = tree_parents(self.shape)
-        self.inner = len(self.parents) - _level_size(self.shape, len(self.shape) - 1)  # read: all but the leaves
+        self.inner = len(self.parents) - math.prod(self.shape)  # the nodes it reads: all but the leaves
 
     def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
         self.model.reset()
@@ -232,15 +233,13 @@ class TreeDrafter:
         positions, mask = tree_inputs(self.parents, base, rows.device)
         tokens, q_rows, start = [], [], 0
         for depth, branching in enumerate(self.shape):
-            level = []
-            for logits in rows:
-                if self.cfg.greedy:
-                    level.append(logits.topk(branching).indices)
-                else:
-                    q = warp(logits, self.cfg)
-                    level.append(torch.multinomial(q, branching, replacement=True, generator=self.generator))
-                    q_rows += [q] * branching
-            level = torch.cat(level)
+            # Each row's children follow one another, as tree_parents numbers them.
+            if self.cfg.greedy:
+                level = rows.topk(branching, dim=-1).indices.flatten()
+            else:
+                q = warp(rows, self.cfg)
+                level = torch.multinomial(q, branching, replacement=True, generator=self.generator).flatten()
+                q_rows.append(q.repeat_interleave(branching, dim=0))
             tokens.append(level)
             end = start + len(level)
             if depth + 1 < len(self.shape):
@@ -248,7 +247,7 @@ class TreeDrafter:
                     level, last=len(level), positions=positions[start:end], mask=mask[start:end, : base + end]
                 )
             start = end
-        q = torch.stack(q_rows) if q_rows else None
+        q = torch.cat(q_rows) if q_rows else None
         return Draft(torch.cat(tokens), self.parents, q, forwards=len(self.shape))
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
@@ -256,13 +255,6 @@ class TreeDrafter:
         self.model.keep(list(range(self.read)) + [self.read + n for n in kept], self.read + self.inner)
         leaf = [n for n in verdict.path if n >= self.inner]  # an accepted leaf, which the draft never read
         self.pending = torch.cat([draft.tokens[leaf], verdict.next_token])
-
-
-def _level_size(shape: Sequence[int], depth: int) -> int:
-    size = 1
-    for branching in shape[: depth + 1]:
-        size *= branching
-    return size
 
 
 class LookupTreeDrafter(PromptLookupDrafter):

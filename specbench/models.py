@@ -21,6 +21,7 @@ import tomllib
 import torch
 
 from .errors import SpecbenchError
+from .timing import ForwardLaps
 
 log = logging.getLogger("specbench")
 
@@ -361,22 +362,16 @@ class HFCausalLM:
             self.cache.crop(-(new - len(path)))  # transformers 5.x: a negative count removes that many positions
 
 
-class _ForwardLaps:
-    """Counts a module's forward calls and, given a clock, laps it around each one, so transformers'
-    generate is split into phases like specbench's loop (the module's first call is its prefill)."""
+class _HookedLaps:
+    """timing.ForwardLaps driven by a module's forward hooks, so transformers' generate is split into
+    phases (and its forwards counted) like specbench's loop."""
 
     def __init__(self, module, clock, phase: str):
-        self.count, self.clock, self.phase = 0, clock, phase
-        self._handles = [module.register_forward_pre_hook(self._before), module.register_forward_hook(self._after)]
-
-    def _before(self, *_):
-        if self.clock is not None:
-            self.clock.lap("other")
-
-    def _after(self, *_):
-        if self.clock is not None:
-            self.clock.lap(self.phase if self.count else "prefill")
-        self.count += 1
+        self.laps = ForwardLaps(clock, phase)
+        self._handles = [
+            module.register_forward_pre_hook(lambda *_: self.laps.before()),
+            module.register_forward_hook(lambda *_: self.laps.after()),
+        ]
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -423,9 +418,9 @@ def hf_generate(
         config.num_assistant_tokens_schedule = "constant"
         config.assistant_confidence_threshold = 0.0
         kwargs["assistant_model"] = assistant.model
-    counters = [_ForwardLaps(target.model, clock, "verify")]
+    counters = [_HookedLaps(target.model, clock, "verify")]
     if assistant is not None:
-        counters.append(_ForwardLaps(assistant.model, clock, "draft"))
+        counters.append(_HookedLaps(assistant.model, clock, "draft"))
     torch.manual_seed(seed)  # generate() samples from the global generator
     try:
         ids = prompt_ids.view(1, -1)
@@ -434,9 +429,9 @@ def hf_generate(
         for counter in counters:
             counter.remove()
     tokens = out[0, prompt_ids.shape[0] :].tolist()
-    result = DecodeResult(tokens=tokens, target_forwards=counters[0].count)
+    result = DecodeResult(tokens=tokens, target_forwards=counters[0].laps.count)
     if assistant is not None:
-        result.drafted = counters[1].count  # every assistant call drafts one token, its first one too
-        result.draft_forwards = counters[1].count - 1  # after its prefill, as in specbench's loop
+        result.drafted = counters[1].laps.count  # every assistant call drafts one token, its first one too
+        result.draft_forwards = counters[1].laps.count - 1  # after its prefill, as in specbench's loop
         result.accepted = len(tokens) - result.target_forwards  # each target pass adds accepted + 1
     return result

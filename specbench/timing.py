@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-PHASES = ("prefill", "draft", "verify", "other")
-
 
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
@@ -78,24 +76,42 @@ class PhaseClock:
         return phases
 
 
+class ForwardLaps:
+    """Laps ``clock`` around one model's forwards: the time before a forward is ``other``, the
+    forward itself ``prefill`` when it is the first since ``restart``, else ``phase``. It counts
+    the forwards too; without a clock it only counts."""
+
+    def __init__(self, clock: PhaseClock | None, phase: str):
+        self.clock, self.phase, self.count = clock, phase, 0
+
+    def restart(self) -> None:
+        self.count = 0
+
+    def before(self) -> None:
+        if self.clock is not None:
+            self.clock.lap("other")
+
+    def after(self) -> None:
+        if self.clock is not None:
+            self.clock.lap(self.phase if self.count else "prefill")
+        self.count += 1
+
+
 class TimedLM:
-    """A CausalLM whose forwards are laps of ``clock``: the first forward after ``reset`` is
-    ``prefill``, later ones are ``phase``; the time before each forward is ``other``."""
+    """A CausalLM whose forwards are laps of ``clock`` (see ForwardLaps); a reset starts a new prefill."""
 
     def __init__(self, lm, clock: PhaseClock, phase: str):
-        self.lm, self.clock, self.phase = lm, clock, phase
+        self.lm, self.laps = lm, ForwardLaps(clock, phase)
         self.device = lm.device
-        self.fresh = True
 
     def reset(self) -> None:
         self.lm.reset()
-        self.fresh = True
+        self.laps.restart()
 
     def forward(self, token_ids, last=1, positions=None, mask=None):
-        self.clock.lap("other")
+        self.laps.before()
         logits = self.lm.forward(token_ids, last, positions, mask)
-        self.clock.lap("prefill" if self.fresh else self.phase)
-        self.fresh = False
+        self.laps.after()
         return logits
 
     def keep(self, path: Sequence[int], new: int) -> None:
