@@ -7,6 +7,7 @@ prints. Files are written through report.RunWriter as each measurement completes
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import re
 import time
@@ -20,14 +21,31 @@ from . import metrics, report, schema
 from .engine import DecodeResult, tree_parents
 from .errors import SpecbenchError
 from .methods import BASELINE, DEFAULT, METHODS, Method
-from .models import HFCausalLM, LoadedModel, load, resolve_device, resolve_dtype, shared_width
+from .models import (
+    DEVICE_MAPS,
+    HFCausalLM,
+    LoadedModel,
+    available_memory,
+    load,
+    offload_warning,
+    placement,
+    random_model,
+    resolve_device,
+    resolve_dtype,
+    shared_width,
+    weight_bytes,
+)
 from .prompts import Prompt, load_prompts
 from .sampling import SamplingConfig
 from .timing import PhaseClock, Phases, TimedLM, synchronize
 
+log = logging.getLogger("specbench")
+
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"
 SUMMARY_EVERY_S = 10.0  # summary.csv is rewritten at most this often while decoding, and at the end
+# What random weights make meaningless: how often random models agree, and what follows from it.
+WEIGHT_DEPENDENT = ("alpha", "acceptance_rate", "tau", "predicted_speedup", "predicted_speedup_verify")
 
 
 @dataclass
@@ -53,6 +71,10 @@ class BenchConfig:
     cost_repeats: int = 10
     threads: int = 0  # torch's CPU threads; 0 leaves torch's default
     chat: str = "auto"  # auto: use the target's chat template when it has one; on; off
+    random_weights: bool = False  # both models built from their architecture with random weights
+    prompt_tokens: int = 0  # random weights: every prompt this many random ids (0: the dataset's lengths)
+    assume_alpha: list[float] = field(default_factory=list)  # alphas for predicted.csv
+    device_map: str | None = None  # accelerate's placement of the target over the devices (auto, balanced, ...)
 
     @property
     def shapes(self) -> list[tuple[int, ...]]:
@@ -103,6 +125,20 @@ class BenchConfig:
                 f"unknown --method in {self.methods}: choose from {', '.join(METHODS)}",
             ),
             (self.chat not in ("auto", "on", "off"), f"--chat {self.chat}: use auto, on or off"),
+            (self.prompt_tokens < 0, "--prompt-tokens must be >= 0 (0: the dataset's prompt lengths)"),
+            (
+                self.prompt_tokens > 0 and not self.random_weights,
+                "--prompt-tokens sets the length of random prompts: use it with --random-weights",
+            ),
+            (not all(0 <= a < 1 for a in self.assume_alpha), "--assume-alpha values must lie in [0, 1)"),
+            (
+                self.device_map is not None and self.device_map not in DEVICE_MAPS,
+                f"--device-map {self.device_map}: use one of {', '.join(DEVICE_MAPS)}",
+            ),
+            (
+                self.device_map is not None and self.random_weights,
+                "--device-map places a checkpoint's weights as it loads them: with --random-weights use --device",
+            ),
         ]
         for bad, message in problems:
             if bad:
@@ -133,15 +169,43 @@ class Pair:
         return replace(self, target_lm=TimedLM(self.target_lm, clock, "verify"), draft_lm=draft_lm)
 
 
+def random_weights_dtype(cfg: BenchConfig, device: torch.device) -> torch.dtype:
+    """The dtype for random weights: as --dtype says, except that auto on the CPU falls back to
+    bfloat16 when float32 weights would not fit in memory; a dtype that cannot fit is refused."""
+    dtype = resolve_dtype(cfg.dtype, device)
+    free = available_memory() if device.type == "cpu" else None
+    if free is None:
+        return dtype
+    specs = [cfg.target] + ([cfg.draft] if cfg.needs_draft else [])
+    need = sum(weight_bytes(spec, dtype) for spec in specs)
+    if need > 0.9 * free and cfg.dtype == "auto" and dtype.itemsize > 2:
+        log.info("float32 weights need %.1f GB of the %.1f GB free: using bfloat16", need / 1e9, free / 1e9)
+        dtype, need = torch.bfloat16, need // 2
+    if need > 0.9 * free:
+        raise SpecbenchError(
+            f"the weights need {need / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')} and {free / 1e9:.1f} GB "
+            "of memory are free: use --dtype bfloat16 or a smaller model"
+        )
+    return dtype
+
+
 def load_pair(cfg: BenchConfig) -> Pair:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
-    dtype = resolve_dtype(cfg.dtype, device)
-    target = load(cfg.target, device, dtype)
+    if cfg.random_weights:
+        dtype = random_weights_dtype(cfg, device)
+        target = random_model(cfg.target, device, dtype, cfg.seed)
+    else:
+        dtype = resolve_dtype(cfg.dtype, device)
+        target = load(cfg.target, device, dtype, cfg.device_map)
+        if cfg.device_map and (warning := offload_warning(placement(target.model))):
+            log.warning(warning)
     if not cfg.needs_draft:
         return Pair(target, HFCausalLM(target.model, target.width), None, None, device, dtype)
-    draft = load(cfg.draft, device, dtype)
+    draft = (
+        random_model(cfg.draft, device, dtype, cfg.seed + 1) if cfg.random_weights else load(cfg.draft, device, dtype)
+    )
     width = shared_width(target, draft)
     pair = Pair(
         target, HFCausalLM(target.model, width), draft, HFCausalLM(draft.model, width, draft.head_tokens), device, dtype
@@ -152,7 +216,11 @@ def load_pair(cfg: BenchConfig) -> Pair:
 
 
 def encode_prompts(pair: Pair, prompts: list[Prompt], cfg: BenchConfig) -> list[torch.Tensor]:
-    """Token ids per prompt, left-truncated so prompt + new tokens + a full draft fit the window."""
+    """Token ids per prompt, left-truncated so prompt + new tokens + a full draft fit the window.
+
+    With random weights the ids are random, as many per prompt as the prompt encodes to (or
+    --prompt-tokens).
+    """
     models = [pair.target] + ([pair.draft] if pair.draft else [])
     windows = [m.context_window for m in models if m.context_window]
     room = min(windows) - cfg.max_new_tokens - cfg.widest if windows else None
@@ -161,7 +229,35 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], cfg: BenchConfig) -> list[
             f"--max-new-tokens {cfg.max_new_tokens} plus K does not fit the context window of {min(windows)} tokens: "
             "lower --max-new-tokens"
         )
-    tokenizer = pair.target.tokenizer
+    if not cfg.random_weights:
+        return _encoded(pair.target.tokenizer, prompts, cfg, room, pair.device)
+    if cfg.prompt_tokens:
+        lengths = [min(cfg.prompt_tokens, room or cfg.prompt_tokens)] * len(prompts)
+    else:
+        lengths = [len(ids) for ids in _encoded(length_tokenizer(pair.target), prompts, cfg, room, pair.device)]
+    generator = torch.Generator().manual_seed(cfg.seed)
+    return [torch.randint(pair.target_lm.width, (n,), generator=generator).to(pair.device) for n in lengths]
+
+
+def length_tokenizer(target: LoadedModel):
+    """The tokenizer that measures prompt lengths for a random-weights target: its own when one lies
+    beside its architecture config, else the default target's (shipped with the bundled draft)."""
+    from transformers import AutoTokenizer
+
+    from .models import resolve
+
+    for directory in (target.path.parent, Path(resolve(DEFAULT_DRAFT).location)):
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(directory)
+        except (OSError, ValueError):
+            continue
+        if directory != target.path.parent:
+            log.info("prompt lengths measured with %s's tokenizer (%s has none here)", DEFAULT_TARGET, target.name)
+        return tokenizer
+    raise SpecbenchError(f"no tokenizer to measure prompt lengths for {target.name}: pass --prompt-tokens N")
+
+
+def _encoded(tokenizer, prompts: list[Prompt], cfg: BenchConfig, room: int | None, device) -> list[torch.Tensor]:
     chat = cfg.chat == "on" or (cfg.chat == "auto" and tokenizer.chat_template is not None)
     if chat and tokenizer.chat_template is None:
         raise SpecbenchError(f"--chat on, but {cfg.target}'s tokenizer has no chat template: use --chat off")
@@ -177,7 +273,7 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], cfg: BenchConfig) -> list[
             ids = ids[-room:]
         if len(ids) == 0:
             raise SpecbenchError(f"prompt {prompt.id} encodes to no tokens: remove it from the dataset")
-        encoded.append(ids.to(pair.device))
+        encoded.append(ids.to(device))
     return encoded
 
 
@@ -487,6 +583,8 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_in
             "outputs_match": sum(r["outputs_match"] for r in rs),
             "first_divergence": min(divergences, default=-1),
         }
+        if cfg.random_weights:
+            values.update(dict.fromkeys(WEIGHT_DEPENDENT, math.nan))
         rows.append({name: values[name] for name in schema.SUMMARY})
     return rows
 
@@ -524,6 +622,23 @@ def predicted_by_k(alpha: float, c: float, costs: ForwardCosts) -> dict[int, flo
     return {
         k: metrics.predicted_speedup_verify(alpha, c, k, costs.verify_ratio(k)) for k in range(1, max(costs.target))
     }
+
+
+def predicted_rows(alphas: list[float], costs: ForwardCosts) -> list[dict]:
+    """predicted.csv: the speedup an assumed alpha would give at each K whose verification cost was
+    measured, from the measured forward costs (for random weights, where alpha means nothing)."""
+    return [
+        {
+            "alpha": alpha,
+            "k": k,
+            "c": costs.c,
+            "verify_ratio": costs.verify_ratio(k),
+            "predicted_speedup": metrics.predicted_speedup(alpha, costs.c, k),
+            "predicted_speedup_verify": metrics.predicted_speedup_verify(alpha, costs.c, k, costs.verify_ratio(k)),
+        }
+        for alpha in alphas
+        for k in range(1, max(costs.target))
+    ]
 
 
 def best_ks(summary: list[dict]) -> dict:
@@ -610,6 +725,7 @@ class Results:
     suggestions: list[str]
     plots: list[Path]
     greedy: bool
+    predicted: list[dict] = field(default_factory=list)  # predicted.csv
 
 
 def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Step | Results]:
@@ -641,6 +757,9 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
         **run_info,
         "target_path": str(pair.target.path),
         "draft_path": str(pair.draft.path) if pair.draft else None,
+        "weights": "random" if cfg.random_weights else "checkpoint",
+        # Where accelerate put each module of the target (None: all on the device above).
+        "device_map": placement(pair.target.model) if cfg.device_map else None,
     }
     writer.write_json("meta.json", {**report.environment(device_name), "config": cfg.as_dict(), "resolved": resolved})
 
@@ -664,9 +783,12 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
             baseline = decode(pair, cfg, ids, index, Decoder(BASELINE))
             for decoder in [Decoder(BASELINE), *plan]:
                 measured = baseline if decoder.method is BASELINE else decode(pair, cfg, ids, index, decoder)
-                tokens, text = measured.result.tokens, pair.target.tokenizer.decode(measured.result.tokens)
+                tokens = measured.result.tokens
+                text = pair.target.tokenizer.decode(tokens) if pair.target.tokenizer else ""
                 writer.output(prompt.id, index, decoder.k, decoder.method.name, tokens, text, shape_text(decoder.tree))
                 records.append(record(prompt, index, ids, baseline, decoder, measured))
+                if cfg.random_weights:
+                    records[-1].update((name, math.nan) for name in WEIGHT_DEPENDENT if name in records[-1])
                 writer.append_record(records[-1])
                 finished += 1
                 yield Step("decoding", finished, total, decoder.label)
@@ -678,16 +800,20 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
         writer.write_csv("summary.csv", summary)
         writer.write_csv("acceptance.csv", acceptance_rows(records))
         writer.close()
-    picks = best_ks(summary)
+    picks = {} if cfg.random_weights else best_ks(summary)
+    predicted = predicted_rows(cfg.assume_alpha, costs) if costs.draft_single is not None else []
+    if predicted:
+        writer.write_csv("predicted.csv", predicted)
     from .plot import plot_phases, plot_run
 
     if picks:
         writer.write_json("best_k.json", picks)
     plots = [path for path in (plot_phases(out), plot_run(out)) if path is not None] if summary else []
-    title = (
-        f"{cfg.target} <- {cfg.draft} on {cfg.dataset} ({len(prompts)} prompts)"
-        if pair.draft
-        else f"{cfg.target} on {cfg.dataset} ({len(prompts)} prompts)"
-    )
+    title = f"{cfg.target} <- {cfg.draft}" if pair.draft else cfg.target
+    if cfg.random_weights:
+        lengths = f"{cfg.prompt_tokens} tokens" if cfg.prompt_tokens else f"{cfg.dataset}'s lengths"
+        title += f" with random weights ({len(prompts)} random prompts of {lengths})"
+    else:
+        title += f" on {cfg.dataset} ({len(prompts)} prompts)"
     notes = suggestions(summary, costs, cfg.ks) + noisy_costs(costs)
-    yield Results(out, title, summary, picks, notes, plots, cfg.sampling.greedy)
+    yield Results(out, title, summary, picks, notes, plots, cfg.sampling.greedy, predicted)

@@ -79,6 +79,30 @@ Chat = Annotated[
         help="auto: wrap prompts in the target's chat template when it has one (instruct models); on; off (raw prompts)."
     ),
 ]
+RandomWeights = Annotated[
+    bool,
+    typer.Option(
+        help="Build target and draft from their architecture (configs/ for the aliases, or a config.json) with random "
+        "weights: forward costs and tokens/s without the checkpoints; alpha is left empty (see --assume-alpha)."
+    ),
+]
+PromptTokens = Annotated[
+    int, typer.Option(help="With --random-weights: random prompts of this many tokens (0: the dataset's lengths).")
+]
+AssumeAlpha = Annotated[
+    str,
+    typer.Option(
+        help="Comma-separated alphas: predicted.csv and a table of the speedup each would give at each K, from the "
+        "measured forward costs (default 0.5,0.6,0.7,0.8 with --random-weights)."
+    ),
+]
+DeviceMap = Annotated[
+    str,
+    typer.Option(
+        help="Spread the target over the GPUs with accelerate: auto, balanced, balanced_low_0 or sequential "
+        "(empty: all on --device). The map goes into meta.json."
+    ),
+]
 Out = Annotated[Path | None, typer.Option(help="Run directory (default results/<time>-<target>-<draft>/).")]
 Resume = Annotated[
     bool,
@@ -119,6 +143,13 @@ def _parse_ks(text: str) -> list[int]:
     return ks
 
 
+def _parse_alphas(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise SpecbenchError(f"--assume-alpha {text!r}: give alphas like 0.5,0.6,0.7,0.8") from None
+
+
 def _slug(name: str) -> str:
     return Path(name).stem.replace("/", "_") if name.endswith(".gguf") else name.rstrip("/").replace("/", "_")
 
@@ -126,7 +157,7 @@ def _slug(name: str) -> str:
 def _show(events) -> None:
     """Progress while the benchmark runs, then its tables and verdicts."""
     from .bench import Results
-    from .report import phase_table, summary_table
+    from .report import phase_table, predicted_table, summary_table
 
     progress = Progress(
         TextColumn("[bold]{task.description}"),
@@ -151,6 +182,8 @@ def _show(events) -> None:
         return
     console.print(summary_table(results.summary, results.title))
     console.print(phase_table(results.summary))
+    if results.predicted:
+        console.print(predicted_table(results.predicted))
     for method, picks in results.best_ks.items():
         console.print(
             f"best K for {method}: "
@@ -193,6 +226,10 @@ def run(
     cost_repeats: CostRepeats = 10,
     threads: Threads = 0,
     chat: Chat = "auto",
+    random_weights: RandomWeights = False,
+    prompt_tokens: PromptTokens = 0,
+    assume_alpha: AssumeAlpha = "",
+    device_map: DeviceMap = "",
     out: Out = None,
     resume: Resume = False,
 ) -> None:
@@ -223,6 +260,10 @@ def run(
         cost_repeats=cost_repeats,
         threads=threads,
         chat=chat,
+        random_weights=random_weights,
+        prompt_tokens=prompt_tokens,
+        assume_alpha=_parse_alphas(assume_alpha or ("0.5,0.6,0.7,0.8" if random_weights else "")),
+        device_map=device_map or None,
     )
     if resume and out is None:
         raise SpecbenchError("--resume needs --out DIR: the run directory to continue")
@@ -250,18 +291,35 @@ app.command("sweep-k", help="`run` with K swept over 1,2,3,4,6,8 by default: one
 
 @app.command()
 def theory(
-    alpha: Annotated[float, typer.Option(help="Acceptance alpha in [0, 1].")],
-    c: Annotated[float, typer.Option(help="Cost ratio: draft step time / target step time (>= 0).")],
+    alpha: Annotated[
+        str, typer.Option(help="Acceptance alpha in [0, 1]; with --costs a comma-separated list.")
+    ] = "0.5,0.6,0.7,0.8",
+    c: Annotated[float | None, typer.Option(help="Cost ratio: draft step time / target step time (>= 0).")] = None,
     ks: Annotated[str, typer.Option(help="Comma-separated lookaheads.")] = "1,2,3,4,5,6,7,8",
+    costs: Annotated[
+        Path | None,
+        typer.Option(
+            help="A run directory (or its verify_cost.csv): take c and each K's verification cost from what it "
+            "measured, and predict the speedup of every --alpha at every measured K (as predicted.csv)."
+        ),
+    ] = None,
     format: Annotated[str, typer.Option(help="table or csv.")] = "table",
 ) -> None:
-    """The speedup formula alone (no models): per K, the optimum, and the break-even c."""
+    """The speedup formula alone (no models): per K, the optimum, and the break-even c; or, with
+    --costs, the speedup each alpha would give with a run's measured forward costs."""
     from . import metrics
 
-    if not 0 <= alpha <= 1 or c < 0:
-        raise SpecbenchError("--alpha must be in [0, 1] and --c >= 0")
     if format not in ("table", "csv"):
         raise SpecbenchError(f"--format {format!r}: use table or csv")
+    alphas = _parse_alphas(alpha)
+    if not alphas or not all(0 <= a <= 1 for a in alphas):
+        raise SpecbenchError("--alpha must be in [0, 1]")
+    if costs is not None:
+        _theory_from_costs(alphas, costs, c, format)
+        return
+    if c is None or c < 0 or len(alphas) != 1:
+        raise SpecbenchError("give one --alpha and --c >= 0, or a run's measured costs with --costs RUN_DIR")
+    alpha = alphas[0]
     k_list = _parse_ks(ks)
     if k_list[0] < 1:
         raise SpecbenchError("K must be at least 1")
@@ -280,6 +338,31 @@ def theory(
     console.print(table)
     console.print(f"optimal K = {best} with speedup {best_speedup:.3f}")
     console.print(f"some K in this range beats the target alone while c < {metrics.max_useful_c(alpha, k_list):.4f}")
+
+
+def _theory_from_costs(alphas: list[float], path: Path, c: float | None, format: str) -> None:
+    import csv
+
+    from .bench import ForwardCosts, predicted_rows
+    from .report import predicted_table
+
+    file = path / "verify_cost.csv" if path.is_dir() else path
+    if c is not None:
+        raise SpecbenchError("--c and --costs exclude each other: --costs takes c from the run's draft forward")
+    try:
+        with open(file, newline="") as f:
+            costs = ForwardCosts.from_rows(list(csv.DictReader(f)))
+    except (OSError, KeyError, ValueError, IndexError):
+        raise SpecbenchError(f"{file} is not a verify_cost.csv written by `specbench run`") from None
+    if costs.draft_single is None or 1 not in costs.target:
+        raise SpecbenchError(f"{file} has no draft forward or no one-token target forward: run with a draft")
+    rows = predicted_rows(alphas, costs)
+    if format == "csv":
+        print(",".join(rows[0]))
+        for row in rows:
+            print(",".join(f"{v:.6g}" if isinstance(v, float) else str(v) for v in row.values()))
+        return
+    console.print(predicted_table(rows))
 
 
 @app.command()

@@ -190,9 +190,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 @dataclass
 class LoadedModel:
     name: str
-    path: Path
+    path: Path  # the checkpoint directory (for random weights: the architecture's config.json)
     model: object  # a transformers PreTrainedModel
-    tokenizer: object
+    tokenizer: object | None  # None for random weights
     head_tokens: torch.Tensor | None = None  # a distilled draft's vocabulary shortlist (head_tokens.json)
 
     @property
@@ -208,7 +208,9 @@ class LoadedModel:
     def stop_ids(self) -> frozenset[int]:
         ids = self.model.generation_config.eos_token_id
         ids = list(ids) if isinstance(ids, list) else [ids]  # a copy: the config's own list stays as it is
-        return frozenset(i for i in [*ids, self.tokenizer.eos_token_id] if i is not None)
+        if self.tokenizer is not None:
+            ids.append(self.tokenizer.eos_token_id)
+        return frozenset(i for i in ids if i is not None)
 
 
 GROUPED_SDPA = "TRANSFORMERS_SDPA_FORCE_GQA"
@@ -227,7 +229,11 @@ def use_grouped_attention(device: torch.device) -> None:
         os.environ.setdefault(GROUPED_SDPA, "1")
 
 
-def load(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's placement strategies
+
+
+def load(spec: str, device: torch.device, dtype: torch.dtype, device_map: str | None = None) -> LoadedModel:
+    """A checkpoint on ``device``, or with ``device_map`` spread by accelerate over the devices it sees."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     use_grouped_attention(device)
@@ -235,13 +241,117 @@ def load(spec: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     path = local_dir(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
     except (OSError, ValueError) as e:
         raise SpecbenchError(f"cannot load model '{spec}' from {path}: {str(e).splitlines()[0]}") from e
+    if device_map is None:
+        model.to(device)
     model.eval()
     shortlist = path / HEAD_TOKENS
     head_tokens = torch.tensor(json.loads(shortlist.read_text())) if shortlist.is_file() else None
     return LoadedModel(spec, path, model, tokenizer, head_tokens)
+
+
+def placement(model) -> dict:
+    """Where each module of ``model`` lives: accelerate's map when it spread the model over several
+    devices, else the one device for all ("": device)."""
+    return dict(getattr(model, "hf_device_map", None) or {"": str(model.device)})
+
+
+def offload_warning(device_map: dict) -> str | None:
+    """A device map that puts modules on the CPU or disk beside GPUs times those transfers too."""
+    places = {str(place) for place in device_map.values()}
+    offloaded = sorted(places & {"cpu", "disk"})
+    if "disk" in places or (offloaded and places - {"cpu", "disk"}):
+        return (
+            f"the device map puts modules on {' and '.join(offloaded)}: its timings include moving weights to the "
+            "GPU and are not GPU timings; give the target more GPU memory or a smaller dtype"
+        )
+    return None
+
+
+# ---------------------------------------------------------------- random weights
+
+
+def architecture(spec: str) -> Path:
+    """The config.json giving ``spec``'s shape, for --random-weights: an alias's copy shipped in
+    configs/, a config.json file, a checkpoint directory, or a hub id in the local cache."""
+    entry = read_config("models.toml").get(spec, {})
+    if "architecture" in entry:
+        return config_dir() / entry["architecture"]
+    path = Path(spec).expanduser()
+    if path.suffix == ".json" and path.is_file():
+        return path.resolve()
+    source = resolve(spec)
+    if source.kind == "dir":
+        return Path(source.location) / "config.json"
+    if source.kind == "hub":
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import LocalEntryNotFoundError
+
+        try:
+            return Path(hf_hub_download(source.location, "config.json", local_files_only=True))
+        except LocalEntryNotFoundError:
+            pass
+    raise SpecbenchError(
+        f"no architecture config for '{spec}' on this machine: pass its config.json (from the model's hub page) "
+        "as the model, e.g. --target path/to/config.json"
+    )
+
+
+def _skeleton(spec: str, dtype: torch.dtype):
+    """The model with its parameters on the meta device (no memory, no initialisation); buffers are real."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = architecture(spec)
+    try:
+        config = AutoConfig.from_pretrained(path)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (OSError, ValueError, KeyError) as e:
+        raise SpecbenchError(f"cannot build '{spec}' from {path}: {str(e).splitlines()[0]}") from None
+    model.tie_weights()  # a tied output head is the embedding, not a second matrix
+    return path, model
+
+
+def weight_bytes(spec: str, dtype: torch.dtype) -> int:
+    _, model = _skeleton(spec, dtype)
+    return sum(p.numel() for p in model.parameters()) * dtype.itemsize
+
+
+def available_memory() -> int | None:
+    """Bytes of memory the kernel can give this process now (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def random_model(spec: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> LoadedModel:
+    """``spec``'s architecture with random weights created on ``device`` in ``dtype``: forward costs
+    depend on the shape, dtype and hardware, not on the weights. It has no tokenizer and never stops
+    early (no end-of-sequence token)."""
+    from accelerate.utils import set_module_tensor_to_device
+
+    use_grouped_attention(device)
+    path, model = _skeleton(spec, dtype)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    std = getattr(model.config, "initializer_range", 0.02)
+    with torch.no_grad():
+        for name, param in list(model.named_parameters()):
+            value = torch.empty(param.shape, dtype=dtype, device=device)
+            if param.dim() > 1:
+                value.normal_(0.0, std, generator=generator)
+            else:  # normalisation scales are 1 and biases 0, as in a freshly initialised model
+                value.fill_(0.0 if name.endswith("bias") else 1.0)
+            set_module_tensor_to_device(model, name, device, value=value)
+    model.tie_weights()  # the tied output head must share the embedding just created
+    model.to(device).eval()
+    model.generation_config.eos_token_id = None
+    return LoadedModel(spec, path, model, None)
 
 
 def shared_width(target: LoadedModel, draft: LoadedModel) -> int:
@@ -249,8 +359,16 @@ def shared_width(target: LoadedModel, draft: LoadedModel) -> int:
 
     Judged on vocabulary contents, never on vocab_size: models of one family pad their
     embeddings to different widths while sharing a tokenizer, and unrelated tokenizers can have
-    equal sizes.
+    equal sizes. Random-weight models have no tokenizer: their vocabulary sizes must be equal.
     """
+    if target.tokenizer is None or draft.tokenizer is None:
+        sizes = target.model.config.vocab_size, draft.model.config.vocab_size
+        if sizes[0] != sizes[1]:
+            raise SpecbenchError(
+                f"{target.name} and {draft.name} have vocabularies of {sizes[0]} and {sizes[1]} tokens: "
+                "a draft must share the target's tokenizer"
+            )
+        return min(target.width, draft.width)
     t_vocab = {i: s for s, i in target.tokenizer.get_vocab().items()}
     d_vocab = {i: s for s, i in draft.tokenizer.get_vocab().items()}
     # Ids past the smaller vocabulary are tokens one side added at the end (padding, specials).
@@ -356,8 +474,9 @@ class HFCausalLM:
                 if not layer.is_initialized:
                     continue
                 start = layer.keys.shape[-2] - new
+                index = (offsets + start).to(layer.keys.device)  # a device map may put layers on other GPUs
                 for states in (layer.keys, layer.values):  # [batch, heads, length, dim]
-                    states[:, :, start : start + len(path)] = states.index_select(2, offsets + start)
+                    states[:, :, start : start + len(path)] = states.index_select(2, index)
         if new > len(path):
             self.cache.crop(-(new - len(path)))  # transformers 5.x: a negative count removes that many positions
 
@@ -402,8 +521,8 @@ def hf_generate(
         "max_new_tokens": max_new_tokens,
         "do_sample": not sampling.greedy,
         "eos_token_id": sorted(stop_ids) or None,
-        "pad_token_id": target.tokenizer.pad_token_id
-        if target.tokenizer.pad_token_id is not None
+        "pad_token_id": getattr(target.tokenizer, "pad_token_id", None)
+        if getattr(target.tokenizer, "pad_token_id", None) is not None
         else min(stop_ids, default=0),
     }
     if not sampling.greedy:

@@ -222,6 +222,31 @@ def phase_table(rows: list[dict]) -> Table:
     return table
 
 
+def predicted_table(rows: list[dict]) -> Table:
+    """predicted.csv on screen: a row per assumed alpha, a column per K, the speedup with the measured
+    verification cost (the classic formula's, which counts it as one step, in brackets); the best K
+    of each alpha in bold."""
+    ks = sorted({row["k"] for row in rows})
+    table = Table("alpha", *(f"K={k}" for k in ks), title="predicted speedup at an assumed alpha")
+    table.caption = (
+        f"c = {rows[0]['c']:.3f}, verify_ratio = "
+        + " ".join(f"{r['verify_ratio']:.2f}" for r in rows if r["alpha"] == rows[0]["alpha"])
+        + " (K=1..) measured; in brackets the classic formula, which counts a verification as one step"
+    )
+    for column in table.columns:
+        column.justify = "right"
+    for alpha in dict.fromkeys(row["alpha"] for row in rows):
+        by_k = {row["k"]: row for row in rows if row["alpha"] == alpha}
+        best = max(by_k, key=lambda k: by_k[k]["predicted_speedup_verify"])
+        cells = [
+            f"{'[bold]' if k == best else ''}{by_k[k]['predicted_speedup_verify']:.2f}{'[/]' if k == best else ''}"
+            f" \\[{by_k[k]['predicted_speedup']:.2f}]"
+            for k in ks
+        ]
+        table.add_row(f"{alpha:g}", *cells)
+    return table
+
+
 STATUS_STYLES = {
     "ok": "green",
     "regressed": "bold red",
