@@ -1,6 +1,7 @@
 import io
 import json
 import math
+import os
 
 import pandas as pd
 import pytest
@@ -366,3 +367,14 @@ def test_duplicate_configuration_rows_raise():
     rows = summary_rows()
     with pytest.raises(SpecbenchError, match="more than one row"):
         compare_frames(pd.DataFrame(rows + rows[:1]), pd.DataFrame(rows))
+
+
+def test_machine_fingerprint_names_the_hardware_and_versions():
+    import torch
+
+    from specbench.report import environment
+
+    machine = environment(torch.device("cpu"))["machine"]
+    assert set(machine) == {"cpu", "cores", "torch_threads", "gpu", "torch", "transformers"}
+    assert machine["cpu"] and machine["gpu"] is None
+    assert machine["cores"] == os.cpu_count() and machine["torch_threads"] == torch.get_num_threads()
