@@ -270,7 +270,7 @@ def comparison_table(comparison) -> Table:
         table.add_column(f"{m} ({band})", justify="right")
     for row in comparison.rows:
         statuses = [row.status, row.status, *(m.status for m in row.metrics)]
-        styled = zip(cells(row, lambda text, _: text), statuses, strict=True)
+        styled = zip(cells(row, lambda text, _: text, comparison.confidence), statuses, strict=True)
         table.add_row(*(f"[{STATUS_STYLES[status]}]{cell}[/]" for cell, status in styled))
     return table
 
