@@ -2,7 +2,8 @@
 
 A timing metric the summary sums over prompts (speedup, tokens/s) is judged on a paired-bootstrap
 interval of its change when both runs kept their records.csv: it regresses only when the whole
-interval lies beyond the tolerance.
+interval lies beyond the tolerance. Absolute seconds and tokens/s are judged only between runs whose
+meta.json holds the same machine fingerprint; elsewhere they are "not comparable", which does not fail.
 
 Exit code 0: nothing regressed and every baseline row was found again (rows only in the current run are "new");
 1: a metric regressed or a baseline row or value is gone, since a benchmark that stops measuring something must not
@@ -34,8 +35,12 @@ PER_PROMPT = {
     "baseline_tokens_per_s": ["baseline_tokens", "baseline_s"],
     "speedup": ["new_tokens", "method_s", "baseline_tokens", "baseline_s"],
 }
+# Seconds and tokens/s depend on the machine as much as on the code; ratios within a run do much less.
+ABSOLUTE = {"baseline_tokens_per_s", "spec_tokens_per_s", "method_s", "prefill_s", "draft_s", "verify_s", "other_s"}
 OK, REGRESSED, IMPROVED, MISSING, NEW, SKIPPED = "ok", "regressed", "improved", "missing", "new", "skipped"
+NOT_COMPARABLE = "not comparable"
 FAILING = {REGRESSED, MISSING}
+JUDGED = [OK, REGRESSED, IMPROVED, NOT_COMPARABLE]  # the statuses that compared two values
 BOOTSTRAP, POINT = "paired bootstrap", "point"
 _EPS = 1e-9  # 0.99 / 1.1 - 1 is -0.10000000000000009: a change of exactly the tolerance must stay ok
 
@@ -98,6 +103,14 @@ def load_records(path: str | Path) -> pd.DataFrame | None:
     if df.duplicated([c for c in ("method", "k", "tree", "prompt_index") if c in df]).any():
         raise SpecbenchError(f"{p} has more than one row for a prompt and method; {hint}")
     return df
+
+
+def load_machine(path: str | Path) -> dict | None:
+    """The machine fingerprint in a run's meta.json; None without one (or without meta.json)."""
+    try:
+        return json.loads((_run_dir(path) / "meta.json").read_text(encoding="utf-8")).get("machine")
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object
+        return None
 
 
 def _text(value) -> str:
@@ -181,8 +194,9 @@ def _intervals(merged: pd.DataFrame, metric: str, compared: pd.Series, records: 
     return pd.DataFrame(intervals, index=merged.index, columns=columns)
 
 
-def _judge(merged: pd.DataFrame, side: pd.Series, metric: str, tolerance: float, abs_tolerance: float):
-    """The status and change of one metric on every merged row (``side``: MISSING, NEW or "" per row)."""
+def _judge(merged, side: pd.Series, incomparable: pd.Series, metric: str, tolerance: float, abs_tolerance: float):
+    """The status and change of one metric on every merged row (``side``: MISSING, NEW or "" per row;
+    ``incomparable``: rows whose values measure different machines)."""
     base, cur = merged[f"{metric} base"].astype(float), merged[f"{metric} cur"].astype(float)
     if metric in RELATIVE:
         change, width = (cur / base - 1).where(base != 0), tolerance
@@ -197,9 +211,22 @@ def _judge(merged: pd.DataFrame, side: pd.Series, metric: str, tolerance: float,
     # The first true condition wins: a row gone from the current run is missing whatever its baseline held,
     # and a baseline without a value (alpha of the baseline method) holds the current run to nothing.
     status = np.select(
-        [side != "", base.isna(), cur.isna(), worse, better], [side, SKIPPED, MISSING, REGRESSED, IMPROVED], OK
+        [side != "", base.isna(), cur.isna(), incomparable, worse, better],
+        [side, SKIPPED, MISSING, NOT_COMPARABLE, REGRESSED, IMPROVED],
+        OK,
     )
-    return status, change.where(np.isin(status, [OK, REGRESSED, IMPROVED]))
+    return status, change.where(np.isin(status, JUDGED))
+
+
+def _machine_difference(machines: tuple) -> str:
+    """Why the absolute timings of two runs cannot be compared; "" when their fingerprints are equal."""
+    if absent := [name for name, m in zip(("baseline", "current"), machines, strict=True) if not m]:
+        return f"no machine fingerprint in the {' and '.join(absent)} run's meta.json"
+    base, cur = machines
+    differ = [
+        f"{k} {base.get(k)} vs {cur.get(k)}" for k in sorted(base.keys() | cur.keys()) if base.get(k) != cur.get(k)
+    ]
+    return f"the machines differ ({', '.join(differ)})" if differ else ""
 
 
 def compare_frames(
@@ -211,12 +238,14 @@ def compare_frames(
     baseline_name="",
     current_name="",
     records=(None, None),
+    machines=(None, None),
     confidence=0.95,
 ):
     """Match the rows of two summary frames on configuration and judge each metric (a list of names,
     default schema.GATED); the names label the files in messages. ``records``: the runs' records.csv
-    frames (load_records), which give timing changes a ``confidence`` interval. Returns a Comparison.
-    No I/O."""
+    frames (load_records), which give timing changes a ``confidence`` interval; ``machines``: their
+    fingerprints (load_machine), without which absolute timings are not judged. Returns a
+    Comparison. No I/O."""
     if not (0 <= tolerance < 1 and abs_tolerance >= 0 and 0 < confidence < 1):
         raise SpecbenchError(
             f"--tolerance {tolerance} must lie in [0, 1), --abs-tolerance {abs_tolerance} be >= 0 "
@@ -245,15 +274,21 @@ def compare_frames(
     side = merged["_merge"].map({"left_only": MISSING, "right_only": NEW, "both": ""}).astype(str)
     note = "{} differs ({}): timing metrics are not comparable; restrict with --metric alpha --metric tau"
     notes = [note.format(c, values) for c in CONTEXT if (values := _differing(baseline, current, c))]
+    if (elsewhere := _machine_difference(machines)) and (absolute := [m for m in chosen if m in ABSOLUTE]):
+        notes.append(
+            f"{elsewhere}: {', '.join(absolute)} not judged, as seconds and tokens/s measure the machine "
+            "as much as the code (speedup, a ratio within each run, still is)"
+        )
     records = [None if df is None else df.assign(decoder=_decoder(df)) for df in records]
     gaps = {}  # (why, rows without an interval, rows compared) -> the metrics without one
     for m in chosen:
-        compared = (side == "") & merged[f"{m} base"].notna() & merged[f"{m} cur"].notna()
+        incomparable = pd.Series(bool(elsewhere) and m in ABSOLUTE, index=merged.index)
+        compared = (side == "") & merged[f"{m} base"].notna() & merged[f"{m} cur"].notna() & ~incomparable
         if m in RELATIVE:
             merged = merged.join(_intervals(merged, m, compared, records, confidence))
             for why, n in merged.loc[merged[f"{m} why"] != "", f"{m} why"].value_counts(sort=False).items():
                 gaps.setdefault((why, n, compared.sum()), []).append(m)
-        merged[f"{m} status"], merged[f"{m} change"] = _judge(merged, side, m, tolerance, abs_tolerance)
+        merged[f"{m} status"], merged[f"{m} change"] = _judge(merged, side, incomparable, m, tolerance, abs_tolerance)
     notes += [
         f"{', '.join(ms)}: no {confidence * 100:g}% interval{'' if n == total else f' on {n} of {total} rows'} "
         f"({why}); judged on the point values with the ±{tolerance:.0%} tolerance"
@@ -306,6 +341,8 @@ def _cell_text(m: MetricVerdict, confidence: float) -> str:
         change = ""
     elif m.metric not in RELATIVE:
         change = f" ({m.change:+.3f})"
+    elif m.status == NOT_COMPARABLE:
+        change = f" ({m.change:+.1%}, {NOT_COMPARABLE})"
     elif m.ci_low is None:
         change = f" ({m.change:+.1%})"
     else:
@@ -397,6 +434,7 @@ def run_compare(
         str(baseline),
         str(current),
         records=(load_records(baseline), load_records(current)),
+        machines=(load_machine(baseline), load_machine(current)),
         confidence=confidence,
     )
     if json_path:

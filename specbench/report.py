@@ -257,6 +257,7 @@ STATUS_STYLES = {
     "missing": "bold red",
     "new": "blue",
     "skipped": "dim",
+    "not comparable": "yellow",
 }
 
 

@@ -81,13 +81,16 @@ def changed(rows, k, **values):
     return [{**r, **values} if r["k"] == k and r["method"] == "speculative" else r for r in rows]
 
 
-def compare(tmp_path, base_rows, cur_rows, records=(None, None), **kwargs):
-    """run_compare on two run directories: their summaries, and records.csv where given."""
+def compare(tmp_path, base_rows, cur_rows, records=(None, None), machines=(None, None), **kwargs):
+    """run_compare on two run directories: their summaries, records.csv and meta.json's fingerprint where given."""
     paths = [write_run(tmp_path / "base", base_rows), write_run(tmp_path / "cur", cur_rows)]
-    for path, df in zip(paths, records, strict=True):
+    for path, df, machine in zip(paths, records, machines, strict=True):
         (path / "records.csv").unlink(missing_ok=True)  # from an earlier call on the same directories
+        (path / "meta.json").unlink(missing_ok=True)
         if df is not None:
             df.to_csv(path / "records.csv", index=False)
+        if machine:
+            (path / "meta.json").write_text(json.dumps({"machine": machine}))
     out = io.StringIO()
     console = Console(file=out, width=250, color_system=None)
     code = run_compare(*map(str, paths), console=console, **kwargs)
@@ -388,6 +391,8 @@ def test_machine_fingerprint_names_the_hardware_and_versions():
 
 # ---------------------------------------------------------------- intervals from the prompts
 
+MACHINE = {"cpu": "Some CPU", "cores": 2, "torch_threads": 2, "gpu": None, "torch": "2.5", "transformers": "4.50"}
+
 
 def timed_runs(draws=1, prompts=8, noise=0.05, slowdown=1.0, slower=1.0, seed=0):
     """A baseline and a current run as `specbench run` writes them: summary rows summed from per-prompt
@@ -423,7 +428,7 @@ def timed_runs(draws=1, prompts=8, noise=0.05, slowdown=1.0, slower=1.0, seed=0)
 
 def test_a_slower_method_fails_through_the_noise(tmp_path):
     rows, records = timed_runs(slowdown=1.3)
-    code, out = compare(tmp_path, *rows, records=records)
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, MACHINE))
     assert code == 1
     verdict = last_line(out)
     assert "k=1 method=speculative: " in verdict
@@ -433,7 +438,7 @@ def test_a_slower_method_fails_through_the_noise(tmp_path):
 
 def test_noise_alone_passes_with_no_significant_change(tmp_path):
     rows, records = timed_runs()
-    code, out = compare(tmp_path, *rows, records=records)
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, MACHINE))
     assert code == 0
     assert "no significant change" in out
 
@@ -447,9 +452,32 @@ def test_noise_alone_rarely_fails():
     assert {m.test for row in result.rows for m in row.metrics} == {"paired bootstrap"}
 
 
+def test_throughput_is_judged_only_on_the_same_machine(tmp_path):
+    rows, records = timed_runs(slower=1 / 0.7)  # tokens/s 30% lower, speedup unchanged
+    other = {**MACHINE, "torch_threads": 1}
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other), json_path=tmp_path / "v.json")
+    assert code == 0
+    assert (
+        "note: the machines differ (torch_threads 2 vs 1): baseline_tokens_per_s, spec_tokens_per_s not judged" in out
+    )
+    statuses = json.loads((tmp_path / "v.json").read_text())["rows"][0]["metrics"]
+    assert statuses["spec_tokens_per_s"]["status"] == statuses["baseline_tokens_per_s"]["status"] == "not comparable"
+    assert statuses["speedup"]["status"] == "ok" and statuses["speedup"]["test"] == "paired bootstrap"
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, None))
+    assert code == 0 and "no machine fingerprint in the current run's meta.json" in out
+    # The same machine: the drop fails.
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, MACHINE))
+    assert code == 1
+    assert "baseline_tokens_per_s" in last_line(out) and "spec_tokens_per_s" in last_line(out)
+    # On another machine a slower method still fails on its speedup.
+    rows, records = timed_runs(slowdown=1.3)
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other))
+    assert code == 1 and "k=1 method=speculative: speedup" in last_line(out)
+
+
 def test_without_records_the_point_values_are_judged(tmp_path):
     rows, records = timed_runs()
-    code, out = compare(tmp_path, *rows, records=(records[0], None))
+    code, out = compare(tmp_path, *rows, records=(records[0], None), machines=(MACHINE, MACHINE))
     assert code == 0
     note = (
         "note: baseline_tokens_per_s, spec_tokens_per_s, speedup: no 95% interval (no records.csv in the current "
@@ -480,7 +508,7 @@ def test_too_few_or_foreign_records_fall_back_to_the_point_values():
 
 def test_json_and_markdown_carry_the_interval():
     (base, cur), records = timed_runs(slowdown=1.3)
-    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur), records=records)
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur), records=records, machines=(MACHINE, MACHINE))
     speedup = to_json(result)["rows"][0]["metrics"]["speedup"]
     assert speedup["ci_low"] < speedup["change"] < speedup["ci_high"] < -0.1
     assert speedup["prompts"] == 8 and speedup["test"] == "paired bootstrap" and speedup["status"] == "regressed"
