@@ -28,8 +28,8 @@ OPTIONAL_KEYS = ["tree", "eta", "max_new_tokens", "num_prompts", "seed"]  # keys
 CONTEXT = ["device", "dtype"]  # not keys, so CI and a laptop still match on alpha; but timings become incomparable
 METRICS = [c.name for c in schema.COLUMNS if c.name in schema.SUMMARY and c.kind != schema.CONFIG and c.better]
 RELATIVE = {c.name for c in schema.COLUMNS if c.kind == schema.TIMING}  # noisy, so judged with a relative tolerance
-# The summary sums these over prompts as metrics.rate_of_sums of these records.csv columns, so the
-# prompts both runs decoded give their change a confidence interval.
+# The summary's value of each is metrics.rate_of_sums of these records.csv columns over its prompts,
+# so the prompts both runs decoded give its change a confidence interval.
 PER_PROMPT = {
     "spec_tokens_per_s": ["new_tokens", "method_s"],
     "baseline_tokens_per_s": ["baseline_tokens", "baseline_s"],
@@ -194,7 +194,9 @@ def _intervals(merged: pd.DataFrame, metric: str, compared: pd.Series, records: 
     return pd.DataFrame(intervals, index=merged.index, columns=columns)
 
 
-def _judge(merged, side: pd.Series, incomparable: pd.Series, metric: str, tolerance: float, abs_tolerance: float):
+def _judge(
+    merged: pd.DataFrame, side: pd.Series, incomparable: pd.Series, metric: str, tolerance: float, abs_tolerance: float
+):
     """The status and change of one metric on every merged row (``side``: MISSING, NEW or "" per row;
     ``incomparable``: rows whose values measure different machines)."""
     base, cur = merged[f"{metric} base"].astype(float), merged[f"{metric} cur"].astype(float)

@@ -10,6 +10,7 @@ from rich.console import Console
 
 from specbench.compare import (
     compare_frames,
+    load_records,
     load_summary,
     run_compare,
     to_json,
@@ -444,7 +445,7 @@ def test_noise_alone_passes_with_no_significant_change(tmp_path):
 
 
 def test_noise_alone_rarely_fails():
-    # 300 independent pairs of noisy runs without a change, each a row of one comparison.
+    # 300 independent pairs of noisy runs without a change, each a row of one comparison, at the default tolerance.
     (base, cur), records = timed_runs(draws=300)
     result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur), records=records, metrics=["speedup"])
     false_alarms = sum(row.status == "regressed" for row in result.rows) / len(result.rows)
@@ -504,6 +505,18 @@ def test_too_few_or_foreign_records_fall_back_to_the_point_values():
     assert result.notes == [
         "c: no 95% interval (c is not a rate summed over prompts); judged on the point values with the ±10% tolerance"
     ]
+
+
+def test_unusable_records_raise(tmp_path):
+    _, (records, _) = timed_runs()
+    run_dir = write_run(tmp_path / "run", summary_rows())
+    records.drop(columns=["baseline_s"]).to_csv(run_dir / "records.csv", index=False)
+    with pytest.raises(SpecbenchError, match="records.csv lacks the columns baseline_s"):
+        load_records(run_dir / "summary.csv")
+    pd.concat([records, records]).to_csv(run_dir / "records.csv", index=False)
+    with pytest.raises(SpecbenchError, match="more than one row for a prompt"):
+        load_records(run_dir)
+    assert load_records(write_run(tmp_path / "bare", summary_rows())) is None
 
 
 def test_json_and_markdown_carry_the_interval():
