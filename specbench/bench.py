@@ -744,7 +744,6 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
         raise SpecbenchError(
             f"--resume: the prompts now encode differently from the run in {out} (a changed dataset, template or tokenizer): run without --resume"
         )
-    device_name = torch.cuda.get_device_name(pair.device) if pair.device.type == "cuda" else pair.device.type
     run_info = {
         "target": cfg.target,
         "draft": cfg.draft,
@@ -761,7 +760,7 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
         # Where accelerate put each module of the target (None: all on the device above).
         "device_map": placement(pair.target.model) if cfg.device_map else None,
     }
-    writer.write_json("meta.json", {**report.environment(device_name), "config": cfg.as_dict(), "resolved": resolved})
+    writer.write_json("meta.json", {**report.environment(pair.device), "config": cfg.as_dict(), "resolved": resolved})
 
     if previous is not None and previous.costs:
         costs = ForwardCosts.from_rows(previous.costs)

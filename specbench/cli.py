@@ -378,11 +378,16 @@ def compare(
     metric: Annotated[list[str] | None, typer.Option(help="Compare only this metric (repeatable).")] = None,
     json: Annotated[str | None, typer.Option("--json", help="Write the verdict as JSON here.")] = None,
     markdown: Annotated[str | None, typer.Option(help="Write a Markdown table here.")] = None,
+    confidence: Annotated[
+        float, typer.Option(help="Confidence of the paired-bootstrap interval of speedup and tokens/s changes.")
+    ] = 0.95,
 ) -> None:
     """Compare two runs; exit 1 when a metric regressed or a row is missing, 2 on unusable input."""
     from .compare import run_compare
 
-    raise typer.Exit(run_compare(baseline, current, tolerance, abs_tolerance, metric, json, markdown, console))
+    raise typer.Exit(
+        run_compare(baseline, current, tolerance, abs_tolerance, metric, json, markdown, console, confidence)
+    )
 
 
 @app.command()

@@ -1,5 +1,10 @@
 """Compare two benchmark runs and flag regressions (`specbench compare`).
 
+A timing metric the summary sums over prompts (speedup, tokens/s) is judged on a paired-bootstrap
+interval of its change when both runs kept their records.csv: it regresses only when the whole
+interval lies beyond the tolerance. Absolute seconds and tokens/s are judged only between runs whose
+meta.json holds the same machine fingerprint; elsewhere they are "not comparable", which does not fail.
+
 Exit code 0: nothing regressed and every baseline row was found again (rows only in the current run are "new");
 1: a metric regressed or a baseline row or value is gone, since a benchmark that stops measuring something must not
 pass; 2: unusable input (SpecbenchError, which the CLI prints as one line).
@@ -15,6 +20,7 @@ from rich.console import Console
 
 from specbench import schema
 from specbench.errors import SpecbenchError
+from specbench.metrics import paired_change, rate_of_sums
 
 # k before method, so that rows are labelled "k=4 method=speculative".
 REQUIRED_KEYS = ["target", "draft", "dataset", "k", "temperature", "top_k", "top_p", "method"]
@@ -22,16 +28,47 @@ OPTIONAL_KEYS = ["tree", "eta", "max_new_tokens", "num_prompts", "seed"]  # keys
 CONTEXT = ["device", "dtype"]  # not keys, so CI and a laptop still match on alpha; but timings become incomparable
 METRICS = [c.name for c in schema.COLUMNS if c.name in schema.SUMMARY and c.kind != schema.CONFIG and c.better]
 RELATIVE = {c.name for c in schema.COLUMNS if c.kind == schema.TIMING}  # noisy, so judged with a relative tolerance
+# The summary's value of each is metrics.rate_of_sums of these records.csv columns over its prompts,
+# so the prompts both runs decoded give its change a confidence interval.
+PER_PROMPT = {
+    "spec_tokens_per_s": ["new_tokens", "method_s"],
+    "baseline_tokens_per_s": ["baseline_tokens", "baseline_s"],
+    "speedup": ["new_tokens", "method_s", "baseline_tokens", "baseline_s"],
+}
+# Seconds and tokens/s depend on the machine as much as on the code; ratios within a run do much less.
+ABSOLUTE = {"baseline_tokens_per_s", "spec_tokens_per_s", "method_s", "prefill_s", "draft_s", "verify_s", "other_s"}
 OK, REGRESSED, IMPROVED, MISSING, NEW, SKIPPED = "ok", "regressed", "improved", "missing", "new", "skipped"
+NOT_COMPARABLE = "not comparable"
 FAILING = {REGRESSED, MISSING}
-_EPS = 1e-9  # 1.1 * 0.9 is 0.9900000000000001: a change of exactly the tolerance must stay ok
+JUDGED = [OK, REGRESSED, IMPROVED, NOT_COMPARABLE]  # the statuses that compared two values
+BOOTSTRAP, POINT = "paired bootstrap", "point"
+_EPS = 1e-9  # 0.99 / 1.1 - 1 is -0.10000000000000009: a change of exactly the tolerance must stay ok
 
-MetricVerdict = namedtuple("MetricVerdict", "metric baseline current change status")  # change: relative for timings
+# change: relative for timings; ci_low, ci_high: the interval of that change over `prompts` paired prompts.
+MetricVerdict = namedtuple(
+    "MetricVerdict",
+    "metric baseline current change status ci_low ci_high prompts test",
+    defaults=(None, None, None, None),
+)
 RowVerdict = namedtuple("RowVerdict", "key label status metrics")
 # Its fields come in the order of the JSON report.
 Comparison = namedtuple(
-    "Comparison", "baseline current tolerance abs_tolerance metrics key_columns notes rows exit_code"
+    "Comparison", "baseline current tolerance abs_tolerance confidence metrics key_columns notes rows exit_code"
 )
+
+
+def _run_dir(path: str | Path) -> Path:
+    """The directory of a run given as its directory or its summary.csv."""
+    given = Path(path)
+    return given if given.is_dir() else given.parent
+
+
+def _read_csv(p: Path, hint: str, **options) -> pd.DataFrame:
+    try:
+        return pd.read_csv(p, **options)
+    except (ValueError, OSError) as exc:  # pandas' parser and empty-file errors are ValueErrors
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise SpecbenchError(f"{p} is not a readable CSV ({reason}); {hint}") from None
 
 
 def load_summary(path: str | Path) -> pd.DataFrame:
@@ -41,13 +78,8 @@ def load_summary(path: str | Path) -> pd.DataFrame:
     if not p.is_file():
         problem = "has no summary.csv" if given.is_dir() else "does not exist"
         raise SpecbenchError(f"{given} {problem}; pass a run directory containing summary.csv or a summary.csv file")
-    try:
-        df = pd.read_csv(p, dtype={"prompts_hash": str})  # a hash made only of digits is still a hash
-    except (ValueError, OSError) as exc:  # pandas' parser and empty-file errors are ValueErrors
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise SpecbenchError(
-            f"{p} is not a readable CSV ({reason}); pass a summary.csv written by `specbench run`"
-        ) from None
+    # A hash made only of digits is still a hash.
+    df = _read_csv(p, "pass a summary.csv written by `specbench run`", dtype={"prompts_hash": str})
     if missing := [c for c in REQUIRED_KEYS if c not in df.columns]:
         raise SpecbenchError(f"{p} lacks the columns {', '.join(missing)}; pass a summary.csv from `specbench run`")
     if df.empty:
@@ -57,6 +89,28 @@ def load_summary(path: str | Path) -> pd.DataFrame:
             raise SpecbenchError(f"column {metric} in {p} holds non-numeric values; fix or regenerate the file")
         df[metric] = numbers
     return df
+
+
+def load_records(path: str | Path) -> pd.DataFrame | None:
+    """The records.csv beside a run's summary, checked; None when the run has none."""
+    p = _run_dir(path) / "records.csv"
+    if not p.is_file():
+        return None
+    hint = "regenerate the run, or delete records.csv to compare without confidence intervals"
+    df = _read_csv(p, hint)
+    if missing := [c for c in ["method", "k", "prompt_index", *PER_PROMPT["speedup"]] if c not in df.columns]:
+        raise SpecbenchError(f"{p} lacks the columns {', '.join(missing)}; {hint}")
+    if df.duplicated([c for c in ("method", "k", "tree", "prompt_index") if c in df]).any():
+        raise SpecbenchError(f"{p} has more than one row for a prompt and method; {hint}")
+    return df
+
+
+def load_machine(path: str | Path) -> dict | None:
+    """The machine fingerprint in a run's meta.json; None without one (or without meta.json)."""
+    try:
+        return json.loads((_run_dir(path) / "meta.json").read_text(encoding="utf-8")).get("machine")
+    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object
+        return None
 
 
 def _text(value) -> str:
@@ -70,6 +124,12 @@ def _differing(baseline: pd.DataFrame, current: pd.DataFrame, column: str) -> st
     """ "a vs b" when both files have the column and its values differ; a blank is unknown, not different."""
     before, after = (", ".join(sorted({_text(v) for v in df.get(column, [])} - {""})) for df in (baseline, current))
     return f"{before} vs {after}" if before and after and before != after else None
+
+
+def _decoder(df: pd.DataFrame) -> pd.Series:
+    """Each row's method, k and tree as text: what ties a summary row to its records."""
+    parts = [df[c].map(_text) if c in df else "" for c in ("method", "k", "tree")]
+    return parts[0] + " k=" + parts[1] + " tree=" + parts[2]
 
 
 def _choose_metrics(baseline: pd.DataFrame, current: pd.DataFrame, metrics: list[str] | None) -> list[str]:
@@ -104,28 +164,95 @@ def _normalised(baseline: pd.DataFrame, current: pd.DataFrame, keys: list[str]) 
     return [both.loc[0], both.loc[1]]
 
 
-def _judge(merged: pd.DataFrame, side: pd.Series, metric: str, tolerance: float, abs_tolerance: float):
-    """The status and change of one metric on every merged row (``side``: MISSING, NEW or "" per row)."""
+def _interval(records: list, decoder: str, metric: str, values: list[float], confidence: float) -> tuple:
+    """(ci_low, ci_high, prompts, why there is no interval: "" when there is one) of the relative
+    change of ``metric`` on one summary row, whose values in the two summaries are ``values``."""
+    if metric not in PER_PROMPT:
+        return None, None, None, f"{metric} is not a rate summed over prompts"
+    if absent := [name for name, df in zip(("baseline", "current"), records, strict=True) if df is None]:
+        return None, None, None, f"no records.csv in the {' and '.join(absent)} run"
+    base, cur = (df[df["decoder"] == decoder].set_index("prompt_index") for df in records)
+    shared = base.index.intersection(cur.index).sort_values()
+    if len(shared) < 2:
+        return None, None, len(shared), f"{len(shared)} prompt(s) in both runs' records.csv, too few to resample"
+    parts = [df.loc[shared, PER_PROMPT[metric]].to_numpy(float) for df in (base, cur)]
+    # Stale or foreign records would lend the summary's values an interval that is not theirs.
+    if not np.allclose([rate_of_sums(p) for p in parts], values, rtol=1e-6):
+        return None, None, len(shared), "records.csv does not reproduce summary.csv over the shared prompts"
+    _, low, high = paired_change(*parts, confidence)
+    return low, high, len(shared), ""
+
+
+def _intervals(merged: pd.DataFrame, metric: str, compared: pd.Series, records: list, confidence: float):
+    """_interval on every compared row, as the columns "<metric> ci_low", "ci_high", "prompts", "why"."""
+    values = merged[[f"{metric} base", f"{metric} cur"]].to_numpy(float)
+    intervals = [
+        _interval(records, decoder, metric, list(pair), confidence) if judge else (None, None, None, "")
+        for decoder, judge, pair in zip(_decoder(merged), compared, values, strict=True)
+    ]
+    columns = [f"{metric} {name}" for name in ("ci_low", "ci_high", "prompts", "why")]
+    return pd.DataFrame(intervals, index=merged.index, columns=columns)
+
+
+def _judge(
+    merged: pd.DataFrame, side: pd.Series, incomparable: pd.Series, metric: str, tolerance: float, abs_tolerance: float
+):
+    """The status and change of one metric on every merged row (``side``: MISSING, NEW or "" per row;
+    ``incomparable``: rows whose values measure different machines)."""
     base, cur = merged[f"{metric} base"].astype(float), merged[f"{metric} cur"].astype(float)
-    change = (cur / base - 1).where(base != 0) if metric in RELATIVE else cur - base
-    width = base * tolerance if metric in RELATIVE else abs_tolerance
-    below, above = cur < base - width - _EPS, cur > base + width + _EPS
+    if metric in RELATIVE:
+        change, width = (cur / base - 1).where(base != 0), tolerance
+        # Where the prompts gave an interval, all of it must lie beyond the tolerance: noise that
+        # might explain the change does not fail a build.
+        low, high = merged[f"{metric} ci_low"].fillna(change), merged[f"{metric} ci_high"].fillna(change)
+    else:
+        change = low = high = cur - base
+        width = abs_tolerance
+    below, above = high < -width - _EPS, low > width + _EPS
     worse, better = (below, above) if schema.BY_NAME[metric].better == schema.HIGHER else (above, below)
     # The first true condition wins: a row gone from the current run is missing whatever its baseline held,
     # and a baseline without a value (alpha of the baseline method) holds the current run to nothing.
     status = np.select(
-        [side != "", base.isna(), cur.isna(), worse, better], [side, SKIPPED, MISSING, REGRESSED, IMPROVED], OK
+        [side != "", base.isna(), cur.isna(), incomparable, worse, better],
+        [side, SKIPPED, MISSING, NOT_COMPARABLE, REGRESSED, IMPROVED],
+        OK,
     )
-    return status, change.where(np.isin(status, [OK, REGRESSED, IMPROVED]))
+    return status, change.where(np.isin(status, JUDGED))
+
+
+def _machine_difference(machines: tuple) -> str:
+    """Why the absolute timings of two runs cannot be compared; "" when their fingerprints are equal."""
+    if absent := [name for name, m in zip(("baseline", "current"), machines, strict=True) if not m]:
+        return f"no machine fingerprint in the {' and '.join(absent)} run's meta.json"
+    base, cur = machines
+    differ = [
+        f"{k} {base.get(k)} vs {cur.get(k)}" for k in sorted(base.keys() | cur.keys()) if base.get(k) != cur.get(k)
+    ]
+    return f"the machines differ ({', '.join(differ)})" if differ else ""
 
 
 def compare_frames(
-    baseline, current, tolerance=0.10, abs_tolerance=0.01, metrics=None, baseline_name="", current_name=""
+    baseline,
+    current,
+    tolerance=0.10,
+    abs_tolerance=0.01,
+    metrics=None,
+    baseline_name="",
+    current_name="",
+    records=(None, None),
+    machines=(None, None),
+    confidence=0.95,
 ):
     """Match the rows of two summary frames on configuration and judge each metric (a list of names,
-    default schema.GATED); the names label the files in messages. Returns a Comparison. No I/O."""
-    if not (0 <= tolerance < 1 and abs_tolerance >= 0):
-        raise SpecbenchError(f"--tolerance {tolerance} must lie in [0, 1) and --abs-tolerance {abs_tolerance} be >= 0")
+    default schema.GATED); the names label the files in messages. ``records``: the runs' records.csv
+    frames (load_records), which give timing changes a ``confidence`` interval; ``machines``: their
+    fingerprints (load_machine), without which absolute timings are not judged. Returns a
+    Comparison. No I/O."""
+    if not (0 <= tolerance < 1 and abs_tolerance >= 0 and 0 < confidence < 1):
+        raise SpecbenchError(
+            f"--tolerance {tolerance} must lie in [0, 1), --abs-tolerance {abs_tolerance} be >= 0 "
+            f"and --confidence {confidence} lie in (0, 1)"
+        )
     if hashes := _differing(baseline, current, "prompts_hash"):
         raise SpecbenchError(
             f"the two runs decoded different prompts (prompts_hash {hashes}): a changed dataset, "
@@ -147,8 +274,28 @@ def compare_frames(
         )
     merged = merged.sort_values(["_base_order", "_cur_order"], ignore_index=True)  # baseline rows, then new ones
     side = merged["_merge"].map({"left_only": MISSING, "right_only": NEW, "both": ""}).astype(str)
+    note = "{} differs ({}): timing metrics are not comparable; restrict with --metric alpha --metric tau"
+    notes = [note.format(c, values) for c in CONTEXT if (values := _differing(baseline, current, c))]
+    if (elsewhere := _machine_difference(machines)) and (absolute := [m for m in chosen if m in ABSOLUTE]):
+        notes.append(
+            f"{elsewhere}: {', '.join(absolute)} not judged, as seconds and tokens/s measure the machine "
+            "as much as the code (speedup, a ratio within each run, still is)"
+        )
+    records = [None if df is None else df.assign(decoder=_decoder(df)) for df in records]
+    gaps = {}  # (why, rows without an interval, rows compared) -> the metrics without one
     for m in chosen:
-        merged[f"{m} status"], merged[f"{m} change"] = _judge(merged, side, m, tolerance, abs_tolerance)
+        incomparable = pd.Series(bool(elsewhere) and m in ABSOLUTE, index=merged.index)
+        compared = (side == "") & merged[f"{m} base"].notna() & merged[f"{m} cur"].notna() & ~incomparable
+        if m in RELATIVE:
+            merged = merged.join(_intervals(merged, m, compared, records, confidence))
+            for why, n in merged.loc[merged[f"{m} why"] != "", f"{m} why"].value_counts(sort=False).items():
+                gaps.setdefault((why, n, compared.sum()), []).append(m)
+        merged[f"{m} status"], merged[f"{m} change"] = _judge(merged, side, incomparable, m, tolerance, abs_tolerance)
+    notes += [
+        f"{', '.join(ms)}: no {confidence * 100:g}% interval{'' if n == total else f' on {n} of {total} rows'} "
+        f"({why}); judged on the point values with the ±{tolerance:.0%} tolerance"
+        for (why, n, total), ms in gaps.items()
+    ]
     statuses = merged[[f"{m} status" for m in chosen]]
     failing, improved = statuses.isin(FAILING).any(axis=1), (statuses == IMPROVED).any(axis=1)
     merged["_status"] = np.select([side != "", failing, improved], [side, REGRESSED, IMPROVED], OK)
@@ -159,32 +306,60 @@ def compare_frames(
             {c: r[c] for c in keys},
             " ".join(f"{c}={_text(r[c])}" for c in shown),
             r["_status"],
-            [MetricVerdict(m, r[f"{m} base"], r[f"{m} cur"], r[f"{m} change"], r[f"{m} status"]) for m in chosen],
+            [_metric_verdict(m, r) for m in chosen],
         )
         for r in merged.astype(object).where(merged.notna(), None).to_dict("records")
     ]
-    note = "{} differs ({}): timing metrics are not comparable; restrict with --metric alpha --metric tau"
-    notes = [note.format(c, values) for c in CONTEXT if (values := _differing(baseline, current, c))]
     exit_code = int(any(row.status in FAILING for row in rows))
-    return Comparison(baseline_name, current_name, tolerance, abs_tolerance, chosen, keys, notes, rows, exit_code)
+    return Comparison(
+        baseline_name, current_name, tolerance, abs_tolerance, confidence, chosen, keys, notes, rows, exit_code
+    )
 
 
-def _cell_text(m: MetricVerdict) -> str:
+def _metric_verdict(metric: str, row: dict) -> MetricVerdict:
+    """One metric of a merged row (NaN already None), with the test that judged it."""
+    low, prompts, status = row.get(f"{metric} ci_low"), row.get(f"{metric} prompts"), row[f"{metric} status"]
+    test = None if status not in (OK, REGRESSED, IMPROVED) else POINT if low is None else BOOTSTRAP
+    return MetricVerdict(
+        metric,
+        row[f"{metric} base"],
+        row[f"{metric} cur"],
+        row[f"{metric} change"],
+        status,
+        low,
+        row.get(f"{metric} ci_high"),
+        None if prompts is None else int(prompts),
+        test,
+    )
+
+
+def _cell_text(m: MetricVerdict, confidence: float) -> str:
     def number(v: float | None) -> str:
         return "-" if v is None else f"{v:.0f}" if abs(v) >= 1000 else f"{v:.4g}"
 
     if m.status in (NEW, SKIPPED):
         return number(m.current)
-    change = "" if m.change is None else f" ({m.change:+.1%})" if m.metric in RELATIVE else f" ({m.change:+.3f})"
+    if m.change is None:
+        change = ""
+    elif m.metric not in RELATIVE:
+        change = f" ({m.change:+.3f})"
+    elif m.status == NOT_COMPARABLE:
+        change = f" ({m.change:+.1%}, {NOT_COMPARABLE})"
+    elif m.ci_low is None:
+        change = f" ({m.change:+.1%})"
+    else:
+        verdict = ", no significant change" if m.ci_low <= 0 <= m.ci_high else ""
+        interval = f"{confidence * 100:g}% CI {m.ci_low:+.1%} .. {m.ci_high:+.1%}"
+        change = f" ({m.change:+.1%}, {interval}{verdict})"
     return f"{number(m.baseline)} -> {number(m.current)}{change}"
 
 
-def _problem(row: RowVerdict) -> str:
+def _problem(row: RowVerdict, confidence: float) -> str:
     if row.status == MISSING:
         return f"{row.label}: missing from the current run"
     failing = [m for m in row.metrics if m.status in FAILING]
     return f"{row.label}: " + ", ".join(
-        f"{m.metric} {_cell_text(m) if m.status == REGRESSED else 'no longer measured'}" for m in failing
+        f"{m.metric} {_cell_text(m, confidence) if m.status == REGRESSED else 'no longer measured'}" for m in failing
     )
 
 
@@ -192,7 +367,7 @@ def verdict_line(comparison: Comparison) -> str:
     """One line for logs: PASS/FAIL and, on failure, each failing row and metric."""
     tol = f"tolerance {comparison.tolerance:.0%} relative, {comparison.abs_tolerance:g} absolute"
     if failures := [row for row in comparison.rows if row.status in FAILING]:
-        return f"FAIL ({tol}): " + "; ".join(_problem(row) for row in failures)
+        return f"FAIL ({tol}): " + "; ".join(_problem(row, comparison.confidence) for row in failures)
     counts = {s: sum(r.status == s for r in comparison.rows) for s in (OK, IMPROVED, NEW)}
     extra = "".join(f", {counts[s]} {s}" for s in (IMPROVED, NEW) if counts[s])
     return f"PASS ({tol}): {counts[OK] + counts[IMPROVED]} rows within tolerance{extra}"
@@ -210,11 +385,14 @@ def to_json(comparison: Comparison) -> dict:
     return data
 
 
-def cells(row: RowVerdict, style) -> list[str]:
+def cells(row: RowVerdict, style, confidence: float) -> list[str]:
     """A row's label, status and metric cells, each status shown through ``style(text, status)``."""
     # A missing row is flagged once, in its status cell.
     flagged = [m.status in FAILING | {IMPROVED} and row.status != MISSING for m in row.metrics]
-    metrics = [style(_cell_text(m), m.status if flag else None) for m, flag in zip(row.metrics, flagged, strict=True)]
+    metrics = [
+        style(_cell_text(m, confidence), m.status if flag else None)
+        for m, flag in zip(row.metrics, flagged, strict=True)
+    ]
     return [style(row.label, None), style(row.status, row.status), *metrics]
 
 
@@ -227,20 +405,40 @@ def to_markdown(comparison: Comparison) -> str:
 
     header = ["row", "status", *comparison.metrics]
     lines = ["### specbench compare", "", f"**{verdict_line(comparison)}**", "", "| " + " | ".join(header) + " |"]
-    lines += ["|" + "---|" * len(header)] + ["| " + " | ".join(cells(row, style)) + " |" for row in comparison.rows]
+    lines += ["|" + "---|" * len(header)] + [
+        "| " + " | ".join(cells(row, style, comparison.confidence)) + " |" for row in comparison.rows
+    ]
     lines += [line for note in comparison.notes for line in ("", f"> note: {note}")]
     return "\n".join(lines) + "\n"
 
 
 def run_compare(
-    baseline, current, tolerance=0.1, abs_tolerance=0.01, metrics=None, json_path=None, markdown_path=None, console=None
+    baseline,
+    current,
+    tolerance=0.1,
+    abs_tolerance=0.01,
+    metrics=None,
+    json_path=None,
+    markdown_path=None,
+    console=None,
+    confidence=0.95,
 ):
     """Compare two run directories (or summary.csv paths), print the table and verdict, write the
     JSON and Markdown reports where paths are given; return 0 or 1 (unusable input: SpecbenchError)."""
     from .report import print_comparison, write_text
 
     frames = load_summary(baseline), load_summary(current)
-    comparison = compare_frames(*frames, tolerance, abs_tolerance, metrics, str(baseline), str(current))
+    comparison = compare_frames(
+        *frames,
+        tolerance,
+        abs_tolerance,
+        metrics,
+        str(baseline),
+        str(current),
+        records=(load_records(baseline), load_records(current)),
+        machines=(load_machine(baseline), load_machine(current)),
+        confidence=confidence,
+    )
     if json_path:
         write_text(json_path, json.dumps(to_json(comparison), indent=2) + "\n")
     if markdown_path:

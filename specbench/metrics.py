@@ -6,6 +6,8 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 
+import numpy as np
+
 
 def expected_tokens(alpha: float, k: int) -> float:
     """Mean tokens per target forward with lookahead k: (1 - alpha^(k+1)) / (1 - alpha)."""
@@ -94,3 +96,28 @@ def acceptance_by_position(hist: Sequence[int]) -> list[float]:
     if not steps:
         return [float("nan")] * (len(hist) - 1)
     return [sum(hist[i + 1 :]) / steps for i in range(len(hist) - 1)]
+
+
+def rate_of_sums(parts: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+    """sum(numerator) / sum(denominator) over prompts, as the summary sums tokens/s; with four columns
+    (numerator, denominator, reference numerator, reference denominator) that rate over the
+    reference's, as the summary sums speedup. ``parts`` has a row per prompt; ``weights`` a row per
+    bootstrap resample, how many times each prompt was drawn (default: each once)."""
+    sums = (np.ones(len(parts)) if weights is None else weights) @ parts
+    rate = sums[..., 0] / sums[..., 1]
+    return rate / (sums[..., 2] / sums[..., 3]) if parts.shape[1] == 4 else rate
+
+
+def paired_change(
+    base: np.ndarray, cur: np.ndarray, confidence: float = 0.95, resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float, float]:
+    """The relative change cur / base - 1 of rate_of_sums between two runs, with the percentile
+    interval of a paired bootstrap. Row i of ``base`` and ``cur`` is the same prompt. Each resample
+    draws prompts with replacement, the same draw for both runs, so a prompt that is slow in both
+    (a long answer) moves both sums alike and what spreads the interval is how the runs differ."""
+    base, cur = np.asarray(base, dtype=float), np.asarray(cur, dtype=float)
+    n = len(base)
+    weights = np.random.default_rng(seed).multinomial(n, np.full(n, 1 / n), size=resamples)
+    changes = rate_of_sums(cur, weights) / rate_of_sums(base, weights) - 1
+    low, high = np.quantile(changes, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(rate_of_sums(cur) / rate_of_sums(base) - 1), float(low), float(high)

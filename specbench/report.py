@@ -168,10 +168,37 @@ class RunWriter:
         self._files.clear()
 
 
-def environment(device_name: str) -> dict:
+def machine(gpu: str | None) -> dict:
+    """What an absolute throughput depends on besides the code: compare judges tokens/s only between
+    runs whose fingerprints are equal."""
     import torch
     import transformers
 
+    cpu = platform.processor()
+    try:
+        cpu = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):  # not Linux, or an architecture whose cpuinfo names no model
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+
+
+def environment(device) -> dict:
+    """meta.json's description of the software and machine of a run on the torch device ``device``."""
+    import torch
+    import transformers
+
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     try:
         commit = (
             subprocess.run(
@@ -187,10 +214,11 @@ def environment(device_name: str) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "platform": platform.platform(),
-        "device_name": device_name,
+        "device_name": gpu or device.type,
         "torch_threads": torch.get_num_threads(),
         "sdpa_force_gqa": os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA"),
         "git_commit": commit,
+        "machine": machine(gpu),
     }
 
 
@@ -254,6 +282,7 @@ STATUS_STYLES = {
     "missing": "bold red",
     "new": "blue",
     "skipped": "dim",
+    "not comparable": "yellow",
 }
 
 
@@ -267,7 +296,7 @@ def comparison_table(comparison) -> Table:
         table.add_column(f"{m} ({band})", justify="right")
     for row in comparison.rows:
         statuses = [row.status, row.status, *(m.status for m in row.metrics)]
-        styled = zip(cells(row, lambda text, _: text), statuses, strict=True)
+        styled = zip(cells(row, lambda text, _: text, comparison.confidence), statuses, strict=True)
         table.add_row(*(f"[{STATUS_STYLES[status]}]{cell}[/]" for cell, status in styled))
     return table
 

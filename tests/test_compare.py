@@ -1,13 +1,16 @@
 import io
 import json
 import math
+import os
 
+import numpy as np
 import pandas as pd
 import pytest
 from rich.console import Console
 
 from specbench.compare import (
     compare_frames,
+    load_records,
     load_summary,
     run_compare,
     to_json,
@@ -15,6 +18,7 @@ from specbench.compare import (
     verdict_line,
 )
 from specbench.errors import SpecbenchError
+from tests.test_metrics import noisy_prompts
 
 
 def summary_rows(ks=(1, 2, 4)):
@@ -78,12 +82,19 @@ def changed(rows, k, **values):
     return [{**r, **values} if r["k"] == k and r["method"] == "speculative" else r for r in rows]
 
 
-def compare(tmp_path, base_rows, cur_rows, **kwargs):
-    base = write_run(tmp_path / "base", base_rows)
-    cur = write_run(tmp_path / "cur", cur_rows)
+def compare(tmp_path, base_rows, cur_rows, records=(None, None), machines=(None, None), **kwargs):
+    """run_compare on two run directories: their summaries, records.csv and meta.json's fingerprint where given."""
+    paths = [write_run(tmp_path / "base", base_rows), write_run(tmp_path / "cur", cur_rows)]
+    for path, df, machine in zip(paths, records, machines, strict=True):
+        (path / "records.csv").unlink(missing_ok=True)  # from an earlier call on the same directories
+        (path / "meta.json").unlink(missing_ok=True)
+        if df is not None:
+            df.to_csv(path / "records.csv", index=False)
+        if machine:
+            (path / "meta.json").write_text(json.dumps({"machine": machine}))
     out = io.StringIO()
     console = Console(file=out, width=250, color_system=None)
-    code = run_compare(str(base), str(cur), console=console, **kwargs)
+    code = run_compare(*map(str, paths), console=console, **kwargs)
     return code, out.getvalue()
 
 
@@ -366,3 +377,157 @@ def test_duplicate_configuration_rows_raise():
     rows = summary_rows()
     with pytest.raises(SpecbenchError, match="more than one row"):
         compare_frames(pd.DataFrame(rows + rows[:1]), pd.DataFrame(rows))
+
+
+def test_machine_fingerprint_names_the_hardware_and_versions():
+    import torch
+
+    from specbench.report import environment
+
+    machine = environment(torch.device("cpu"))["machine"]
+    assert set(machine) == {"cpu", "cores", "torch_threads", "gpu", "torch", "transformers"}
+    assert machine["cpu"] and machine["gpu"] is None
+    assert machine["cores"] == os.cpu_count() and machine["torch_threads"] == torch.get_num_threads()
+
+
+# ---------------------------------------------------------------- intervals from the prompts
+
+MACHINE = {"cpu": "Some CPU", "cores": 2, "torch_threads": 2, "gpu": None, "torch": "2.5", "transformers": "4.50"}
+
+
+def timed_runs(draws=1, prompts=8, noise=0.05, slowdown=1.0, slower=1.0, seed=0):
+    """A baseline and a current run as `specbench run` writes them: summary rows summed from per-prompt
+    records, a speculative row for each of ``draws`` independent draws (K = 1, 2, ... tells them apart).
+    Every time is off by up to ``noise`` either way; in the current run the method takes ``slowdown``
+    times as long, and everything ``slower`` times as long (a slower machine). Returns the summary rows
+    and the records of both runs."""
+    rng = np.random.default_rng(seed)
+    rows, records = ([], []), ([], [])
+    for k in range(1, draws + 1):
+        for run_rows, run_records, parts, factor in zip(
+            rows, records, noisy_prompts(rng, noise, prompts, slowdown), (1, slower), strict=True
+        ):
+            tokens, method_s, base_tokens, base_s = (parts * [1, factor, 1, factor]).T
+            run_records.append(
+                pd.DataFrame(
+                    {
+                        "method": "speculative",
+                        "k": k,
+                        "prompt_index": range(prompts),
+                        "new_tokens": tokens,
+                        "method_s": method_s,
+                        "baseline_tokens": base_tokens,
+                        "baseline_s": base_s,
+                    }
+                )
+            )
+            rate, base_rate = tokens.sum() / method_s.sum(), base_tokens.sum() / base_s.sum()
+            totals = dict(spec_tokens_per_s=rate, baseline_tokens_per_s=base_rate, speedup=rate / base_rate)
+            run_rows.append({**summary_rows(ks=(k,))[0], "num_prompts": prompts, **totals})
+    return rows, tuple(pd.concat(run_records, ignore_index=True) for run_records in records)
+
+
+def test_a_slower_method_fails_through_the_noise(tmp_path):
+    rows, records = timed_runs(slowdown=1.3)
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, MACHINE))
+    assert code == 1
+    verdict = last_line(out)
+    assert "k=1 method=speculative: " in verdict
+    assert "speedup" in verdict and "95% CI" in verdict and "no significant change" not in verdict
+    assert "note" not in out  # every timing metric had its interval
+
+
+def test_noise_alone_passes_with_no_significant_change(tmp_path):
+    rows, records = timed_runs()
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, MACHINE))
+    assert code == 0
+    assert "no significant change" in out
+
+
+def test_noise_alone_rarely_fails():
+    # 300 independent pairs of noisy runs without a change, each a row of one comparison, at the default tolerance.
+    (base, cur), records = timed_runs(draws=300)
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur), records=records, metrics=["speedup"])
+    false_alarms = sum(row.status == "regressed" for row in result.rows) / len(result.rows)
+    assert false_alarms < 0.05
+    assert {m.test for row in result.rows for m in row.metrics} == {"paired bootstrap"}
+
+
+def test_throughput_is_judged_only_on_the_same_machine(tmp_path):
+    rows, records = timed_runs(slower=1 / 0.7)  # tokens/s 30% lower, speedup unchanged
+    other = {**MACHINE, "torch_threads": 1}
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other), json_path=tmp_path / "v.json")
+    assert code == 0
+    assert (
+        "note: the machines differ (torch_threads 2 vs 1): baseline_tokens_per_s, spec_tokens_per_s not judged" in out
+    )
+    statuses = json.loads((tmp_path / "v.json").read_text())["rows"][0]["metrics"]
+    assert statuses["spec_tokens_per_s"]["status"] == statuses["baseline_tokens_per_s"]["status"] == "not comparable"
+    assert statuses["speedup"]["status"] == "ok" and statuses["speedup"]["test"] == "paired bootstrap"
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, None))
+    assert code == 0 and "no machine fingerprint in the current run's meta.json" in out
+    # The same machine: the drop fails.
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, MACHINE))
+    assert code == 1
+    assert "baseline_tokens_per_s" in last_line(out) and "spec_tokens_per_s" in last_line(out)
+    # On another machine a slower method still fails on its speedup.
+    rows, records = timed_runs(slowdown=1.3)
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other))
+    assert code == 1 and "k=1 method=speculative: speedup" in last_line(out)
+
+
+def test_without_records_the_point_values_are_judged(tmp_path):
+    rows, records = timed_runs()
+    code, out = compare(tmp_path, *rows, records=(records[0], None), machines=(MACHINE, MACHINE))
+    assert code == 0
+    note = (
+        "note: baseline_tokens_per_s, spec_tokens_per_s, speedup: no 95% interval (no records.csv in the current "
+        "run); judged on the point values with the ±10% tolerance"
+    )
+    assert note in out
+    assert "CI" not in out
+    # A point drop beyond the tolerance fails as it always did.
+    code, out = compare(tmp_path, rows[0], changed(rows[1], 1, speedup=rows[0][0]["speedup"] * 0.85))
+    assert code == 1 and "speedup" in last_line(out)
+
+
+def test_too_few_or_foreign_records_fall_back_to_the_point_values():
+    (base, cur), (base_records, cur_records) = timed_runs(draws=2)
+    one_prompt = cur_records[(cur_records["prompt_index"] == 0) | (cur_records["k"] == 2)]
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur), records=(base_records, one_prompt))
+    assert "speedup: no 95% interval on 1 of 2 rows (1 prompt(s) in both runs' records.csv" in " ".join(result.notes)
+    tests = {row.key["k"]: row.metrics[2].test for row in result.rows}
+    assert tests == {1: "point", 2: "paired bootstrap"}
+    stale = cur_records.assign(method_s=cur_records["method_s"] * 2)
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur), records=(base_records, stale))
+    assert "records.csv does not reproduce summary.csv" in " ".join(result.notes)
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur), records=(base_records, cur_records), metrics=["c"])
+    assert result.notes == [
+        "c: no 95% interval (c is not a rate summed over prompts); judged on the point values with the ±10% tolerance"
+    ]
+
+
+def test_unusable_records_raise(tmp_path):
+    _, (records, _) = timed_runs()
+    run_dir = write_run(tmp_path / "run", summary_rows())
+    records.drop(columns=["baseline_s"]).to_csv(run_dir / "records.csv", index=False)
+    with pytest.raises(SpecbenchError, match="records.csv lacks the columns baseline_s"):
+        load_records(run_dir / "summary.csv")
+    pd.concat([records, records]).to_csv(run_dir / "records.csv", index=False)
+    with pytest.raises(SpecbenchError, match="more than one row for a prompt"):
+        load_records(run_dir)
+    assert load_records(write_run(tmp_path / "bare", summary_rows())) is None
+
+
+def test_json_and_markdown_carry_the_interval():
+    (base, cur), records = timed_runs(slowdown=1.3)
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur), records=records, machines=(MACHINE, MACHINE))
+    speedup = to_json(result)["rows"][0]["metrics"]["speedup"]
+    assert speedup["ci_low"] < speedup["change"] < speedup["ci_high"] < -0.1
+    assert speedup["prompts"] == 8 and speedup["test"] == "paired bootstrap" and speedup["status"] == "regressed"
+    cell = f"{speedup['change']:+.1%}, 95% CI {speedup['ci_low']:+.1%} .. {speedup['ci_high']:+.1%}) **regressed**"
+    assert cell in to_markdown(result)
+    wider = compare_frames(pd.DataFrame(base), pd.DataFrame(cur), records=records, confidence=0.99)
+    low, high = wider.rows[0].metrics[2].ci_low, wider.rows[0].metrics[2].ci_high
+    assert low < speedup["ci_low"] and high > speedup["ci_high"]
+    assert "99% CI" in verdict_line(wider)

@@ -2,6 +2,7 @@
 
 import math
 
+import numpy as np
 import pytest
 
 from specbench import metrics
@@ -128,3 +129,50 @@ def test_noisy_forward_costs_are_called_out():
     shaky = ForwardCosts(100, {**steady.target, 3: Cost(1.2, 0.5, 0.4)}, steady.draft_single, repeats=10)
     (warning,) = noisy_costs(shaky)
     assert "[3] tokens" in warning and "--threads 1" in warning
+
+
+def noisy_prompts(rng, noise, prompts=8, slowdown=1.0):
+    """Per-prompt (new_tokens, method_s, baseline_tokens, baseline_s) for two runs of the same prompts:
+    speedup differs by prompt, each time is off by up to ``noise`` either way, and the current run's
+    method takes ``slowdown`` times as long."""
+    tokens = rng.integers(24, 65, prompts).astype(float)
+    base_s = tokens / 25 * rng.uniform(0.8, 1.2, prompts)
+    method_s = base_s / rng.uniform(1.1, 1.6, prompts)
+
+    def run(slow):
+        jitter = rng.uniform(1 - noise, 1 + noise, (2, prompts))
+        return np.column_stack([tokens, method_s * slow * jitter[0], tokens, base_s * jitter[1]])
+
+    return run(1.0), run(slowdown)
+
+
+def test_paired_change_is_the_change_of_the_summed_rates():
+    base, cur = noisy_prompts(np.random.default_rng(0), 0.05)
+    change, low, high = metrics.paired_change(base, cur)
+
+    def rate(parts):
+        return parts[:, 0].sum() / parts[:, 1].sum()
+
+    assert change == pytest.approx((rate(cur) / rate(cur[:, 2:])) / (rate(base) / rate(base[:, 2:])) - 1)
+    assert low < change < high
+    assert metrics.paired_change(base[:, :2], cur[:, :2])[0] == pytest.approx(rate(cur) / rate(base) - 1)
+    assert metrics.paired_change(base, cur) == (change, low, high)  # seeded: compare repeats exactly
+
+
+def test_a_slowdown_is_outside_the_interval_and_noise_inside():
+    base, cur = noisy_prompts(np.random.default_rng(1), 0.05, slowdown=1.3)
+    change, low, high = metrics.paired_change(base, cur)
+    assert high < -0.1 and change == pytest.approx(1 / 1.3 - 1, abs=0.05)
+    base, cur = noisy_prompts(np.random.default_rng(1), 0.05)
+    _, low, high = metrics.paired_change(base, cur)
+    assert low < 0 < high
+
+
+def test_less_noise_per_prompt_narrows_the_interval():
+    # More repeats per prompt leave less noise in each prompt's median time.
+    widths = {}
+    for noise in (0.05, 0.01):
+        base, cur = noisy_prompts(np.random.default_rng(2), noise)
+        _, low, high = metrics.paired_change(base, cur)
+        widths[noise] = high - low
+    assert widths[0.01] < widths[0.05] / 3
