@@ -128,7 +128,8 @@ def local_dir(source: ModelSource) -> Path:
         raise SpecbenchError(
             f"model {source.location} is not in the local Hugging Face cache and the hub is unreachable: "
             f"download it where there is a network (`hf download {source.location}`) and copy the cache "
-            f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}) here, or pass a local directory"
+            f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}) here, or pass a local directory; "
+            "--random-weights times the architecture without the weights"
         )
     log.info("downloading %s from the hub", source.location)
     return Path(snapshot_download(source.location, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))

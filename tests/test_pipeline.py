@@ -172,7 +172,7 @@ def one_line_error(result, *needles):
 
 def test_uncached_hub_model_fails_fast_with_one_line():
     result = specbench("run", "--target", "llama-7b", "--draft", "llama-68m", "--k", "4", timeout=60)
-    one_line_error(result, "huggyllama/llama-7b", "not in the local Hugging Face cache", "download")
+    one_line_error(result, "huggyllama/llama-7b", "not in the local Hugging Face cache", "download", "--random-weights")
 
 
 @pytest.mark.parametrize(
