@@ -190,11 +190,63 @@ class PromptLookupDrafter:
             tail = seen[-n:]
             for start in range(len(seen) - n - 1, -1, -1):
                 if seen[start : start + n] == tail:
-                    return Draft.chain(torch.tensor(seen[start + n : start + n + k], device=self.device), None)
+                    proposal = seen[start + n : start + n + k]  # empty when k is 0
+                    return Draft.chain(torch.tensor(proposal, dtype=torch.long, device=self.device), None)
         return Draft.chain(torch.zeros(0, dtype=torch.long, device=self.device), None)
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         self.seen += draft.on_path(verdict.path).tolist() + verdict.next_token.tolist()
+
+
+class CascadeDrafter:
+    """A draft model sped up by prompt lookup beneath it (a vertical cascade): lookup proposes, the
+    model checks the proposal in one forward by exact speculative sampling against its own
+    distribution, until it has its tokens. They are distributed as the model's own samples, and the
+    model's rows where they were chosen are the q of the verification above, so the cascade is
+    exact. With ``split`` M the model drafts only the first M positions and lookup the rest, as
+    deterministic candidates (a horizontal cascade)."""
+
+    def __init__(
+        self, model: CausalLM, cfg: SamplingConfig, generator: torch.Generator, split: int | None = None, ngram: int = 3
+    ):
+        self.model, self.cfg, self.generator, self.split = model, cfg, generator, split
+        self.lookup = PromptLookupDrafter(ngram)
+
+    def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
+        self.model.reset()
+        self.model.forward(prompt_ids, last=1)
+        self.lookup.start(prompt_ids, first)
+        self.pending = first  # tokens the model has not read yet
+
+    def propose(self, k: int) -> Draft:
+        self.unread, self.seen = len(self.pending), len(self.lookup.seen)
+        wanted = k if self.split is None else min(self.split, k)
+        tokens, rows, forwards = [], [], 0
+        while (have := sum(len(t) for t in tokens)) < wanted:
+            # A round with m lookup tokens emits at most m + 1: never more than the positions left.
+            inner = speculative_round(
+                self.model, self.lookup, self.pending, wanted - have - 1, self.cfg, self.generator
+            )
+            tokens.append(inner.emitted)
+            if inner.p is not None:
+                rows.append(inner.p[: len(inner.emitted)])  # the row each emitted token was chosen from
+            self.pending = inner.verdict.next_token
+            forwards += 1
+        self.drafted = wanted  # tokens the model drafted; it has read all but the last
+        tail = self.lookup.propose(k - wanted).tokens if k > wanted else tokens[0][:0]
+        if rows and len(tail):
+            rows.append(torch.nn.functional.one_hot(tail, rows[0].shape[-1]).to(rows[0].dtype))
+        return Draft.chain(torch.cat([*tokens, tail]), torch.cat(rows) if rows else None, forwards)
+
+    def accepted(self, draft: Draft, verdict: Verdict) -> None:
+        n = verdict.accepted
+        if n < self.drafted:
+            self.model.keep(range(self.unread + n), self.unread + self.drafted - 1)
+            self.pending = verdict.next_token
+        else:  # it never read its last token, nor the lookup tokens the target accepted after it
+            self.pending = torch.cat([draft.tokens[self.drafted - 1 : n], verdict.next_token])
+        del self.lookup.seen[self.seen :]  # the inner rounds added the model's tokens; the target decides
+        self.lookup.accepted(draft, verdict)
 
 
 def tree_parents(shape: Sequence[int]) -> list[int]:
@@ -322,18 +374,21 @@ def verify(
 def speculative_round(
     target: CausalLM, drafter: Drafter, last: torch.Tensor, k: int, cfg: SamplingConfig, generator: torch.Generator
 ) -> Round:
-    """Draft up to ``k`` tokens after ``last`` (the one token the target has not read), verify them
-    in one target forward, and leave both caches holding exactly the accepted path."""
+    """Draft up to ``k`` tokens after ``last`` (the tokens the target has not read: one, or for a
+    chain several), verify them in one target forward, and leave both caches holding exactly the
+    accepted path."""
     draft = drafter.propose(k)
-    n = len(draft.tokens)
+    n, read = len(draft.tokens), len(last)
     ids = torch.cat([last, draft.tokens])
     if draft.is_chain:
         target_logits = target.forward(ids, last=n + 1)
-    else:  # ``last`` is the root; a draft token with parent -1 hangs from it
+    elif read == 1:  # ``last`` is the root; a draft token with parent -1 hangs from it
         positions, mask = tree_inputs([-1] + [p + 1 for p in draft.parents], target.length, ids.device)
         target_logits = target.forward(ids, last=n + 1, positions=positions, mask=mask)
+    else:
+        raise ValueError("a tree is verified after exactly one unread token")
     verdict, p = verify(draft, target_logits, cfg, generator)
-    target.keep([0] + [i + 1 for i in verdict.path], n + 1)  # offset 0 is ``last`` itself
+    target.keep(list(range(read)) + [read + i for i in verdict.path], read + n)
     drafter.accepted(draft, verdict)
     return Round(draft, verdict, p)
 

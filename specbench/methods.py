@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .engine import (
+    CascadeDrafter,
     DecodeResult,
     Drafter,
     LookupTreeDrafter,
@@ -116,6 +117,21 @@ class PromptLookup(SpeculativeLoop):
         return PromptLookupDrafter()
 
 
+class Cascade(SpeculativeLoop):
+    name, help, needs_draft = (
+        "cascade",
+        "the draft model sped up by prompt lookup beneath it: lookup proposes, the draft checks the proposal in "
+        "one forward by exact speculative sampling, and its rows are the q of the target's verification",
+        True,
+    )
+
+    def c(self, costs):
+        return costs.c  # one of its draft-model forwards; it needs fewer of them than K per round
+
+    def drafter(self, pair, sampling, generator, tree):
+        return CascadeDrafter(pair.draft_lm, sampling, generator)
+
+
 class Tree(SpeculativeLoop):
     name, help, takes_k, takes_tree, needs_draft = (
         "tree",
@@ -184,7 +200,8 @@ class HFGenerate(Method):
 
 
 METHODS: dict[str, Method] = {
-    m.name: m for m in (Baseline(), Speculative(), PromptLookup(), Tree(), LookupTree(), HFAssisted(), HFGenerate())
+    m.name: m
+    for m in (Baseline(), Speculative(), PromptLookup(), Cascade(), Tree(), LookupTree(), HFAssisted(), HFGenerate())
 }
 BASELINE = METHODS["baseline"]
 DEFAULT = [Speculative.name]  # what `specbench run` measures when no --method is given

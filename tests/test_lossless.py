@@ -8,6 +8,7 @@ from scipy.stats import chisquare
 
 from specbench import engine, sampling
 from specbench.engine import (
+    CascadeDrafter,
     LookupTreeDrafter,
     ModelDrafter,
     PromptLookupDrafter,
@@ -214,3 +215,70 @@ def test_eta_truncation_is_transformers_eta_warper():
         ours = sampling.warp(logits, SamplingConfig(temperature=1.0, eta=eta)) > 0
         theirs = torch.isfinite(EtaLogitsWarper(eta)(None, logits.clone()))
         assert torch.equal(ours, theirs) and (~ours).any()  # it truncates, exactly where transformers does
+
+
+CASCADE_CONFIGS = [
+    SamplingConfig(temperature=1.0),
+    SamplingConfig(temperature=0.7, top_k=2),
+    SamplingConfig(temperature=1.3, top_p=0.8),
+]
+
+
+def cascade(cfg: SamplingConfig, split: int | None = None, draft: ToyLM | None = None) -> CascadeDrafter:
+    return CascadeDrafter(draft or ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7), split, ngram=2)
+
+
+@pytest.mark.parametrize("split", [None, 1, 2])
+@pytest.mark.parametrize("cfg", CASCADE_CONFIGS)
+def test_cascade_matches_target_law(cfg, split):
+    # Vertical (split None): lookup proposes beneath the draft model; with a split the model drafts
+    # the first positions and lookup the rest.
+    assert chi_square_p(ToyLM(VOCAB, seed=1), cascade(cfg, split), 3, cfg) > P_FLOOR
+
+
+class CascadeWithStaleQ(CascadeDrafter):
+    """Broken: each token judged against the model's row one position earlier (an off-by-one in the
+    rows passed up). Dropping the rows altogether (q None) would not be a control: a candidate drawn
+    independently of the verifier and judged as deterministic still gives the target's law."""
+
+    def propose(self, k):
+        draft = super().propose(k)
+        return engine.Draft.chain(draft.tokens, torch.cat([draft.q[:1], draft.q[:-1]]), draft.forwards)
+
+
+def _unchecked_round(target, drafter, last, k, cfg, generator):
+    """Broken: lookup's proposal taken whole, without the model's accept test, then one model sample."""
+    draft = drafter.propose(k)
+    n = len(draft.tokens)
+    p = sampling.warp(target.forward(torch.cat([last, draft.tokens]), last=n + 1), cfg)
+    verdict = sampling.Verdict(list(range(n)), sampling.sample(p[-1], generator), 0.0, 0)
+    drafter.accepted(draft, verdict)
+    return engine.Round(draft, verdict, p)
+
+
+def test_the_test_catches_a_cascade_that_passes_up_the_wrong_rows():
+    cfg = SamplingConfig(temperature=1.0)
+    broken = CascadeWithStaleQ(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7), None, 2)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 3, cfg) < P_FLOOR
+
+
+def test_the_test_catches_a_cascade_whose_inner_check_is_not_exact(monkeypatch):
+    cfg = SamplingConfig(temperature=1.0)
+    draft = ToyLM(VOCAB, seed=2)
+    exact = engine.speculative_round
+
+    def rounds(target, *args):  # only the inner level, where the draft model is the verifier, is broken
+        return (_unchecked_round if target is draft else exact)(target, *args)
+
+    monkeypatch.setattr(engine, "speculative_round", rounds)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), cascade(cfg, draft=draft), 3, cfg) < P_FLOOR
+
+
+@pytest.mark.parametrize("split", [None, 1])
+def test_greedy_cascade_equals_greedy_target(split):
+    cfg = SamplingConfig(temperature=0.0)
+    target, prompt = ToyLM(VOCAB, seed=1), torch.tensor(PROMPT)
+    generator = torch.Generator().manual_seed(0)
+    expected = autoregressive_decode(target, prompt, 12, cfg, generator).tokens
+    result = speculative_decode(target, cascade(cfg, split), prompt, 3, 12, cfg, generator)
+    assert result.tokens == expected

@@ -278,6 +278,8 @@ def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_p
         "--method",
         "speculative,prompt-lookup",
         "--method",
+        "cascade",
+        "--method",
         "hf-assisted",
         "--method",
         "hf-generate",
@@ -290,18 +292,20 @@ def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_p
     )
     assert result.returncode == 0, result.stderr
     summary = pd.read_csv(out / "summary.csv")
-    assert summary["method"].tolist() == ["baseline", "speculative", "prompt-lookup", "hf-assisted", "hf-generate"]
+    methods = ["baseline", "speculative", "prompt-lookup", "cascade", "hf-assisted", "hf-generate"]
+    assert summary["method"].tolist() == methods
     assert (summary["outputs_match"] == 3).all() and (summary["first_divergence"] == -1).all()
     records = pd.read_csv(out / "records.csv")
-    assert len(records) == 3 * 5 and records["outputs_match"].all()
+    assert len(records) == 3 * len(methods) and records["outputs_match"].all()
     # Every method's decode time is split into phases that add up to its wall time.
     phases = records[["prefill_s", "draft_s", "verify_s", "other_s"]]
     assert (phases >= 0).all().all() and (phases["prefill_s"] > 0).all() and (phases["verify_s"] > 0).all()
     assert ((phases.sum(axis=1) - records["method_s"]).abs() <= 0.02 * records["method_s"]).all()
     drafting = records.set_index("method")["draft_s"]
-    assert (drafting[["speculative", "hf-assisted"]] > 0).all() and (drafting[["baseline", "prompt-lookup"]] == 0).all()
+    assert (drafting[["speculative", "cascade", "hf-assisted"]] > 0).all()
+    assert (drafting[["baseline", "prompt-lookup"]] == 0).all()
     by_method = summary.set_index("method")
-    for method in ("speculative", "prompt-lookup", "hf-assisted"):
+    for method in ("speculative", "prompt-lookup", "cascade", "hf-assisted"):
         assert 1 <= by_method.loc[method, "tau"] <= 4  # measured for every drafting method
         assert 0 <= by_method.loc[method, "acceptance_rate"] <= 1
     assert by_method.loc["baseline", "speedup"] == 1.0
