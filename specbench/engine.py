@@ -219,24 +219,23 @@ class CascadeDrafter:
         self.pending = first  # tokens the model has not read yet
 
     def propose(self, k: int) -> Draft:
-        self.unread, self.seen = len(self.pending), len(self.lookup.seen)
-        wanted = k if self.split is None else min(self.split, k)
-        tokens, rows, forwards = [], [], 0
-        while (have := sum(len(t) for t in tokens)) < wanted:
+        self.unread, self.history = len(self.pending), len(self.lookup.seen)
+        self.drafted = k if self.split is None else min(self.split, k)  # the model's tokens; it reads all but the last
+        tokens, rows, have = [], [], 0
+        while have < self.drafted:
             # A round with m lookup tokens emits at most m + 1: never more than the positions left.
             inner = speculative_round(
-                self.model, self.lookup, self.pending, wanted - have - 1, self.cfg, self.generator
+                self.model, self.lookup, self.pending, self.drafted - have - 1, self.cfg, self.generator
             )
-            tokens.append(inner.emitted)
+            emitted = inner.emitted
+            tokens.append(emitted)
             if inner.p is not None:
-                rows.append(inner.p[: len(inner.emitted)])  # the row each emitted token was chosen from
-            self.pending = inner.verdict.next_token
-            forwards += 1
-        self.drafted = wanted  # tokens the model drafted; it has read all but the last
-        tail = self.lookup.propose(k - wanted).tokens if k > wanted else tokens[0][:0]
+                rows.append(inner.p[: len(emitted)])  # the row each emitted token was chosen from
+            self.pending, have = inner.verdict.next_token, have + len(emitted)
+        tail = self.lookup.propose(k - self.drafted).tokens if k > self.drafted else tokens[0][:0]
         if rows and len(tail):
             rows.append(torch.nn.functional.one_hot(tail, rows[0].shape[-1]).to(rows[0].dtype))
-        return Draft.chain(torch.cat([*tokens, tail]), torch.cat(rows) if rows else None, forwards)
+        return Draft.chain(torch.cat([*tokens, tail]), torch.cat(rows) if rows else None, forwards=len(tokens))
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         n = verdict.accepted
@@ -245,7 +244,7 @@ class CascadeDrafter:
             self.pending = verdict.next_token
         else:  # it never read its last token, nor the lookup tokens the target accepted after it
             self.pending = torch.cat([draft.tokens[self.drafted - 1 : n], verdict.next_token])
-        del self.lookup.seen[self.seen :]  # the inner rounds added the model's tokens; the target decides
+        del self.lookup.seen[self.history :]  # the inner rounds added the model's tokens; the target decides
         self.lookup.accepted(draft, verdict)
 
 

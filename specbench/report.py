@@ -196,9 +196,9 @@ def machine(gpu: str | None) -> dict:
 def environment(device) -> dict:
     """meta.json's description of the software and machine of a run on the torch device ``device``."""
     import torch
-    import transformers
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    fingerprint = machine(gpu)
     try:
         commit = (
             subprocess.run(
@@ -211,14 +211,14 @@ def environment(device) -> dict:
     return {
         "specbench": __version__,
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
+        "torch": fingerprint["torch"],
+        "transformers": fingerprint["transformers"],
         "platform": platform.platform(),
         "device_name": gpu or device.type,
-        "torch_threads": torch.get_num_threads(),
+        "torch_threads": fingerprint["torch_threads"],
         "sdpa_force_gqa": os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA"),
         "git_commit": commit,
-        "machine": machine(gpu),
+        "machine": fingerprint,
     }
 
 
