@@ -20,11 +20,14 @@ import torch
 from . import metrics, report, schema
 from .engine import DecodeResult, tree_parents
 from .errors import SpecbenchError
-from .methods import BASELINE, DEFAULT, METHODS, Method
+from .kv import SINKS
+from .methods import BASELINE, DEFAULT, METHODS, Decoder
 from .models import (
     DEVICE_MAPS,
     HFCausalLM,
     LoadedModel,
+    SparseView,
+    WindowLM,
     available_memory,
     load,
     offload_warning,
@@ -35,12 +38,14 @@ from .models import (
     shared_width,
     weight_bytes,
 )
-from .prompts import Prompt, load_prompts
+from .online import Learned, OnlineConfig
+from .prompts import LONG_DATASETS, Prompt, load_prompts
 from .sampling import SamplingConfig
 from .timing import PhaseClock, Phases, TimedLM, synchronize
 
 log = logging.getLogger("specbench")
 
+KV_POLICIES = ("retrieval", "window")
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"
 SUMMARY_EVERY_S = 10.0  # summary.csv is rewritten at most this often while decoding, and at the end
@@ -75,6 +80,15 @@ class BenchConfig:
     prompt_tokens: int = 0  # random weights: every prompt this many random ids (0: the dataset's lengths)
     assume_alpha: list[float] = field(default_factory=list)  # alphas for predicted.csv
     device_map: str | None = None  # accelerate's placement of the target over the devices (auto, balanced, ...)
+    cascade_split: int = 0  # cascade: the draft model drafts the first M positions, lookup the rest (0: all K)
+    kv_budget: int = 1024  # self-sparse, triforce: cache positions the target drafts over
+    kv_policy: str = "retrieval"  # which: "retrieval" (sinks + best chunks) or "window" (sinks + most recent)
+    draft_window: int = 256  # triforce: the draft model's streaming window
+    inner_k: int = 2  # triforce: draft-model tokens per check of the middle level
+    context_tokens: int = 0  # longcode: prompt length in tokens
+    prefill_chunk: int = 512  # prompts longer than this are prefilled in chunks of it (0: in one forward)
+    online: OnlineConfig = field(default_factory=OnlineConfig)  # online: when and how the draft learns
+    save_draft: str | None = None  # online: write the updated draft here at the end
 
     @property
     def shapes(self) -> list[tuple[int, ...]]:
@@ -99,6 +113,10 @@ class BenchConfig:
     @property
     def needs_draft(self) -> bool:
         return any(step.method.needs_draft for step in self.plan)
+
+    @property
+    def learns(self) -> bool:
+        return any(step.method.learns for step in self.plan)
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -139,6 +157,32 @@ class BenchConfig:
                 self.device_map is not None and self.random_weights,
                 "--device-map places a checkpoint's weights as it loads them: with --random-weights use --device",
             ),
+            (self.cascade_split < 0, "--cascade-split must be >= 0 (0: the draft model drafts all K positions)"),
+            (self.kv_policy not in KV_POLICIES, f"--kv-policy {self.kv_policy}: use {' or '.join(KV_POLICIES)}"),
+            (
+                self.kv_budget < 2 * SINKS,
+                f"--kv-budget must be at least {2 * SINKS} (the first {SINKS} tokens are always kept)",
+            ),
+            (self.draft_window < 2 * SINKS + 2, f"--draft-window must be at least {2 * SINKS + 2}"),
+            (self.inner_k < 1, "--inner-k must be at least 1"),
+            (self.prefill_chunk < 0, "--prefill-chunk must be >= 0 (0: the whole prompt in one forward)"),
+            (self.context_tokens < 0, "--context-tokens must be >= 0"),
+            (
+                bool(self.context_tokens) != (self.dataset in LONG_DATASETS),
+                f"--dataset {' / '.join(LONG_DATASETS)} takes its prompt length from --context-tokens N, and only it",
+            ),
+            (
+                self.online.every < 1 or self.online.steps < 1 or self.online.lr <= 0,
+                "--online-every and --online-steps must be at least 1, --online-lr positive",
+            ),
+            (
+                self.random_weights and self.learns,
+                "--method online learns from the target's rows, which mean nothing with --random-weights: drop one",
+            ),
+            (
+                self.save_draft is not None and not self.learns,
+                "--save-draft writes what --method online learned: add --method online or drop --save-draft",
+            ),
         ]
         for bad, message in problems:
             if bad:
@@ -158,6 +202,7 @@ class Pair:
     draft_lm: HFCausalLM | None
     device: torch.device
     dtype: torch.dtype
+    clock: PhaseClock | None = None  # set on a timed pair: what methods lap their own timed parts on
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -166,7 +211,7 @@ class Pair:
     def timed(self, clock: PhaseClock) -> Pair:
         """This pair with every forward of its models lapped on ``clock``."""
         draft_lm = TimedLM(self.draft_lm, clock, "draft") if self.draft_lm else None
-        return replace(self, target_lm=TimedLM(self.target_lm, clock, "verify"), draft_lm=draft_lm)
+        return replace(self, target_lm=TimedLM(self.target_lm, clock, "verify"), draft_lm=draft_lm, clock=clock)
 
 
 def random_weights_dtype(cfg: BenchConfig, device: torch.device) -> torch.dtype:
@@ -258,7 +303,13 @@ def length_tokenizer(target: LoadedModel):
 
 
 def _encoded(tokenizer, prompts: list[Prompt], cfg: BenchConfig, room: int | None, device) -> list[torch.Tensor]:
-    chat = cfg.chat == "on" or (cfg.chat == "auto" and tokenizer.chat_template is not None)
+    long = cfg.dataset in LONG_DATASETS  # code to continue as it is, cut to --context-tokens
+    if long and room is not None and cfg.context_tokens > room:
+        raise SpecbenchError(
+            f"--context-tokens {cfg.context_tokens} with --max-new-tokens {cfg.max_new_tokens} and K does not fit the "
+            f"context window of the models ({room} tokens of prompt fit): lower --context-tokens"
+        )
+    chat = cfg.chat == "on" or (cfg.chat == "auto" and tokenizer.chat_template is not None and not long)
     if chat and tokenizer.chat_template is None:
         raise SpecbenchError(f"--chat on, but {cfg.target}'s tokenizer has no chat template: use --chat off")
     encoded = []
@@ -271,6 +322,8 @@ def _encoded(tokenizer, prompts: list[Prompt], cfg: BenchConfig, room: int | Non
             ids = tokenizer(prompt.text, return_tensors="pt").input_ids[0]
         if room is not None:
             ids = ids[-room:]
+        if long:
+            ids = ids[-cfg.context_tokens :]
         if len(ids) == 0:
             raise SpecbenchError(f"prompt {prompt.id} encodes to no tokens: remove it from the dataset")
         encoded.append(ids.to(device))
@@ -317,10 +370,15 @@ class ForwardCosts:
     target: dict[int, Cost]  # tokens in one forward -> its cost
     draft_single: Cost | None  # None when no draft model was loaded
     repeats: int
+    levels: dict[str, Cost] = field(default_factory=dict)  # one-token forwards of drafting levels (LEVELS)
 
     @property
     def c(self) -> float:
         return math.nan if self.draft_single is None else self.draft_single.seconds / self.target[1].seconds
+
+    def level_c(self, name: str) -> float:
+        """A drafting level's one-token forward over the target's (NaN when it was not measured)."""
+        return self.levels[name].seconds / self.target[1].seconds if name in self.levels else math.nan
 
     def verify_ratio(self, k: int) -> float:
         return self.target[k + 1].seconds / self.target[1].seconds
@@ -330,6 +388,7 @@ class ForwardCosts:
         costs = [("target", n, cost) for n, cost in self.target.items()]
         if self.draft_single is not None:
             costs.append(("draft", 1, self.draft_single))
+        costs += [(name, 1, cost) for name, cost in self.levels.items()]
         return [
             {
                 "model": model,
@@ -351,7 +410,17 @@ class ForwardCosts:
 
         target = {int(r["tokens"]): cost(r) for r in rows if r["model"] == "target"}
         draft = [cost(r) for r in rows if r["model"] == "draft"]
-        return cls(int(rows[0]["context_tokens"]), target, draft[0] if draft else None, int(rows[0]["repeats"]))
+        levels = {r["model"]: cost(r) for r in rows if r["model"] in LEVELS}
+        return cls(int(rows[0]["context_tokens"]), target, draft[0] if draft else None, int(rows[0]["repeats"]), levels)
+
+
+# Drafting levels a method may ask measure_costs to time (Method.levels), and how each is built.
+LEVELS = {
+    "self-sparse": lambda pair, cfg: SparseView(pair.target_lm, cfg.kv_budget, cfg.kv_policy),
+    "draft-window": lambda pair, cfg: WindowLM(
+        pair.draft_lm.model, pair.draft_lm.width, pair.draft.head_tokens, cfg.draft_window
+    ),
+}
 
 
 def _forward_seconds(
@@ -375,7 +444,7 @@ def _forward_seconds(
     return times[2:]
 
 
-def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg: BenchConfig) -> ForwardCosts:
+def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg: BenchConfig, plan: list[Decoder]) -> ForwardCosts:
     """Single-token forward times of both models and target forward times for 1..max(K+1, COST_SIZES) tokens.
 
     Measured at the context length decoding actually runs at: the median prompt plus half the
@@ -390,18 +459,28 @@ def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg: BenchConfig) 
     context = tokens.repeat(length // len(tokens) + 2)[: length + sizes[-1]]
     prefix, probe = context[:length], context[length:]
     models = [pair.target_lm] + ([pair.draft_lm] if pair.draft_lm else [])
+    levels = {name: LEVELS[name](pair, cfg) for step in plan for name in step.method.levels}
     with torch.inference_mode():
+        for view in levels.values():
+            if isinstance(view, SparseView):
+                view.watch()
         for lm in models:
-            lm.reset()
-            lm.forward(prefix, last=1)
-        probes = [(pair.target_lm, n) for n in sizes] + [(lm, 1) for lm in models[1:]]
+            lm.prefill(prefix)
+        for view in levels.values():
+            view.prefill(prefix)  # a sparse view is built from the target's cache; a window reads the prefix
+        probes = [(pair.target_lm, n) for n in sizes] + [(lm, 1) for lm in [*models[1:], *levels.values()]]
         times = _forward_seconds(probes, probe, cfg.cost_repeats, pair.device)
     costs = []
     for column in zip(*times, strict=True):
         ratios = [t / repeat[0] for t, repeat in zip(column, times, strict=True)]
         costs.append(Cost(metrics.median(column), metrics.iqr(column), metrics.iqr(ratios)))
+    draft = costs[len(sizes)] if pair.draft_lm else None
     return ForwardCosts(
-        length, dict(zip(sizes, costs, strict=False)), costs[len(sizes)] if pair.draft_lm else None, cfg.cost_repeats
+        length,
+        dict(zip(sizes, costs, strict=False)),
+        draft,
+        cfg.cost_repeats,
+        dict(zip(levels, costs[len(costs) - len(levels) :], strict=True)),
     )
 
 
@@ -421,42 +500,28 @@ class Measurement:
     phases: Phases
 
 
-@dataclass(frozen=True)
-class Decoder:
-    """One way of decoding a prompt: a method, with its lookahead K (a tree's depth) and tree shape."""
-
-    method: Method
-    k: int | None = None
-    tree: tuple[int, ...] | None = None
-
-    @property
-    def label(self) -> str:
-        if self.tree:
-            return f"{self.method.name} tree={','.join(map(str, self.tree))}"
-        return f"{self.method.name} K={self.k}" if self.k else self.method.name
-
-
 def decode(pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, decoder: Decoder) -> Measurement:
     """Time one prompt's decode cfg.repeats times (each from the same seed, so identical work) and
     keep the median run, phases and all."""
     clock = PhaseClock(pair.device)
 
+    timed = pair.timed(clock)
+
     def once():
         generator = generator_for(pair.device, cfg.seed, index, decoder.method.name)
         clock.start()
-        result = decoder.method.decode(
-            pair, ids, decoder.k, cfg.sampling, cfg.max_new_tokens, generator, clock, tree=decoder.tree
-        )
+        result = decoder.method.decode(timed, cfg, decoder, ids, generator)
         return result, clock.stop()
 
     (result, phases), seconds = median_run(pair.device, once, cfg.repeats)
     return Measurement(result, seconds, phases)
 
 
-def warm_up(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor]) -> None:
-    """Untimed runs of every decoder, so allocation, kernel selection and caches settle first."""
+def warm_up(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor], plan: list[Decoder]) -> None:
+    """Untimed runs of every decoder, so allocation, kernel selection and caches settle first (a
+    method that learns learns nothing from them: it learns in after_prompt)."""
     for _ in range(cfg.warmup):
-        for decoder in [Decoder(BASELINE), *cfg.plan]:
+        for decoder in [Decoder(BASELINE), *plan]:
             decode(pair, cfg, prompt_ids[0], 0, decoder)
 
 
@@ -469,6 +534,7 @@ def _totals(m: Measurement) -> dict:
         "method_s": m.seconds,
         "prefill_s": m.phases.prefill,
         "draft_s": m.phases.draft,
+        "inner_s": m.phases.inner,
         "verify_s": m.phases.verify,
         "other_s": m.phases.other,
     }
@@ -484,8 +550,10 @@ def record(
     baseline: Measurement,
     decoder: Decoder,
     measured: Measurement,
+    learned: Learned | None = None,
 ) -> dict:
-    """The per-prompt, per-decoder row of records.csv (the baseline has its own row, too)."""
+    """The per-prompt, per-decoder row of records.csv (the baseline has its own row, too);
+    ``learned`` is what a method that learns did after the prompt."""
     b, s = baseline.result, measured.result
     method, k = decoder.method, decoder.k
     divergence = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens, strict=False)) if x != y), None)
@@ -513,6 +581,8 @@ def record(
         "accepted": s.accepted,
         "beta_sum": s.beta_sum,
         "tested": s.tested,
+        **(_inner(s) if method.inner_level else dict.fromkeys(INNER, math.nan)),
+        "train_s": learned.train_s if learned else math.nan,
         **_totals(measured),
         **metrics.phase_figures(_totals(measured), _totals(baseline)),
         "outputs_match": divergence is None,
@@ -522,18 +592,28 @@ def record(
     }
 
 
+def _inner(result: DecodeResult) -> dict:
+    """The counts of a drafter's bottom level (a cascade's prompt lookup)."""
+    return {name: getattr(result, name) for name in INNER}
+
+
+INNER = ("inner_drafted", "inner_accepted", "from_inner")
+
+
 def shape_text(tree: tuple[int, ...] | None) -> str:
     return ",".join(map(str, tree)) if tree else ""
 
 
-def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_info: dict) -> list[dict]:
+def summarize(
+    records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_info: dict, plan: list[Decoder]
+) -> list[dict]:
     """One summary row per (method, K) over the prompts measured so far, the baseline's first.
 
     Each row sums its prompts' totals and compares them with the baseline's on the same prompts.
     """
     baselines = {r["prompt_index"]: r for r in records if r["method"] == BASELINE.name}
     rows = []
-    for decoder in [Decoder(BASELINE), *cfg.plan]:
+    for decoder in [Decoder(BASELINE), *plan]:
         method, k, tree = decoder.method, decoder.k, shape_text(decoder.tree)
         rs = [r for r in records if r["method"] == method.name and r["k"] == k and r["tree"] == tree]
         if not rs:
@@ -552,13 +632,16 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_in
         nodes = totals["drafted"] / rounds if drafts and rounds else math.nan
         verify_ratio = costs.verify_ratio(k if chain else round(nodes)) if not math.isnan(nodes) else math.nan
         divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0]
+        trained = sum(r["train_s"] for r in rs) if method.learns else math.nan
         values = {
             **run_info,
             **run,
             **metrics.phase_figures(run, base, len(rs)),
+            **{name: sum(r[name] for r in rs) if method.inner_level else math.nan for name in INNER},
             "method": method.name,
             "k": k,
             "tree": tree,
+            "options": method.options(cfg),
             "eta": cfg.eta,
             "temperature": cfg.temperature,
             "top_k": cfg.top_k,
@@ -569,6 +652,8 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_in
             "baseline_tokens_per_s": base_tokens / base_s,
             "spec_tokens_per_s": tokens / seconds,
             "speedup": (tokens / seconds) / (base_tokens / base_s),
+            "train_s": trained,
+            "speedup_with_training": (tokens / (seconds + trained)) / (base_tokens / base_s),
             "alpha": alpha,
             "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else math.nan,
             "tau": tokens / run["target_forwards"] if drafts else math.nan,
@@ -587,6 +672,21 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg: BenchConfig, run_in
             values.update(dict.fromkeys(WEIGHT_DEPENDENT, math.nan))
         rows.append({name: values[name] for name in schema.SUMMARY})
     return rows
+
+
+def online_row(rec: dict, learned: Learned) -> dict:
+    """online.csv: after each prompt of a method that learns, how its draft did and what it learned."""
+    return {
+        "method": rec["method"],
+        "k": rec["k"],
+        "prompt_index": rec["prompt_index"],
+        "prompt_id": rec["prompt_id"],
+        "alpha": rec["alpha"],
+        "acceptance_rate": rec["acceptance_rate"],
+        "lessons": learned.lessons,
+        "updates": learned.updates,
+        "train_s": learned.train_s,
+    }
 
 
 def acceptance_rows(records: list[dict]) -> list[dict]:
@@ -698,7 +798,7 @@ def noisy_costs(costs: ForwardCosts) -> list[str]:
 def prepare(cfg: BenchConfig) -> tuple[Pair, list[Prompt], list[torch.Tensor]]:
     """Validate, load the pair and the prompts; every input error surfaces here, before timing."""
     cfg.validate()
-    prompts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.prompt_field)
+    prompts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.prompt_field, cfg.context_tokens, cfg.seed)
     pair = load_pair(cfg)
     return pair, prompts, encode_prompts(pair, prompts, cfg)
 
@@ -728,17 +828,30 @@ class Results:
     predicted: list[dict] = field(default_factory=list)  # predicted.csv
 
 
-def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Step | Results]:
+def benchmark(
+    cfg: BenchConfig,
+    out: Path,
+    resume: bool = False,
+    prefill_progress: Callable[[int, int], None] | None = None,
+) -> Iterator[Step | Results]:
     """Run ``cfg`` into the run directory ``out``, yielding Steps as it goes and Results at the end.
 
     With ``resume``, a run interrupted in ``out`` with the same configuration continues: prompts
     complete in records.csv keep their rows and outputs; the others are decoded now.
+    ``prefill_progress`` is told (tokens done, tokens) as a prompt longer than --prefill-chunk is read.
     """
     cfg.validate()
+    if resume and cfg.learns:
+        raise SpecbenchError(
+            "--resume cannot restore what --method online learned before the interruption: run it again without --resume"
+        )
     writer = report.RunWriter(out)  # fails on an unusable directory before anything is loaded
     previous = writer.previous_run(cfg.as_dict()) if resume else None
     yield Step("loading models and prompts")
     pair, prompts, prompt_ids = prepare(cfg)
+    for lm in (pair.target_lm, pair.draft_lm):
+        if lm is not None:
+            lm.prefill_chunk, lm.progress = cfg.prefill_chunk, prefill_progress
     run_hash = prompts_hash(prompt_ids)
     if previous is not None and previous.prompts_hash != run_hash:
         raise SpecbenchError(
@@ -762,52 +875,65 @@ def benchmark(cfg: BenchConfig, out: Path, resume: bool = False) -> Iterator[Ste
     }
     writer.write_json("meta.json", {**report.environment(pair.device), "config": cfg.as_dict(), "resolved": resolved})
 
+    plan = cfg.plan  # one plan for the run: a method that learns keeps its state in its decoder
+    for step in plan:
+        step.method.begin_run(pair, cfg, step)
     if previous is not None and previous.costs:
         costs = ForwardCosts.from_rows(previous.costs)
     else:
         yield Step("measuring forward costs (c, verify_ratio)")
-        costs = measure_costs(pair, prompt_ids, cfg)
+        costs = measure_costs(pair, prompt_ids, cfg, plan)
         writer.write_csv("verify_cost.csv", costs.rows())
     yield Step("warming up")
-    warm_up(pair, cfg, prompt_ids)
+    warm_up(pair, cfg, prompt_ids, plan)
 
-    plan = cfg.plan
     done = previous.complete_prompts(1 + len(plan)) if previous is not None else set()
     records = writer.start_records([r for r in previous.records if r["prompt_index"] in done] if previous else [], done)
     todo = [i for i in range(len(prompts)) if i not in done]
     total, finished, written = len(todo) * (1 + len(plan)), 0, time.monotonic()
+    learning: list[dict] = []  # online.csv
     try:
         for index in todo:
             prompt, ids = prompts[index], prompt_ids[index]
             baseline = decode(pair, cfg, ids, index, Decoder(BASELINE))
             for decoder in [Decoder(BASELINE), *plan]:
                 measured = baseline if decoder.method is BASELINE else decode(pair, cfg, ids, index, decoder)
+                learned = decoder.method.after_prompt(decoder, ids, measured.result)
                 tokens = measured.result.tokens
                 text = pair.target.tokenizer.decode(tokens) if pair.target.tokenizer else ""
                 writer.output(prompt.id, index, decoder.k, decoder.method.name, tokens, text, shape_text(decoder.tree))
-                records.append(record(prompt, index, ids, baseline, decoder, measured))
+                records.append(record(prompt, index, ids, baseline, decoder, measured, learned))
                 if cfg.random_weights:
                     records[-1].update((name, math.nan) for name in WEIGHT_DEPENDENT if name in records[-1])
                 writer.append_record(records[-1])
+                if learned is not None:
+                    learning.append(online_row(records[-1], learned))
+                    writer.write_csv("online.csv", learning)
                 finished += 1
                 yield Step("decoding", finished, total, decoder.label)
                 if time.monotonic() - written > SUMMARY_EVERY_S:
-                    writer.write_csv("summary.csv", summarize(records, costs, cfg, run_info))
+                    writer.write_csv("summary.csv", summarize(records, costs, cfg, run_info, plan))
                     written = time.monotonic()
     finally:
-        summary = summarize(records, costs, cfg, run_info)
+        summary = summarize(records, costs, cfg, run_info, plan)
         writer.write_csv("summary.csv", summary)
         writer.write_csv("acceptance.csv", acceptance_rows(records))
         writer.close()
+        if cfg.save_draft:  # what was learned is kept, also when the run was interrupted
+            learners = [step for step in plan if step.method.learns]
+            for step in learners:
+                step.method.save(step, Path(cfg.save_draft) / (f"k{step.k}" if len(learners) > 1 else ""))
     picks = {} if cfg.random_weights else best_ks(summary)
     predicted = predicted_rows(cfg.assume_alpha, costs) if costs.draft_single is not None else []
     if predicted:
         writer.write_csv("predicted.csv", predicted)
-    from .plot import plot_phases, plot_run
+    from .plot import plot_online, plot_phases, plot_run
 
     if picks:
         writer.write_json("best_k.json", picks)
-    plots = [path for path in (plot_phases(out), plot_run(out)) if path is not None] if summary else []
+    plots = (
+        [path for path in (plot_phases(out), plot_run(out), plot_online(out)) if path is not None] if summary else []
+    )
     title = f"{cfg.target} <- {cfg.draft}" if pair.draft else cfg.target
     if cfg.random_weights:
         lengths = f"{cfg.prompt_tokens} tokens" if cfg.prompt_tokens else f"{cfg.dataset}'s lengths"

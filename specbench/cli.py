@@ -17,6 +17,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from .errors import SpecbenchError
+from .online import OnlineConfig
 
 app = typer.Typer(
     add_completion=False,
@@ -103,6 +104,48 @@ DeviceMap = Annotated[
         "(empty: all on --device). The map goes into meta.json."
     ),
 ]
+CascadeSplit = Annotated[
+    int,
+    typer.Option(
+        help="--method cascade: the draft model (sped up by lookup) drafts the first M positions of a round and prompt "
+        "lookup alone the rest (a horizontal cascade); 0: the draft model drafts all K."
+    ),
+]
+KvBudget = Annotated[
+    int,
+    typer.Option(
+        help="self-sparse, triforce: KV-cache positions the target drafts over (the first 16, then per --kv-policy)."
+    ),
+]
+KvPolicy = Annotated[
+    str,
+    typer.Option(
+        help="self-sparse, triforce: retrieval (chunks of 8 tokens that the last prompt token's query scores highest, "
+        "per layer and head: TriForce's retrieval cache) or window (the most recent tokens: StreamingLLM)."
+    ),
+]
+DraftWindow = Annotated[int, typer.Option(help="triforce: the draft model's streaming window (sinks + recent tokens).")]
+InnerK = Annotated[int, typer.Option(help="triforce: draft-model tokens the middle level checks at a time.")]
+ContextTokens = Annotated[
+    int,
+    typer.Option(help="--dataset longcode: prompt length in tokens (source cut to end inside a function)."),
+]
+PrefillChunk = Annotated[
+    int,
+    typer.Option(help="Prefill prompts longer than this in chunks of it, so memory stays bounded (0: one forward)."),
+]
+OnlineEvery = Annotated[int, typer.Option(help="--method online: update the draft after every N prompts.")]
+OnlineSteps = Annotated[
+    int, typer.Option(help="--method online: optimiser steps per update, over the lessons since the last one.")
+]
+OnlineLr = Annotated[float, typer.Option(help="--method online: learning rate of the draft's updates (AdamW).")]
+SaveDraft = Annotated[
+    Path | None,
+    typer.Option(
+        help="--method online: write the updated draft here at the end (a checkpoint --draft loads; one k<K>/ "
+        "directory per K when several K learn). The shipped draft is never changed."
+    ),
+]
 Out = Annotated[Path | None, typer.Option(help="Run directory (default results/<time>-<target>-<draft>/).")]
 Resume = Annotated[
     bool,
@@ -154,12 +197,8 @@ def _slug(name: str) -> str:
     return Path(name).stem.replace("/", "_") if name.endswith(".gguf") else name.rstrip("/").replace("/", "_")
 
 
-def _show(events) -> None:
-    """Progress while the benchmark runs, then its tables and verdicts."""
-    from .bench import Results
-    from .report import phase_table, predicted_table, summary_table
-
-    progress = Progress(
+def _progress() -> Progress:
+    return Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
         MofNCompleteColumn(),
@@ -167,6 +206,26 @@ def _show(events) -> None:
         TimeRemainingColumn(),
         console=console,
     )
+
+
+def _prefill_bar(progress: Progress):
+    """A second bar for long prefills, shown while one runs: a callback for the benchmark."""
+    task = None
+
+    def show(done: int, total: int) -> None:
+        nonlocal task
+        if task is None:
+            task = progress.add_task("prefill (tokens)", total=total)
+        progress.update(task, completed=done, total=total, visible=done < total)
+
+    return show
+
+
+def _show(events, progress: Progress) -> None:
+    """Progress while the benchmark runs, then its tables and verdicts."""
+    from .bench import Results
+    from .report import levels_table, phase_table, predicted_table, summary_table
+
     results, task = None, None
     with progress:
         for event in events:
@@ -182,6 +241,8 @@ def _show(events) -> None:
         return
     console.print(summary_table(results.summary, results.title))
     console.print(phase_table(results.summary))
+    if (levels := levels_table(results.summary)) is not None:
+        console.print(levels)
     if results.predicted:
         console.print(predicted_table(results.predicted))
     for method, picks in results.best_ks.items():
@@ -230,6 +291,17 @@ def run(
     prompt_tokens: PromptTokens = 0,
     assume_alpha: AssumeAlpha = "",
     device_map: DeviceMap = "",
+    cascade_split: CascadeSplit = 0,
+    kv_budget: KvBudget = 1024,
+    kv_policy: KvPolicy = "retrieval",
+    draft_window: DraftWindow = 256,
+    inner_k: InnerK = 2,
+    context_tokens: ContextTokens = 0,
+    prefill_chunk: PrefillChunk = 512,
+    online_every: OnlineEvery = 1,
+    online_steps: OnlineSteps = OnlineConfig.steps,
+    online_lr: OnlineLr = OnlineConfig.lr,
+    save_draft: SaveDraft = None,
     out: Out = None,
     resume: Resume = False,
 ) -> None:
@@ -264,11 +336,21 @@ def run(
         prompt_tokens=prompt_tokens,
         assume_alpha=_parse_alphas(assume_alpha or ("0.5,0.6,0.7,0.8" if random_weights else "")),
         device_map=device_map or None,
+        cascade_split=cascade_split,
+        kv_budget=kv_budget,
+        kv_policy=kv_policy,
+        draft_window=draft_window,
+        inner_k=inner_k,
+        context_tokens=context_tokens,
+        prefill_chunk=prefill_chunk,
+        online=OnlineConfig(every=online_every, steps=online_steps, lr=online_lr),
+        save_draft=str(save_draft) if save_draft else None,
     )
     if resume and out is None:
         raise SpecbenchError("--resume needs --out DIR: the run directory to continue")
     out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(target)}-{_slug(draft)}"
-    _show(bench.benchmark(cfg, out, resume))
+    progress = _progress()
+    _show(bench.benchmark(cfg, out, resume, prefill_progress=_prefill_bar(progress)), progress)
 
 
 def _with_defaults(command, **defaults):
@@ -502,11 +584,11 @@ def distill(
 
 @app.command()
 def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written by run or sweep-k.")]) -> None:
-    """Redraw a run's figures from its CSVs: time per token by phase, and (for methods with K)
-    speedup vs K, acceptance by position and verification cost."""
-    from .plot import plot_phases, plot_run
+    """Redraw a run's figures from its CSVs: time per token by phase; for methods with K speedup vs
+    K, acceptance by position and verification cost; with --method online, alpha over the run."""
+    from .plot import plot_online, plot_phases, plot_run
 
-    for path in (plot_phases(run_dir), plot_run(run_dir)):
+    for path in (plot_phases(run_dir), plot_run(run_dir), plot_online(run_dir)):
         if path is not None:
             console.print(f"wrote {path}")
 

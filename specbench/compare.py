@@ -24,7 +24,14 @@ from specbench.metrics import paired_change, rate_of_sums
 
 # k before method, so that rows are labelled "k=4 method=speculative".
 REQUIRED_KEYS = ["target", "draft", "dataset", "k", "temperature", "top_k", "top_p", "method"]
-OPTIONAL_KEYS = ["tree", "eta", "max_new_tokens", "num_prompts", "seed"]  # keys only when both files have them
+OPTIONAL_KEYS = [
+    "tree",
+    "options",
+    "eta",
+    "max_new_tokens",
+    "num_prompts",
+    "seed",
+]  # keys only when both files have them
 CONTEXT = ["device", "dtype"]  # not keys, so CI and a laptop still match on alpha; but timings become incomparable
 METRICS = [c.name for c in schema.COLUMNS if c.name in schema.SUMMARY and c.kind != schema.CONFIG and c.better]
 RELATIVE = {c.name for c in schema.COLUMNS if c.kind == schema.TIMING}  # noisy, so judged with a relative tolerance

@@ -329,12 +329,14 @@ def new_student(cfg: DistillConfig, target: LoadedModel):
 @dataclass
 class Example:
     """A token sequence and the teacher's top-k next-token distributions at positions
-    ``start`` .. ``start + len(top_logp) - 1``; other positions carry no loss."""
+    ``start`` .. ``start + len(top_logp) - 1``, or at ``positions`` when given (online lessons are
+    scattered); other positions carry no loss."""
 
     ids: torch.Tensor
     start: int
     top_logp: torch.Tensor
     top_idx: torch.Tensor
+    positions: torch.Tensor | None = None
 
 
 def load_examples(cfg: DistillConfig) -> tuple[list[Example], list[Example]]:
@@ -370,7 +372,7 @@ def collate(examples: list[Example]) -> dict[str, torch.Tensor]:
         "labelled": torch.zeros(rows, length, dtype=torch.bool),
     }
     for r, e in enumerate(examples):
-        labelled = slice(e.start, e.start + len(e.top_logp))
+        labelled = e.positions if e.positions is not None else slice(e.start, e.start + len(e.top_logp))
         batch["ids"][r, : len(e.ids)] = e.ids
         batch["top_logp"][r, labelled] = e.top_logp.float()
         batch["top_idx"][r, labelled] = e.top_idx.long()
@@ -473,15 +475,21 @@ def head_tokens(examples: list[Example]) -> list[int]:
     return sorted(set(torch.cat([e.top_idx[:, 0] for e in examples]).tolist()))
 
 
+def save_checkpoint(model, tokenizer, out: Path, shortlist: list[int] | None) -> None:
+    """A plain half-precision checkpoint with ``tokenizer``, loadable with --draft DIR, and the
+    vocabulary shortlist specbench's draft projection uses (none: the full projection)."""
+    out.mkdir(parents=True, exist_ok=True)
+    copy.deepcopy(model).eval().half().save_pretrained(out)  # a copy: the caller's model keeps its dtype
+    tokenizer.save_pretrained(out)
+    if shortlist is not None:
+        (out / HEAD_TOKENS).write_text(json.dumps(shortlist) + "\n")
+
+
 def save_draft(
     student, target: LoadedModel, cfg: DistillConfig, held_out_agreement: float | None, shortlist: list[int]
 ) -> None:
-    """A plain half-precision checkpoint plus the target's tokenizer, loadable with --draft DIR,
-    and the vocabulary shortlist specbench's draft projection uses."""
-    student.eval()
-    student.half().save_pretrained(cfg.out)
-    target.tokenizer.save_pretrained(cfg.out)
-    (cfg.out / HEAD_TOKENS).write_text(json.dumps(shortlist) + "\n")
+    """The distilled draft (see save_checkpoint) and distill.json, its recipe."""
+    save_checkpoint(student, target.tokenizer, cfg.out, shortlist)
     meta = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     c = student.config  # a draft trained further keeps its own shape, whatever the size options said
     shape = {

@@ -9,7 +9,7 @@ it, and a drafter that nests speculation calls it for its own level.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Protocol
@@ -40,6 +40,9 @@ class CausalLM(Protocol):
     def reset(self) -> None:
         """Empty the cache before a new sequence."""
 
+    def prefill(self, prompt_ids: torch.Tensor) -> None:
+        """Start a new sequence with the prompt (a drafting model's first forward)."""
+
     def forward(
         self,
         token_ids: torch.Tensor,
@@ -69,10 +72,15 @@ class Draft:
     parents: list[int]  # each token's parent: an index into tokens, or -1 for the last accepted token
     q: torch.Tensor | None  # [n, V] rows the tokens were sampled from; None for deterministic candidates
     forwards: int = 0  # draft-model forwards it cost
+    # A drafter with a level beneath it (a cascade): which tokens that level proposed, and how many
+    # tokens it offered the drafter's model this round and the model accepted.
+    from_inner: list[bool] | None = None
+    inner_drafted: int = 0
+    inner_accepted: int = 0
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor, q: torch.Tensor | None, forwards: int = 0) -> Draft:
-        return cls(tokens, list(range(-1, len(tokens) - 1)), q, forwards)
+    def chain(cls, tokens: torch.Tensor, q: torch.Tensor | None, forwards: int = 0, **inner) -> Draft:
+        return cls(tokens, list(range(-1, len(tokens) - 1)), q, forwards, **inner)
 
     @cached_property  # asked several times a round; a draft is never changed after it is made
     def is_chain(self) -> bool:
@@ -96,6 +104,14 @@ class Drafter(Protocol):
         """The target kept ``verdict.path`` of ``draft`` and then ``verdict.next_token``."""
 
 
+class LowerDrafter(Drafter, Protocol):
+    """A drafter that can sit beneath another level (a cascade): the level above checks its proposals,
+    and when the target above that keeps less, it is rewound."""
+
+    def rewind_to(self, length: int, tokens: torch.Tensor) -> None:
+        """Keep the first ``length`` tokens of the sequence it has been told of, then ``tokens``."""
+
+
 @dataclass
 class DecodeResult:
     tokens: list[int]  # generated ids, prompt excluded
@@ -107,6 +123,10 @@ class DecodeResult:
     tested: int = 0
     accept_counts: list[int] = field(default_factory=list)  # accepted drafts per verify step
     rank_counts: list[int] = field(default_factory=list)  # accepted nodes by their rank among siblings
+    inner_drafted: int = 0  # tokens a cascade's bottom level proposed to the draft model
+    inner_accepted: int = 0  # of them, those the draft model accepted
+    from_inner: int = 0  # accepted draft tokens that the bottom level had proposed
+    lessons: list = field(default_factory=list)  # what an online method learns from (see online.py)
 
 
 def _end(tokens: list[int], new_from: int, max_new_tokens: int, stop_ids: frozenset[int]) -> int | None:
@@ -146,11 +166,12 @@ class ModelDrafter:
         self.model, self.cfg, self.generator = model, cfg, generator
 
     def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
-        self.model.reset()
-        self.model.forward(prompt_ids, last=1)
+        self.model.prefill(prompt_ids)
         self.pending = first  # tokens the draft has not read yet
 
     def propose(self, k: int) -> Draft:
+        if k == 0:  # a cascade may ask for nothing; what it has not read stays unread
+            return Draft.chain(self.pending[:0], None)
         drafted, q_rows = [], []
         for _ in range(k):
             logits = self.model.forward(self.pending, last=1)[-1]
@@ -164,12 +185,22 @@ class ModelDrafter:
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         n, k = verdict.accepted, len(draft.tokens)
-        if n == k:
+        if k == 0:
+            self.pending = torch.cat([self.pending, verdict.next_token])
+        elif n == k:
             # It never read its own last draft: it reads it now, with the target's bonus token.
             self.pending = torch.cat([draft.tokens[-1:], verdict.next_token])
         else:
             self.model.keep(range(n), k - 1)  # its cache holds drafts 1..k-1
             self.pending = verdict.next_token
+
+    def rewind_to(self, length: int, tokens: torch.Tensor) -> None:
+        read = self.model.length  # the sequence it holds is what it read, then what is pending
+        if read > length:
+            self.model.keep([], read - length)
+            self.pending = tokens
+        else:
+            self.pending = torch.cat([self.pending[: length - read], tokens])
 
 
 class PromptLookupDrafter:
@@ -197,55 +228,89 @@ class PromptLookupDrafter:
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         self.seen += draft.on_path(verdict.path).tolist() + verdict.next_token.tolist()
 
+    def rewind_to(self, length: int, tokens: torch.Tensor) -> None:
+        del self.seen[length:]
+        self.seen += tokens.tolist()
+
 
 class CascadeDrafter:
-    """A draft model sped up by prompt lookup beneath it (a vertical cascade): lookup proposes, the
-    model checks the proposal in one forward by exact speculative sampling against its own
+    """A draft model sped up by a drafter beneath it (a vertical cascade): the lower level proposes,
+    the model checks the proposal in one forward by exact speculative sampling against its own
     distribution, until it has its tokens. They are distributed as the model's own samples, and the
     model's rows where they were chosen are the q of the verification above, so the cascade is
-    exact. With ``split`` M the model drafts only the first M positions and lookup the rest, as
-    deterministic candidates (a horizontal cascade)."""
+    exact. With ``split`` M the model drafts only the first M positions and the lower level the
+    rest, unchecked (a horizontal cascade), judged as deterministic candidates: exact for any
+    proposal drawn independently of the target's check.
+
+    ``lower`` is prompt lookup unless given (a ModelDrafter makes TriForce's bottom level);
+    ``inner_k`` caps its proposal per check (None: as many tokens as positions are left).
+    """
 
     def __init__(
-        self, model: CausalLM, cfg: SamplingConfig, generator: torch.Generator, split: int | None = None, ngram: int = 3
+        self,
+        model: CausalLM,
+        cfg: SamplingConfig,
+        generator: torch.Generator,
+        split: int | None = None,
+        ngram: int = 3,
+        lower: LowerDrafter | None = None,
+        inner_k: int | None = None,
     ):
-        self.model, self.cfg, self.generator, self.split = model, cfg, generator, split
-        self.lookup = PromptLookupDrafter(ngram)
+        self.model, self.cfg, self.generator, self.split, self.inner_k = model, cfg, generator, split, inner_k
+        self.lower = lower if lower is not None else PromptLookupDrafter(ngram)
 
     def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
-        self.model.reset()
-        self.model.forward(prompt_ids, last=1)
-        self.lookup.start(prompt_ids, first)
+        self.model.prefill(prompt_ids)
+        self.lower.start(prompt_ids, first)
         self.pending = first  # tokens the model has not read yet
+        self.length = len(prompt_ids) + len(first)  # the sequence so far, pending tokens included
 
     def propose(self, k: int) -> Draft:
-        self.unread, self.history = len(self.pending), len(self.lookup.seen)
+        self.unread = len(self.pending)
         self.drafted = k if self.split is None else min(self.split, k)  # the model's tokens; it reads all but the last
-        tokens, rows, have = [], [], 0
+        tokens, rows, from_inner, have, offered, taken = [], [], [], 0, 0, 0
         while have < self.drafted:
-            # A round with m lookup tokens emits at most m + 1: never more than the positions left.
+            # A round with m lower tokens emits at most m + 1: never more than the positions left.
+            ask = self.drafted - have - 1
             inner = speculative_round(
-                self.model, self.lookup, self.pending, self.drafted - have - 1, self.cfg, self.generator
+                self.model,
+                self.lower,
+                self.pending,
+                ask if self.inner_k is None else min(ask, self.inner_k),
+                self.cfg,
+                self.generator,
             )
             emitted = inner.emitted
             tokens.append(emitted)
             if inner.p is not None:
                 rows.append(inner.p[: len(emitted)])  # the row each emitted token was chosen from
+            # The accepted lower tokens came from beneath; the model itself chose the last one.
+            from_inner += [True] * inner.verdict.accepted + [False]
+            offered, taken = offered + len(inner.draft.tokens), taken + inner.verdict.accepted
             self.pending, have = inner.verdict.next_token, have + len(emitted)
-        tail = self.lookup.propose(k - self.drafted).tokens if k > self.drafted else tokens[0][:0]
+        tail = self.lower.propose(k - self.drafted).tokens if k > self.drafted else tokens[0][:0]
         if rows and len(tail):
             rows.append(torch.nn.functional.one_hot(tail, rows[0].shape[-1]).to(rows[0].dtype))
-        return Draft.chain(torch.cat([*tokens, tail]), torch.cat(rows) if rows else None, forwards=len(tokens))
+        return Draft.chain(
+            torch.cat([*tokens, tail]),
+            torch.cat(rows) if rows else None,
+            forwards=len(tokens),
+            from_inner=from_inner + [True] * len(tail),
+            inner_drafted=offered,
+            inner_accepted=taken,
+        )
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         n = verdict.accepted
         if n < self.drafted:
             self.model.keep(range(self.unread + n), self.unread + self.drafted - 1)
             self.pending = verdict.next_token
-        else:  # it never read its last token, nor the lookup tokens the target accepted after it
+        else:  # it never read its last token, nor the lower tokens the target accepted after it
             self.pending = torch.cat([draft.tokens[self.drafted - 1 : n], verdict.next_token])
-        del self.lookup.seen[self.history :]  # the inner rounds added the model's tokens; the target decides
-        self.lookup.accepted(draft, verdict)
+        # The inner rounds told the lower level of the model's tokens; the target decides which stand.
+        kept = min(n, self.drafted)
+        self.lower.rewind_to(self.length + kept, torch.cat([draft.tokens[kept:n], verdict.next_token]))
+        self.length += n + 1
 
 
 def tree_parents(shape: Sequence[int]) -> list[int]:
@@ -273,8 +338,7 @@ class TreeDrafter:
         self.inner = len(self.parents) - math.prod(self.shape)  # the nodes it reads: all but the leaves
 
     def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
-        self.model.reset()
-        self.model.forward(prompt_ids, last=1)
+        self.model.prefill(prompt_ids)
         self.pending = first
 
     def propose(self, k: int) -> Draft:
@@ -344,11 +408,13 @@ class LookupTreeDrafter(PromptLookupDrafter):
 
 @dataclass
 class Round:
-    """One speculative round: the draft, the verdict, and the target's warped rows at every
-    position it scored ([n+1, V]; None under greedy), which a level above uses as its q."""
+    """One speculative round: the draft, the verdict, the target's logits at every position it
+    scored ([n+1, V]: the root's row, then each draft token's), and their warped rows (None under
+    greedy), which a level above uses as its q."""
 
     draft: Draft
     verdict: Verdict
+    logits: torch.Tensor
     p: torch.Tensor | None
 
     @property
@@ -389,7 +455,7 @@ def speculative_round(
     verdict, p = verify(draft, target_logits, cfg, generator)
     target.keep(list(range(read)) + [read + i for i in verdict.path], read + n)
     drafter.accepted(draft, verdict)
-    return Round(draft, verdict, p)
+    return Round(draft, verdict, target_logits, p)
 
 
 @torch.inference_mode()
@@ -402,11 +468,13 @@ def speculative_decode(
     cfg: SamplingConfig,
     generator: torch.Generator,
     stop_ids: frozenset[int] = frozenset(),
+    on_round: Callable[[Round, int], None] | None = None,
 ) -> DecodeResult:
     """Speculative decoding with lookahead ``k``; output law equals the target's (exactly).
 
     Between rounds the target's cache holds every token but the newest one (``last``), which it
-    reads first in the next verification forward together with the drafted tokens.
+    reads first in the next verification forward together with the drafted tokens. ``on_round``
+    sees every round and the index in the output of the round's first emitted token.
     """
     if k < 1:
         raise ValueError("k must be >= 1")
@@ -426,6 +494,10 @@ def speculative_decode(
         result.accepted += verdict.accepted
         result.tested += verdict.tested
         result.accept_counts.append(verdict.accepted)
+        result.inner_drafted += step.draft.inner_drafted
+        result.inner_accepted += step.draft.inner_accepted
+        if step.draft.from_inner is not None:
+            result.from_inner += sum(step.draft.from_inner[node] for node in verdict.path)
         siblings = {} if step.draft.is_chain else children(step.draft.parents)  # in a chain every node is a 1st child
         for node in verdict.path:
             rank = siblings[step.draft.parents[node]].index(node) if siblings else 0
@@ -433,6 +505,8 @@ def speculative_decode(
             result.rank_counts[rank] += 1
         beta_sum = beta_sum + verdict.beta_sum
         new_from = len(result.tokens)
+        if on_round is not None:
+            on_round(step, new_from)
         result.tokens += step.emitted.tolist()
         end = _end(result.tokens, new_from, max_new_tokens, stop_ids)
         if end is not None:

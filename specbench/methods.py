@@ -8,6 +8,8 @@ one is a class here and an entry in METHODS.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,12 +27,29 @@ from .engine import (
     tree_parents,
 )
 from .errors import SpecbenchError
-from .models import hf_generate
-from .sampling import SamplingConfig
-from .timing import PhaseClock
+from .models import SparseView, WindowLM, hf_generate
+from .online import Learned, OnlineLearner, rejection
+from .timing import TimedDrafter, TimedLM
 
 if TYPE_CHECKING:
-    from .bench import ForwardCosts, Pair
+    from .bench import BenchConfig, ForwardCosts, Pair
+
+
+@dataclass(eq=False)
+class Decoder:
+    """One way of decoding a prompt: a method with its lookahead K (a tree's depth) and tree shape,
+    and what the method keeps between the prompts of a run (``state``: online's learner)."""
+
+    method: Method
+    k: int | None = None
+    tree: tuple[int, ...] | None = None
+    state: object = None
+
+    @property
+    def label(self) -> str:
+        if self.tree:
+            return f"{self.method.name} tree={','.join(map(str, self.tree))}"
+        return f"{self.method.name} K={self.k}" if self.k else self.method.name
 
 
 class Method:
@@ -39,6 +58,9 @@ class Method:
     takes_k = True  # decodes with a lookahead K (one row per K)
     takes_tree = False  # drafts a tree of the --tree shape (one row per shape; K is its depth)
     needs_draft = False  # the --draft model must be loaded
+    learns = False  # changes between prompts (begin_run, after_prompt and save say how)
+    inner_level = ""  # what proposes beneath the draft model, in a method of several levels
+    levels: tuple[str, ...] = ()  # drafting levels whose one-token forward the cost measurement times (bench.LEVELS)
 
     @property
     def drafts(self) -> bool:
@@ -47,47 +69,49 @@ class Method:
     def check(self, pair: Pair) -> None:
         """Raise SpecbenchError when this method cannot run on ``pair``."""
 
+    def options(self, cfg: BenchConfig) -> str:
+        """The method's own settings that change what it measures, for the ``options`` column."""
+        return ""
+
     def c(self, costs: ForwardCosts) -> float:
         """Cost of one drafting step in one-token target forwards (NaN: the method does not draft)."""
         return math.nan
 
+    def begin_run(self, pair: Pair, cfg: BenchConfig, step: Decoder) -> None:
+        """Set up ``step.state`` before the first prompt (methods that learn)."""
+
     def decode(
-        self,
-        pair: Pair,
-        ids: torch.Tensor,
-        k: int | None,
-        sampling: SamplingConfig,
-        max_new_tokens: int,
-        generator: torch.Generator,
-        clock: PhaseClock,
-        tree: tuple[int, ...] | None = None,
+        self, pair: Pair, cfg: BenchConfig, step: Decoder, ids: torch.Tensor, generator: torch.Generator
     ) -> DecodeResult:
-        """Decode one prompt, lapping ``clock`` around every model forward (see timing.py); ``tree``
-        is the shape for methods that take one."""
+        """Decode one prompt; ``pair`` is timed (pair.clock is lapped around every model forward)."""
         raise NotImplementedError
+
+    def after_prompt(self, step: Decoder, ids: torch.Tensor, result: DecodeResult) -> Learned | None:
+        """Work between prompts, after a prompt's timed decodes (methods that learn)."""
+        return None
+
+    def save(self, step: Decoder, out: Path) -> None:
+        """Write what the method learned (--save-draft)."""
 
 
 class Baseline(Method):
     name, help, takes_k = "baseline", "the target alone, one token per forward with a KV cache (always runs)", False
 
-    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock, tree=None):
-        return autoregressive_decode(
-            pair.timed(clock).target_lm, ids, max_new_tokens, sampling, generator, pair.stop_ids
-        )
+    def decode(self, pair, cfg, step, ids, generator):
+        return autoregressive_decode(pair.target_lm, ids, cfg.max_new_tokens, cfg.sampling, generator, pair.stop_ids)
 
 
 class SpeculativeLoop(Method):
     """A method that runs specbench's own speculative loop with its own drafter."""
 
-    def drafter(
-        self, pair: Pair, sampling: SamplingConfig, generator: torch.Generator, tree: tuple[int, ...] | None
-    ) -> Drafter:
+    def drafter(self, pair: Pair, cfg: BenchConfig, step: Decoder, generator: torch.Generator) -> Drafter:
         raise NotImplementedError
 
-    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock, tree=None):
-        timed = pair.timed(clock)
-        drafter = self.drafter(timed, sampling, generator, tree)
-        return speculative_decode(timed.target_lm, drafter, ids, k, max_new_tokens, sampling, generator, pair.stop_ids)
+    def decode(self, pair, cfg, step, ids, generator):
+        drafter = self.drafter(pair, cfg, step, generator)
+        return speculative_decode(
+            pair.target_lm, drafter, ids, step.k, cfg.max_new_tokens, cfg.sampling, generator, pair.stop_ids
+        )
 
 
 class Speculative(SpeculativeLoop):
@@ -100,8 +124,8 @@ class Speculative(SpeculativeLoop):
     def c(self, costs):
         return costs.c
 
-    def drafter(self, pair, sampling, generator, tree):
-        return ModelDrafter(pair.draft_lm, sampling, generator)
+    def drafter(self, pair, cfg, step, generator):
+        return ModelDrafter(pair.draft_lm, cfg.sampling, generator)
 
 
 class PromptLookup(SpeculativeLoop):
@@ -113,7 +137,7 @@ class PromptLookup(SpeculativeLoop):
     def c(self, costs):
         return 0.0  # no draft model runs; its lookups are host-side bookkeeping
 
-    def drafter(self, pair, sampling, generator, tree):
+    def drafter(self, pair, cfg, step, generator):
         return PromptLookupDrafter()
 
 
@@ -121,15 +145,21 @@ class Cascade(SpeculativeLoop):
     name, help, needs_draft = (
         "cascade",
         "the draft model sped up by prompt lookup beneath it: lookup proposes, the draft checks the proposal in "
-        "one forward by exact speculative sampling, and its rows are the q of the target's verification",
+        "one forward by exact speculative sampling, and its rows are the q of the target's verification; "
+        "--cascade-split M leaves the positions after the first M to lookup alone",
         True,
     )
+    inner_level = "prompt lookup"
+
+    def options(self, cfg):
+        return f"split={cfg.cascade_split}" if cfg.cascade_split else ""
 
     def c(self, costs):
         return costs.c  # one of its draft-model forwards; it needs fewer of them than K per round
 
-    def drafter(self, pair, sampling, generator, tree):
-        return CascadeDrafter(pair.draft_lm, sampling, generator)
+    def drafter(self, pair, cfg, step, generator):
+        lookup = TimedDrafter(PromptLookupDrafter(), pair.clock, "inner")
+        return CascadeDrafter(pair.draft_lm, cfg.sampling, generator, cfg.cascade_split or None, lower=lookup)
 
 
 class Tree(SpeculativeLoop):
@@ -145,8 +175,8 @@ class Tree(SpeculativeLoop):
     def c(self, costs):
         return costs.c
 
-    def drafter(self, pair, sampling, generator, tree):
-        return TreeDrafter(pair.draft_lm, sampling, generator, tree)
+    def drafter(self, pair, cfg, step, generator):
+        return TreeDrafter(pair.draft_lm, cfg.sampling, generator, step.tree)
 
 
 class LookupTree(SpeculativeLoop):
@@ -161,8 +191,107 @@ class LookupTree(SpeculativeLoop):
     def c(self, costs):
         return 0.0
 
-    def drafter(self, pair, sampling, generator, tree):
-        return LookupTreeDrafter(nodes=len(tree_parents(tree)), depth=len(tree))
+    def drafter(self, pair, cfg, step, generator):
+        return LookupTreeDrafter(nodes=len(tree_parents(step.tree)), depth=len(step.tree))
+
+
+class Online(Speculative):
+    name, help, learns = (
+        "online",
+        "speculative with a draft that learns as the run goes: every --online-every prompts it is trained on the "
+        "target's rows where the target rejected it (kept from verification); weights change between prompts only",
+        True,
+    )
+
+    def options(self, cfg):
+        o = cfg.online
+        return f"every={o.every},steps={o.steps},lr={o.lr:g}"
+
+    def begin_run(self, pair, cfg, step):
+        step.state = OnlineLearner(pair.draft, pair.draft_lm.width, cfg.online, pair.device)
+
+    def drafter(self, pair, cfg, step, generator):
+        return ModelDrafter(TimedLM(step.state.lm, pair.clock, "draft"), cfg.sampling, generator)
+
+    def decode(self, pair, cfg, step, ids, generator):
+        lessons = []
+
+        def keep(round_, at):
+            if (lesson := rejection(round_, at)) is not None:
+                lessons.append(lesson)
+
+        result = speculative_decode(
+            pair.target_lm,
+            self.drafter(pair, cfg, step, generator),
+            ids,
+            step.k,
+            cfg.max_new_tokens,
+            cfg.sampling,
+            generator,
+            pair.stop_ids,
+            on_round=keep,
+        )
+        result.lessons = lessons
+        return result
+
+    def after_prompt(self, step, ids, result):
+        return step.state.learn(ids, result)
+
+    def save(self, step, out):
+        step.state.save(out)
+
+
+class SelfSparse(SpeculativeLoop):
+    name, help = (
+        "self-sparse",
+        "the target drafts for itself over --kv-budget tokens of its KV cache (the first ones and the chunks its last "
+        "query scores highest, or with --kv-policy window the most recent); the full target verifies",
+    )
+
+    levels = ("self-sparse",)
+
+    def options(self, cfg):
+        return f"budget={cfg.kv_budget},policy={cfg.kv_policy}"
+
+    def c(self, costs):
+        return costs.level_c("self-sparse")
+
+    def begin_run(self, pair, cfg, step):
+        step.state = SparseView(pair.target_lm, cfg.kv_budget, cfg.kv_policy)
+
+    def drafter(self, pair, cfg, step, generator):
+        step.state.watch()  # before the target's prefill, which comes next
+        return ModelDrafter(TimedLM(step.state, pair.clock, "draft"), cfg.sampling, generator)
+
+
+class TriForce(SpeculativeLoop):
+    name, help, needs_draft = (
+        "triforce",
+        "two levels of speculation (TriForce): the draft model over a streaming window of its cache (--draft-window) "
+        "proposes --inner-k tokens at a time to the target over --kv-budget tokens of its cache (as self-sparse), "
+        "which checks them exactly; the full target verifies what that level drafted, its rows as q",
+        True,
+    )
+    inner_level = "draft model over its window"
+    levels = ("self-sparse", "draft-window")
+
+    def options(self, cfg):
+        return f"budget={cfg.kv_budget},policy={cfg.kv_policy},window={cfg.draft_window},inner_k={cfg.inner_k}"
+
+    def c(self, costs):
+        return costs.level_c("self-sparse")  # a drafting step of the level the target verifies
+
+    def begin_run(self, pair, cfg, step):
+        window = WindowLM(pair.draft_lm.model, pair.draft_lm.width, pair.draft.head_tokens, cfg.draft_window)
+        window.progress = pair.draft_lm.progress
+        step.state = SparseView(pair.target_lm, cfg.kv_budget, cfg.kv_policy), window
+
+    def drafter(self, pair, cfg, step, generator):
+        view, window = step.state
+        view.watch()
+        lower = ModelDrafter(TimedLM(window, pair.clock, "inner"), cfg.sampling, generator)
+        middle = TimedLM(view, pair.clock, "draft")
+        return CascadeDrafter(middle, cfg.sampling, generator, lower=lower, inner_k=cfg.inner_k)
 
 
 def _seed(generator: torch.Generator) -> int:
@@ -187,21 +316,37 @@ class HFAssisted(Method):
     def c(self, costs):
         return costs.c
 
-    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock, tree=None):
+    def decode(self, pair, cfg, step, ids, generator):
         seed = _seed(generator)
-        return hf_generate(pair.target, ids, max_new_tokens, sampling, seed, pair.stop_ids, pair.draft, k, clock)
+        return hf_generate(
+            pair.target, ids, cfg.max_new_tokens, cfg.sampling, seed, pair.stop_ids, pair.draft, step.k, pair.clock
+        )
 
 
 class HFGenerate(Method):
     name, help, takes_k = "hf-generate", "transformers' plain generate (checks that the baseline is as fast)", False
 
-    def decode(self, pair, ids, k, sampling, max_new_tokens, generator, clock, tree=None):
-        return hf_generate(pair.target, ids, max_new_tokens, sampling, _seed(generator), pair.stop_ids, clock=clock)
+    def decode(self, pair, cfg, step, ids, generator):
+        return hf_generate(
+            pair.target, ids, cfg.max_new_tokens, cfg.sampling, _seed(generator), pair.stop_ids, clock=pair.clock
+        )
 
 
 METHODS: dict[str, Method] = {
     m.name: m
-    for m in (Baseline(), Speculative(), PromptLookup(), Cascade(), Tree(), LookupTree(), HFAssisted(), HFGenerate())
+    for m in (
+        Baseline(),
+        Speculative(),
+        PromptLookup(),
+        Cascade(),
+        Tree(),
+        LookupTree(),
+        Online(),
+        SelfSparse(),
+        TriForce(),
+        HFAssisted(),
+        HFGenerate(),
+    )
 }
 BASELINE = METHODS["baseline"]
 DEFAULT = [Speculative.name]  # what `specbench run` measures when no --method is given

@@ -11,7 +11,7 @@ import os
 import re
 import shutil
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -21,6 +21,7 @@ import tomllib
 import torch
 
 from .errors import SpecbenchError
+from .kv import SINKS, retrieval_positions, window_positions
 from .timing import ForwardLaps
 
 log = logging.getLogger("specbench")
@@ -392,16 +393,31 @@ class HFCausalLM:
     stays exact: drafts come from, and are judged against, this restricted distribution.
     """
 
+    prefill_chunk = 0  # a plain forward over more tokens than this runs in chunks of it (0: whole)
+    progress: Callable[[int, int], None] | None = None  # told (tokens done, tokens) after each chunk
+
     def __init__(self, model, width: int, head_tokens: torch.Tensor | None = None):
         self.model = model
         self.width = width  # logits beyond the shared width are dropped so p and q align
         self.device = model.device
+        self.queries: list[torch.Tensor] | None = None  # see watch_queries
         self.head_tokens = None if head_tokens is None else head_tokens[head_tokens < width].to(self.device)
         if self.head_tokens is not None:  # gathered once; reset() returns to these without copying
             self.shortlist_mask = torch.zeros(width, dtype=torch.bool, device=self.device)
             self.shortlist_mask[self.head_tokens] = True
             self.shortlist_head = self.model.get_output_embeddings().weight[self.head_tokens]
         self.reset()
+
+    def refresh(self, more_tokens: torch.Tensor) -> None:
+        """After the weights changed (online updates): gather the shortlisted head again from them,
+        with ``more_tokens`` added to the shortlist. Takes effect at the next ``reset``."""
+        if self.head_tokens is None:
+            return  # the full projection reads the weights themselves
+        more = more_tokens.to(self.device)
+        more = more[(more < self.width) & ~self.shortlist_mask[more.clamp(max=self.width - 1)]].unique()
+        self.head_tokens = torch.cat([self.head_tokens, more])
+        self.shortlist_mask[more] = True
+        self.shortlist_head = self.model.get_output_embeddings().weight[self.head_tokens].detach()
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -443,6 +459,11 @@ class HFCausalLM:
             inputs["attention_mask"] = additive.masked_fill_(~mask.to(self.device), torch.finfo(dtype).min)[None, None]
         return inputs
 
+    def prefill(self, prompt_ids: torch.Tensor) -> None:
+        """Start a new sequence with the prompt."""
+        self.reset()
+        self.forward(prompt_ids, last=1)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -450,6 +471,62 @@ class HFCausalLM:
         last: int = 1,
         positions: torch.Tensor | None = None,
         mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        n, chunk = len(token_ids), self.prefill_chunk
+        if positions is not None or mask is not None or not chunk or n <= chunk:
+            return self._forward(token_ids, last, positions, mask)
+        # A long prompt in chunks: attention's memory grows with chunk x context, not context^2.
+        tail = max(last, n - (n - 1) // chunk * chunk)  # the final chunk, which yields the logits
+        for start in range(0, n - tail, chunk):
+            self._forward(token_ids[start : min(start + chunk, n - tail)], 1, None, None)
+            if self.progress is not None:
+                self.progress(min(start + chunk, n - tail), n)
+        logits = self._forward(token_ids[n - tail :], last, None, None)
+        if self.progress is not None:
+            self.progress(n, n)
+        return logits
+
+    def watch_queries(self) -> None:
+        """Record each layer's query at the newest position of the next forwards (a retrieval view
+        of this cache scores its chunks with them)."""
+        self.queries = [None] * len(self.model.base_model.layers)
+
+    def take_queries(self) -> list[torch.Tensor]:
+        """The recorded queries, [heads, head_dim] per layer, rotated to the newest position as
+        attention rotates them (RoPE); recording stops."""
+        config = self.model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        position = torch.tensor([[self.length - 1]], device=self.device)
+        queries, self.queries = self.queries, None
+        rotated = []
+        for query in queries:
+            q = query.view(1, heads, 1, head_dim)
+            cos, sin = self.model.base_model.rotary_emb(q, position_ids=position)
+            halves = torch.cat([-q[..., head_dim // 2 :], q[..., : head_dim // 2]], dim=-1)
+            rotated.append((q * cos[:, None] + halves * sin[:, None])[0, :, 0])
+        return rotated
+
+    def _forward(
+        self, token_ids: torch.Tensor, last: int, positions: torch.Tensor | None, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.queries is None:
+            return self._call(token_ids, last, positions, mask)
+        layers = self.model.base_model.layers
+        hooks = [
+            layer.self_attn.q_proj.register_forward_hook(
+                lambda _module, _inputs, output, i=i: self.queries.__setitem__(i, output[0, -1].detach().clone())
+            )
+            for i, layer in enumerate(layers)
+        ]
+        try:
+            return self._call(token_ids, last, positions, mask)
+        finally:
+            for hook in hooks:
+                hook.remove()
+
+    def _call(
+        self, token_ids: torch.Tensor, last: int, positions: torch.Tensor | None, mask: torch.Tensor | None
     ) -> torch.Tensor:
         inputs = self._inputs(token_ids, positions, mask)
         if self.head_tokens is None:
@@ -480,6 +557,97 @@ class HFCausalLM:
                     states[:, :, start : start + len(path)] = states.index_select(2, index)
         if new > len(path):
             self.cache.crop(-(new - len(path)))  # transformers 5.x: a negative count removes that many positions
+
+
+EVICT_SLACK = 32  # a window may outgrow its budget by this much before it is cut back (one copy per 32 tokens)
+
+
+class CacheView(HFCausalLM):
+    """A model over a part of a sequence's KV cache. Its cache holds fewer positions than the
+    sequence, so it gives each token its true position (RoPE) itself; ``length`` is the sequence's.
+    With ``window`` it keeps only the sinks and the most recent positions, ``budget`` in all."""
+
+    def __init__(self, model, width: int, head_tokens=None, budget: int = 0, window: bool = False):
+        self.budget, self.window = budget, window
+        super().__init__(model, width, head_tokens)
+
+    def reset(self) -> None:
+        super().reset()
+        self.read = 0
+
+    @property
+    def length(self) -> int:
+        return self.read
+
+    def _call(self, token_ids, last, positions, mask):
+        if mask is not None:
+            raise ValueError("a cache view drafts chains: it takes no tree mask")
+        if self.window:
+            self._evict(len(token_ids))
+        positions = torch.arange(self.read, self.read + len(token_ids), device=self.device)
+        logits = super()._call(token_ids, last, positions, None)
+        self.read += len(token_ids)
+        return logits
+
+    def _evict(self, incoming: int) -> None:
+        """Cut the window back to the sinks and the newest positions, leaving room for ``incoming``."""
+        held = self.cache.get_seq_length()
+        if held + incoming <= self.budget + EVICT_SLACK:
+            return
+        keep = max(self.budget - incoming, SINKS)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                layer.keys = torch.cat([layer.keys[:, :, :SINKS], layer.keys[:, :, held - (keep - SINKS) :]], dim=2)
+                layer.values = torch.cat(
+                    [layer.values[:, :, :SINKS], layer.values[:, :, held - (keep - SINKS) :]], dim=2
+                )
+
+    @torch.inference_mode()
+    def keep(self, path: Sequence[int], new: int) -> None:
+        super().keep(path, new)
+        self.read -= new - len(path)
+
+
+class SparseView(CacheView):
+    """The target over a part of its own KV cache (self-speculation): the sinks and the chunks its
+    last query scores highest (TriForce's retrieval cache), or a recent window. Built from the full
+    cache after the target's prefill, once per sequence; the tokens it drafts are appended."""
+
+    def __init__(self, full: HFCausalLM, budget: int, policy: str):
+        self.full, self.policy = full, policy
+        super().__init__(full.model, full.width, None, budget, window=policy == "window")
+
+    def watch(self) -> None:
+        """Call before the target's prefill: retrieval scores chunks with the last prompt token's queries."""
+        if self.policy == "retrieval":
+            self.full.watch_queries()
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: torch.Tensor) -> None:
+        if self.full.length != len(prompt_ids):
+            raise ValueError("a sparse view is built from the target's cache right after its prefill")
+        self.reset()
+        queries = self.full.take_queries() if self.policy == "retrieval" else None
+        for i, layer in enumerate(self.full.cache.layers):
+            keys, values = layer.keys, layer.values  # [1, kv_heads, length, head_dim]
+            kv_heads, length = keys.shape[1], keys.shape[2]
+            if queries is None:
+                chosen = window_positions(length, self.budget).to(keys.device).expand(kv_heads, -1)
+            else:
+                chosen = retrieval_positions(queries[i], keys[0], self.budget)
+            index = chosen[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
+            self.cache.update(keys.gather(2, index), values.gather(2, index), i)
+        self.read = len(prompt_ids)
+
+
+class WindowLM(CacheView):
+    """A (small) model over a streaming window of its own cache: the sinks and the most recent
+    positions, ``budget`` in all (StreamingLLM; TriForce's bottom level). Its prefill runs in chunks
+    that fit the window, so a long prompt costs it a window's attention per token."""
+
+    def __init__(self, model, width: int, head_tokens=None, budget: int = 256):
+        super().__init__(model, width, head_tokens, budget, window=True)
+        self.prefill_chunk = max((budget - SINKS) // 2, 1)
 
 
 class _HookedLaps:

@@ -113,7 +113,13 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
     return path
 
 
-PHASE_COLORS = {"prefill_s": "#9e9e9e", "draft_s": "#4c9be8", "verify_s": "#e8834c", "other_s": "#d64550"}
+PHASE_COLORS = {
+    "prefill_s": "#9e9e9e",
+    "draft_s": "#4c9be8",
+    "inner_s": "#8e6bd1",
+    "verify_s": "#e8834c",
+    "other_s": "#d64550",
+}
 
 
 def plot_phases(run_dir: Path, name: str = "phases.png") -> Path:
@@ -134,7 +140,9 @@ def plot_phases(run_dir: Path, name: str = "phases.png") -> Path:
     labels = [m if pd.isna(k) else f"{m}\nK={int(k)}" for m, k in zip(summary["method"], summary["k"], strict=True)]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(summary) + 2), 4.5))
     bottom = pd.Series(0.0, index=summary.index)
-    for column, color in PHASE_COLORS.items():
+    # A phase no method spent time in (inner, without a cascade) is left out of the bars and legend.
+    phases = {c: color for c, color in PHASE_COLORS.items() if c in summary and summary[c].fillna(0).any()}
+    for column, color in phases.items():
         ms = 1000 * summary[column] / summary["new_tokens"]
         ax.bar(labels, ms, bottom=bottom, color=color, label=column.removesuffix("_s"))
         bottom += ms
@@ -147,7 +155,49 @@ def plot_phases(run_dir: Path, name: str = "phases.png") -> Path:
         "(labels: decode speedup, prefill excluded)",
     )
     ax.set_ylim(top=1.2 * bottom.max())  # room for the labels and the legend above the bars
-    ax.legend(loc="upper center", ncol=len(PHASE_COLORS), fontsize="small")
+    ax.legend(loc="upper center", ncol=len(phases), fontsize="small")
+    fig.tight_layout()
+    path = run_dir / name
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_online(run_dir: Path, name: str = "online.png", window: int = 10) -> Path | None:
+    """Alpha against prompt index for every chain method of the run, the drafts that learn and the
+    ones that do not, as a rolling mean over ``window`` prompts (faint dots: each prompt), beside
+    the seconds each update took. None when no method learned (no online.csv)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    if not (run_dir / "online.csv").is_file():
+        return None
+    try:
+        records = pd.read_csv(run_dir / "records.csv")
+        online = pd.read_csv(run_dir / "online.csv")
+    except (OSError, ValueError) as e:
+        raise SpecbenchError(f"cannot read the run's CSVs in {run_dir} ({str(e).splitlines()[0]})") from None
+    chains = records[records["alpha"].notna() & records["k"].notna() & records["tree"].isna()]
+    fig, (ax_alpha, ax_train) = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [2, 1]})
+    colors = itertools.cycle(plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    for ((method, k), rows), color in zip(chains.groupby(["method", "k"], sort=False), colors, strict=False):
+        rows = rows.sort_values("prompt_index")
+        ax_alpha.scatter(rows["prompt_index"], rows["alpha"], s=6, alpha=0.25, color=color)
+        smooth = rows["alpha"].rolling(window, min_periods=1).mean()
+        ax_alpha.plot(rows["prompt_index"], smooth, color=color, linewidth=2, label=f"{method} K={int(k)}")
+    ax_alpha.set(
+        xlabel="prompt index (the order the run served them)",
+        ylabel=f"alpha (rolling mean of {window} prompts)",
+        title="acceptance as the run goes, with and without online updates",
+    )
+    ax_alpha.legend(fontsize="small")
+    for (method, k), rows in online.groupby(["method", "k"], sort=False):
+        ax_train.bar(rows["prompt_index"], rows["train_s"], label=f"{method} K={int(k)}")
+    ax_train.set(xlabel="prompt index", ylabel="seconds", title="training after each prompt (train_s)")
+    ax_train.legend(fontsize="small")
     fig.tight_layout()
     path = run_dir / name
     fig.savefig(path, dpi=110)

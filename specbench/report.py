@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import platform
 import subprocess
@@ -43,7 +44,8 @@ def _parse(name: str, text: str):
         return text
     if text == "":
         return None if name == "k" else float("nan")
-    return int(float(text)) if spec == "d" else float(text)
+    value = float(text)
+    return int(value) if spec == "d" and not math.isnan(value) else value  # a count a method does not have is NaN
 
 
 def _read_csv(path: Path) -> list[dict]:
@@ -231,22 +233,70 @@ def summary_table(rows: list[dict], title: str) -> Table:
     return table
 
 
-PHASE_COLUMNS = ("prefill_s", "draft_s", "verify_s", "other_s")
+PHASE_COLUMNS = ("prefill_s", "draft_s", "inner_s", "verify_s", "other_s")
 
 
 def phase_table(rows: list[dict]) -> Table:
-    """Where each method's time went: milliseconds per generated token, phase by phase."""
-    names = (f"{name.removesuffix('_s')} ms" for name in PHASE_COLUMNS)
+    """Where each method's time went: milliseconds per generated token, phase by phase (inner only
+    when a method has a level beneath its draft model)."""
+    phases = [name for name in PHASE_COLUMNS if name != "inner_s" or any(row[name] for row in rows)]
+    names = (f"{name.removesuffix('_s')} ms" for name in phases)
     table = Table("method", "K", "tree", *names, "total ms", "other %")
     table.title = "time per generated token"
     for column in table.columns:
         column.justify = "right"
     for row in rows:
-        per_token = [1000 * row[name] / row["new_tokens"] for name in PHASE_COLUMNS]
+        per_token = [1000 * row[name] / row["new_tokens"] for name in phases]
         cells = [f"{ms:.2f}" for ms in per_token]
         other = row["other_s"] / (row["method_s"] - row["prefill_s"])  # of the decode proper
         key = (row["method"], schema.fmt("k", row["k"]), schema.fmt("tree", row.get("tree")))
         table.add_row(*key, *cells, f"{sum(per_token):.2f}", f"{other:.1%}")
+    return table
+
+
+def levels_table(rows: list[dict]) -> Table | None:
+    """For methods of several levels (a cascade): forwards, proposals, the output tokens each level
+    contributed, and its time. None when no row has a level beneath its draft model."""
+    cascades = [row for row in rows if row["inner_drafted"] == row["inner_drafted"]]  # NaN for the others
+    if not cascades:
+        return None
+    table = Table(
+        "method",
+        "K",
+        "options",
+        "target fwd",
+        "draft fwd",
+        "draft tok",
+        "lookup offered",
+        "draft took",
+        "lookup tok",
+        "target ms/tok",
+        "draft ms/tok",
+        "lookup ms/tok",
+        title="levels: forwards, proposals, the output tokens each level chose, and its time",
+        caption="every target forward adds one token of its own; draft tok: the draft model's own samples the target "
+        "accepted; lookup tok: accepted tokens that prompt lookup proposed (offered to, and taken by, the draft model, "
+        "or after a split given to the target directly)",
+    )
+    for column in table.columns:
+        column.justify = "right"
+    for row in cascades:
+        tokens = row["new_tokens"]
+        from_draft = row["accepted"] - row["from_inner"]
+        table.add_row(
+            row["method"],
+            schema.fmt("k", row["k"]),
+            row.get("options") or "-",
+            f"{row['target_forwards']:.0f}",
+            f"{row['draft_forwards']:.0f}",
+            f"{from_draft:.0f}",
+            f"{row['inner_drafted']:.0f}",
+            f"{row['inner_accepted']:.0f}",
+            f"{row['from_inner']:.0f}",
+            f"{1000 * (row['prefill_s'] + row['verify_s']) / tokens:.2f}",
+            f"{1000 * row['draft_s'] / tokens:.2f}",
+            f"{1000 * row['inner_s'] / tokens:.2f}",
+        )
     return table
 
 

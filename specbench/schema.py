@@ -58,6 +58,14 @@ COLUMNS: tuple[Column, ...] = (
         "tree shape, the branching at each depth (tree methods; K is its depth)",
         header="tree",
     ),
+    Column(
+        "options",
+        CONFIG,
+        None,
+        "",
+        "the method's own settings that change what it does (cascade split, online schedule)",
+        files="summary",
+    ),
     Column("temperature", CONFIG, None, "", "sampling temperature (0 = greedy)", files="summary"),
     Column("top_k", CONFIG, None, "", "top-k truncation (0 = off)", files="summary"),
     Column("top_p", CONFIG, None, "", "nucleus truncation (1.0 = off)", files="summary"),
@@ -105,6 +113,21 @@ COLUMNS: tuple[Column, ...] = (
         "method tokens/s over baseline tokens/s on the same prompts, end to end (prefill included)",
         header="speedup",
         gated=True,
+    ),
+    Column(
+        "train_s",
+        TIMING,
+        LOWER,
+        ".3f",
+        "seconds a method that learns (online) spent training its draft after the prompt(s), apart from decoding",
+    ),
+    Column(
+        "speedup_with_training",
+        TIMING,
+        HIGHER,
+        ".3f",
+        "speedup with the training seconds added to the method's decoding seconds",
+        files="summary",
     ),
     Column(
         "alpha",
@@ -179,6 +202,7 @@ COLUMNS: tuple[Column, ...] = (
     ),
     Column("prefill_s", TIMING, LOWER, ".3f", "seconds in prefill forwards (the prompt, target and draft)"),
     Column("draft_s", TIMING, LOWER, ".3f", "seconds in draft-model forwards after its prefill"),
+    Column("inner_s", TIMING, LOWER, ".3f", "seconds in the level beneath the draft model (a cascade's prompt lookup)"),
     Column("verify_s", TIMING, LOWER, ".3f", "seconds in target forwards after the prefill (the baseline: its steps)"),
     Column(
         "other_s",
@@ -214,7 +238,7 @@ COLUMNS: tuple[Column, ...] = (
         TIMING,
         HIGHER,
         ".2f",
-        "tokens per round / (draft forwards per round x c_run + verify_ratio_run): forwards only",
+        "tokens per round / (drafting per round + verify_ratio_run), in target steps: forwards (and lookup) only",
     ),
     Column(
         "efficiency",
@@ -228,6 +252,17 @@ COLUMNS: tuple[Column, ...] = (
     Column("accepted", DETERMINISTIC, None, "d", "draft tokens accepted"),
     Column("beta_sum", DETERMINISTIC, None, ".3f", "sum of beta over the tested positions (alpha's numerator)"),
     Column("tested", DETERMINISTIC, None, "d", "draft positions tested (alpha's denominator)"),
+    Column(
+        "inner_drafted",
+        DETERMINISTIC,
+        None,
+        "d",
+        "tokens the level beneath the draft model (a cascade's prompt lookup) offered the draft model",
+    ),
+    Column("inner_accepted", DETERMINISTIC, None, "d", "of them, those the draft model's exact check accepted"),
+    Column(
+        "from_inner", DETERMINISTIC, None, "d", "accepted draft tokens that the level beneath the draft model proposed"
+    ),
     Column("target_forwards", DETERMINISTIC, LOWER, "d", "target forwards, prefill included"),
     Column("draft_forwards", DETERMINISTIC, None, "d", "draft model forwards"),
     Column(

@@ -26,16 +26,18 @@ def synchronize(device: torch.device) -> None:
 class Phases:
     """Seconds per phase of one decode. ``verify`` is every target forward after the prefill
     (for the baseline, its one-token steps); ``draft`` every draft forward after the draft's prefill;
-    ``other`` the rest: sampling, accept/reject, cache bookkeeping, Python."""
+    ``inner`` the level beneath the draft model in a cascade (its prompt lookup); ``other`` the
+    rest: sampling, accept/reject, cache bookkeeping, Python."""
 
     prefill: float = 0.0
     draft: float = 0.0
+    inner: float = 0.0
     verify: float = 0.0
     other: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.prefill + self.draft + self.verify + self.other
+        return self.prefill + self.draft + self.inner + self.verify + self.other
 
 
 class PhaseClock:
@@ -108,6 +110,15 @@ class TimedLM:
         self.lm.reset()
         self.laps.restart()
 
+    def prefill(self, prompt_ids) -> None:
+        self.laps.restart()
+        self.laps.before()
+        self.lm.prefill(prompt_ids)
+        self.laps.after()
+
+    def __getattr__(self, name: str):  # the wrapped model's other attributes (a view's budget, ...)
+        return getattr(self.lm, name)
+
     def forward(self, token_ids, last=1, positions=None, mask=None):
         self.laps.before()
         logits = self.lm.forward(token_ids, last, positions, mask)
@@ -120,3 +131,20 @@ class TimedLM:
     @property
     def length(self) -> int:
         return self.lm.length
+
+
+class TimedDrafter:
+    """A drafter whose proposals are laps of ``clock`` in ``phase`` (a cascade's bottom level); its
+    other methods and attributes are the wrapped drafter's."""
+
+    def __init__(self, drafter, clock: PhaseClock, phase: str):
+        self.drafter, self.clock, self.phase = drafter, clock, phase
+
+    def propose(self, k: int):
+        self.clock.lap("other")
+        draft = self.drafter.propose(k)
+        self.clock.lap(self.phase)
+        return draft
+
+    def __getattr__(self, name: str):
+        return getattr(self.drafter, name)

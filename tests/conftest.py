@@ -30,7 +30,9 @@ def build_tokenizer(path: Path, vocab_size: int = 320, seed_text: list[str] = CO
     return fast
 
 
-def build_llama(path: Path, tokenizer, layers: int, hidden: int, seed: int, vocab_pad: int = 0, window: int = 256):
+def build_llama(
+    path: Path, tokenizer, layers: int, hidden: int, seed: int, vocab_pad: int = 0, window: int = 256, tie: bool = True
+):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -43,12 +45,14 @@ def build_llama(path: Path, tokenizer, layers: int, hidden: int, seed: int, voca
         num_key_value_heads=2,
         max_position_embeddings=window,
         eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=tie,
     )
     model = LlamaForCausalLM(config)
     # Larger logits than the default init, so greedy ties are unlikely and sampling is not uniform.
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(20)
+        if not tie:
+            model.get_output_embeddings().weight.mul_(20)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
@@ -62,6 +66,19 @@ def tiny_pair(tmp_path_factory) -> tuple[str, str]:
     target = build_llama(root / "target", tokenizer, layers=4, hidden=64, seed=0)
     draft = build_llama(root / "draft", tokenizer, layers=1, hidden=32, seed=1)
     return str(target), str(draft)
+
+
+@pytest.fixture(scope="session")
+def untied_target(tiny_pair, tmp_path_factory) -> str:
+    """A target for tiny_pair's draft that the draft mostly mispredicts under greedy. A random model
+    with tied embeddings repeats its last token, as the tiny draft does; an untied one writes varied
+    text, so a draft has something to learn from it."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
+    return str(
+        build_llama(tmp_path_factory.mktemp("untied") / "target", tokenizer, layers=4, hidden=64, seed=0, tie=False)
+    )
 
 
 @pytest.fixture(scope="session")

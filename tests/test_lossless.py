@@ -9,6 +9,7 @@ from scipy.stats import chisquare
 from specbench import engine, sampling
 from specbench.engine import (
     CascadeDrafter,
+    Draft,
     LookupTreeDrafter,
     ModelDrafter,
     PromptLookupDrafter,
@@ -17,7 +18,8 @@ from specbench.engine import (
     speculative_decode,
     tree_parents,
 )
-from specbench.sampling import SamplingConfig
+from specbench.online import rejection
+from specbench.sampling import SamplingConfig, warp
 
 from .toy import ToyLM, exact_distribution
 
@@ -40,13 +42,18 @@ def one_thread():
 def chi_square_p(target: ToyLM, draft, k: int, cfg: SamplingConfig, seed: int = 0) -> float:
     """p-value of the sequences sampled by speculative decoding against the target's exact law;
     ``draft`` is a drafter, or a model that drafts by sampling."""
-    law = exact_distribution(target, PROMPT, LENGTH, cfg)
     generator = torch.Generator().manual_seed(seed)
     drafter = draft if hasattr(draft, "propose") else ModelDrafter(draft, cfg, generator)
     prompt = torch.tensor(PROMPT)
     counts = Counter(
         tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator).tokens) for _ in range(SAMPLES)
     )
+    return law_p(target, cfg, counts)
+
+
+def law_p(target: ToyLM, cfg: SamplingConfig, counts: Counter) -> float:
+    """p-value of sampled sequence counts against the target's exact law of LENGTH tokens after PROMPT."""
+    law = exact_distribution(target, PROMPT, LENGTH, cfg)
     assert set(counts) <= {s for s, p in law.items() if p > 0}, "sampled a sequence the target cannot produce"
     # Cells the warp made impossible carry no information; keep the rest.
     cells = [s for s, p in law.items() if p > 0]
@@ -250,10 +257,11 @@ def _unchecked_round(target, drafter, last, k, cfg, generator):
     """Broken: lookup's proposal taken whole, without the model's accept test, then one model sample."""
     draft = drafter.propose(k)
     n = len(draft.tokens)
-    p = sampling.warp(target.forward(torch.cat([last, draft.tokens]), last=n + 1), cfg)
+    logits = target.forward(torch.cat([last, draft.tokens]), last=n + 1)
+    p = sampling.warp(logits, cfg)
     verdict = sampling.Verdict(list(range(n)), sampling.sample(p[-1], generator), 0.0, 0)
     drafter.accepted(draft, verdict)
-    return engine.Round(draft, verdict, p)
+    return engine.Round(draft, verdict, logits, p)
 
 
 def test_the_test_catches_a_cascade_that_passes_up_the_wrong_rows():
@@ -274,6 +282,56 @@ def test_the_test_catches_a_cascade_whose_inner_check_is_not_exact(monkeypatch):
     assert chi_square_p(ToyLM(VOCAB, seed=1), cascade(cfg, draft=draft), 3, cfg) < P_FLOOR
 
 
+def three_levels(cfg: SamplingConfig, inner_k: int) -> CascadeDrafter:
+    """TriForce's shape on toys: a middle model checks the proposals of a small model beneath it."""
+    lower = ModelDrafter(ToyLM(VOCAB, seed=3), cfg, torch.Generator().manual_seed(8))
+    return CascadeDrafter(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7), lower=lower, inner_k=inner_k)
+
+
+@pytest.mark.parametrize("inner_k", [1, 2])
+@pytest.mark.parametrize("cfg", CASCADE_CONFIGS[:2])
+def test_a_model_beneath_a_model_matches_target_law(cfg, inner_k):
+    assert chi_square_p(ToyLM(VOCAB, seed=1), three_levels(cfg, inner_k), 3, cfg) > P_FLOOR
+
+
+class LowerRowsPassedUp(CascadeDrafter):
+    """Broken: the bottom level's rows, not the middle level's, are passed up as the q of the
+    target's check (the middle level's tokens are distributed by its own rows, not the bottom's)."""
+
+    def propose(self, k):
+        draft = super().propose(k)
+        read = self.model.seen[: len(self.model.seen) - (k - 1)]  # the middle model read all but its last token
+        contexts = [read + draft.tokens[:i].tolist() for i in range(k)]
+        rows = [warp(self.lower.model.logits_after(context), self.cfg) for context in contexts]
+        return engine.Draft.chain(draft.tokens, torch.stack(rows), draft.forwards)
+
+
+def test_the_test_catches_a_middle_level_whose_rows_are_not_passed_up():
+    cfg = SamplingConfig(temperature=1.0)
+    broken = LowerRowsPassedUp(
+        ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7), lower=three_levels(cfg, 1).lower
+    )
+    assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 3, cfg) < P_FLOOR
+
+
+def test_a_cascade_counts_what_each_level_contributed():
+    # Greedy, with the target as its own draft model: the target accepts every token the draft model
+    # ends with, so every lookup token the draft model accepted reaches the output.
+    cfg, prompt = SamplingConfig(temperature=0.0), torch.tensor([1, 4, 1, 4, 1])
+    target = ToyLM(5, seed=3)
+    vertical = speculative_decode(
+        target, CascadeDrafter(ToyLM(5, seed=3), cfg, torch.Generator()), prompt, 4, 40, cfg, torch.Generator()
+    )
+    assert vertical.accepted == vertical.drafted and 0 < vertical.from_inner == vertical.inner_accepted
+    assert vertical.inner_accepted <= vertical.inner_drafted
+    # With a split the tokens after the first one are lookup's alone: offered to the target directly.
+    split = speculative_decode(
+        target, CascadeDrafter(ToyLM(5, seed=3), cfg, torch.Generator(), split=1), prompt, 4, 40, cfg, torch.Generator()
+    )
+    assert split.inner_drafted == 0 and split.draft_forwards == split.target_forwards - 1  # one model token a round
+    assert split.from_inner == split.accepted - split.draft_forwards
+
+
 @pytest.mark.parametrize("split", [None, 1])
 def test_greedy_cascade_equals_greedy_target(split):
     cfg = SamplingConfig(temperature=0.0)
@@ -282,3 +340,78 @@ def test_greedy_cascade_equals_greedy_target(split):
     expected = autoregressive_decode(target, prompt, 12, cfg, generator).tokens
     result = speculative_decode(target, cascade(cfg, split), prompt, 3, 12, cfg, generator)
     assert result.tokens == expected
+
+
+# ---------------------------------------------------------------- online draft updates
+
+
+class ToyLearner:
+    """Online updates for a toy draft: after each sequence, the draft's row at every context where
+    the target rejected it moves toward the target's log-probabilities there (the lessons that
+    online.rejection keeps), as the real learner's distillation step moves a draft model."""
+
+    def __init__(self, draft: ToyLM, rate: float = 0.5):
+        self.draft, self.rate, self.lessons = draft, rate, []
+
+    def keep(self, step, at):
+        if (lesson := rejection(step, at)) is not None:
+            self.lessons.append(lesson)
+
+    def update(self, tokens: list[int]) -> None:
+        sequence = PROMPT + tokens
+        for lesson in self.lessons:
+            context = sequence[: len(PROMPT) + lesson.position]
+            prev2 = context[-2] if len(context) > 1 else self.draft.vocab
+            row = self.draft.table[prev2, context[-1]]
+            teacher = torch.full_like(row, -30.0).scatter(0, lesson.top_idx, lesson.top_logp)
+            row += self.rate * (teacher - row.log_softmax(-1))
+        self.lessons = []
+
+
+def online_counts(target: ToyLM, drafter, learner: ToyLearner, k: int, cfg: SamplingConfig, samples: int = SAMPLES):
+    """Sequences sampled one after another, the draft updated between them, and the acceptance rate
+    over the last thousand."""
+    generator, prompt, counts, rates = torch.Generator().manual_seed(0), torch.tensor(PROMPT), Counter(), []
+    for _ in range(samples):
+        result = speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator, on_round=learner.keep)
+        learner.update(result.tokens)
+        counts[tuple(result.tokens)] += 1
+        rates.append(result.accepted / result.drafted)
+    return counts, sum(rates[-1000:]) / 1000
+
+
+@pytest.mark.parametrize(
+    "cfg", [SamplingConfig(1.0), SamplingConfig(temperature=0.8, top_k=2), SamplingConfig(temperature=1.2, top_p=0.85)]
+)
+def test_a_draft_updated_between_sequences_gives_the_target_law(cfg):
+    target, draft = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2)
+    frozen = ModelDrafter(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(5))
+    _, before = online_counts(target, frozen, ToyLearner(frozen.model, rate=0.0), 2, cfg, samples=1000)
+    drafter = ModelDrafter(draft, cfg, torch.Generator().manual_seed(5))
+    counts, after = online_counts(target, drafter, ToyLearner(draft), 2, cfg)
+    assert law_p(target, cfg, counts) > P_FLOOR
+    assert after > before + 0.1  # it learned: the updates were real, not a no-op that passes trivially
+
+
+class RowsFromTheUpdatedCopy(ModelDrafter):
+    """Broken: a double-buffered online draft samples its tokens with the weights in use but reads
+    their q rows from the copy its trainer has already updated, so q is not the distribution the
+    tokens came from."""
+
+    def __init__(self, model: ToyLM, cfg, generator, updated: ToyLM):
+        super().__init__(model, cfg, generator)
+        self.updated = updated
+
+    def propose(self, k):
+        draft = super().propose(k)
+        read = self.model.seen[: len(self.model.seen) - (k - 1)]  # what it had read before its first token
+        rows = [warp(self.updated.logits_after(read + draft.tokens[:i].tolist()), self.cfg) for i in range(k)]
+        return Draft.chain(draft.tokens, torch.stack(rows), draft.forwards)
+
+
+def test_the_test_catches_rows_read_from_an_updated_copy_of_the_draft():
+    cfg = SamplingConfig(1.0)
+    target, draft, updated = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), ToyLM(VOCAB, seed=2)
+    updated.table = 0.5 * (draft.table + target.table)  # one update's worth closer to the target
+    drafter = RowsFromTheUpdatedCopy(draft, cfg, torch.Generator().manual_seed(5), updated)
+    assert chi_square_p(target, drafter, 2, cfg) < P_FLOOR

@@ -100,11 +100,25 @@ def test_predicted_by_k_weighs_the_measured_verification_cost():
 def test_phase_figures_account_for_forwards_and_overhead():
     # The baseline: a 0.5 s prefill, then 10 one-token steps of 0.1 s each and 0.1 s of overhead.
     base = dict(
-        new_tokens=11, target_forwards=11, draft_forwards=0, method_s=1.6, prefill_s=0.5, draft_s=0, verify_s=1.0
+        new_tokens=11,
+        target_forwards=11,
+        draft_forwards=0,
+        method_s=1.6,
+        prefill_s=0.5,
+        draft_s=0,
+        inner_s=0,
+        verify_s=1.0,
     )
     # K = 2 over 4 rounds: 8 draft forwards of 0.01 s, 4 verifications of 0.12 s, 0.04 s of overhead.
     run = dict(
-        new_tokens=11, target_forwards=5, draft_forwards=8, method_s=1.15, prefill_s=0.55, draft_s=0.08, verify_s=0.48
+        new_tokens=11,
+        target_forwards=5,
+        draft_forwards=8,
+        method_s=1.15,
+        prefill_s=0.55,
+        draft_s=0.08,
+        inner_s=0,
+        verify_s=0.48,
     )
     got = metrics.phase_figures(run, base)
     assert got["c_run"] == pytest.approx(0.1) and got["verify_ratio_run"] == pytest.approx(1.2)
@@ -119,6 +133,10 @@ def test_phase_figures_account_for_forwards_and_overhead():
     double = {name: 2 * value for name, value in run.items()}
     twice = metrics.phase_figures(double, {name: 2 * value for name, value in base.items()}, decodes=2)
     assert twice == pytest.approx(got)
+    # A level beneath the draft model (a cascade's lookup) is drafting time too: 0.02 s over the 4 rounds.
+    cascade = metrics.phase_figures({**run, "inner_s": 0.02, "method_s": 1.17}, base)
+    assert cascade["c_run"] == pytest.approx(0.1)  # still the draft model's forward alone
+    assert cascade["predicted_speedup_run"] == pytest.approx((10 / 4) / ((0.08 + 0.02) / 4 / 0.1 + 1.2))
 
 
 def test_noisy_forward_costs_are_called_out():

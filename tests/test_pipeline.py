@@ -427,3 +427,37 @@ def test_tree_methods_run_several_shapes_and_equal_the_greedy_baseline(tiny_pair
     costs = pd.read_csv(out / "verify_cost.csv")
     assert costs.loc[costs["model"] == "target", "tokens"].max() == 10  # the 3,1,1 tree's 9 nodes + its root
     assert (out / "sweep.png").stat().st_size > 10_000
+
+
+def test_cascade_with_a_split_reports_its_levels(tiny_pair, prompts_file, tmp_path):
+    out = tmp_path / "cascade"
+    result = on_tiny_pair(
+        "run",
+        tiny_pair,
+        "--method",
+        "speculative,cascade",
+        "--k",
+        "3",
+        "--cascade-split",
+        "2",
+        "--dataset",
+        prompts_file,
+        "--max-new-tokens",
+        "24",
+        "--cost-repeats",
+        "2",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    summary = pd.read_csv(out / "summary.csv").set_index("method")
+    cascade, speculative = summary.loc["cascade"], summary.loc["speculative"]
+    assert cascade["options"] == "split=2" and pd.isna(speculative["options"])
+    assert cascade["outputs_match"] == 3
+    assert (
+        0 < cascade["inner_accepted"] <= cascade["inner_drafted"] and 0 < cascade["from_inner"] <= cascade["accepted"]
+    )
+    assert speculative[["inner_drafted", "inner_accepted", "from_inner"]].isna().all()
+    assert cascade["inner_s"] > 0 and speculative["inner_s"] == 0  # lookup's own time, a phase of its own
+    assert cascade["draft_forwards"] < speculative["draft_forwards"]  # lookup spares the draft model forwards
+    assert "levels:" in result.stdout and "inner ms" in result.stdout

@@ -25,6 +25,10 @@ class ToyLM:
     def reset(self) -> None:
         self.seen = []
 
+    def prefill(self, prompt_ids: torch.Tensor) -> None:
+        self.reset()
+        self.forward(prompt_ids)
+
     def forward(self, token_ids: torch.Tensor, last: int = 1, positions=None, mask=None) -> torch.Tensor:
         """``positions`` are ignored: the law depends only on the attended ids, in order."""
         rows = []

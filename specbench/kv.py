@@ -1,0 +1,45 @@
+"""Which cached positions a partial view of a KV cache keeps (pure tensor functions, no models).
+
+Two policies, both keeping the first tokens, on which attention piles up whatever they hold
+(StreamingLLM's attention sinks):
+- window (StreamingLLM): the sinks and the most recent tokens;
+- retrieval (TriForce): the sinks and the chunks of consecutive tokens whose mean key the last
+  query scores highest, chosen per layer and per key/value head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+SINKS = 16  # the first tokens every view keeps (TriForce's tiny draft keeps 16; its retrieval keeps chunk 0)
+CHUNK = 8  # tokens per retrieval chunk (TriForce's default)
+
+
+def window_positions(length: int, budget: int, sinks: int = SINKS) -> torch.Tensor:
+    """The first ``sinks`` and the last ``budget - sinks`` of ``length`` positions (all when they fit)."""
+    if length <= budget:
+        return torch.arange(length)
+    return torch.cat([torch.arange(sinks), torch.arange(length - (budget - sinks), length)])
+
+
+def retrieval_positions(query: torch.Tensor, keys: torch.Tensor, budget: int, chunk: int = CHUNK) -> torch.Tensor:
+    """Per key/value head, the positions of the chunks that ``query`` scores highest.
+
+    query: [heads, d] the last token's query (after RoPE); keys: [kv_heads, length, d] the cached keys
+    (after RoPE). Each whole chunk is scored by the query's dot product with its mean key; under
+    grouped-query attention the scores of a group's query heads are summed, as the group reads one
+    cache. Chunk 0 (the sinks) and the newest partial chunk are always kept. Returns [kv_heads, n]
+    ascending positions, n <= budget and equal for every head (all positions when they fit).
+    """
+    kv_heads, length, d = keys.shape
+    if length <= budget:
+        return torch.arange(length, device=keys.device).expand(kv_heads, length)
+    whole = length // chunk
+    means = keys[:, : whole * chunk].float().view(kv_heads, whole, chunk, d).mean(2)
+    grouped = query.float().view(kv_heads, -1, d)  # the query heads that share each key/value head
+    scores = torch.einsum("hgd,hcd->hc", grouped, means)
+    scores[:, 0] = float("inf")
+    tail = torch.arange(whole * chunk, length, device=keys.device)  # the newest tokens, a partial chunk
+    picked = scores.topk(min(max((budget - len(tail)) // chunk, 1), whole), dim=-1).indices.sort(-1).values
+    positions = (picked[..., None] * chunk + torch.arange(chunk, device=keys.device)).flatten(1)
+    return torch.cat([positions, tail.expand(kv_heads, -1)], dim=1)

@@ -1,0 +1,224 @@
+"""Long contexts: self-speculation over part of the target's KV cache (self-sparse) and TriForce's
+two levels must reproduce the target's exact law; the views of a cache must be what they claim.
+
+The toy of test_lossless reads only its last two tokens, so no view of its cache changes
+anything. Here the target is a tiny Llama over a 3-token vocabulary, made to attend far back,
+whose law over 3-token continuations is enumerated in one batched forward; its prompt is long
+enough (80 tokens) for a 32-position view to drop most of it.
+"""
+
+import itertools
+from collections import Counter
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specbench.engine import CascadeDrafter, ModelDrafter, autoregressive_decode, speculative_decode
+from specbench.kv import SINKS, retrieval_positions, window_positions
+from specbench.models import EVICT_SLACK, HFCausalLM, SparseView, WindowLM
+from specbench.sampling import SamplingConfig, warp
+
+LENGTH, SAMPLES, P_FLOOR, BUDGET, WINDOW = 3, 2000, 1e-3, 32, 40
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tiny3(seed: int, layers: int = 2):
+    """A Llama over 3 tokens whose attention matters: sharp queries and keys, and values and output
+    projections as large as the (scaled) embeddings, so what a view drops changes its distribution."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=3,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(30)
+        model.get_output_embeddings().weight.mul_(15)
+        for layer in model.model.layers:
+            for projection, scale in (("q_proj", 10), ("k_proj", 10), ("v_proj", 30), ("o_proj", 30)):
+                getattr(layer.self_attn, projection).weight.mul_(scale)
+    return model
+
+
+# Sinks and recent tokens of 1s and 2s around a middle of 0s, which a window drops whole.
+_g = torch.Generator().manual_seed(0)
+PROMPT = torch.cat(
+    [
+        torch.randint(1, 3, (16,), generator=_g),
+        torch.zeros(48, dtype=torch.long),
+        torch.randint(1, 3, (16,), generator=_g),
+    ]
+)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny3(seed=2)
+
+
+def exact_law(model, cfg: SamplingConfig) -> dict[tuple, float]:
+    """The probability of every continuation of LENGTH tokens when sampling from ``model`` alone."""
+    sequences = list(itertools.product(range(3), repeat=LENGTH))
+    ids = torch.cat([PROMPT.expand(len(sequences), -1), torch.tensor(sequences)], dim=1)
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits[:, len(PROMPT) - 1 : -1]
+    probs = warp(logits, cfg)
+    chosen = probs.gather(-1, ids[:, len(PROMPT) :, None])[..., 0]
+    return {seq: float(p) for seq, p in zip(sequences, chosen.prod(-1), strict=True)}
+
+
+def chi_square_p(target, make_drafter, k: int, cfg: SamplingConfig, prepare=lambda: None) -> float:
+    law = exact_law(target, cfg)
+    target_lm, generator = HFCausalLM(target, 3), torch.Generator().manual_seed(0)
+    drafter = make_drafter(target_lm, generator)
+    counts = Counter()
+    for _ in range(SAMPLES):
+        prepare(drafter)
+        counts[tuple(speculative_decode(target_lm, drafter, PROMPT, k, LENGTH, cfg, generator).tokens)] += 1
+    cells = [s for s, p in law.items() if p > 0]
+    assert set(counts) <= set(cells), "sampled a sequence the target cannot produce"
+    mass = sum(law[s] for s in cells)
+    return chisquare([counts[s] for s in cells], [law[s] / mass * SAMPLES for s in cells]).pvalue
+
+
+def self_sparse(policy: str, cfg: SamplingConfig):
+    def make(target_lm, generator):
+        return ModelDrafter(SparseView(target_lm, BUDGET, policy), cfg, generator)
+
+    return make
+
+
+def watch(drafter):  # as the methods do before each decode: retrieval needs the prefill's last query
+    drafter.model.watch()
+
+
+def triforce(cfg: SamplingConfig, drafter_class=CascadeDrafter, inner_k: int = 1):
+    def make(target_lm, generator):
+        window = WindowLM(tiny3(seed=5, layers=1), 3, budget=WINDOW)
+        lower = ModelDrafter(window, cfg, generator)
+        return drafter_class(SparseView(target_lm, BUDGET, "retrieval"), cfg, generator, lower=lower, inner_k=inner_k)
+
+    return make
+
+
+@pytest.mark.parametrize(
+    "policy,cfg", [("retrieval", SamplingConfig(1.0)), ("window", SamplingConfig(temperature=0.8, top_k=2))]
+)
+def test_self_sparse_matches_target_law(target, policy, cfg):
+    assert chi_square_p(target, self_sparse(policy, cfg), 2, cfg, watch) > P_FLOOR
+
+
+@pytest.mark.parametrize("cfg,inner_k", [(SamplingConfig(1.0), 1), (SamplingConfig(temperature=1.2, top_p=0.9), 2)])
+def test_triforce_matches_target_law(target, cfg, inner_k):
+    assert chi_square_p(target, triforce(cfg, inner_k=inner_k), 3, cfg, watch) > P_FLOOR
+
+
+class BottomRowsPassedUp(CascadeDrafter):
+    """Broken: for each token it accepted from the draft model beneath, the middle level hands up the
+    draft model's row (the one the token was proposed from) instead of its own."""
+
+    def propose(self, k):
+        proposals, lower_propose = [], self.lower.propose
+        self.lower.propose = lambda n: proposals.append(lower_propose(n)) or proposals[-1]
+        try:
+            draft = super().propose(k)
+        finally:
+            self.lower.propose = lower_propose
+        q, position = draft.q.clone(), 0
+        for proposal in proposals:  # each inner round emits its accepted lower tokens, then one of its own
+            taken = 0
+            while taken < len(proposal.tokens) and draft.from_inner[position + taken]:
+                q[position + taken] = proposal.q[taken]
+                taken += 1
+            position += taken + 1
+        draft.q = q
+        return draft
+
+
+def test_the_test_catches_a_middle_level_that_passes_up_the_wrong_rows(target):
+    cfg = SamplingConfig(1.0)
+    assert chi_square_p(target, triforce(cfg, BottomRowsPassedUp, inner_k=2), 3, cfg, watch) < P_FLOOR
+
+
+def test_greedy_self_sparse_and_triforce_equal_the_greedy_baseline(target):
+    greedy, target_lm = SamplingConfig(0.0), HFCausalLM(target, 3)
+    want = autoregressive_decode(target_lm, PROMPT, 24, greedy, torch.Generator()).tokens
+    for make in (self_sparse("retrieval", greedy), self_sparse("window", greedy), triforce(greedy, inner_k=2)):
+        drafter = make(target_lm, torch.Generator())
+        watch(drafter)
+        result = speculative_decode(target_lm, drafter, PROMPT, 3, 24, greedy, torch.Generator())
+        assert result.tokens == want
+
+
+# ---------------------------------------------------------------- the views themselves
+
+
+def test_a_window_view_is_the_full_model_with_the_middle_masked(target):
+    full = HFCausalLM(target, 3)
+    full.prefill(PROMPT)
+    view = SparseView(full, BUDGET, "window")
+    view.prefill(PROMPT)
+    step = torch.tensor([1, 2])
+    got = view.forward(step, last=2)
+    kept = torch.zeros(len(PROMPT), dtype=torch.bool)
+    kept[window_positions(len(PROMPT), BUDGET)] = True
+    mask = torch.cat([kept.expand(2, -1), torch.tensor([[True, False], [True, True]])], dim=1)
+    torch.testing.assert_close(got, full.forward(step, last=2, mask=mask))  # the same logits, true positions and all
+
+
+def test_a_view_whose_budget_holds_the_whole_prompt_is_the_full_model(target):
+    for policy in ("window", "retrieval"):
+        full = HFCausalLM(target, 3)
+        view = SparseView(full, 4 * len(PROMPT), policy)
+        view.watch()
+        full.prefill(PROMPT)
+        view.prefill(PROMPT)
+        torch.testing.assert_close(view.forward(torch.tensor([2]), last=1), full.forward(torch.tensor([2]), last=1))
+    window, plain = WindowLM(target, 3, budget=4 * len(PROMPT)), HFCausalLM(target, 3)
+    window.prefill(PROMPT)
+    plain.prefill(PROMPT)
+    torch.testing.assert_close(window.forward(torch.tensor([2]), last=1), plain.forward(torch.tensor([2]), last=1))
+
+
+def test_retrieval_keeps_the_sinks_the_newest_and_the_best_scored_chunks():
+    keys = torch.zeros(2, 45, 4)
+    keys[0, 24:32] = torch.tensor([1.0, 0, 0, 0])  # head 0: chunk 3 matches the query
+    keys[1, 8:16] = torch.tensor([1.0, 0, 0, 0])  # head 1: chunk 1 does
+    query = torch.tensor([[1.0, 0, 0, 0]] * 4)  # 4 query heads, 2 per key/value head
+    chosen = retrieval_positions(query, keys, budget=21, chunk=8)
+    assert chosen[0].tolist() == [*range(8), *range(24, 32), *range(40, 45)]
+    assert chosen[1].tolist() == [*range(8), *range(8, 16), *range(40, 45)]
+    assert window_positions(10, 8, sinks=2).tolist() == [0, 1, 4, 5, 6, 7, 8, 9]
+
+
+def test_a_window_model_holds_its_budget_as_it_reads(target):
+    window = WindowLM(target, 3, budget=WINDOW)
+    window.prefill(PROMPT)
+    assert window.cache.get_seq_length() <= WINDOW + EVICT_SLACK and window.length == len(PROMPT)
+    for token in [1, 2, 0] * 20:
+        window.forward(torch.tensor([token]), last=1)
+        assert window.cache.get_seq_length() <= WINDOW + EVICT_SLACK
+    first = window.cache.layers[0].keys[0, :, :SINKS]
+    fresh = WindowLM(target, 3, budget=WINDOW)
+    fresh.prefill(PROMPT[:SINKS])
+    torch.testing.assert_close(first, fresh.cache.layers[0].keys[0, :, :SINKS])  # the sinks are never evicted
+    assert window.length == len(PROMPT) + 60
