@@ -156,11 +156,16 @@ def _converted_gguf(gguf: Path) -> Path:
     del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     plain.load_state_dict(quantised.state_dict())
-    staging = out.with_name(out.name + ".partial")
+    staging = out.with_name(f"{out.name}.partial-{os.getpid()}")  # its own: another process may convert too
     shutil.rmtree(staging, ignore_errors=True)
     plain.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
-    staging.rename(out)  # only a complete conversion ever appears under the final name
+    try:
+        staging.rename(out)  # only a complete conversion ever appears under the final name
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
+        shutil.rmtree(staging)  # another process finished first; its copy is the same
     return out
 
 
