@@ -72,11 +72,12 @@ class Draft:
     parents: list[int]  # each token's parent: an index into tokens, or -1 for the last accepted token
     q: torch.Tensor | None  # [n, V] rows the tokens were sampled from; None for deterministic candidates
     forwards: int = 0  # draft-model forwards it cost
-    # A drafter with a level beneath it (a cascade): which tokens that level proposed, and how many
-    # tokens it offered the drafter's model this round and the model accepted.
+    # A drafter with a level beneath it (a cascade): which tokens that level proposed, how many
+    # tokens it offered the drafter's model this round and the model accepted, and its own forwards.
     from_inner: list[bool] | None = None
     inner_drafted: int = 0
     inner_accepted: int = 0
+    inner_forwards: int = 0
 
     @classmethod
     def chain(cls, tokens: torch.Tensor, q: torch.Tensor | None, forwards: int = 0, **inner) -> Draft:
@@ -126,6 +127,7 @@ class DecodeResult:
     inner_drafted: int = 0  # tokens a cascade's bottom level proposed to the draft model
     inner_accepted: int = 0  # of them, those the draft model accepted
     from_inner: int = 0  # accepted draft tokens that the bottom level had proposed
+    inner_forwards: int = 0  # model forwards of the bottom level (none for prompt lookup)
     lessons: list = field(default_factory=list)  # what an online method learns from (see online.py)
 
 
@@ -268,7 +270,7 @@ class CascadeDrafter:
     def propose(self, k: int) -> Draft:
         self.unread = len(self.pending)
         self.drafted = k if self.split is None else min(self.split, k)  # the model's tokens; it reads all but the last
-        tokens, rows, from_inner, have, offered, taken = [], [], [], 0, 0, 0
+        tokens, rows, from_inner, have, offered, taken, lower_forwards = [], [], [], 0, 0, 0, 0
         while have < self.drafted:
             # A round with m lower tokens emits at most m + 1: never more than the positions left.
             ask = self.drafted - have - 1
@@ -287,6 +289,7 @@ class CascadeDrafter:
             # The accepted lower tokens came from beneath; the model itself chose the last one.
             from_inner += [True] * inner.verdict.accepted + [False]
             offered, taken = offered + len(inner.draft.tokens), taken + inner.verdict.accepted
+            lower_forwards += inner.draft.forwards
             self.pending, have = inner.verdict.next_token, have + len(emitted)
         tail = self.lower.propose(k - self.drafted).tokens if k > self.drafted else tokens[0][:0]
         if rows and len(tail):
@@ -298,6 +301,7 @@ class CascadeDrafter:
             from_inner=from_inner + [True] * len(tail),
             inner_drafted=offered,
             inner_accepted=taken,
+            inner_forwards=lower_forwards,
         )
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
@@ -496,6 +500,7 @@ def speculative_decode(
         result.accept_counts.append(verdict.accepted)
         result.inner_drafted += step.draft.inner_drafted
         result.inner_accepted += step.draft.inner_accepted
+        result.inner_forwards += step.draft.inner_forwards
         if step.draft.from_inner is not None:
             result.from_inner += sum(step.draft.from_inner[node] for node in verdict.path)
         siblings = {} if step.draft.is_chain else children(step.draft.parents)  # in a chain every node is a 1st child

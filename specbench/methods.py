@@ -59,7 +59,8 @@ class Method:
     takes_tree = False  # drafts a tree of the --tree shape (one row per shape; K is its depth)
     needs_draft = False  # the --draft model must be loaded
     learns = False  # changes between prompts (begin_run, after_prompt and save say how)
-    inner_level = ""  # what proposes beneath the draft model, in a method of several levels
+    draft_level = "draft model"  # what drafts the tokens the target verifies
+    inner_level = ""  # what proposes beneath the drafting model, in a method of several levels
     levels: tuple[str, ...] = ()  # drafting levels whose one-token forward the cost measurement times (bench.LEVELS)
 
     @property
@@ -249,6 +250,7 @@ class SelfSparse(SpeculativeLoop):
     )
 
     levels = ("self-sparse",)
+    draft_level = "target over its KV budget"
 
     def options(self, cfg):
         return f"budget={cfg.kv_budget},policy={cfg.kv_policy}"
@@ -272,6 +274,7 @@ class TriForce(SpeculativeLoop):
         "which checks them exactly; the full target verifies what that level drafted, its rows as q",
         True,
     )
+    draft_level = "target over its KV budget"
     inner_level = "draft model over its window"
     levels = ("self-sparse", "draft-window")
 

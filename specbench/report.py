@@ -255,48 +255,73 @@ def phase_table(rows: list[dict]) -> Table:
 
 
 def levels_table(rows: list[dict]) -> Table | None:
-    """For methods of several levels (a cascade): forwards, proposals, the output tokens each level
-    contributed, and its time. None when no row has a level beneath its draft model."""
-    cascades = [row for row in rows if row["inner_drafted"] == row["inner_drafted"]]  # NaN for the others
-    if not cascades:
+    """For methods of several levels (cascade, triforce), a row per level, top down: its forwards,
+    the tokens it proposed to the level above and how many that level accepted, the output tokens it
+    chose, and its time per output token. None when no row has a level beneath its drafting model."""
+    from .methods import METHODS
+
+    nested = [row for row in rows if not math.isnan(row["inner_drafted"])]  # NaN for one-level methods
+    if not nested:
         return None
     table = Table(
         "method",
         "K",
         "options",
-        "target fwd",
-        "draft fwd",
-        "draft tok",
-        "lookup offered",
-        "draft took",
-        "lookup tok",
-        "target ms/tok",
-        "draft ms/tok",
-        "lookup ms/tok",
-        title="levels: forwards, proposals, the output tokens each level chose, and its time",
-        caption="every target forward adds one token of its own; draft tok: the draft model's own samples the target "
-        "accepted; lookup tok: accepted tokens that prompt lookup proposed (offered to, and taken by, the draft model, "
-        "or after a split given to the target directly)",
+        "level",
+        "forwards",
+        "proposed",
+        "accepted",
+        "acceptance",
+        "output tokens",
+        "ms/token",
+        title="levels: what each level ran, proposed, had accepted and chose, and its time",
+        caption="accepted: by the level above; output tokens: the tokens of the output the level chose (the target "
+        "adds one of its own per forward); ms/token: the level's time over every output token. With --cascade-split, "
+        "lookup's tokens after the split go to the target unchecked: output tokens count them, proposed does not",
     )
     for column in table.columns:
         column.justify = "right"
-    for row in cascades:
-        tokens = row["new_tokens"]
-        from_draft = row["accepted"] - row["from_inner"]
-        table.add_row(
-            row["method"],
-            schema.fmt("k", row["k"]),
-            row.get("options") or "-",
-            f"{row['target_forwards']:.0f}",
-            f"{row['draft_forwards']:.0f}",
-            f"{from_draft:.0f}",
-            f"{row['inner_drafted']:.0f}",
-            f"{row['inner_accepted']:.0f}",
-            f"{row['from_inner']:.0f}",
-            f"{1000 * (row['prefill_s'] + row['verify_s']) / tokens:.2f}",
-            f"{1000 * row['draft_s'] / tokens:.2f}",
-            f"{1000 * row['inner_s'] / tokens:.2f}",
-        )
+    for row in nested:
+        method, tokens = METHODS[row["method"]], row["new_tokens"]
+        levels = [
+            (
+                "target",
+                row["target_forwards"],
+                None,
+                None,
+                tokens - row["accepted"],
+                row["prefill_s"] + row["verify_s"],
+            ),
+            (
+                method.draft_level,
+                row["draft_forwards"],
+                row["drafted"],
+                row["accepted"],
+                row["accepted"] - row["from_inner"],
+                row["draft_s"],
+            ),
+            (
+                method.inner_level,
+                row["inner_forwards"],
+                row["inner_drafted"],
+                row["inner_accepted"],
+                row["from_inner"],
+                row["inner_s"],
+            ),
+        ]
+        for depth, (level, forwards, proposed, accepted, chosen, seconds) in enumerate(levels):
+            table.add_row(
+                row["method"] if depth == 0 else "",
+                schema.fmt("k", row["k"]) if depth == 0 else "",
+                (row.get("options") or "-") if depth == 0 else "",
+                level,
+                f"{forwards:.0f}",
+                "-" if proposed is None else f"{proposed:.0f}",
+                "-" if accepted is None else f"{accepted:.0f}",
+                f"{accepted / proposed:.3f}" if proposed else "-",
+                f"{chosen:.0f}",
+                f"{1000 * seconds / tokens:.2f}",
+            )
     return table
 
 

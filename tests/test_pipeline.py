@@ -457,7 +457,8 @@ def test_cascade_with_a_split_reports_its_levels(tiny_pair, prompts_file, tmp_pa
     assert (
         0 < cascade["inner_accepted"] <= cascade["inner_drafted"] and 0 < cascade["from_inner"] <= cascade["accepted"]
     )
-    assert speculative[["inner_drafted", "inner_accepted", "from_inner"]].isna().all()
+    assert speculative[["inner_drafted", "inner_accepted", "from_inner", "inner_forwards"]].isna().all()
+    assert cascade["inner_forwards"] == 0  # prompt lookup runs no model
     assert cascade["inner_s"] > 0 and speculative["inner_s"] == 0  # lookup's own time, a phase of its own
     assert cascade["draft_forwards"] < speculative["draft_forwards"]  # lookup spares the draft model forwards
     assert "levels:" in result.stdout and "inner ms" in result.stdout
