@@ -127,8 +127,11 @@ KvPolicy = Annotated[
 DraftWindow = Annotated[int, typer.Option(help="triforce: the draft model's streaming window (sinks + recent tokens).")]
 InnerK = Annotated[int, typer.Option(help="triforce: draft-model tokens the middle level checks at a time.")]
 ContextTokens = Annotated[
-    int,
-    typer.Option(help="--dataset longcode: prompt length in tokens (source cut to end inside a function)."),
+    str,
+    typer.Option(
+        help="--dataset longcode: prompt length in tokens (source cut to end inside a function). A comma-separated "
+        "list runs once per length into OUT/context-N/ and writes context.csv, crossover.json and context.png."
+    ),
 ]
 PrefillChunk = Annotated[
     int,
@@ -174,15 +177,16 @@ def _setup_logging() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def _parse_ks(text: str) -> list[int]:
+def _parse_ks(text: str, option: str = "--k") -> list[int]:
+    """A sorted list of distinct integers from ``option``'s comma-separated text."""
     try:
         ks = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError:
         raise SpecbenchError(
-            f"--k {text!r} is not an integer or a comma-separated list of integers, e.g. 1,2,3,4"
+            f"{option} {text!r} is not an integer or a comma-separated list of integers, e.g. 1,2,3,4"
         ) from None
     if not ks:
-        raise SpecbenchError("--k is empty: give a lookahead such as 4 or a list such as 1,2,3,4")
+        raise SpecbenchError(f"{option} is empty: give a number such as 4 or a list such as 1,2,3,4")
     return ks
 
 
@@ -296,7 +300,7 @@ def run(
     kv_policy: KvPolicy = "retrieval",
     draft_window: DraftWindow = 256,
     inner_k: InnerK = 2,
-    context_tokens: ContextTokens = 0,
+    context_tokens: ContextTokens = "",
     prefill_chunk: PrefillChunk = 512,
     online_every: OnlineEvery = 1,
     online_steps: OnlineSteps = OnlineConfig.steps,
@@ -310,6 +314,7 @@ def run(
     from .methods import DEFAULT
 
     _setup_logging()
+    lengths = _parse_ks(context_tokens, "--context-tokens") if context_tokens else [0]
     cfg = bench.BenchConfig(
         target=target,
         draft=draft,
@@ -341,7 +346,7 @@ def run(
         kv_policy=kv_policy,
         draft_window=draft_window,
         inner_k=inner_k,
-        context_tokens=context_tokens,
+        context_tokens=lengths[0] if len(lengths) == 1 else 0,
         prefill_chunk=prefill_chunk,
         online=OnlineConfig(every=online_every, steps=online_steps, lr=online_lr),
         save_draft=str(save_draft) if save_draft else None,
@@ -349,8 +354,44 @@ def run(
     if resume and out is None:
         raise SpecbenchError("--resume needs --out DIR: the run directory to continue")
     out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(target)}-{_slug(draft)}"
-    progress = _progress()
-    _show(bench.benchmark(cfg, out, resume, prefill_progress=_prefill_bar(progress)), progress)
+    if len(lengths) == 1:
+        progress = _progress()
+        _show(bench.benchmark(cfg, out, resume, prefill_progress=_prefill_bar(progress)), progress)
+        return
+    _sweep_context(cfg, lengths, out, resume)
+
+
+def _sweep_context(cfg, lengths: list[int], out: Path, resume: bool) -> None:
+    """One run per context length, each in its own directory, then what they show together."""
+    import dataclasses
+    import json
+
+    import pandas as pd
+
+    from . import bench
+    from .plot import plot_context
+    from .report import context_rows, context_table, crossovers
+
+    runs = {}
+    for length in lengths:
+        runs[length] = out / f"context-{length}"
+        console.rule(f"context {length} tokens")
+        progress = _progress()
+        events = bench.benchmark(
+            dataclasses.replace(cfg, context_tokens=length),
+            runs[length],
+            resume and (runs[length] / "meta.json").is_file(),  # a length the interruption never reached starts now
+            prefill_progress=_prefill_bar(progress),
+        )
+        _show(events, progress)
+    rows = context_rows(runs)
+    wins = crossovers(rows)
+    pd.DataFrame(rows).to_csv(out / "context.csv", index=False)
+    (out / "crossover.json").write_text(json.dumps(wins, indent=2) + "\n")
+    console.rule("by context length")
+    console.print(context_table(rows, wins))
+    console.print(f"plot: {plot_context(out)}")
+    console.print(f"results in {out}/ (context.csv, crossover.json, context.png; a directory per length)")
 
 
 def _with_defaults(command, **defaults):
@@ -368,6 +409,21 @@ def _with_defaults(command, **defaults):
 
 app.command("sweep-k", help="`run` with K swept over 1,2,3,4,6,8 by default: one baseline per prompt shared by all K.")(
     _with_defaults(run, k="1,2,3,4,6,8")
+)
+app.command(
+    "sweep-context",
+    help="`run` on long code prompts at 1024, 2048, 4096 and 8064 tokens (--context-tokens) with speculative, "
+    "self-sparse and triforce at K=3 by default: a run per length, then context.csv, the context length from which "
+    "each method beats the baseline and speculative (crossover.json), and context.png.",
+)(
+    _with_defaults(
+        run,
+        dataset="longcode",
+        context_tokens="1024,2048,4096,8064",
+        method=["speculative,self-sparse,triforce"],
+        k="3",
+        num_prompts=4,
+    )
 )
 
 

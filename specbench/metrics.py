@@ -123,3 +123,14 @@ def paired_change(
     changes = rate_of_sums(cur, weights) / rate_of_sums(base, weights) - 1
     low, high = np.quantile(changes, [(1 - confidence) / 2, (1 + confidence) / 2])
     return float(rate_of_sums(cur) / rate_of_sums(base) - 1), float(low), float(high)
+
+
+def wins_from(by_context: Mapping[int, float], threshold: float = 1.0) -> int | None:
+    """The shortest context length from which a speedup (context -> speedup) stays above
+    ``threshold`` at every longer context measured; None when it is not above it at the longest."""
+    shortest = None
+    for context in sorted(by_context, reverse=True):
+        if not by_context[context] > threshold:  # NaN never wins
+            break
+        shortest = context
+    return shortest

@@ -203,3 +203,53 @@ def plot_online(run_dir: Path, name: str = "online.png", window: int = 10) -> Pa
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_context(sweep_dir: Path, name: str = "context.png") -> Path | None:
+    """A context sweep (context.csv): each method's decode speedup against context length, and the
+    cost of the target's step beside each drafting level's c. None without context.csv."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    if not (sweep_dir / "context.csv").is_file():
+        return None
+    try:
+        rows = pd.read_csv(sweep_dir / "context.csv")
+    except (OSError, ValueError) as e:
+        raise SpecbenchError(f"cannot read {sweep_dir / 'context.csv'} ({str(e).splitlines()[0]})") from None
+    fig, (ax_speed, ax_cost) = plt.subplots(1, 2, figsize=(13, 4.5))
+    contexts = sorted(rows["context_tokens"].unique())
+    costs: dict[tuple, list[str]] = {}  # methods that draft with the same level share one c curve
+    drafting = rows[rows["c"].notna() | rows["alpha"].notna()]  # every method but the baseline
+    for (method, k), group in drafting.groupby(["method", "k"], sort=False, dropna=False):
+        group = group.sort_values("context_tokens")
+        label = method if pd.isna(k) else f"{method} K={int(k)}"
+        ax_speed.plot(group["context_tokens"], group["decode_speedup"], marker="o", label=label)
+        if group["c"].notna().any():
+            costs.setdefault(tuple(zip(group["context_tokens"], group["c"], strict=True)), []).append(method)
+    for curve, methods in costs.items():
+        ax_cost.plot(*zip(*curve, strict=True), marker="o", label=f"c: {', '.join(dict.fromkeys(methods))}")
+    ax_speed.axhline(1.0, color="grey", linewidth=1, linestyle="--")
+    ax_speed.set(
+        xscale="log",
+        xlabel="context tokens",
+        ylabel="decode speedup (prefill excluded)",
+        title="speedup against context length (above the line: faster than the target alone)",
+    )
+    step = rows.drop_duplicates("context_tokens").sort_values("context_tokens")
+    ax_step = ax_cost.twinx()
+    ax_step.plot(step["context_tokens"], step["target_step_ms"], color="black", linestyle=":", marker="s")
+    ax_step.set_ylabel("target one-token forward, ms (dotted)")
+    ax_cost.set(xscale="log", xlabel="context tokens", ylabel="c (drafting step / target step)", title="costs")
+    for ax in (ax_speed, ax_cost):
+        ax.set_xticks(contexts, [str(c) for c in contexts])
+        ax.minorticks_off()
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = sweep_dir / name
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

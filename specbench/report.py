@@ -325,6 +325,136 @@ def levels_table(rows: list[dict]) -> Table | None:
     return table
 
 
+def context_rows(runs: dict[int, Path]) -> list[dict]:
+    """context.csv: a row per context length, method and K of a context sweep (``runs``: context
+    length -> its run directory), with the cost of a target step there and what each method got."""
+    import pandas as pd
+
+    rows = []
+    for context, run_dir in sorted(runs.items()):
+        summary = pd.read_csv(run_dir / "summary.csv")
+        costs = pd.read_csv(run_dir / "verify_cost.csv")
+        step = costs.loc[(costs["model"] == "target") & (costs["tokens"] == 1), "seconds"].iloc[0]
+        for row in summary.to_dict("records"):
+            inner = row.get("inner_drafted", math.nan)
+            rows.append(
+                {
+                    "context_tokens": context,
+                    "method": row["method"],
+                    "k": row["k"],
+                    "options": row["options"],
+                    "num_prompts": row["num_prompts"],
+                    "target_step_ms": 1000 * step,
+                    "c": row["c"],
+                    "c_run": row["c_run"],
+                    "alpha": row["alpha"],
+                    "acceptance_rate": row["acceptance_rate"],
+                    "inner_acceptance": row["inner_accepted"] / inner if inner and not math.isnan(inner) else math.nan,
+                    "tau": row["tau"],
+                    "speedup": row["speedup"],
+                    "decode_speedup": row["decode_speedup"],
+                    "outputs_match": row["outputs_match"],
+                }
+            )
+    baseline, rival = _contenders()
+    for row in rows:  # the method's decode speedup over the rival's at the same length and K
+        same = [r for r in rows if r["method"] == rival and r["context_tokens"] == row["context_tokens"]]
+        same = [r for r in same if r["k"] == row["k"]] or same
+        row["vs_speculative"] = (
+            row["decode_speedup"] / same[0]["decode_speedup"]
+            if same and row["method"] not in (rival, baseline)
+            else math.nan
+        )
+    return rows
+
+
+def _contenders() -> tuple[str, str]:
+    """The baseline, and the rival a context sweep holds every other method to: the default method
+    (one draft model, one level; speculative)."""
+    from .methods import BASELINE, DEFAULT
+
+    return BASELINE.name, DEFAULT[0]
+
+
+def _missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _label(row: dict) -> str:
+    return row["method"] if _missing(row["k"]) else f"{row['method']} K={int(row['k'])}"
+
+
+def crossovers(rows: list[dict]) -> dict[str, dict]:
+    """Per method and K of a context sweep: the shortest context from which its decode speedup stays
+    above the baseline's, and above speculative's (None: not at the longest context measured)."""
+    from .metrics import wins_from
+
+    baseline, rival = _contenders()
+    found: dict[str, dict] = {}
+    for row in rows:
+        if row["method"] == baseline:
+            continue
+        found.setdefault(_label(row), {"speedup": {}, "vs_speculative": {}})
+        found[_label(row)]["speedup"][row["context_tokens"]] = row["decode_speedup"]
+        found[_label(row)]["vs_speculative"][row["context_tokens"]] = row["vs_speculative"]
+    return {
+        label: {
+            "beats_baseline_from": wins_from(by["speedup"]),
+            "beats_speculative_from": None if label.split()[0] == rival else wins_from(by["vs_speculative"]),
+        }
+        for label, by in found.items()
+    }
+
+
+def context_table(rows: list[dict], wins: dict[str, dict]) -> Table:
+    """context.csv on screen: per context length, the target's step and each method's c, acceptance
+    at each level and speedups; the crossovers in the caption."""
+    table = Table(
+        "context",
+        "method",
+        "target step ms",
+        "c",
+        "alpha",
+        "acceptance",
+        "lower acc.",
+        "speedup",
+        "decode x",
+        "vs spec.",
+        title="by context length (decode x: speedup with both prefills left out)",
+    )
+    for column in table.columns:
+        column.justify = "right"
+
+    def cell(value, spec=".3f"):
+        return "-" if _missing(value) else format(value, spec)
+
+    for row in rows:
+        table.add_row(
+            str(row["context_tokens"]),
+            _label(row),
+            cell(row["target_step_ms"], ".1f"),
+            cell(row["c"]),
+            cell(row["alpha"]),
+            cell(row["acceptance_rate"]),
+            cell(row["inner_acceptance"]),
+            cell(row["speedup"]),
+            cell(row["decode_speedup"]),
+            cell(row["vs_speculative"]),
+        )
+
+    def since(length):
+        return "never" if length is None else f"from {length} tokens"
+
+    lines = ["wins (decode speedup above the rival's at that length and every longer one measured):"]
+    for label, found in wins.items():
+        text = f"{label}: over the baseline {since(found['beats_baseline_from'])}"
+        if label.split()[0] != _contenders()[1]:
+            text += f", over speculative {since(found['beats_speculative_from'])}"
+        lines.append(text)
+    table.caption = "\n".join(lines)
+    return table
+
+
 def predicted_table(rows: list[dict]) -> Table:
     """predicted.csv on screen: a row per assumed alpha, a column per K, the speedup with the measured
     verification cost (the classic formula's, which counts it as one step, in brackets); the best K

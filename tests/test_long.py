@@ -224,3 +224,68 @@ def test_a_window_model_holds_its_budget_as_it_reads(target):
     fresh.prefill(PROMPT[:SINKS])
     torch.testing.assert_close(first, fresh.cache.layers[0].keys[0, :, :SINKS])  # the sinks are never evicted
     assert window.length == len(PROMPT) + 60
+
+
+# ---------------------------------------------------------------- through the command line
+
+
+def test_chunked_prefill_equals_one_forward_and_reports_progress(target):
+    whole, chunked = HFCausalLM(target, 3), HFCausalLM(target, 3)
+    chunked.prefill_chunk, seen = 24, []
+    chunked.progress = lambda done, total: seen.append((done, total))
+    want, got = whole.forward(PROMPT, last=2), chunked.forward(PROMPT, last=2)
+    torch.testing.assert_close(got, want)
+    assert chunked.length == whole.length == len(PROMPT)
+    assert seen == [(24, 80), (48, 80), (72, 80), (80, 80)]  # the last chunk yields the logits
+
+
+def test_a_context_sweep_runs_each_length_and_finds_the_crossovers(tiny_pair, tmp_path):
+    import json
+
+    import pandas as pd
+
+    from .test_pipeline import on_tiny_pair
+
+    out = tmp_path / "sweep"
+    result = on_tiny_pair(
+        "sweep-context",
+        tiny_pair,
+        "--context-tokens",
+        "64,120",
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--k",
+        "2",
+        "--kv-budget",
+        "32",
+        "--draft-window",
+        "40",
+        "--prefill-chunk",
+        "32",
+        "--cost-repeats",
+        "2",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    rows = pd.read_csv(out / "context.csv")
+    assert sorted(rows["context_tokens"].unique()) == [64, 120]
+    assert sorted(rows["method"].unique()) == ["baseline", "self-sparse", "speculative", "triforce"]
+    assert (rows["outputs_match"] == 2).all()  # greedy: every method, every length, every prompt
+    drafting = rows[rows["method"] != "baseline"]
+    assert drafting["c"].notna().all() and (drafting["decode_speedup"] > 0).all()
+    assert rows.loc[rows["method"] == "triforce", "inner_acceptance"].between(0, 1).all()
+    assert rows.loc[rows["method"] == "speculative", "inner_acceptance"].isna().all()
+    wins = json.loads((out / "crossover.json").read_text())
+    assert set(wins) == {"speculative K=2", "self-sparse K=2", "triforce K=2"}
+    for label, found in wins.items():
+        by_length = rows[rows["method"] == label.split()[0]].set_index("context_tokens")["decode_speedup"]
+        longest_wins = by_length.loc[120] > 1
+        assert (found["beats_baseline_from"] is not None) == longest_wins
+    for length in (64, 120):
+        records = pd.read_csv(out / f"context-{length}" / "records.csv")
+        assert (records["prompt_tokens"] == length).all()
+    assert (out / "context.png").stat().st_size > 10_000
+    assert "by context length" in result.stdout and "levels:" in result.stdout

@@ -194,3 +194,14 @@ def test_less_noise_per_prompt_narrows_the_interval():
         _, low, high = metrics.paired_change(base, cur)
         widths[noise] = high - low
     assert widths[0.01] < widths[0.05] / 3
+
+
+def test_wins_from_is_the_start_of_the_run_of_wins_up_to_the_longest_context():
+    assert metrics.wins_from({1024: 0.8, 2048: 0.95, 4096: 1.05, 8192: 1.3}) == 4096
+    assert (
+        metrics.wins_from({1024: 1.1, 2048: 0.9, 4096: 1.05, 8192: 1.3}) == 4096
+    )  # a win that does not last is not one
+    assert metrics.wins_from({1024: 1.2, 2048: 1.1}) == 1024
+    assert metrics.wins_from({1024: 1.2, 2048: 0.99}) is None  # losing at the longest context: never
+    assert metrics.wins_from({1024: 1.2, 2048: math.nan}) is None
+    assert metrics.wins_from({1024: 1.02, 2048: 1.5}, threshold=1.1) == 2048
