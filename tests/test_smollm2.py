@@ -47,3 +47,30 @@ def test_greedy_speculative_equals_greedy_target_on_smollm2(tmp_path_factory, ta
         for k in (1, 3, 5):
             got = speculative_decode(t_lm, ModelDrafter(d_lm, greedy, g), ids, k, 40, greedy, g, target.stop_ids)
             assert got.tokens == want, f"{name} draft, K={k}"
+
+
+def test_greedy_self_speculation_equals_greedy_target_at_2k_tokens(target):
+    # TriForce's levels on the real target at a context where --kv-budget 1024 drops half the cache:
+    # the target over its budget drafts, the bundled draft over a 256-token window drafts for it.
+    from specbench.engine import CascadeDrafter
+    from specbench.models import SparseView, WindowLM
+
+    prompt = load_prompts("longcode", 1, context_tokens=2048, seed=0)[0]
+    ids = target.tokenizer(prompt.text, return_tensors="pt").input_ids[0][-2048:]
+    greedy, g = SamplingConfig(0.0), torch.Generator()
+    t_lm = HFCausalLM(target.model, target.width)
+    t_lm.prefill_chunk = 512
+    want = autoregressive_decode(t_lm, ids, 24, greedy, g, target.stop_ids).tokens
+    draft = load("smollm2-135m-draft", CPU, F32)
+    for policy in ("retrieval", "window"):
+        view = SparseView(t_lm, 1024, policy)
+        view.watch()
+        got = speculative_decode(t_lm, ModelDrafter(view, greedy, g), ids, 3, 24, greedy, g, target.stop_ids)
+        assert got.tokens == want, f"self-sparse, {policy}"
+        assert view.cache.get_seq_length() <= 1024 + 24 + 3  # it drafted over its budget, not the whole cache
+    view = SparseView(t_lm, 1024, "retrieval")
+    view.watch()
+    window = ModelDrafter(WindowLM(draft.model, target.width, draft.head_tokens, 256), greedy, g)
+    triforce = CascadeDrafter(view, greedy, g, lower=window, inner_k=2)
+    got = speculative_decode(t_lm, triforce, ids, 3, 24, greedy, g, target.stop_ids)
+    assert got.tokens == want and got.inner_forwards > 0, "triforce"
