@@ -597,7 +597,7 @@ def _inner(result: DecodeResult) -> dict:
     return {name: getattr(result, name) for name in INNER}
 
 
-INNER = ("inner_drafted", "inner_accepted", "from_inner")
+INNER = ("inner_drafted", "inner_accepted", "from_inner", "inner_forwards")
 
 
 def shape_text(tree: tuple[int, ...] | None) -> str:
@@ -884,12 +884,12 @@ def benchmark(
         yield Step("measuring forward costs (c, verify_ratio)")
         costs = measure_costs(pair, prompt_ids, cfg, plan)
         writer.write_csv("verify_cost.csv", costs.rows())
-    yield Step("warming up")
-    warm_up(pair, cfg, prompt_ids, plan)
-
     done = previous.complete_prompts(1 + len(plan)) if previous is not None else set()
     records = writer.start_records([r for r in previous.records if r["prompt_index"] in done] if previous else [], done)
     todo = [i for i in range(len(prompts)) if i not in done]
+    if todo:  # a resumed run with nothing left to decode only writes its summary again
+        yield Step("warming up")
+        warm_up(pair, cfg, prompt_ids, plan)
     total, finished, written = len(todo) * (1 + len(plan)), 0, time.monotonic()
     learning: list[dict] = []  # online.csv
     try:
