@@ -233,3 +233,34 @@ def test_grouped_attention_on_cpu_changes_no_logit(tiny_pair, monkeypatch, mask)
         copied[grouped] = len(copies)
     assert copied["0"] > 0 and copied["1"] == 0  # the setting removes the copies...
     assert torch.equal(scores["0"], scores["1"])  # ...and nothing else
+
+
+def test_the_growing_cache_appends_in_place_and_scores_as_transformers_own(target_model):
+    from transformers import DynamicCache
+
+    grown, plain = HFCausalLM(target_model, 320), HFCausalLM(target_model, 320)
+    plain.reset = lambda: setattr(plain, "cache", DynamicCache(config=target_model.config))  # concatenating layers
+    prompt = torch.arange(3, 203)
+    for lm in (grown, plain):
+        lm.reset()
+        lm.forward(prompt)
+    layer = grown.cache.layers[0]
+    assert type(layer).__name__ == "GrowingLayer" and type(plain.cache.layers[0]).__name__ == "DynamicLayer"
+    buffer = layer.buffers[0].data_ptr()
+    nodes = torch.tensor([5, 6, 7, 8, 9, 10, 11])
+    for step in range(12):  # tree rounds kept down to a path, chain rounds cropped, single tokens
+        positions, mask = tree_inputs(PARENTS, plain.length, CPU)
+        logits = []
+        for lm in (grown, plain):
+            if step % 3 == 0:
+                logits.append(lm.forward(nodes, last=len(nodes), positions=positions, mask=mask))
+                lm.keep(ACCEPTED, len(nodes))
+            elif step % 3 == 1:
+                logits.append(lm.forward(nodes[:4], last=4))
+                lm.keep(range(2), 4)
+            else:
+                logits.append(lm.forward(nodes[step % 7 :][:1], last=1))
+        torch.testing.assert_close(*logits)
+        assert grown.length == plain.length
+    torch.testing.assert_close(layer.keys, plain.cache.layers[0].keys)
+    assert layer.buffers[0].data_ptr() == buffer  # 200 + 24 tokens fit the first buffer: never copied again
