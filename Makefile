@@ -26,14 +26,17 @@ lint: install
 # lies beyond the 10% tolerance (README, Regression checks), so noise alone does not fail it. Absolute
 # tokens/s is compared too, but only reported: the pairing cannot see a machine that is busier for
 # a whole run. K=2 is the best K on a CPU; ten prompts and three repeats keep the interval narrow.
-# `make baseline` refreshes the baseline: run it on a quiet machine of the CI's kind after an
-# intended change and commit results/baselines/.
+# Timings, speedup included, are judged only against a baseline measured on the same machine (CPU,
+# cores, threads, torch and transformers: the fingerprint in meta.json); results/baselines/ holds one
+# per machine and compare picks this machine's. `make baseline` records or refreshes it: run it on a
+# quiet machine of the CI's kind after an intended change, and commit results/baselines/.
 BENCH_ARGS = --num-prompts 10 --max-new-tokens 32 --k 2 --repeats 3
 BASELINE = results/baselines/smollm2-135m
+MACHINE = $(shell $(PYTHON) -c "from specbench.report import machine, machine_slug; print(machine_slug(machine(None)))")
 
 baseline: install
-	rm -rf $(BASELINE)
-	specbench run $(BENCH_ARGS) --out $(BASELINE)
+	rm -rf $(BASELINE)/$(MACHINE)
+	specbench run $(BENCH_ARGS) --out $(BASELINE)/$(MACHINE)
 
 ci-bench: install
 	rm -rf results/ci

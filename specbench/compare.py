@@ -2,8 +2,10 @@
 
 A timing metric the summary sums over prompts (speedup, tokens/s) is judged on a paired-bootstrap
 interval of its change when both runs kept their records.csv: it regresses only when the whole
-interval lies beyond the tolerance. Absolute seconds and tokens/s are judged only between runs whose
-meta.json holds the same machine fingerprint; elsewhere they are "not comparable", which does not fail.
+interval lies beyond the tolerance. Timing metrics are judged only between runs whose meta.json holds
+the same machine fingerprint; elsewhere they are "not comparable", which does not fail. (Without a
+fingerprint, in runs older than it, ratios within a run such as speedup are still judged.) A baseline
+may be a directory of runs, one per machine: the one measured on the current run's machine is used.
 
 Exit code 0: nothing regressed and every baseline row was found again (rows only in the current run are "new");
 1: a metric regressed or a baseline row or value is gone, since a benchmark that stops measuring something must not
@@ -283,15 +285,20 @@ def compare_frames(
     side = merged["_merge"].map({"left_only": MISSING, "right_only": NEW, "both": ""}).astype(str)
     note = "{} differs ({}): timing metrics are not comparable; restrict with --metric alpha --metric tau"
     notes = [note.format(c, values) for c in CONTEXT if (values := _differing(baseline, current, c))]
-    if (elsewhere := _machine_difference(machines)) and (absolute := [m for m in chosen if m in ABSOLUTE]):
+    elsewhere = _machine_difference(machines)
+    # Known to be other machines: every timing moves with the hardware, ratios too (speedup at K=2 was
+    # 1.57 on a 2-core Intel Xeon and 0.89 on a 2-core AMD EPYC, whose 3-row matrix products cost more).
+    # Not known (no fingerprint): ratios within a run are still judged, absolute timings not.
+    unlike = ABSOLUTE if elsewhere.startswith("no machine fingerprint") else RELATIVE
+    if elsewhere and (skipped := [m for m in chosen if m in unlike]):
         notes.append(
-            f"{elsewhere}: {', '.join(absolute)} not judged, as seconds and tokens/s measure the machine "
-            "as much as the code (speedup, a ratio within each run, still is)"
+            f"{elsewhere}: {', '.join(skipped)} not judged, as timings measure the machine as much as the code"
+            + (" (speedup, a ratio within each run, still is)" if unlike is ABSOLUTE else "")
         )
     records = [None if df is None else df.assign(decoder=_decoder(df)) for df in records]
     gaps = {}  # (why, rows without an interval, rows compared) -> the metrics without one
     for m in chosen:
-        incomparable = pd.Series(bool(elsewhere) and m in ABSOLUTE, index=merged.index)
+        incomparable = pd.Series(bool(elsewhere) and m in unlike, index=merged.index)
         compared = (side == "") & merged[f"{m} base"].notna() & merged[f"{m} cur"].notna() & ~incomparable
         if m in RELATIVE:
             merged = merged.join(_intervals(merged, m, compared, records, confidence))
@@ -434,6 +441,7 @@ def run_compare(
     JSON and Markdown reports where paths are given; return 0 or 1 (unusable input: SpecbenchError)."""
     from .report import print_comparison, write_text
 
+    baseline, note = pick_baseline(baseline, load_machine(current))
     frames = load_summary(baseline), load_summary(current)
     comparison = compare_frames(
         *frames,
@@ -450,5 +458,26 @@ def run_compare(
         write_text(json_path, json.dumps(to_json(comparison), indent=2) + "\n")
     if markdown_path:
         write_text(markdown_path, to_markdown(comparison))
-    print_comparison(console or Console(), comparison, verdict_line(comparison))
+    console = console or Console()
+    if note:
+        console.print(note)
+    print_comparison(console, comparison, verdict_line(comparison))
     return comparison.exit_code
+
+
+def pick_baseline(path: str | Path, machine: dict | None) -> tuple[Path, str]:
+    """``path`` itself when it is a run; in a directory of runs (baselines of several machines) the
+    newest measured on ``machine``, else the newest of all, with a note saying so."""
+    path = Path(path)
+    if path.is_file() or (path / "summary.csv").is_file() or not path.is_dir():
+        return path, ""
+    runs = sorted((d for d in path.iterdir() if (d / "summary.csv").is_file()), key=lambda d: d.name, reverse=True)
+    if not runs:
+        raise SpecbenchError(f"{path} holds no run (no summary.csv in it or its subdirectories): pass a run directory")
+    same = [d for d in runs if machine is not None and load_machine(d) == machine]
+    if same:
+        return same[0], f"baseline: {same[0]} (measured on this machine)"
+    return runs[0], (
+        f"baseline: {runs[0]}; none of {path}'s runs was measured on this machine, so its timings are not judged "
+        f"(`make baseline` records one)"
+    )

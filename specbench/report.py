@@ -9,6 +9,7 @@ import json
 import math
 import os
 import platform
+import re
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -193,6 +194,12 @@ def machine(gpu: str | None) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+
+
+def machine_slug(fingerprint: dict) -> str:
+    """A directory name for a machine's baseline: its CPU (or GPU), cores and torch threads."""
+    name = f"{fingerprint['gpu'] or fingerprint['cpu']}-{fingerprint['cores']}-cores-{fingerprint['torch_threads']}-threads"
+    return re.sub(r"[^a-z0-9.]+", "-", name.lower().replace("(r)", "").replace("(tm)", "")).strip("-")
 
 
 def environment(device) -> dict:

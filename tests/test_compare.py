@@ -453,27 +453,56 @@ def test_noise_alone_rarely_fails():
     assert {m.test for row in result.rows for m in row.metrics} == {"paired bootstrap"}
 
 
-def test_throughput_is_judged_only_on_the_same_machine(tmp_path):
+def test_timings_are_judged_only_on_the_same_machine(tmp_path):
     rows, records = timed_runs(slower=1 / 0.7)  # tokens/s 30% lower, speedup unchanged
     other = {**MACHINE, "torch_threads": 1}
     code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other), json_path=tmp_path / "v.json")
     assert code == 0
-    assert (
-        "note: the machines differ (torch_threads 2 vs 1): baseline_tokens_per_s, spec_tokens_per_s not judged" in out
-    )
+    assert "note: the machines differ (torch_threads 2 vs 1): baseline_tokens_per_s, spec_tokens_per_s, speedup" in out
     statuses = json.loads((tmp_path / "v.json").read_text())["rows"][0]["metrics"]
-    assert statuses["spec_tokens_per_s"]["status"] == statuses["baseline_tokens_per_s"]["status"] == "not comparable"
-    assert statuses["speedup"]["status"] == "ok" and statuses["speedup"]["test"] == "paired bootstrap"
-    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, None))
+    timings = {"baseline_tokens_per_s", "spec_tokens_per_s", "speedup"}
+    assert {statuses[m]["status"] for m in timings} == {"not comparable"}
+    assert {m["status"] for name, m in statuses.items() if name not in timings} == {"ok"}  # alpha, tau, acceptance
+    # Without a fingerprint (runs older than it) the ratio is judged, absolute tokens/s are not.
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, None), json_path=tmp_path / "v.json")
     assert code == 0 and "no machine fingerprint in the current run's meta.json" in out
+    statuses = json.loads((tmp_path / "v.json").read_text())["rows"][0]["metrics"]
+    assert statuses["speedup"]["status"] == "ok" and statuses["speedup"]["test"] == "paired bootstrap"
+    assert statuses["spec_tokens_per_s"]["status"] == "not comparable"
     # The same machine: the drop fails.
     code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, MACHINE))
     assert code == 1
     assert "baseline_tokens_per_s" in last_line(out) and "spec_tokens_per_s" in last_line(out)
-    # On another machine a slower method still fails on its speedup.
+    # A slower method fails on its speedup on the same machine, and is not judged on another.
     rows, records = timed_runs(slowdown=1.3)
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, MACHINE))
+    assert code == 1 and "speedup 1.344 -> 1.015" in last_line(out)
     code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other))
-    assert code == 1 and "k=1 method=speculative: speedup" in last_line(out)
+    assert code == 0
+
+
+def test_a_directory_of_baselines_gives_the_one_of_this_machine(tmp_path):
+    rows, records = timed_runs(slowdown=1.3)
+    other = {**MACHINE, "cpu": "Another CPU"}
+    code, _ = compare(tmp_path, *rows, records=records, machines=(MACHINE, MACHINE))
+    assert code == 1
+    shelf = tmp_path / "baselines"
+    shelf.mkdir()
+    (tmp_path / "base").rename(shelf / "this")
+    write_run(shelf / "other", rows[1])  # a baseline on another machine that equals the current run
+    (shelf / "other" / "meta.json").write_text(json.dumps({"machine": other}))
+    out = io.StringIO()
+    code = run_compare(str(shelf), str(tmp_path / "cur"), console=Console(file=out, width=250, color_system=None))
+    assert code == 1 and f"baseline: {shelf / 'this'} (measured on this machine)" in out.getvalue()
+    (shelf / "this" / "meta.json").write_text(json.dumps({"machine": {**MACHINE, "torch": "2.6"}}))
+    out = io.StringIO()
+    code = run_compare(str(shelf), str(tmp_path / "cur"), console=Console(file=out, width=250, color_system=None))
+    said = " ".join(out.getvalue().split())  # the console folds long lines
+    assert code == 0 and "was measured on this machine, so its timings are not judged" in said
+    assert "`make baseline` records one" in said
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecbenchError, match="holds no run"):
+        run_compare(str(tmp_path / "empty"), str(tmp_path / "cur"))
 
 
 def test_without_records_the_point_values_are_judged(tmp_path):
