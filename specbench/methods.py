@@ -108,10 +108,10 @@ class SpeculativeLoop(Method):
     def drafter(self, pair: Pair, cfg: BenchConfig, step: Decoder, generator: torch.Generator) -> Drafter:
         raise NotImplementedError
 
-    def decode(self, pair, cfg, step, ids, generator):
+    def decode(self, pair, cfg, step, ids, generator, on_round=None):
         drafter = self.drafter(pair, cfg, step, generator)
         return speculative_decode(
-            pair.target_lm, drafter, ids, step.k, cfg.max_new_tokens, cfg.sampling, generator, pair.stop_ids
+            pair.target_lm, drafter, ids, step.k, cfg.max_new_tokens, cfg.sampling, generator, pair.stop_ids, on_round
         )
 
 
@@ -221,17 +221,7 @@ class Online(Speculative):
             if (lesson := rejection(round_, at)) is not None:
                 lessons.append(lesson)
 
-        result = speculative_decode(
-            pair.target_lm,
-            self.drafter(pair, cfg, step, generator),
-            ids,
-            step.k,
-            cfg.max_new_tokens,
-            cfg.sampling,
-            generator,
-            pair.stop_ids,
-            on_round=keep,
-        )
+        result = super().decode(pair, cfg, step, ids, generator, on_round=keep)
         result.lessons = lessons
         return result
 

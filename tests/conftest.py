@@ -14,6 +14,16 @@ CORPUS = [
 ] * 20
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: the exactness tests decode tiny tensors thousands of times,
+    where intra-op threads only add wake-up latency (10x here)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def build_tokenizer(path: Path, vocab_size: int = 320, seed_text: list[str] = CORPUS):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

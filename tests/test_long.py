@@ -22,12 +22,7 @@ from specbench.sampling import SamplingConfig, warp
 LENGTH, SAMPLES, P_FLOOR, BUDGET, WINDOW = 3, 2000, 1e-3, 32, 40
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny3(seed: int, layers: int = 2):

@@ -30,13 +30,7 @@ SAMPLES = 6000
 P_FLOOR = 1e-3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # Toy tensors are tiny: intra-op threads only add wake-up latency (10x here).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def chi_square_p(target: ToyLM, draft, k: int, cfg: SamplingConfig, seed: int = 0) -> float:
