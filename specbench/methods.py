@@ -276,7 +276,6 @@ class TriForce(SpeculativeLoop):
 
     def begin_run(self, pair, cfg, step):
         window = WindowLM(pair.draft_lm.model, pair.draft_lm.width, pair.draft.head_tokens, cfg.draft_window)
-        window.progress = pair.draft_lm.progress
         step.state = SparseView(pair.target_lm, cfg.kv_budget, cfg.kv_policy), window
 
     def drafter(self, pair, cfg, step, generator):
