@@ -657,7 +657,14 @@ class CacheView(HFCausalLM):
 class SparseView(CacheView):
     """The target over a part of its own KV cache (self-speculation): the sinks and the chunks its
     last query scores highest (TriForce's retrieval cache), or a recent window. Built from the full
-    cache after the target's prefill, once per sequence; the tokens it drafts are appended."""
+    cache after the target's prefill, once per sequence; the tokens it drafts are appended.
+
+    As in TriForce, every token the target has read since is held with the target's own keys and
+    values (computed over the whole cache), not the view's: before each forward the view takes them
+    over from the target's cache, in place of its own entries for those positions, and skips the
+    input tokens they cover. So after a round that accepted every draft it reads only the target's
+    bonus token, never its own last draft with it (a 2-token forward costs 1.5-2 one-token ones on
+    some CPUs). Its drafts stay its own samples, so verification stays exact."""
 
     def __init__(self, full: HFCausalLM, budget: int, policy: str):
         self.full, self.policy = full, policy
@@ -683,7 +690,26 @@ class SparseView(CacheView):
                 chosen = retrieval_positions(queries[i], keys[0], self.budget)
             index = chosen[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
             self.cache.update(keys.gather(2, index), values.gather(2, index), i)
-        self.read = len(prompt_ids)
+        self.read = self.verified = len(prompt_ids)
+
+    def _call(self, token_ids, last, positions, mask):
+        read = self.read
+        self._take_verified()
+        return super()._call(token_ids[self.read - read :], last, positions, mask)
+
+    def _take_verified(self) -> None:
+        """Hold the positions the target has read since the last call with the target's keys and values."""
+        upto = self.full.length
+        if upto <= self.verified or self.read > upto:  # nothing new, or drafts of its own past it (mid-round)
+            return
+        # The view's entries from the last verified position on are its newest (its own reading of
+        # those tokens, and drafts): they give way to the target's.
+        drop = self.read - self.verified
+        if drop:
+            self.cache.crop(-drop)
+        for i, layer in enumerate(self.full.cache.layers):
+            self.cache.update(layer.keys[:, :, self.verified : upto], layer.values[:, :, self.verified : upto], i)
+        self.read = self.verified = upto
 
 
 class WindowLM(HFCausalLM):

@@ -182,6 +182,24 @@ def test_a_window_view_is_the_full_model_with_the_middle_masked(target):
     torch.testing.assert_close(got, full.forward(step, last=2, mask=mask))  # the same logits, true positions and all
 
 
+def test_a_view_holds_what_the_target_has_read_with_the_targets_own_keys_and_values(target):
+    # TriForce's retrieval cache: tokens the target has verified are held as the target computed them
+    # (attending to its whole cache), not as the view read them, and the view does not read them again.
+    full = HFCausalLM(target, 3)
+    full.prefill(PROMPT)
+    view = SparseView(full, BUDGET, "window")
+    view.prefill(PROMPT)
+    view.forward(torch.tensor([1]), last=1)  # its own reading of position 80 (a draft's first token)
+    full.forward(torch.tensor([1, 2, 0]), last=3)  # the target verifies positions 80..82
+    got = view.forward(torch.tensor([2, 0, 1]), last=1)  # 81 and 82 are the target's now: it reads only 83
+    assert view.length == full.length + 1 == len(PROMPT) + 4
+    assert view.cache.get_seq_length() == BUDGET + 4
+    kept = torch.zeros(len(PROMPT), dtype=torch.bool)
+    kept[window_positions(len(PROMPT), BUDGET)] = True
+    mask = torch.cat([kept, torch.ones(4, dtype=torch.bool)])[None]
+    torch.testing.assert_close(got, full.forward(torch.tensor([1]), last=1, mask=mask))
+
+
 def test_a_view_whose_budget_holds_the_whole_prompt_is_the_full_model(target):
     for policy in ("window", "retrieval"):
         full = HFCausalLM(target, 3)
