@@ -83,7 +83,7 @@ class BenchConfig:
     cascade_split: int = 0  # cascade: the draft model drafts the first M positions, lookup the rest (0: all K)
     kv_budget: int = 1024  # self-sparse, triforce: cache positions the target drafts over
     kv_policy: str = "retrieval"  # which: "retrieval" (sinks + best chunks) or "window" (sinks + most recent)
-    draft_window: int = 256  # triforce: the draft model's streaming window
+    draft_window: int = 256  # triforce, speculative-window: the draft model's streaming window
     inner_k: int = 2  # triforce: draft-model tokens per check of the middle level
     context_tokens: int = 0  # longcode: prompt length in tokens
     prefill_chunk: int = 512  # prompts longer than this are prefilled in chunks of it (0: in one forward)

@@ -124,7 +124,9 @@ KvPolicy = Annotated[
         "per layer and head: TriForce's retrieval cache) or window (the most recent tokens: StreamingLLM)."
     ),
 ]
-DraftWindow = Annotated[int, typer.Option(help="triforce: the draft model's streaming window (sinks + recent tokens).")]
+DraftWindow = Annotated[
+    int, typer.Option(help="triforce, speculative-window: the draft model's streaming window (sinks + recent tokens).")
+]
 InnerK = Annotated[int, typer.Option(help="triforce: draft-model tokens the middle level checks at a time.")]
 ContextTokens = Annotated[
     str,
@@ -413,14 +415,14 @@ app.command("sweep-k", help="`run` with K swept over 1,2,3,4,6,8 by default: one
 app.command(
     "sweep-context",
     help="`run` on long code prompts at 1024, 2048, 4096 and 8064 tokens (--context-tokens) with speculative, "
-    "self-sparse and triforce at K=3 by default: a run per length, then context.csv, the context length from which "
+    "speculative-window, self-sparse and triforce at K=3 by default: a run per length, then context.csv, the context length from which "
     "each method beats the baseline and speculative (crossover.json), and context.png.",
 )(
     _with_defaults(
         run,
         dataset="longcode",
         context_tokens="1024,2048,4096,8064",
-        method=["speculative,self-sparse,triforce"],
+        method=["speculative,speculative-window,self-sparse,triforce"],
         k="3",
         num_prompts=4,
     )

@@ -129,6 +129,30 @@ class Speculative(SpeculativeLoop):
         return ModelDrafter(pair.draft_lm, cfg.sampling, generator)
 
 
+class SpeculativeWindow(SpeculativeLoop):
+    name, help, needs_draft = (
+        "speculative-window",
+        "speculative with the draft model over a streaming window of its cache (--draft-window: the first tokens and "
+        "the newest, at positions within the window): a draft trained on short sequences stays within them at "
+        "long contexts; the full target verifies",
+        True,
+    )
+    draft_level = "draft model over its window"
+    levels = ("draft-window",)
+
+    def options(self, cfg):
+        return f"window={cfg.draft_window}"
+
+    def c(self, costs):
+        return costs.level_c("draft-window")
+
+    def begin_run(self, pair, cfg, step):
+        step.state = WindowLM(pair.draft_lm.model, pair.draft_lm.width, pair.draft.head_tokens, cfg.draft_window)
+
+    def drafter(self, pair, cfg, step, generator):
+        return ModelDrafter(TimedLM(step.state, pair.clock, "draft"), cfg.sampling, generator)
+
+
 class PromptLookup(SpeculativeLoop):
     name, help = (
         "prompt-lookup",
@@ -329,6 +353,7 @@ METHODS: dict[str, Method] = {
     for m in (
         Baseline(),
         Speculative(),
+        SpeculativeWindow(),
         PromptLookup(),
         Cascade(),
         Tree(),

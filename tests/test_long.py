@@ -81,7 +81,7 @@ def exact_law(model, cfg: SamplingConfig) -> dict[tuple, float]:
     return {seq: float(p) for seq, p in zip(sequences, chosen.prod(-1), strict=True)}
 
 
-def chi_square_p(target, make_drafter, k: int, cfg: SamplingConfig, prepare=lambda: None) -> float:
+def chi_square_p(target, make_drafter, k: int, cfg: SamplingConfig, prepare=lambda drafter: None) -> float:
     law = exact_law(target, cfg)
     target_lm, generator = HFCausalLM(target, 3), torch.Generator().manual_seed(0)
     drafter = make_drafter(target_lm, generator)
@@ -154,12 +154,51 @@ def test_the_test_catches_a_middle_level_that_passes_up_the_wrong_rows(target):
     assert chi_square_p(target, triforce(cfg, BottomRowsPassedUp, inner_k=2), 3, cfg, watch) < P_FLOOR
 
 
-def test_greedy_self_sparse_and_triforce_equal_the_greedy_baseline(target):
+def window_draft(cfg: SamplingConfig, drafter_class=ModelDrafter):
+    def make(target_lm, generator):
+        return drafter_class(WindowLM(tiny3(seed=5, layers=1), 3, budget=WINDOW), cfg, generator)
+
+    return make
+
+
+@pytest.mark.parametrize("cfg", [SamplingConfig(1.0), SamplingConfig(temperature=0.8, top_p=0.9)])
+def test_speculative_with_a_window_draft_matches_target_law(target, cfg):
+    assert chi_square_p(target, window_draft(cfg), 3, cfg) > P_FLOOR
+
+
+class WholeSequenceRows(ModelDrafter):
+    """Broken: samples its drafts from the window model but hands up, as q, the draft model's rows
+    over the whole sequence, as if the window changed nothing."""
+
+    def start(self, prompt_ids, first):
+        super().start(prompt_ids, first)
+        self.whole = ModelDrafter(HFCausalLM(self.model.model, 3), self.cfg, self.generator)
+        self.whole.start(prompt_ids, first)
+
+    def propose(self, k):
+        draft = super().propose(k)
+        logits = self.whole.model.forward(torch.cat([self.whole.pending, draft.tokens[:-1]]), last=k)
+        self.whole.pending = draft.tokens[-1:]  # it has read what the window model read
+        draft.q = warp(logits, self.cfg)
+        return draft
+
+    def accepted(self, draft, verdict):
+        super().accepted(draft, verdict)
+        self.whole.accepted(draft, verdict)
+
+
+def test_the_test_catches_a_window_draft_that_hands_up_rows_over_the_whole_sequence(target):
+    cfg = SamplingConfig(1.0)
+    assert chi_square_p(target, window_draft(cfg, WholeSequenceRows), 3, cfg) < P_FLOOR
+
+
+def test_greedy_long_context_methods_equal_the_greedy_baseline(target):
     greedy, target_lm = SamplingConfig(0.0), HFCausalLM(target, 3)
     want = autoregressive_decode(target_lm, PROMPT, 24, greedy, torch.Generator()).tokens
-    for make in (self_sparse("retrieval", greedy), self_sparse("window", greedy), triforce(greedy, inner_k=2)):
+    views = (self_sparse("retrieval", greedy), self_sparse("window", greedy), triforce(greedy, inner_k=2))
+    for make, prepare in [(make, watch) for make in views] + [(window_draft(greedy), lambda drafter: None)]:
         drafter = make(target_lm, torch.Generator())
-        watch(drafter)
+        prepare(drafter)
         result = speculative_decode(target_lm, drafter, PROMPT, 3, 24, greedy, torch.Generator())
         assert result.tokens == want
         if isinstance(drafter, CascadeDrafter):  # triforce: the windowed model ran, and proposed to the middle level
@@ -303,14 +342,14 @@ def test_a_context_sweep_runs_each_length_and_finds_the_crossovers(tiny_pair, tm
     assert result.returncode == 0, result.stderr
     rows = pd.read_csv(out / "context.csv")
     assert sorted(rows["context_tokens"].unique()) == [64, 120]
-    assert sorted(rows["method"].unique()) == ["baseline", "self-sparse", "speculative", "triforce"]
+    assert set(rows["method"]) == {"baseline", "speculative", "speculative-window", "self-sparse", "triforce"}
     assert (rows["outputs_match"] == 2).all()  # greedy: every method, every length, every prompt
     drafting = rows[rows["method"] != "baseline"]
     assert drafting["c"].notna().all() and (drafting["decode_speedup"] > 0).all()
     assert rows.loc[rows["method"] == "triforce", "inner_acceptance"].between(0, 1).all()
     assert rows.loc[rows["method"] == "speculative", "inner_acceptance"].isna().all()
     wins = json.loads((out / "crossover.json").read_text())
-    assert set(wins) == {"speculative K=2", "self-sparse K=2", "triforce K=2"}
+    assert set(wins) == {"speculative K=2", "speculative-window K=2", "self-sparse K=2", "triforce K=2"}
     for label, found in wins.items():
         by_length = rows[rows["method"] == label.split()[0]].set_index("context_tokens")["decode_speedup"]
         longest_wins = by_length.loc[120] > 1

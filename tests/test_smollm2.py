@@ -51,7 +51,8 @@ def test_greedy_speculative_equals_greedy_target_on_smollm2(tmp_path_factory, ta
 
 def test_greedy_self_speculation_equals_greedy_target_at_2k_tokens(target):
     # TriForce's levels on the real target at a context where --kv-budget 1024 drops half the cache:
-    # the target over its budget drafts, the bundled draft over a 256-token window drafts for it.
+    # the target over its budget drafts, the bundled draft over a 256-token window drafts for it;
+    # and that windowed draft alone (speculative-window).
     from specbench.engine import CascadeDrafter
     from specbench.models import SparseView, WindowLM
 
@@ -74,3 +75,6 @@ def test_greedy_self_speculation_equals_greedy_target_at_2k_tokens(target):
     triforce = CascadeDrafter(view, greedy, g, lower=window, inner_k=2)
     got = speculative_decode(t_lm, triforce, ids, 3, 24, greedy, g, target.stop_ids)
     assert got.tokens == want and got.inner_forwards > 0, "triforce"
+    window = WindowLM(draft.model, target.width, draft.head_tokens, 256)
+    got = speculative_decode(t_lm, ModelDrafter(window, greedy, g), ids, 3, 24, greedy, g, target.stop_ids)
+    assert got.tokens == want and len(window.ids) <= 256 + 32, "speculative-window"
