@@ -21,13 +21,12 @@ from . import metrics, report, schema
 from .engine import DecodeResult, tree_parents
 from .errors import SpecbenchError
 from .kv import SINKS
-from .methods import BASELINE, DEFAULT, METHODS, Decoder
+from .methods import BASELINE, DEFAULT, METHODS, Decoder, draft_window
 from .models import (
     DEVICE_MAPS,
     HFCausalLM,
     LoadedModel,
     SparseView,
-    WindowLM,
     available_memory,
     load,
     offload_warning,
@@ -417,9 +416,7 @@ class ForwardCosts:
 # Drafting levels a method may ask measure_costs to time (Method.levels), and how each is built.
 LEVELS = {
     "self-sparse": lambda pair, cfg: SparseView(pair.target_lm, cfg.kv_budget, cfg.kv_policy),
-    "draft-window": lambda pair, cfg: WindowLM(
-        pair.draft_lm.model, pair.draft_lm.width, pair.draft.head_tokens, cfg.draft_window
-    ),
+    "draft-window": draft_window,
 }
 
 

@@ -129,6 +129,11 @@ class Speculative(SpeculativeLoop):
         return ModelDrafter(pair.draft_lm, cfg.sampling, generator)
 
 
+def draft_window(pair: Pair, cfg: BenchConfig) -> WindowLM:
+    """The draft model over a streaming window of --draft-window positions (speculative-window, triforce)."""
+    return WindowLM(pair.draft_lm.model, pair.draft_lm.width, pair.draft.head_tokens, cfg.draft_window)
+
+
 class SpeculativeWindow(SpeculativeLoop):
     name, help, needs_draft = (
         "speculative-window",
@@ -147,7 +152,7 @@ class SpeculativeWindow(SpeculativeLoop):
         return costs.level_c("draft-window")
 
     def begin_run(self, pair, cfg, step):
-        step.state = WindowLM(pair.draft_lm.model, pair.draft_lm.width, pair.draft.head_tokens, cfg.draft_window)
+        step.state = draft_window(pair, cfg)
 
     def drafter(self, pair, cfg, step, generator):
         return ModelDrafter(TimedLM(step.state, pair.clock, "draft"), cfg.sampling, generator)
@@ -299,7 +304,7 @@ class TriForce(SpeculativeLoop):
         return costs.level_c("self-sparse")  # a drafting step of the level the target verifies
 
     def begin_run(self, pair, cfg, step):
-        window = WindowLM(pair.draft_lm.model, pair.draft_lm.width, pair.draft.head_tokens, cfg.draft_window)
+        window = draft_window(pair, cfg)
         step.state = SparseView(pair.target_lm, cfg.kv_budget, cfg.kv_policy), window
 
     def drafter(self, pair, cfg, step, generator):

@@ -54,7 +54,7 @@ def test_greedy_self_speculation_equals_greedy_target_at_2k_tokens(target):
     # the target over its budget drafts, the bundled draft over a 256-token window drafts for it;
     # and that windowed draft alone (speculative-window).
     from specbench.engine import CascadeDrafter
-    from specbench.models import SparseView, WindowLM
+    from specbench.models import EVICT_SLACK, SparseView, WindowLM
 
     prompt = load_prompts("longcode", 1, context_tokens=2048, seed=0)[0]
     ids = target.tokenizer(prompt.text, return_tensors="pt").input_ids[0][-2048:]
@@ -77,4 +77,4 @@ def test_greedy_self_speculation_equals_greedy_target_at_2k_tokens(target):
     assert got.tokens == want and got.inner_forwards > 0, "triforce"
     window = WindowLM(draft.model, target.width, draft.head_tokens, 256)
     got = speculative_decode(t_lm, ModelDrafter(window, greedy, g), ids, 3, 24, greedy, g, target.stop_ids)
-    assert got.tokens == want and len(window.ids) <= 256 + 32, "speculative-window"
+    assert got.tokens == want and len(window.ids) <= 256 + EVICT_SLACK, "speculative-window"
