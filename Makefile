@@ -34,7 +34,7 @@ lint: install
 # quiet machine of the CI's kind after an intended change, and commit results/baselines/.
 BENCH_ARGS = --num-prompts 10 --max-new-tokens 32 --k 2,4 --repeats 3
 BASELINE = results/baselines/smollm2-135m
-MACHINE = $(shell $(PYTHON) -c "from specbench.report import machine, machine_slug; print(machine_slug(machine(None)))")
+MACHINE = $(shell $(PYTHON) -c "from specbench.machine import machine, machine_slug; print(machine_slug(machine(None)))")
 
 baseline: install
 	rm -rf $(BASELINE)/$(MACHINE)

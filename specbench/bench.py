@@ -21,6 +21,7 @@ from . import metrics, report, schema
 from .engine import DecodeResult, tree_parents
 from .errors import SpecbenchError
 from .kv import SINKS
+from .machine import environment
 from .methods import BASELINE, DEFAULT, METHODS, Decoder, draft_window
 from .models import (
     DEVICE_MAPS,
@@ -870,7 +871,7 @@ def benchmark(
         # Where accelerate put each module of the target (None: all on the device above).
         "device_map": placement(pair.target.model) if cfg.device_map else None,
     }
-    writer.write_json("meta.json", {**report.environment(pair.device), "config": cfg.as_dict(), "resolved": resolved})
+    writer.write_json("meta.json", {**environment(pair.device), "config": cfg.as_dict(), "resolved": resolved})
 
     plan = cfg.plan  # one plan for the run: a method that learns keeps its state in its decoder
     for step in plan:

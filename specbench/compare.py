@@ -439,7 +439,8 @@ def run_compare(
 ):
     """Compare two run directories (or summary.csv paths), print the table and verdict, write the
     JSON and Markdown reports where paths are given; return 0 or 1 (unusable input: SpecbenchError)."""
-    from .report import print_comparison, write_text
+    from .files import write_text
+    from .report import print_comparison
 
     baseline, note = pick_baseline(baseline, load_machine(current))
     frames = load_summary(baseline), load_summary(current)

@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 from .errors import SpecbenchError
+from .files import replacing
 from .models import HEAD_TOKENS, LoadedModel, read_config
-from .report import replacing
+from .sources import source_files
 
 SHARD_SEQUENCES = 64
 
@@ -85,21 +86,6 @@ class Progress:
     total: int
     loss: float | None = None
     agreement: float | None = None  # the student's top-1 agreement with held-out greedy answers
-
-
-def source_files(roots: list[str]) -> list[Path]:
-    """Python files under ``roots``, minus installed third-party packages and test suites."""
-    skip = {"site-packages", "dist-packages", "test", "tests", "idle_test"}
-    files = []
-    for root in roots:
-        root_path = Path(root)
-        if not root_path.exists():
-            raise SpecbenchError(
-                f"training source {root} does not exist: pass directories of text or code with --source"
-            )
-        candidates = [root_path] if root_path.is_file() else root_path.rglob("*.py")
-        files += [p for p in candidates if not skip & set(p.relative_to(root_path).parts)]
-    return sorted(files)
 
 
 def token_stream(tokenizer, files: list[Path], seed: int) -> Iterator[int]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from .errors import SpecbenchError
 from .models import hub_reachable, read_config
+from .sources import source_files
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,6 @@ def longcode_records(count: int, context_tokens: int, seed: int) -> list[dict]:
     ``context_tokens`` tokens (encoding cuts it to exactly that many, from the left). Seeded."""
     import ast
     import sysconfig
-
-    from .distill import source_files
 
     files = source_files([sysconfig.get_paths()["stdlib"]])
     rng = random.Random(seed)

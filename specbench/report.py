@@ -7,33 +7,16 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
-import platform
-import re
-import subprocess
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.table import Table
 
-from . import __version__, schema
+from . import schema
 from .errors import SpecbenchError
+from .files import replacing
 
 RECORDS, OUTPUTS = "records.csv", "outputs.jsonl"
-
-
-@contextmanager
-def replacing(path: Path) -> Iterator[Path]:
-    """Yield a temporary path beside ``path``; when the block succeeds it replaces ``path`` in one
-    rename, so a reader never sees a half-written file."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        yield tmp
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _parse(name: str, text: str):
@@ -169,66 +152,6 @@ class RunWriter:
         for f in self._files.values():
             f.close()
         self._files.clear()
-
-
-def machine(gpu: str | None) -> dict:
-    """What an absolute throughput depends on besides the code: compare judges tokens/s only between
-    runs whose fingerprints are equal."""
-    import torch
-    import transformers
-
-    cpu = platform.processor()
-    try:
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):  # not Linux, or an architecture whose cpuinfo names no model
-        pass
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-
-
-def machine_slug(fingerprint: dict) -> str:
-    """A directory name for a machine's baseline: its CPU (or GPU), cores and torch threads."""
-    name = f"{fingerprint['gpu'] or fingerprint['cpu']}-{fingerprint['cores']}-cores-{fingerprint['torch_threads']}-threads"
-    return re.sub(r"[^a-z0-9.]+", "-", name.lower().replace("(r)", "").replace("(tm)", "")).strip("-")
-
-
-def environment(device) -> dict:
-    """meta.json's description of the software and machine of a run on the torch device ``device``."""
-    import torch
-
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-    fingerprint = machine(gpu)
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        commit = None
-    return {
-        "specbench": __version__,
-        "python": platform.python_version(),
-        "torch": fingerprint["torch"],
-        "transformers": fingerprint["transformers"],
-        "platform": platform.platform(),
-        "device_name": gpu or device.type,
-        "torch_threads": fingerprint["torch_threads"],
-        "sdpa_force_gqa": os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA"),
-        "git_commit": commit,
-        "machine": fingerprint,
-    }
 
 
 def summary_table(rows: list[dict], title: str) -> Table:
@@ -525,12 +448,3 @@ def print_comparison(console, comparison, verdict: str) -> None:
         markup=False,
         soft_wrap=True,
     )
-
-
-def write_text(path: str | Path, text: str) -> None:
-    """A report at a path the user chose: its directory is made, a failure is one line."""
-    try:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(text, encoding="utf-8")
-    except OSError as exc:
-        raise SpecbenchError(f"cannot write {path} ({exc.strerror}); choose a writable path") from None

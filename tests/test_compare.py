@@ -382,7 +382,7 @@ def test_duplicate_configuration_rows_raise():
 def test_machine_fingerprint_names_the_hardware_and_versions():
     import torch
 
-    from specbench.report import environment
+    from specbench.machine import environment
 
     machine = environment(torch.device("cpu"))["machine"]
     assert set(machine) == {"cpu", "cores", "torch_threads", "gpu", "torch", "transformers"}
