@@ -1,4 +1,4 @@
-"""Which cached positions a partial view of a KV cache keeps (pure tensor functions, no models).
+"""Which cached positions a partial view of a KV cache keeps (pure tensor code, no models).
 
 Two policies, both keeping the first tokens, on which attention piles up whatever they hold
 (StreamingLLM's attention sinks):
@@ -9,10 +9,13 @@ Two policies, both keeping the first tokens, on which attention piles up whateve
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 SINKS = 16  # the first tokens every view keeps (TriForce's tiny draft keeps 16; its retrieval keeps chunk 0)
 CHUNK = 8  # tokens per retrieval chunk (TriForce's default)
+EVICT_SLACK = 32  # a window may outgrow its budget by this much before it is cut back (one copy per 32 tokens)
 
 
 def window_positions(length: int, budget: int, sinks: int = SINKS) -> torch.Tensor:
@@ -20,6 +23,28 @@ def window_positions(length: int, budget: int, sinks: int = SINKS) -> torch.Tens
     if length <= budget:
         return torch.arange(length)
     return torch.cat([torch.arange(sinks), torch.arange(length - (budget - sinks), length)])
+
+
+@dataclass
+class Window:
+    """The account a partial view keeps of a sequence: ``budget`` cached positions, the first ``sinks``
+    among them, and ``read``, the tokens of the sequence read so far (the view's length, more than it
+    holds). A streaming view lets its cache outgrow the budget by ``slack`` before cutting it back to
+    the sinks and the newest positions, so it copies its cache once per ``slack`` tokens, not per token."""
+
+    budget: int
+    sinks: int = SINKS
+    slack: int = EVICT_SLACK
+    read: int = 0
+
+    def overflows(self, held: int, incoming: int) -> bool:
+        """Whether ``incoming`` positions on top of ``held`` ones outgrow the budget and its slack."""
+        return held + incoming > self.budget + self.slack
+
+    def kept(self, held: int, incoming: int = 0) -> torch.Tensor:
+        """The positions of ``held`` that a cut keeps, the sinks and the newest, leaving room for
+        ``incoming`` within the budget (the sinks stay even when ``incoming`` alone fills it)."""
+        return window_positions(held, max(self.budget - incoming, self.sinks), self.sinks)
 
 
 def retrieval_positions(query: torch.Tensor, keys: torch.Tensor, budget: int, chunk: int = CHUNK) -> torch.Tensor:

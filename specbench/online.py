@@ -20,7 +20,8 @@ import torch
 
 from .distill import Example, collate, kd_loss, labelled_logits, save_checkpoint
 from .engine import DecodeResult, Round
-from .models import HFCausalLM, LoadedModel
+from .lm import HFCausalLM
+from .models import LoadedModel
 from .timing import synchronize
 
 TOP_K = 32  # target probabilities kept per rejected position, as distill keeps per position
