@@ -1,7 +1,13 @@
-"""The command line: a thin layer that parses options, shows progress and hands off."""
+"""The command line: a thin layer that parses options, shows progress and hands off.
+
+The options of `run` (and of sweep-k and sweep-context, the same command with other defaults) are
+not written here: each comes from its declaration (options.RUN, or the method that owns it), read
+through config.OPTIONS.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import logging
@@ -16,8 +22,25 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from . import __version__, metrics
+from .bench import Results, benchmark
+from .config import OPTIONS, BenchConfig
+from .costs import ForwardCosts
 from .errors import SpecbenchError
-from .online import OnlineConfig
+from .methods import METHODS
+from .models import read_config
+from .options import Option
+from .plot import plot_context, plot_online, plot_phases, plot_run
+from .prompts import BUILT_IN, LONG_DATASETS
+from .report import context_table, levels_table, phase_table, predicted_table, summary_table
+from .results import predicted_rows, write_context
+
+
+def _version(show: bool) -> None:
+    if show:
+        print(f"specbench {__version__}")
+        raise typer.Exit()
+
 
 app = typer.Typer(
     add_completion=False,
@@ -25,147 +48,47 @@ app = typer.Typer(
     no_args_is_help=False,
     help="Run and benchmark speculative decoding: acceptance, cost ratio, measured and predicted speedup.",
 )
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Run and benchmark speculative decoding: acceptance, cost ratio, measured and predicted speedup."""
+
+
 # Logs and CI output are not terminals: give tables room instead of rich's 80-column default.
 console = Console() if sys.stdout.isatty() else Console(width=150)
 err_console = Console(stderr=True)
 
-# Options of `run` (and so of `sweep-k`, the same command with other defaults).
-Target = Annotated[
-    str, typer.Option(help="Target model: alias from configs/models.toml, hub id, local dir or .gguf file.")
-]
-Draft = Annotated[str, typer.Option(help="Draft model (same forms as --target); must share the target's tokenizer.")]
-Ks = Annotated[
-    str,
-    typer.Option(
-        "--k", "--ks", help="Lookahead (draft tokens per verification); a comma-separated list sweeps, e.g. 1,2,4."
-    ),
-]
-Dataset = Annotated[str, typer.Option(help="humaneval, xsum, or a local .jsonl/.csv/.parquet file.")]
-PromptField = Annotated[str, typer.Option(help="Field holding the prompt in a local dataset file.")]
-NumPrompts = Annotated[int, typer.Option(help="How many prompts (from the start of the dataset).")]
-MaxNewTokens = Annotated[int, typer.Option(help="Tokens to generate per prompt (decoding also stops at EOS).")]
-Temperature = Annotated[float, typer.Option(help="0 = greedy (exact argmax); > 0 samples.")]
-TopK = Annotated[int, typer.Option(help="Keep the k most likely tokens (0 = off).")]
-TopP = Annotated[float, typer.Option(help="Nucleus sampling mass (1.0 = off).")]
-Eta = Annotated[
-    float,
-    typer.Option(help="Eta sampling's epsilon, applied to target and draft alike after top-k and top-p (0 = off)."),
-]
-Trees = Annotated[
-    list[str] | None,
-    typer.Option(
-        "--tree",
-        help="Tree shape for --method tree and lookup-tree: the branching at each depth, e.g. 2,2,1 "
-        "(2 + 4 + 4 = 10 nodes, K = 3). Repeat to compare shapes. Default 2,2.",
-    ),
-]
-Seed = Annotated[
-    int, typer.Option(help="Base seed; each prompt's generators derive from (seed, prompt index, method).")
-]
-Device = Annotated[str, typer.Option(help="auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.")]
-Dtype = Annotated[str, typer.Option(help="auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16, float16.")]
-Repeats = Annotated[int, typer.Option(help="Timed repeats per prompt and method; the median is kept.")]
-Warmup = Annotated[int, typer.Option(help="Untimed warm-up passes over the first prompt before timing.")]
-CostRepeats = Annotated[int, typer.Option(help="Repeats per forward-cost measurement (c, verify_ratio).")]
-Threads = Annotated[
-    int,
-    typer.Option(
-        help="CPU threads for torch (0: torch's default, one per core). On a shared machine use fewer threads "
-        "than free cores: a thread that waits for a busy core stalls every forward."
-    ),
-]
-Chat = Annotated[
-    str,
-    typer.Option(
-        help="auto: wrap prompts in the target's chat template when it has one (instruct models); on; off (raw prompts)."
-    ),
-]
-RandomWeights = Annotated[
-    bool,
-    typer.Option(
-        help="Build target and draft from their architecture (configs/ for the aliases, or a config.json) with random "
-        "weights: forward costs and tokens/s without the checkpoints; alpha is left empty (see --assume-alpha)."
-    ),
-]
-PromptTokens = Annotated[
-    int, typer.Option(help="With --random-weights: random prompts of this many tokens (0: the dataset's lengths).")
-]
-AssumeAlpha = Annotated[
-    str,
-    typer.Option(
-        help="Comma-separated alphas: predicted.csv and a table of the speedup each would give at each K, from the "
-        "measured forward costs (default 0.5,0.6,0.7,0.8 with --random-weights)."
-    ),
-]
-DeviceMap = Annotated[
-    str,
-    typer.Option(
-        help="Spread the target over the GPUs with accelerate: auto, balanced, balanced_low_0 or sequential "
-        "(empty: all on --device). The map goes into meta.json."
-    ),
-]
-CascadeSplit = Annotated[
-    int,
-    typer.Option(
-        help="--method cascade: the draft model (sped up by lookup) drafts the first M positions of a round and prompt "
-        "lookup alone the rest (a horizontal cascade); 0: the draft model drafts all K."
-    ),
-]
-KvBudget = Annotated[
-    int,
-    typer.Option(
-        help="self-sparse, triforce: KV-cache positions the target drafts over (the first 16, then per --kv-policy)."
-    ),
-]
-KvPolicy = Annotated[
-    str,
-    typer.Option(
-        help="self-sparse, triforce: retrieval (chunks of 8 tokens that the last prompt token's query scores highest, "
-        "per layer and head: TriForce's retrieval cache) or window (the most recent tokens: StreamingLLM)."
-    ),
-]
-DraftWindow = Annotated[
-    int, typer.Option(help="triforce, speculative-window: the draft model's streaming window (sinks + recent tokens).")
-]
-InnerK = Annotated[int, typer.Option(help="triforce: draft-model tokens the middle level checks at a time.")]
-ContextTokens = Annotated[
-    str,
-    typer.Option(
-        help="--dataset longcode: prompt length in tokens (source cut to end inside a function). A comma-separated "
-        "list runs once per length into OUT/context-N/ and writes context.csv, crossover.json and context.png."
-    ),
-]
-PrefillChunk = Annotated[
-    int,
-    typer.Option(help="Prefill prompts longer than this in chunks of it, so memory stays bounded (0: one forward)."),
-]
-OnlineEvery = Annotated[int, typer.Option(help="--method online: update the draft after every N prompts.")]
-OnlineSteps = Annotated[
-    int, typer.Option(help="--method online: optimiser steps per update, over the lessons since the last one.")
-]
-OnlineLr = Annotated[float, typer.Option(help="--method online: learning rate of the draft's updates (AdamW).")]
-SaveDraft = Annotated[
-    Path | None,
-    typer.Option(
-        help="--method online: write the updated draft here at the end (a checkpoint --draft loads; one k<K>/ "
-        "directory per K when several K learn). The shipped draft is never changed."
-    ),
-]
-Out = Annotated[Path | None, typer.Option(help="Run directory (default results/<time>-<target>-<draft>/).")]
-Resume = Annotated[
-    bool,
-    typer.Option(help="Continue an interrupted run in --out with the same configuration: finished prompts are kept."),
-]
+
+def _owners(option: Option) -> list[str]:
+    return [m.name for m in METHODS.values() if option in m.options]
 
 
-def _method_help() -> str:
-    from .methods import METHODS
-
-    listed = "; ".join(f"{m.name}: {m.help}" for m in METHODS.values())
-    return f"Decoding methods, repeatable or comma-separated ({listed})."
-
-
-Method = Annotated[list[str] | None, typer.Option(help=_method_help())]
+def _parameter(option: Option, default=inspect.Parameter.empty) -> inspect.Parameter:
+    """A Typer option built from a declaration: its flags, type, help, choices and default."""
+    if option.repeat is not None:
+        kind = list[str] | None
+    elif option.parse is not None:
+        kind = str
+    else:
+        kind = option.kind | None if option.default is None else type(option.default)
+    owners = _owners(option)
+    metavar = option.metavar or ("[" + "|".join(option.choices) + "]" if option.choices else None)
+    shown = f"{option.help} [default: {', '.join(option.default)}]" if option.repeat else option.help
+    declared = typer.Option(
+        *option.flags,
+        help=shown,
+        metavar=metavar,
+        rich_help_panel=f"Options of {', '.join(owners)}" if owners else None,
+    )
+    default = option.text_default if default is inspect.Parameter.empty else default
+    return inspect.Parameter(
+        option.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, declared]
+    )
 
 
 def _setup_logging() -> None:
@@ -177,26 +100,6 @@ def _setup_logging() -> None:
 
     transformers.utils.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
-
-
-def _parse_ks(text: str, option: str = "--k") -> list[int]:
-    """A sorted list of distinct integers from ``option``'s comma-separated text."""
-    try:
-        ks = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError:
-        raise SpecbenchError(
-            f"{option} {text!r} is not an integer or a comma-separated list of integers, e.g. 1,2,3,4"
-        ) from None
-    if not ks:
-        raise SpecbenchError(f"{option} is empty: give a number such as 4 or a list such as 1,2,3,4")
-    return ks
-
-
-def _parse_alphas(text: str) -> list[float]:
-    try:
-        return [float(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise SpecbenchError(f"--assume-alpha {text!r}: give alphas like 0.5,0.6,0.7,0.8") from None
 
 
 def _slug(name: str) -> str:
@@ -229,9 +132,6 @@ def _prefill_bar(progress: Progress):
 
 def _show(events, progress: Progress) -> None:
     """Progress while the benchmark runs, then its tables and verdicts."""
-    from .bench import Results
-    from .report import levels_table, phase_table, predicted_table, summary_table
-
     results, task = None, None
     with progress:
         for event in events:
@@ -267,164 +167,106 @@ def _show(events, progress: Progress) -> None:
             if mismatched
             else "greedy outputs: every method equals the baseline"
         )
-    console.print(f"results in {results.out}/")
+    console.print(f"results in {results.out}/ (results.json, summary.csv, records.csv, ...)")
 
 
-@app.command()
-def run(
-    target: Target = "smollm2-135m",
-    draft: Draft = "smollm2-135m-draft",
-    k: Ks = "4",
-    method: Method = None,
-    dataset: Dataset = "humaneval",
-    prompt_field: PromptField = "prompt",
-    num_prompts: NumPrompts = 10,
-    max_new_tokens: MaxNewTokens = 64,
-    temperature: Temperature = 0.0,
-    top_k: TopK = 0,
-    top_p: TopP = 1.0,
-    eta: Eta = 0.0,
-    tree: Trees = None,
-    seed: Seed = 0,
-    device: Device = "auto",
-    dtype: Dtype = "auto",
-    repeats: Repeats = 1,
-    warmup: Warmup = 1,
-    cost_repeats: CostRepeats = 10,
-    threads: Threads = 0,
-    chat: Chat = "auto",
-    random_weights: RandomWeights = False,
-    prompt_tokens: PromptTokens = 0,
-    assume_alpha: AssumeAlpha = "",
-    device_map: DeviceMap = "",
-    cascade_split: CascadeSplit = 0,
-    kv_budget: KvBudget = 1024,
-    kv_policy: KvPolicy = "retrieval",
-    draft_window: DraftWindow = 256,
-    inner_k: InnerK = 2,
-    context_tokens: ContextTokens = "",
-    prefill_chunk: PrefillChunk = 512,
-    online_every: OnlineEvery = 1,
-    online_steps: OnlineSteps = OnlineConfig.steps,
-    online_lr: OnlineLr = OnlineConfig.lr,
-    save_draft: SaveDraft = None,
-    out: Out = None,
-    resume: Resume = False,
-) -> None:
+ASSUMED_ALPHAS = [0.5, 0.6, 0.7, 0.8]  # --assume-alpha's default with --random-weights
+
+
+def run(out: Path | None = None, resume: bool = False, **given) -> None:
     """Decode prompts with the baseline and each method at each K; write and show what was measured."""
-    from . import bench
-    from .methods import DEFAULT
-
     _setup_logging()
-    lengths = _parse_ks(context_tokens, "--context-tokens") if context_tokens else [0]
-    cfg = bench.BenchConfig(
-        target=target,
-        draft=draft,
-        ks=_parse_ks(k),
-        methods=[m.strip() for v in method or DEFAULT for m in v.split(",") if m.strip()],
-        dataset=dataset,
-        prompt_field=prompt_field,
-        num_prompts=num_prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eta=eta,
-        trees=[t.replace(" ", "") for t in tree or ["2,2"]],
-        seed=seed,
-        device=device,
-        dtype=dtype,
-        repeats=repeats,
-        warmup=warmup,
-        cost_repeats=cost_repeats,
-        threads=threads,
-        chat=chat,
-        random_weights=random_weights,
-        prompt_tokens=prompt_tokens,
-        assume_alpha=_parse_alphas(assume_alpha or ("0.5,0.6,0.7,0.8" if random_weights else "")),
-        device_map=device_map or None,
-        cascade_split=cascade_split,
-        kv_budget=kv_budget,
-        kv_policy=kv_policy,
-        draft_window=draft_window,
-        inner_k=inner_k,
-        context_tokens=lengths[0] if len(lengths) == 1 else 0,
-        prefill_chunk=prefill_chunk,
-        online=OnlineConfig(every=online_every, steps=online_steps, lr=online_lr),
-        save_draft=str(save_draft) if save_draft else None,
-    )
+    values = {name: OPTIONS[name].value(text) for name, text in given.items()}
+    lengths = values["context_tokens"] if isinstance(values["context_tokens"], list) else [values["context_tokens"]]
+    values["context_tokens"] = lengths[0] if len(lengths) == 1 else 0  # a sweep sets each length in turn
+    if values["random_weights"] and not values["assume_alpha"]:
+        values["assume_alpha"] = list(ASSUMED_ALPHAS)
+    cfg = BenchConfig(**values)
     if resume and out is None:
         raise SpecbenchError("--resume needs --out DIR: the run directory to continue")
-    out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(target)}-{_slug(draft)}"
+    out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(cfg.target)}-{_slug(cfg.draft)}"
     if len(lengths) == 1:
         progress = _progress()
-        _show(bench.benchmark(cfg, out, resume, prefill_progress=_prefill_bar(progress)), progress)
+        _show(benchmark(cfg, out, resume, prefill_progress=_prefill_bar(progress)), progress)
         return
     _sweep_context(cfg, lengths, out, resume)
 
 
-def _sweep_context(cfg, lengths: list[int], out: Path, resume: bool) -> None:
+_RUN_ONLY = [
+    inspect.Parameter(
+        "out",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[
+            Path | None, typer.Option(help="Run directory (default results/<time>-<target>-<draft>/).")
+        ],
+    ),
+    inspect.Parameter(
+        "resume",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=False,
+        annotation=Annotated[
+            bool,
+            typer.Option(
+                help="Continue an interrupted run in --out with the same configuration: finished prompts are kept."
+            ),
+        ],
+    ),
+]
+
+
+def _command(defaults: dict | None = None):
+    """`run` with its Typer signature built from the declarations (and other ``defaults``)."""
+    defaults = defaults or {}
+
+    @functools.wraps(run)
+    def command(**options):
+        return run(**options)
+
+    params = [_parameter(o, defaults.get(o.name, inspect.Parameter.empty)) for o in OPTIONS.values()]
+    command.__signature__ = inspect.Signature(params + _RUN_ONLY)
+    return command
+
+
+def _sweep_context(cfg: BenchConfig, lengths: list[int], out: Path, resume: bool) -> None:
     """One run per context length, each in its own directory, then what they show together."""
-    import dataclasses
-    import json
-
-    import pandas as pd
-
-    from . import bench
-    from .plot import plot_context
-    from .report import context_rows, context_table, crossovers
-
     runs = {}
     for length in lengths:
         runs[length] = out / f"context-{length}"
         console.rule(f"context {length} tokens")
         progress = _progress()
-        events = bench.benchmark(
+        events = benchmark(
             dataclasses.replace(cfg, context_tokens=length),
             runs[length],
             resume and (runs[length] / "meta.json").is_file(),  # a length the interruption never reached starts now
             prefill_progress=_prefill_bar(progress),
         )
         _show(events, progress)
-    rows = context_rows(runs)
-    wins = crossovers(rows)
-    pd.DataFrame(rows).to_csv(out / "context.csv", index=False)
-    (out / "crossover.json").write_text(json.dumps(wins, indent=2) + "\n")
+    rows, wins = write_context(out, runs)
     console.rule("by context length")
     console.print(context_table(rows, wins))
     console.print(f"plot: {plot_context(out)}")
     console.print(f"results in {out}/ (context.csv, crossover.json, context.png; a directory per length)")
 
 
-def _with_defaults(command, **defaults):
-    """The same command with other option defaults (sweep-k is run with a list of K)."""
-    signature = inspect.signature(command, eval_str=True)  # typer reads the Annotated options from it
-    params = [p.replace(default=defaults.get(p.name, p.default)) for p in signature.parameters.values()]
-
-    @functools.wraps(command)
-    def variant(**options):
-        return command(**options)
-
-    variant.__signature__ = signature.replace(parameters=params)
-    return variant
-
-
+app.command("run")(_command())
 app.command("sweep-k", help="`run` with K swept over 1,2,3,4,6,8 by default: one baseline per prompt shared by all K.")(
-    _with_defaults(run, k="1,2,3,4,6,8")
+    _command({"ks": "1,2,3,4,6,8"})
 )
 app.command(
     "sweep-context",
     help="`run` on long code prompts at 1024, 2048, 4096 and 8064 tokens (--context-tokens) with speculative, "
-    "speculative-window, self-sparse and triforce at K=3 by default: a run per length, then context.csv, the context length from which "
-    "each method beats the baseline and speculative (crossover.json), and context.png.",
+    "speculative-window, self-sparse and triforce at K=3 by default: a run per length, then context.csv, the context "
+    "length from which each method beats the baseline and speculative (crossover.json), and context.png.",
 )(
-    _with_defaults(
-        run,
-        dataset="longcode",
-        context_tokens="1024,2048,4096,8064",
-        method=["speculative,speculative-window,self-sparse,triforce"],
-        k="3",
-        num_prompts=4,
+    _command(
+        {
+            "dataset": "longcode",
+            "context_tokens": "1024,2048,4096,8064",
+            "methods": ["speculative,speculative-window,self-sparse,triforce"],
+            "ks": "3",
+            "num_prompts": 4,
+        }
     )
 )
 
@@ -435,7 +277,9 @@ def theory(
         str, typer.Option(help="Acceptance alpha in [0, 1]; with --costs a comma-separated list.")
     ] = "0.5,0.6,0.7,0.8",
     c: Annotated[float | None, typer.Option(help="Cost ratio: draft step time / target step time (>= 0).")] = None,
-    ks: Annotated[str, typer.Option(help="Comma-separated lookaheads.")] = "1,2,3,4,5,6,7,8",
+    ks: Annotated[
+        str, typer.Option("--k", "--ks", help="Lookaheads, comma-separated (as run's --k).")
+    ] = "1,2,3,4,5,6,7,8",
     costs: Annotated[
         Path | None,
         typer.Option(
@@ -443,15 +287,13 @@ def theory(
             "measured, and predict the speedup of every --alpha at every measured K (as predicted.csv)."
         ),
     ] = None,
-    format: Annotated[str, typer.Option(help="table or csv.")] = "table",
+    format: Annotated[str, typer.Option(help="table or csv.", metavar="[table|csv]")] = "table",
 ) -> None:
     """The speedup formula alone (no models): per K, the optimum, and the break-even c; or, with
     --costs, the speedup each alpha would give with a run's measured forward costs."""
-    from . import metrics
-
     if format not in ("table", "csv"):
         raise SpecbenchError(f"--format {format!r}: use table or csv")
-    alphas = _parse_alphas(alpha)
+    alphas = OPTIONS["assume_alpha"].value(alpha)
     if not alphas or not all(0 <= a <= 1 for a in alphas):
         raise SpecbenchError("--alpha must be in [0, 1]")
     if costs is not None:
@@ -460,9 +302,8 @@ def theory(
     if c is None or c < 0 or len(alphas) != 1:
         raise SpecbenchError("give one --alpha and --c >= 0, or a run's measured costs with --costs RUN_DIR")
     alpha = alphas[0]
-    k_list = _parse_ks(ks)
-    if k_list[0] < 1:
-        raise SpecbenchError("K must be at least 1")
+    k_list = OPTIONS["ks"].value(ks)
+    OPTIONS["ks"].validate(k_list)
     rows = [(k, metrics.expected_tokens(alpha, k), metrics.predicted_speedup(alpha, c, k)) for k in k_list]
     best, best_speedup = metrics.optimal_k(alpha, c, k_list)
     if format == "csv":
@@ -483,9 +324,6 @@ def theory(
 def _theory_from_costs(alphas: list[float], path: Path, c: float | None, format: str) -> None:
     import csv
 
-    from .bench import ForwardCosts, predicted_rows
-    from .report import predicted_table
-
     file = path / "verify_cost.csv" if path.is_dir() else path
     if c is not None:
         raise SpecbenchError("--c and --costs exclude each other: --costs takes c from the run's draft forward")
@@ -505,6 +343,40 @@ def _theory_from_costs(alphas: list[float], path: Path, c: float | None, format:
     console.print(predicted_table(rows))
 
 
+@app.command("list")
+def list_(
+    what: Annotated[
+        str, typer.Argument(help="methods, models, datasets or all.", metavar="[methods|models|datasets|all]")
+    ] = "all",
+) -> None:
+    """What specbench can run: the methods (with the options each owns), the model aliases, the datasets."""
+    if what not in ("methods", "models", "datasets", "all"):
+        raise SpecbenchError(f"specbench list {what}: use methods, models, datasets or all")
+    if what in ("methods", "all"):
+        table = Table("method", "K", "draft model", "what it does", "its options", title="methods (--method)")
+        for m in METHODS.values():
+            k = "tree" if m.takes_tree else "K" if m.takes_k else "-"
+            options = "\n".join(f"{o.flag} ({o.default})" for o in m.options) or "-"
+            table.add_row(m.name, k, "yes" if m.needs_draft else "-", m.help, options)
+        console.print(table)
+    if what in ("models", "all"):
+        table = Table("alias", "source", "random weights", title="model aliases (--target, --draft)")
+        for alias, entry in read_config("models.toml").items():
+            source = entry.get("hub") or entry.get("bundled") and "shipped with specbench" or entry.get("install", "")
+            table.add_row(alias, source, "yes" if "architecture" in entry else "-")
+        console.print(table)
+        console.print("or a hub id, a local checkpoint directory, or a .gguf file")
+    if what in ("datasets", "all"):
+        table = Table("dataset", "source", title="datasets (--dataset)")
+        for name, spec in read_config("datasets.toml").items():
+            if name != "file":
+                table.add_row(name, "on this machine" if name in BUILT_IN else f"hub: {spec['hub']}")
+        for name in LONG_DATASETS:
+            table.add_row(name, "on this machine: the Python standard library, cut to --context-tokens")
+        table.add_row("FILE.jsonl / .csv / .parquet", "a local file; the prompt field is --prompt-field")
+        console.print(table)
+
+
 @app.command()
 def compare(
     baseline: Annotated[str, typer.Argument(help="Baseline run directory or summary.csv.")],
@@ -521,13 +393,39 @@ def compare(
     confidence: Annotated[
         float, typer.Option(help="Confidence of the paired-bootstrap interval of speedup and tokens/s changes.")
     ] = 0.95,
+    allow_unjudged: Annotated[
+        bool,
+        typer.Option(
+            help="Pass although a metric could not be judged on any row (e.g. timings against another machine's "
+            "baseline); it is still reported as NOT JUDGED."
+        ),
+    ] = False,
 ) -> None:
-    """Compare two runs; exit 1 when a metric regressed or a row is missing, 2 on unusable input."""
+    """Compare two runs.
+
+    Exit 0: pass; 1: a metric regressed or a row is missing; 2: unusable input; 3: a metric could not
+    be judged on any row (timings against a baseline from another machine), unless --allow-unjudged.
+    """
     from .compare import run_compare
 
     raise typer.Exit(
-        run_compare(baseline, current, tolerance, abs_tolerance, metric, json, markdown, console, confidence)
+        run_compare(
+            baseline,
+            current,
+            tolerance,
+            abs_tolerance,
+            metric,
+            json,
+            markdown,
+            console,
+            confidence,
+            allow_unjudged=allow_unjudged,
+        )
     )
+
+
+# distill shares these options with run: the same declarations.
+Target, Seed, Device = (_parameter(OPTIONS[name]).annotation for name in ("target", "seed", "device"))
 
 
 @app.command()
@@ -644,7 +542,6 @@ def distill(
 def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written by run or sweep-k.")]) -> None:
     """Redraw a run's figures from its CSVs: time per token by phase; for methods with K speedup vs
     K, acceptance by position and verification cost; with --method online, alpha over the run."""
-    from .plot import plot_online, plot_phases, plot_run
 
     for path in (plot_phases(run_dir), plot_run(run_dir), plot_online(run_dir)):
         if path is not None:

@@ -31,6 +31,7 @@ import torch
 from .errors import SpecbenchError
 from .files import replacing
 from .models import HEAD_TOKENS, LoadedModel, read_config
+from .prompts import humaneval_records
 from .sources import source_files
 
 SHARD_SEQUENCES = 64
@@ -135,8 +136,6 @@ def function_stubs(files: list[Path], seed: int, limit: int, exclude: frozenset[
 
 def evaluation_names() -> frozenset[str]:
     """HumanEval's entry points, so no training stub shares a name with a held-out problem."""
-    from .prompts import humaneval_records
-
     return frozenset(r["entry_point"] for r in humaneval_records() or [])
 
 

@@ -1,16 +1,19 @@
 """Decoding methods as registered objects.
 
-A method says whether it takes a lookahead K, whether it needs the draft model, what its cost
-ratio c is, and how it decodes one prompt. Nothing outside this module names a method: adding
-one is a class here and an entry in METHODS.
+A method says whether it takes a lookahead K, whether it needs the draft model, the options it
+owns, what its cost ratio c is, and how it decodes one prompt. Nothing outside this module names a
+method: adding one is a class here and an entry in METHODS.
+
+``cfg`` below is the run's configuration (config.BenchConfig, which is built from these methods'
+options, so this module cannot import it) and ``costs`` its forward costs (costs.ForwardCosts).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,12 +30,12 @@ from .engine import (
     tree_parents,
 )
 from .errors import SpecbenchError
-from .models import SparseView, WindowLM, hf_generate
-from .online import Learned, OnlineLearner, rejection
+from .kv import SINKS
+from .lm import HFCausalLM, SparseView, WindowLM, hf_generate
+from .online import Learned, OnlineConfig, OnlineLearner, rejection
+from .options import Option
+from .pair import Pair
 from .timing import TimedDrafter, TimedLM
-
-if TYPE_CHECKING:
-    from .bench import BenchConfig, ForwardCosts, Pair
 
 
 @dataclass(eq=False)
@@ -46,9 +49,14 @@ class Decoder:
     state: object = None
 
     @property
+    def shape(self) -> str:
+        """The tree shape as the --tree option and the ``tree`` column write it ("" for a chain)."""
+        return ",".join(map(str, self.tree)) if self.tree else ""
+
+    @property
     def label(self) -> str:
         if self.tree:
-            return f"{self.method.name} tree={','.join(map(str, self.tree))}"
+            return f"{self.method.name} tree={self.shape}"
         return f"{self.method.name} K={self.k}" if self.k else self.method.name
 
 
@@ -61,7 +69,8 @@ class Method:
     learns = False  # changes between prompts (begin_run, after_prompt and save say how)
     draft_level = "draft model"  # what drafts the tokens the target verifies
     inner_level = ""  # what proposes beneath the drafting model, in a method of several levels
-    levels: tuple[str, ...] = ()  # drafting levels whose one-token forward the cost measurement times (bench.LEVELS)
+    levels: tuple[Level, ...] = ()  # drafting models whose one-token forward the cost measurement times
+    options: tuple[Option, ...] = ()  # the run options it owns (a flag each, a configuration field each)
 
     @property
     def drafts(self) -> bool:
@@ -70,20 +79,18 @@ class Method:
     def check(self, pair: Pair) -> None:
         """Raise SpecbenchError when this method cannot run on ``pair``."""
 
-    def options(self, cfg: BenchConfig) -> str:
-        """The method's own settings that change what it measures, for the ``options`` column."""
-        return ""
+    def settings(self, cfg) -> str:
+        """Its own options' values, for the ``options`` column."""
+        return ",".join(f"{o.name}={getattr(cfg, o.name)}" for o in self.options if o.recorded)
 
-    def c(self, costs: ForwardCosts) -> float:
+    def c(self, costs) -> float:
         """Cost of one drafting step in one-token target forwards (NaN: the method does not draft)."""
         return math.nan
 
-    def begin_run(self, pair: Pair, cfg: BenchConfig, step: Decoder) -> None:
+    def begin_run(self, pair: Pair, cfg, step: Decoder) -> None:
         """Set up ``step.state`` before the first prompt (methods that learn)."""
 
-    def decode(
-        self, pair: Pair, cfg: BenchConfig, step: Decoder, ids: torch.Tensor, generator: torch.Generator
-    ) -> DecodeResult:
+    def decode(self, pair: Pair, cfg, step: Decoder, ids: torch.Tensor, generator: torch.Generator) -> DecodeResult:
         """Decode one prompt; ``pair`` is timed (pair.clock is lapped around every model forward)."""
         raise NotImplementedError
 
@@ -105,7 +112,7 @@ class Baseline(Method):
 class SpeculativeLoop(Method):
     """A method that runs specbench's own speculative loop with its own drafter."""
 
-    def drafter(self, pair: Pair, cfg: BenchConfig, step: Decoder, generator: torch.Generator) -> Drafter:
+    def drafter(self, pair: Pair, cfg, step: Decoder, generator: torch.Generator) -> Drafter:
         raise NotImplementedError
 
     def decode(self, pair, cfg, step, ids, generator, on_round=None):
@@ -129,9 +136,44 @@ class Speculative(SpeculativeLoop):
         return ModelDrafter(pair.draft_lm, cfg.sampling, generator)
 
 
-def draft_window(pair: Pair, cfg: BenchConfig) -> WindowLM:
+KV_BUDGET = Option(
+    "kv_budget",
+    1024,
+    "self-sparse, triforce: KV-cache positions the target drafts over (the first 16, then per --kv-policy).",
+    low=2 * SINKS,
+    problem=f"--kv-budget must be at least {2 * SINKS} (the first {SINKS} tokens are always kept)",
+)
+KV_POLICY = Option(
+    "kv_policy",
+    "retrieval",
+    "self-sparse, triforce: retrieval (chunks of 8 tokens that the last prompt token's query scores highest, "
+    "per layer and head: TriForce's retrieval cache) or window (the most recent tokens: StreamingLLM).",
+    choices=("retrieval", "window"),
+)
+DRAFT_WINDOW = Option(
+    "draft_window",
+    256,
+    "triforce, speculative-window: the draft model's streaming window (sinks + recent tokens).",
+    low=2 * SINKS + 2,
+)
+
+
+def draft_window(pair: Pair, cfg) -> WindowLM:
     """The draft model over a streaming window of --draft-window positions (speculative-window, triforce)."""
     return WindowLM(pair.draft_lm.model, pair.draft_lm.width, pair.draft.head_tokens, cfg.draft_window)
+
+
+@dataclass(frozen=True)
+class Level:
+    """A drafting model other than the draft model, built the way its method builds it, so the cost
+    measurement times the forward the method runs; ``name`` is its verify_cost.csv row."""
+
+    name: str
+    build: Callable[[Pair, object], HFCausalLM]
+
+
+SELF_SPARSE_LEVEL = Level("self-sparse", lambda pair, cfg: SparseView(pair.target_lm, cfg.kv_budget, cfg.kv_policy))
+DRAFT_WINDOW_LEVEL = Level("draft-window", draft_window)
 
 
 class SpeculativeWindow(SpeculativeLoop):
@@ -143,13 +185,11 @@ class SpeculativeWindow(SpeculativeLoop):
         True,
     )
     draft_level = "draft model over its window"
-    levels = ("draft-window",)
-
-    def options(self, cfg):
-        return f"window={cfg.draft_window}"
+    levels = (DRAFT_WINDOW_LEVEL,)
+    options = (DRAFT_WINDOW,)
 
     def c(self, costs):
-        return costs.level_c("draft-window")
+        return costs.level_c(DRAFT_WINDOW_LEVEL.name)
 
     def begin_run(self, pair, cfg, step):
         step.state = draft_window(pair, cfg)
@@ -180,9 +220,16 @@ class Cascade(SpeculativeLoop):
         True,
     )
     inner_level = "prompt lookup"
-
-    def options(self, cfg):
-        return f"split={cfg.cascade_split}" if cfg.cascade_split else ""
+    options = (
+        Option(
+            "cascade_split",
+            0,
+            "cascade: the draft model (sped up by lookup) drafts the first M positions of a round and prompt "
+            "lookup alone the rest (a horizontal cascade); 0: the draft model drafts all K.",
+            low=0,
+            problem="--cascade-split must be >= 0 (0: the draft model drafts all K positions)",
+        ),
+    )
 
     def c(self, costs):
         return costs.c  # one of its draft-model forwards; it needs fewer of them than K per round
@@ -232,13 +279,33 @@ class Online(Speculative):
         "target's rows where the target rejected it (kept from verification); weights change between prompts only",
         True,
     )
-
-    def options(self, cfg):
-        o = cfg.online
-        return f"every={o.every},steps={o.steps},lr={o.lr:g}"
+    options = (
+        Option("online_every", OnlineConfig.every, "online: update the draft after every N prompts.", low=1),
+        Option(
+            "online_steps",
+            OnlineConfig.steps,
+            "online: optimiser steps per update, over the lessons since the last one.",
+            low=1,
+        ),
+        Option(
+            "online_lr",
+            OnlineConfig.lr,
+            "online: learning rate of the draft's updates (AdamW).",
+            check=lambda lr: lr > 0,
+            problem="--online-lr must be positive",
+        ),
+        Option(
+            "save_draft",
+            None,
+            "online: write the updated draft here at the end (a checkpoint --draft loads; one k<K>/ directory per K "
+            "when several K learn). The shipped draft is never changed.",
+            recorded=False,
+        ),
+    )
 
     def begin_run(self, pair, cfg, step):
-        step.state = OnlineLearner(pair.draft, pair.draft_lm.width, cfg.online, pair.device)
+        online = OnlineConfig(cfg.online_every, cfg.online_steps, cfg.online_lr)
+        step.state = OnlineLearner(pair.draft, pair.draft_lm.width, online, pair.device)
 
     def drafter(self, pair, cfg, step, generator):
         return ModelDrafter(TimedLM(step.state.lm, pair.clock, "draft"), cfg.sampling, generator)
@@ -268,14 +335,12 @@ class SelfSparse(SpeculativeLoop):
         "query scores highest, or with --kv-policy window the most recent); the full target verifies",
     )
 
-    levels = ("self-sparse",)
+    levels = (SELF_SPARSE_LEVEL,)
     draft_level = "target over its KV budget"
-
-    def options(self, cfg):
-        return f"budget={cfg.kv_budget},policy={cfg.kv_policy}"
+    options = (KV_BUDGET, KV_POLICY)
 
     def c(self, costs):
-        return costs.level_c("self-sparse")
+        return costs.level_c(SELF_SPARSE_LEVEL.name)
 
     def begin_run(self, pair, cfg, step):
         step.state = SparseView(pair.target_lm, cfg.kv_budget, cfg.kv_policy)
@@ -295,13 +360,16 @@ class TriForce(SpeculativeLoop):
     )
     draft_level = "target over its KV budget"
     inner_level = "draft model over its window"
-    levels = ("self-sparse", "draft-window")
-
-    def options(self, cfg):
-        return f"budget={cfg.kv_budget},policy={cfg.kv_policy},window={cfg.draft_window},inner_k={cfg.inner_k}"
+    levels = (SELF_SPARSE_LEVEL, DRAFT_WINDOW_LEVEL)
+    options = (
+        KV_BUDGET,
+        KV_POLICY,
+        DRAFT_WINDOW,
+        Option("inner_k", 2, "triforce: draft-model tokens the middle level checks at a time.", low=1),
+    )
 
     def c(self, costs):
-        return costs.level_c("self-sparse")  # a drafting step of the level the target verifies
+        return costs.level_c(SELF_SPARSE_LEVEL.name)  # a drafting step of the level the target verifies
 
     def begin_run(self, pair, cfg, step):
         window = draft_window(pair, cfg)

@@ -110,6 +110,21 @@ def rate_of_sums(parts: np.ndarray, weights: np.ndarray | None = None) -> np.nda
     return rate / (sums[..., 2] / sums[..., 3]) if parts.shape[1] == 4 else rate
 
 
+def _resampled(n: int, resamples: int, seed: int) -> np.ndarray:
+    """Bootstrap weights: per resample, how many times each of ``n`` prompts was drawn."""
+    return np.random.default_rng(seed).multinomial(n, np.full(n, 1 / n), size=resamples)
+
+
+def rate_interval(
+    parts: np.ndarray, confidence: float = 0.95, resamples: int = 10_000, seed: int = 0
+) -> tuple[float, float]:
+    """The percentile bootstrap interval over prompts of rate_of_sums(parts) (a row per prompt)."""
+    parts = np.asarray(parts, dtype=float)
+    rates = rate_of_sums(parts, _resampled(len(parts), resamples, seed))
+    low, high = np.quantile(rates, [(1 - confidence) / 2, (1 + confidence) / 2])
+    return float(low), float(high)
+
+
 def paired_change(
     base: np.ndarray, cur: np.ndarray, confidence: float = 0.95, resamples: int = 10_000, seed: int = 0
 ) -> tuple[float, float, float]:
@@ -118,8 +133,7 @@ def paired_change(
     draws prompts with replacement, the same draw for both runs, so a prompt that is slow in both
     (a long answer) moves both sums alike and what spreads the interval is how the runs differ."""
     base, cur = np.asarray(base, dtype=float), np.asarray(cur, dtype=float)
-    n = len(base)
-    weights = np.random.default_rng(seed).multinomial(n, np.full(n, 1 / n), size=resamples)
+    weights = _resampled(len(base), resamples, seed)
     changes = rate_of_sums(cur, weights) / rate_of_sums(base, weights) - 1
     low, high = np.quantile(changes, [(1 - confidence) / 2, (1 + confidence) / 2])
     return float(rate_of_sums(cur) / rate_of_sums(base) - 1), float(low), float(high)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from pathlib import Path
 
+from . import schema
 from .errors import SpecbenchError
 
 
@@ -113,13 +114,7 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
     return path
 
 
-PHASE_COLORS = {
-    "prefill_s": "#9e9e9e",
-    "draft_s": "#4c9be8",
-    "inner_s": "#8e6bd1",
-    "verify_s": "#e8834c",
-    "other_s": "#d64550",
-}
+PHASE_COLORS = dict(zip(schema.PHASES, ("#9e9e9e", "#4c9be8", "#8e6bd1", "#e8834c", "#d64550"), strict=True))
 
 
 def plot_phases(run_dir: Path, name: str = "phases.png") -> Path:

@@ -1,7 +1,9 @@
-"""The results schema: every column specbench writes, with its kind, direction, format and meaning.
+"""The results schema: every column of every file specbench writes, and the phases of a decode.
 
-The CSV writer orders columns by it, the rich table and compare read it, and a test keeps the
-README's column table equal to it. A new column is one entry here.
+summary.csv and records.csv are described column by column (kind, direction, format, meaning):
+the rich tables and compare read those. The other files' columns are listed in FILES; the writer
+refuses a row with a column the schema lacks, and a test runs the pipeline and holds every file it
+wrote to these lists. A new column is one entry here.
 """
 
 from __future__ import annotations
@@ -21,10 +23,11 @@ class Column:
     kind: str  # CONFIG, DETERMINISTIC or TIMING
     better: str | None  # HIGHER, LOWER, or None when neither direction is better
     fmt: str  # format spec for tables, e.g. ".3f"
-    meaning: str  # one line, shown in the README
+    meaning: str  # one line, shown in docs/methodology.md
     header: str = ""  # short label in the summary table; empty: not shown there
     gated: bool = False  # judged by `specbench compare` when no --metric is given
     files: str = "both"  # "summary", "records" (per prompt) or "both"
+    absolute: bool = False  # seconds or tokens/s: they measure the machine as much as the code
 
 
 COLUMNS: tuple[Column, ...] = (
@@ -85,6 +88,7 @@ COLUMNS: tuple[Column, ...] = (
         ".3f",
         "baseline wall seconds for the prompt, median of the repeats",
         files="records",
+        absolute=True,
     ),
     Column(
         "method_s",
@@ -92,6 +96,7 @@ COLUMNS: tuple[Column, ...] = (
         LOWER,
         ".3f",
         "the method's wall seconds: per prompt the median of the repeats; in the summary their sum",
+        absolute=True,
     ),
     Column(
         "baseline_tokens_per_s",
@@ -101,9 +106,17 @@ COLUMNS: tuple[Column, ...] = (
         "baseline tokens / wall seconds",
         header="base tok/s",
         gated=True,
+        absolute=True,
     ),
     Column(
-        "spec_tokens_per_s", TIMING, HIGHER, ".1f", "the method's tokens / wall seconds", header="tok/s", gated=True
+        "spec_tokens_per_s",
+        TIMING,
+        HIGHER,
+        ".1f",
+        "the method's tokens / wall seconds",
+        header="tok/s",
+        gated=True,
+        absolute=True,
     ),
     Column(
         "speedup",
@@ -120,6 +133,7 @@ COLUMNS: tuple[Column, ...] = (
         LOWER,
         ".3f",
         "seconds a method that learns (online) spent training its draft after the prompt(s), apart from decoding",
+        absolute=True,
     ),
     Column(
         "speedup_with_training",
@@ -200,13 +214,16 @@ COLUMNS: tuple[Column, ...] = (
         header="pred+verify",
         files="summary",
     ),
-    Column("prefill_s", TIMING, LOWER, ".3f", "seconds in prefill forwards (the prompt, target and draft)"),
+    Column(
+        "prefill_s", TIMING, LOWER, ".3f", "seconds in prefill forwards (the prompt, target and draft)", absolute=True
+    ),
     Column(
         "draft_s",
         TIMING,
         LOWER,
         ".3f",
         "seconds in the drafting model's forwards after its prefill (self-sparse, triforce: the target over its KV budget)",
+        absolute=True,
     ),
     Column(
         "inner_s",
@@ -214,14 +231,23 @@ COLUMNS: tuple[Column, ...] = (
         LOWER,
         ".3f",
         "seconds in the level beneath the drafting model (cascade: prompt lookup; triforce: the windowed draft model)",
+        absolute=True,
     ),
-    Column("verify_s", TIMING, LOWER, ".3f", "seconds in target forwards after the prefill (the baseline: its steps)"),
+    Column(
+        "verify_s",
+        TIMING,
+        LOWER,
+        ".3f",
+        "seconds in target forwards after the prefill (the baseline: its steps)",
+        absolute=True,
+    ),
     Column(
         "other_s",
         TIMING,
         LOWER,
         ".3f",
         "the rest of the decode's wall time: sampling, accept/reject, cache bookkeeping, Python",
+        absolute=True,
     ),
     Column(
         "decode_speedup",
@@ -326,6 +352,52 @@ RECORDS = [c.name for c in COLUMNS if c.files != "summary"]
 KEYS = [name for name in SUMMARY if BY_NAME[name].kind == CONFIG]
 TABLE = [c for c in COLUMNS if c.header]
 GATED = [c.name for c in COLUMNS if c.gated]
+ABSOLUTE = [c.name for c in COLUMNS if c.absolute]
+# The summary's value of each rate is metrics.rate_of_sums of these records.csv columns over its
+# prompts, so the prompts give it (and its change between runs) a bootstrap interval.
+RATES = {
+    "spec_tokens_per_s": ["new_tokens", "method_s"],
+    "baseline_tokens_per_s": ["baseline_tokens", "baseline_s"],
+    "speedup": ["new_tokens", "method_s", "baseline_tokens", "baseline_s"],
+}
+# Where a decode's time went; they add up to its wall time (timing.Phases has one field for each).
+PHASES = ("prefill_s", "draft_s", "inner_s", "verify_s", "other_s")
+
+# The columns of the other files a run writes (outputs.jsonl: the keys of each line).
+VERIFY_COST = ("model", "tokens", "context_tokens", "seconds", "iqr_s", "ratio", "ratio_iqr", "repeats")
+ACCEPTANCE = ("method", "k", "tree", "by", "position", "acceptance", "verify_steps")
+PREDICTED = ("alpha", "k", "c", "verify_ratio", "predicted_speedup", "predicted_speedup_verify")
+ONLINE = ("method", "k", "prompt_index", "prompt_id", "alpha", "acceptance_rate", "lessons", "updates", "train_s")
+OUTPUTS = ("prompt_id", "prompt_index", "k", "tree", "method", "token_ids", "text")
+CONTEXT = (
+    "context_tokens",
+    "method",
+    "k",
+    "options",
+    "num_prompts",
+    "target_step_ms",
+    "c",
+    "c_run",
+    "alpha",
+    "acceptance_rate",
+    "inner_acceptance",
+    "tau",
+    "speedup",
+    "decode_speedup",
+    "outputs_match",
+    "vs_speculative",
+)
+FILES = {
+    "summary.csv": tuple(SUMMARY),
+    "records.csv": tuple(RECORDS),
+    "verify_cost.csv": VERIFY_COST,
+    "acceptance.csv": ACCEPTANCE,
+    "predicted.csv": PREDICTED,
+    "online.csv": ONLINE,
+    "outputs.jsonl": OUTPUTS,
+    "context.csv": CONTEXT,
+}
+RESULTS_FORMAT = 1  # results.json's "format": raised when its structure changes
 
 
 def fmt(name: str, value) -> str:

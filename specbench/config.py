@@ -1,0 +1,111 @@
+"""The run configuration: one field per declared option (options.RUN and every method's own).
+
+BenchConfig is built from the declarations, so an option added to a method appears here, on the
+command line and in meta.json without another edit. Rules that tie several options together live
+in ``validate``; a single option's rules live in its declaration.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, field, make_dataclass
+
+from .engine import tree_parents
+from .errors import SpecbenchError
+from .methods import BASELINE, METHODS, Decoder
+from .options import RUN, Option
+from .prompts import LONG_DATASETS
+from .sampling import SamplingConfig
+
+
+def declared() -> dict[str, Option]:
+    """Every run option by name: the common ones, then each method's own (a shared one once)."""
+    options = {option.name: option for option in RUN}
+    for method in METHODS.values():
+        for option in method.options:
+            if options.setdefault(option.name, option) is not option:
+                raise TypeError(f"two different options are named {option.name}")
+    return options
+
+
+OPTIONS = declared()
+
+
+class _Run:
+    """What a configuration derives from its options (the fields come from OPTIONS)."""
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(int(b) for b in tree.split(",")) for tree in self.trees]
+
+    @property
+    def plan(self) -> list[Decoder]:
+        """What is decoded per prompt after the baseline: each method at each K, or each tree shape."""
+        steps = []
+        for method in (METHODS[name] for name in dict.fromkeys(self.methods) if name != BASELINE.name):
+            if method.takes_tree:
+                steps += [Decoder(method, len(shape), shape) for shape in self.shapes]
+            else:
+                steps += [Decoder(method, k) for k in self.ks] if method.takes_k else [Decoder(method)]
+        return steps
+
+    @property
+    def widest(self) -> int:
+        """Most tokens in one target forward: K + 1 for a chain, the tree's nodes + 1 for a tree."""
+        return 1 + max([max(self.ks)] + [len(tree_parents(step.tree)) for step in self.plan if step.tree])
+
+    @property
+    def needs_draft(self) -> bool:
+        return any(step.method.needs_draft for step in self.plan)
+
+    @property
+    def learns(self) -> bool:
+        return any(step.method.learns for step in self.plan)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.eta)
+
+    def validate(self) -> None:
+        if unknown := [name for name in self.methods if name not in METHODS]:
+            raise SpecbenchError(f"unknown --method {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+        for option in OPTIONS.values():
+            option.validate(getattr(self, option.name))
+        long = self.dataset in LONG_DATASETS
+        problems = [
+            (
+                self.prompt_tokens > 0 and not self.random_weights,
+                "--prompt-tokens sets the length of random prompts: use it with --random-weights",
+            ),
+            (
+                self.device_map is not None and self.random_weights,
+                "--device-map places a checkpoint's weights as it loads them: with --random-weights use --device",
+            ),
+            (
+                bool(self.context_tokens) != long,
+                f"--dataset {' / '.join(LONG_DATASETS)} takes its prompt length from --context-tokens N, and only it",
+            ),
+            (
+                self.random_weights and self.learns,
+                "--method online learns from the target's rows, which mean nothing with --random-weights: drop one",
+            ),
+            (
+                self.save_draft is not None and not self.learns,
+                "--save-draft writes what --method online learned: add --method online or drop --save-draft",
+            ),
+        ]
+        for bad, message in problems:
+            if bad:
+                raise SpecbenchError(message)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+BenchConfig = make_dataclass(
+    "BenchConfig",
+    [(name, object, field(default_factory=lambda o=o: copy.copy(o.default))) for name, o in OPTIONS.items()],
+    bases=(_Run,),
+    namespace={"__doc__": "A run's configuration: one field per option in OPTIONS, with its default."},
+)
+BenchConfig.__module__ = __name__

@@ -1,0 +1,244 @@
+"""Every option of a run, declared once: its name, default, help, choices and validation.
+
+The run configuration (config.py) has one field per option, the command line one flag per option
+(cli.py), and `specbench list` shows them; a method declares the options it owns next to its class
+(methods.py) with the same Option. Nothing here imports the rest of specbench.
+"""
+
+from __future__ import annotations
+
+import copy
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import SpecbenchError
+
+DEFAULT_TARGET = "smollm2-135m"
+DEFAULT_DRAFT = "smollm2-135m-draft"
+
+
+def int_list(text: str) -> list[int]:
+    """Sorted distinct integers from comma-separated text, e.g. "4" or "1,2,4"."""
+    try:
+        values = sorted({int(part) for part in text.split(",") if part.strip()})
+    except ValueError:
+        raise ValueError("is not an integer or a comma-separated list of integers, e.g. 1,2,3,4") from None
+    if not values:
+        raise ValueError("is empty: give a number such as 4 or a list such as 1,2,3,4")
+    return values
+
+
+def float_list(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError("is not a comma-separated list of numbers, e.g. 0.5,0.6,0.7") from None
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option. ``name`` is the configuration field; the flag is --name-with-dashes (or ``flags``).
+
+    The default's type is the option's type, unless ``parse`` reads the command line's text into
+    the value (lists) or ``repeat`` collects a repeatable flag. ``choices`` are shown in --help and
+    enforced, ``low`` is an inclusive minimum (of every element of a list), ``check`` any other rule
+    with ``problem`` the error it gives. ``recorded`` options of a method go into its summary's
+    ``options`` column.
+    """
+
+    name: str
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    low: float | None = None
+    check: Callable[[Any], bool] | None = None
+    problem: str = ""
+    flags: tuple[str, ...] = ()
+    metavar: str = ""
+    parse: Callable[[str], Any] | None = None
+    repeat: Callable[[list[str]], list[str]] | None = None
+    kind: type = str  # the type of an option whose default is None
+    recorded: bool = True
+
+    @property
+    def flag(self) -> str:
+        return self.flags[0] if self.flags else "--" + self.name.replace("_", "-")
+
+    @property
+    def text_default(self) -> Any:
+        """The default as the command line gives it: text for parsed lists, None for repeatable flags."""
+        if self.repeat is not None:
+            return None
+        if self.parse is not None:
+            return ",".join(map(str, self.default)) if isinstance(self.default, list) else str(self.default or "")
+        return self.default
+
+    def value(self, given: Any) -> Any:
+        """The configuration value of what the command line gave."""
+        if self.repeat is not None:
+            return self.repeat(given) if given else list(self.default)
+        if self.parse is not None and isinstance(given, str):
+            if not given.strip():
+                return copy.copy(self.default)
+            try:
+                return self.parse(given)
+            except ValueError as e:
+                raise SpecbenchError(f"{self.flag} {given!r} {e}") from None
+        return None if given == "" and self.default is None else given
+
+    def validate(self, value: Any) -> None:
+        values = value if isinstance(value, list) else [value]
+        if value is None:
+            return
+        if self.choices and not all(v in self.choices for v in values):
+            raise SpecbenchError(self.problem or f"{self.flag} {value}: use one of {', '.join(self.choices)}")
+        if self.low is not None and not all(v >= self.low for v in values):
+            raise SpecbenchError(self.problem or f"{self.flag} must be >= {self.low:g}")
+        if self.check is not None and not self.check(value):
+            raise SpecbenchError(self.problem)
+
+
+def methods_given(given: list[str]) -> list[str]:
+    """--method a,b --method c: the names in order, once each."""
+    return list(dict.fromkeys(name.strip() for value in given for name in value.split(",") if name.strip()))
+
+
+TREE = re.compile(r"[1-9]\d*(,[1-9]\d*)*")
+
+# The options of every run, in the order --help lists them; a method's own options follow them.
+RUN: tuple[Option, ...] = (
+    Option("target", DEFAULT_TARGET, "Target model: alias from configs/models.toml, hub id, local dir or .gguf file."),
+    Option("draft", DEFAULT_DRAFT, "Draft model (same forms as --target); must share the target's tokenizer."),
+    Option(
+        "ks",
+        [4],
+        "Lookahead (draft tokens per verification); a comma-separated list sweeps, e.g. 1,2,4.",
+        flags=("--k", "--ks"),
+        parse=int_list,
+        low=1,
+        problem="K must be at least 1 (--k)",
+    ),
+    Option(
+        "methods",
+        ["speculative"],
+        "Decoding methods, repeatable or comma-separated (`specbench list` describes each).",
+        flags=("--method",),
+        repeat=methods_given,
+    ),
+    Option("dataset", "humaneval", "humaneval, xsum, pydoc, longcode, or a local .jsonl/.csv/.parquet file."),
+    Option("prompt_field", "prompt", "Field holding the prompt in a local dataset file."),
+    Option("num_prompts", 10, "How many prompts (from the start of the dataset).", low=1),
+    Option("max_new_tokens", 64, "Tokens to generate per prompt (decoding also stops at EOS).", low=1),
+    Option(
+        "temperature",
+        0.0,
+        "0 = greedy (exact argmax); > 0 samples.",
+        low=0,
+        problem="--temperature must be >= 0 (0 means greedy)",
+    ),
+    Option(
+        "top_k", 0, "Keep the k most likely tokens (0 = off).", low=0, problem="--top-k must be >= 0 (0 turns it off)"
+    ),
+    Option(
+        "top_p",
+        1.0,
+        "Nucleus sampling mass (1.0 = off).",
+        check=lambda p: 0 < p <= 1,
+        problem="--top-p must be in (0, 1]",
+    ),
+    Option(
+        "eta",
+        0.0,
+        "Eta sampling's epsilon, applied to target and draft alike after top-k and top-p (0 = off).",
+        check=lambda e: 0 <= e < 1,
+        problem="--eta must be in [0, 1) (0 turns it off)",
+    ),
+    Option(
+        "trees",
+        ["2,2"],
+        "Tree shape for --method tree and lookup-tree: the branching at each depth, e.g. 2,2,1 "
+        "(2 + 4 + 4 = 10 nodes, K = 3). Repeat to compare shapes.",
+        flags=("--tree",),
+        repeat=lambda given: [tree.replace(" ", "") for tree in given],
+        check=lambda trees: all(TREE.fullmatch(tree) for tree in trees),
+        problem="--tree: give the branching at each depth, like 2,2,1",
+    ),
+    Option("seed", 0, "Base seed; each prompt's generators derive from (seed, prompt index, method)."),
+    Option(
+        "device",
+        "auto",
+        "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.",
+        metavar="[auto|cpu|cuda|cuda:N|mps]",
+        check=lambda d: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", d) is not None,
+        problem="--device: use auto, cpu, cuda, cuda:N or mps",
+    ),
+    Option(
+        "dtype",
+        "auto",
+        "auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16 or float16.",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    ),
+    Option("repeats", 1, "Timed repeats per prompt and method; the median is kept.", low=1),
+    Option("warmup", 1, "Untimed warm-up passes over the first prompt before timing.", low=0),
+    Option("cost_repeats", 10, "Repeats per forward-cost measurement (c, verify_ratio).", low=1),
+    Option(
+        "threads",
+        0,
+        "CPU threads for torch (0: torch's default, one per core). On a shared machine use fewer threads "
+        "than free cores: a thread that waits for a busy core stalls every forward.",
+        low=0,
+        problem="--threads must be >= 0 (0 is torch's default)",
+    ),
+    Option(
+        "chat",
+        "auto",
+        "auto: wrap prompts in the target's chat template when it has one (instruct models); on; off (raw prompts).",
+        choices=("auto", "on", "off"),
+    ),
+    Option(
+        "random_weights",
+        False,
+        "Build target and draft from their architecture (configs/ for the aliases, or a config.json) with random "
+        "weights: forward costs and tokens/s without the checkpoints; alpha is left empty (see --assume-alpha).",
+    ),
+    Option(
+        "prompt_tokens",
+        0,
+        "With --random-weights: random prompts of this many tokens (0: the dataset's lengths).",
+        low=0,
+        problem="--prompt-tokens must be >= 0 (0: the dataset's prompt lengths)",
+    ),
+    Option(
+        "assume_alpha",
+        [],
+        "Comma-separated alphas: predicted.csv and a table of the speedup each would give at each K, from the "
+        "measured forward costs (default 0.5,0.6,0.7,0.8 with --random-weights).",
+        parse=float_list,
+        check=lambda alphas: all(0 <= a < 1 for a in alphas),
+        problem="--assume-alpha values must lie in [0, 1)",
+    ),
+    Option(
+        "device_map",
+        None,
+        "Spread the target over the GPUs with accelerate: auto, balanced, balanced_low_0 or sequential "
+        "(empty: all on --device). The map goes into meta.json.",
+        choices=("auto", "balanced", "balanced_low_0", "sequential"),
+    ),
+    Option(
+        "context_tokens",
+        0,
+        "--dataset longcode: prompt length in tokens (source cut to end inside a function). A comma-separated "
+        "list runs once per length into OUT/context-N/ and writes context.csv, crossover.json and context.png.",
+        parse=int_list,
+        low=0,
+    ),
+    Option(
+        "prefill_chunk",
+        512,
+        "Prefill prompts longer than this in chunks of it, so memory stays bounded (0: one forward).",
+        low=0,
+        problem="--prefill-chunk must be >= 0 (0: the whole prompt in one forward)",
+    ),
+)

@@ -1,0 +1,173 @@
+"""The loaded pair and the prompts' token ids: what every method decodes with, and on.
+
+The one place a run's models are loaded (through models.py) and its prompts encoded; methods,
+cost measurement and the benchmark take the Pair from here. ``cfg`` is the run's configuration.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from .errors import SpecbenchError
+from .lm import HFCausalLM
+from .models import (
+    LoadedModel,
+    available_memory,
+    load,
+    offload_warning,
+    placement,
+    random_model,
+    resolve,
+    resolve_device,
+    resolve_dtype,
+    shared_width,
+    tokenizer_in,
+    weight_bytes,
+)
+from .options import DEFAULT_DRAFT, DEFAULT_TARGET
+from .prompts import LONG_DATASETS, Prompt
+from .timing import PhaseClock, TimedLM
+
+log = logging.getLogger("specbench")
+
+
+@dataclass
+class Pair:
+    """The loaded target, and the draft when a method needs one."""
+
+    target: LoadedModel
+    target_lm: HFCausalLM
+    draft: LoadedModel | None
+    draft_lm: HFCausalLM | None
+    device: torch.device
+    dtype: torch.dtype
+    clock: PhaseClock | None = None  # set on a timed pair: what methods lap their own timed parts on
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.target.stop_ids
+
+    def timed(self, clock: PhaseClock) -> Pair:
+        """This pair with every forward of its models lapped on ``clock``."""
+        draft_lm = TimedLM(self.draft_lm, clock, "draft") if self.draft_lm else None
+        return replace(self, target_lm=TimedLM(self.target_lm, clock, "verify"), draft_lm=draft_lm, clock=clock)
+
+
+def random_weights_dtype(cfg, device: torch.device) -> torch.dtype:
+    """The dtype for random weights: as --dtype says, except that auto on the CPU falls back to
+    bfloat16 when float32 weights would not fit in memory; a dtype that cannot fit is refused."""
+    dtype = resolve_dtype(cfg.dtype, device)
+    free = available_memory() if device.type == "cpu" else None
+    if free is None:
+        return dtype
+    specs = [cfg.target] + ([cfg.draft] if cfg.needs_draft else [])
+    need = sum(weight_bytes(spec, dtype) for spec in specs)
+    if need > 0.9 * free and cfg.dtype == "auto" and dtype.itemsize > 2:
+        log.info("float32 weights need %.1f GB of the %.1f GB free: using bfloat16", need / 1e9, free / 1e9)
+        dtype, need = torch.bfloat16, need // 2
+    if need > 0.9 * free:
+        raise SpecbenchError(
+            f"the weights need {need / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')} and {free / 1e9:.1f} GB "
+            "of memory are free: use --dtype bfloat16 or a smaller model"
+        )
+    return dtype
+
+
+def load_pair(cfg) -> Pair:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    if cfg.random_weights:
+        dtype = random_weights_dtype(cfg, device)
+        target = random_model(cfg.target, device, dtype, cfg.seed)
+    else:
+        dtype = resolve_dtype(cfg.dtype, device)
+        target = load(cfg.target, device, dtype, cfg.device_map)
+        if cfg.device_map and (warning := offload_warning(placement(target.model))):
+            log.warning(warning)
+    if not cfg.needs_draft:
+        return Pair(target, HFCausalLM(target.model, target.width), None, None, device, dtype)
+    draft = (
+        random_model(cfg.draft, device, dtype, cfg.seed + 1) if cfg.random_weights else load(cfg.draft, device, dtype)
+    )
+    width = shared_width(target, draft)
+    return Pair(
+        target, HFCausalLM(target.model, width), draft, HFCausalLM(draft.model, width, draft.head_tokens), device, dtype
+    )
+
+
+def encode_prompts(pair: Pair, prompts: list[Prompt], cfg) -> list[torch.Tensor]:
+    """Token ids per prompt, left-truncated so prompt + new tokens + a full draft fit the window.
+
+    With random weights the ids are random, as many per prompt as the prompt encodes to (or
+    --prompt-tokens).
+    """
+    models = [pair.target] + ([pair.draft] if pair.draft else [])
+    windows = [m.context_window for m in models if m.context_window]
+    room = min(windows) - cfg.max_new_tokens - cfg.widest if windows else None
+    if room is not None and room < 1:
+        raise SpecbenchError(
+            f"--max-new-tokens {cfg.max_new_tokens} plus K does not fit the context window of {min(windows)} tokens: "
+            "lower --max-new-tokens"
+        )
+    if not cfg.random_weights:
+        return _encoded(pair.target.tokenizer, prompts, cfg, room, pair.device)
+    if cfg.prompt_tokens:
+        lengths = [min(cfg.prompt_tokens, room or cfg.prompt_tokens)] * len(prompts)
+    else:
+        lengths = [len(ids) for ids in _encoded(length_tokenizer(pair.target), prompts, cfg, room, pair.device)]
+    generator = torch.Generator().manual_seed(cfg.seed)
+    return [torch.randint(pair.target_lm.width, (n,), generator=generator).to(pair.device) for n in lengths]
+
+
+def length_tokenizer(target: LoadedModel):
+    """The tokenizer that measures prompt lengths for a random-weights target: its own when one lies
+    beside its architecture config, else the default target's (shipped with the bundled draft)."""
+    for directory in (target.path.parent, Path(resolve(DEFAULT_DRAFT).location)):
+        if (tokenizer := tokenizer_in(directory)) is None:
+            continue
+        if directory != target.path.parent:
+            log.info("prompt lengths measured with %s's tokenizer (%s has none here)", DEFAULT_TARGET, target.name)
+        return tokenizer
+    raise SpecbenchError(f"no tokenizer to measure prompt lengths for {target.name}: pass --prompt-tokens N")
+
+
+def _encoded(tokenizer, prompts: list[Prompt], cfg, room: int | None, device) -> list[torch.Tensor]:
+    long = cfg.dataset in LONG_DATASETS  # code to continue as it is, cut to --context-tokens
+    if long and room is not None and cfg.context_tokens > room:
+        raise SpecbenchError(
+            f"--context-tokens {cfg.context_tokens} with --max-new-tokens {cfg.max_new_tokens} and K does not fit the "
+            f"context window of the models ({room} tokens of prompt fit): lower --context-tokens"
+        )
+    chat = cfg.chat == "on" or (cfg.chat == "auto" and tokenizer.chat_template is not None and not long)
+    if chat and tokenizer.chat_template is None:
+        raise SpecbenchError(f"--chat on, but {cfg.target}'s tokenizer has no chat template: use --chat off")
+    encoded = []
+    for prompt in prompts:
+        if chat:
+            messages = [{"role": "user", "content": prompt.instruction}]
+            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+        else:
+            ids = tokenizer(prompt.text, return_tensors="pt").input_ids[0]
+        if room is not None:
+            ids = ids[-room:]
+        if long:
+            ids = ids[-cfg.context_tokens :]
+        if len(ids) == 0:
+            raise SpecbenchError(f"prompt {prompt.id} encodes to no tokens: remove it from the dataset")
+        encoded.append(ids.to(device))
+    return encoded
+
+
+def prompts_hash(prompt_ids: list[torch.Tensor]) -> str:
+    """A short hash of the encoded prompts: two runs are comparable only when it is equal."""
+    digest = hashlib.sha256()
+    for ids in prompt_ids:
+        digest.update(ids.to(torch.int64).cpu().numpy().tobytes() + b"|")
+    return digest.hexdigest()[:16]

@@ -1,0 +1,537 @@
+"""A run's results: the row of each decode, the summary over prompts, and every file they go to.
+
+Rows are appended and flushed as they complete (RunWriter), so an interrupted run keeps everything
+it measured, and `--resume` reads them back. Every file's columns are schema.FILES'; results.json
+holds the summary with its intervals for scripts.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from . import metrics, schema
+from .costs import ForwardCosts
+from .engine import DecodeResult
+from .errors import SpecbenchError
+from .files import replacing
+from .methods import BASELINE, DEFAULT, Decoder
+from .online import Learned
+from .prompts import Prompt
+from .timing import Phases
+
+RECORDS, OUTPUTS = "records.csv", "outputs.jsonl"
+# What random weights make meaningless: how often random models agree, and what follows from it.
+WEIGHT_DEPENDENT = ("alpha", "acceptance_rate", "tau", "predicted_speedup", "predicted_speedup_verify")
+
+
+@dataclass
+class Measurement:
+    """One prompt decoded by one method: the median run of the repeats and its phases."""
+
+    result: DecodeResult
+    seconds: float
+    phases: Phases
+
+
+def _totals(m: Measurement) -> dict:
+    """The figures of one decode that add up over prompts (metrics.phase_figures reads them)."""
+    return {
+        "new_tokens": len(m.result.tokens),
+        "target_forwards": m.result.target_forwards,
+        "draft_forwards": m.result.draft_forwards,
+        "method_s": m.seconds,
+        **{name: getattr(m.phases, name.removesuffix("_s")) for name in schema.PHASES},
+    }
+
+
+TOTALS = list(_totals(Measurement(DecodeResult([]), 0.0, Phases())))
+
+
+def record(
+    prompt: Prompt,
+    index: int,
+    ids: torch.Tensor,
+    baseline: Measurement,
+    decoder: Decoder,
+    measured: Measurement,
+    learned: Learned | None = None,
+) -> dict:
+    """The per-prompt, per-decoder row of records.csv (the baseline has its own row, too);
+    ``learned`` is what a method that learns did after the prompt."""
+    b, s = baseline.result, measured.result
+    method, k = decoder.method, decoder.k
+    divergence = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens, strict=False)) if x != y), None)
+    if divergence is None and len(b.tokens) != len(s.tokens):
+        divergence = min(len(b.tokens), len(s.tokens))
+    drafts = method.drafts
+    rate, base_rate = len(s.tokens) / measured.seconds, len(b.tokens) / baseline.seconds
+    return {
+        "method": method.name,
+        "k": k,
+        "tree": decoder.shape,
+        "prompt_id": prompt.id,
+        "prompt_index": index,
+        "prompt_tokens": len(ids),
+        "baseline_tokens": len(b.tokens),
+        "baseline_s": baseline.seconds,
+        "baseline_tokens_per_s": base_rate,
+        "spec_tokens_per_s": rate,
+        "speedup": rate / base_rate,
+        "alpha": s.beta_sum / s.tested if s.tested else math.nan,
+        "acceptance_rate": s.accepted / s.drafted if s.drafted else math.nan,
+        "tau": len(s.tokens) / s.target_forwards if drafts else math.nan,
+        "nodes": s.drafted / (s.target_forwards - 1) if drafts and s.target_forwards > 1 else math.nan,
+        "drafted": s.drafted,
+        "accepted": s.accepted,
+        "beta_sum": s.beta_sum,
+        "tested": s.tested,
+        **(_inner(s) if method.inner_level else dict.fromkeys(INNER, math.nan)),
+        "train_s": learned.train_s if learned else math.nan,
+        **_totals(measured),
+        **metrics.phase_figures(_totals(measured), _totals(baseline)),
+        "outputs_match": divergence is None,
+        "first_divergence": -1 if divergence is None else divergence,
+        "accept_hist": " ".join(str(s.accept_counts.count(n)) for n in range(k + 1)) if s.accept_counts else "",
+        "rank_hist": " ".join(map(str, s.rank_counts)) if decoder.tree else "",
+    }
+
+
+def _inner(result: DecodeResult) -> dict:
+    """The counts of a drafter's bottom level (a cascade's prompt lookup)."""
+    return {name: getattr(result, name) for name in INNER}
+
+
+INNER = ("inner_drafted", "inner_accepted", "from_inner", "inner_forwards")
+
+
+def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, plan: list[Decoder]) -> list[dict]:
+    """One summary row per (method, K) over the prompts measured so far, the baseline's first.
+
+    Each row sums its prompts' totals and compares them with the baseline's on the same prompts.
+    """
+    baselines = {r["prompt_index"]: r for r in records if r["method"] == BASELINE.name}
+    rows = []
+    for decoder in [Decoder(BASELINE), *plan]:
+        method, k, tree = decoder.method, decoder.k, decoder.shape
+        rs = [r for r in records if r["method"] == method.name and r["k"] == k and r["tree"] == tree]
+        if not rs:
+            continue
+        run = {name: sum(r[name] for r in rs) for name in TOTALS}
+        base = {name: sum(baselines[r["prompt_index"]][name] for r in rs) for name in TOTALS}
+        tokens, seconds = run["new_tokens"], run["method_s"]
+        base_tokens, base_s = base["new_tokens"], base["method_s"]
+        drafts = method.drafts  # only drafting methods; the others' counts are left empty
+        chain = drafts and not decoder.tree  # the chain formulas apply
+        counted = ("drafted", "accepted", "beta_sum", "tested")
+        totals = {name: sum(r[name] for r in rs) for name in counted}
+        alpha = totals["beta_sum"] / totals["tested"] if totals["tested"] else math.nan
+        c = method.c(costs)
+        rounds = run["target_forwards"] - len(rs)
+        nodes = totals["drafted"] / rounds if drafts and rounds else math.nan
+        verify_ratio = costs.verify_ratio(k if chain else round(nodes)) if not math.isnan(nodes) else math.nan
+        divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0]
+        trained = sum(r["train_s"] for r in rs) if method.learns else math.nan
+        values = {
+            **run_info,
+            **run,
+            **metrics.phase_figures(run, base, len(rs)),
+            **{name: sum(r[name] for r in rs) if method.inner_level else math.nan for name in INNER},
+            "method": method.name,
+            "k": k,
+            "tree": tree,
+            "options": method.settings(cfg),
+            "eta": cfg.eta,
+            "temperature": cfg.temperature,
+            "top_k": cfg.top_k,
+            "top_p": cfg.top_p,
+            "seed": cfg.seed,
+            "max_new_tokens": cfg.max_new_tokens,
+            "num_prompts": len(rs),
+            "baseline_tokens_per_s": base_tokens / base_s,
+            "spec_tokens_per_s": tokens / seconds,
+            "speedup": (tokens / seconds) / (base_tokens / base_s),
+            "train_s": trained,
+            "speedup_with_training": (tokens / (seconds + trained)) / (base_tokens / base_s),
+            "alpha": alpha,
+            "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else math.nan,
+            "tau": tokens / run["target_forwards"] if drafts else math.nan,
+            "nodes": nodes,
+            "c": c,
+            "verify_ratio": verify_ratio,
+            "predicted_speedup": metrics.predicted_speedup(alpha, c, k) if chain else math.nan,
+            "predicted_speedup_verify": metrics.predicted_speedup_verify(alpha, c, k, verify_ratio)
+            if chain
+            else math.nan,
+            **(totals if drafts else dict.fromkeys(totals, math.nan)),
+            "outputs_match": sum(r["outputs_match"] for r in rs),
+            "first_divergence": min(divergences, default=-1),
+        }
+        if cfg.random_weights:
+            values.update(dict.fromkeys(WEIGHT_DEPENDENT, math.nan))
+        rows.append({name: values[name] for name in schema.SUMMARY})
+    return rows
+
+
+def online_row(rec: dict, learned: Learned) -> dict:
+    """online.csv: after each prompt of a method that learns, how its draft did and what it learned."""
+    return {
+        **{name: rec[name] for name in ("method", "k", "prompt_index", "prompt_id", "alpha", "acceptance_rate")},
+        "lessons": learned.lessons,
+        "updates": learned.updates,
+        "train_s": learned.train_s,
+    }
+
+
+def acceptance_rows(records: list[dict]) -> list[dict]:
+    """acceptance.csv: per method, K and tree, how often each draft depth was accepted per verify
+    step (``by`` depth), and for trees which sibling an accepted node was (``by`` rank: the share of
+    accepted nodes that were the 1st, 2nd, ... child of their parent)."""
+    depths: dict[tuple, list[int]] = {}
+    ranks: dict[tuple, list[int]] = {}
+    for r in records:
+        key = (r["method"], r["k"], r["tree"])
+        for hists, cell in ((depths, r["accept_hist"]), (ranks, r["rank_hist"])):
+            counts = [int(x) for x in cell.split()] if cell else []
+            total = hists.setdefault(key, [])
+            total += [0] * (len(counts) - len(total))
+            hists[key] = [a + b for a, b in zip(total, counts + [0] * (len(total) - len(counts)), strict=True)]
+    rows = []
+    for (method, k, tree), hist in sorted(depths.items(), key=str):
+        for i, rate in enumerate(metrics.acceptance_by_position(hist) if hist else []):
+            rows.append(
+                dict(method=method, k=k, tree=tree, by="depth", position=i + 1, acceptance=rate, verify_steps=sum(hist))
+            )
+        for i, count in enumerate(ranks[(method, k, tree)]):
+            share = count / sum(ranks[(method, k, tree)])
+            rows.append(
+                dict(method=method, k=k, tree=tree, by="rank", position=i + 1, acceptance=share, verify_steps=sum(hist))
+            )
+    return rows
+
+
+def predicted_by_k(alpha: float, c: float, costs: ForwardCosts) -> dict[int, float]:
+    """predicted_speedup_verify at every K whose verification cost was measured (1..max K), so a
+    one-K run can say whether a smaller K would have done better."""
+    return {
+        k: metrics.predicted_speedup_verify(alpha, c, k, costs.verify_ratio(k)) for k in range(1, max(costs.target))
+    }
+
+
+def predicted_rows(alphas: list[float], costs: ForwardCosts) -> list[dict]:
+    """predicted.csv: the speedup an assumed alpha would give at each K whose verification cost was
+    measured, from the measured forward costs (for random weights, where alpha means nothing)."""
+    return [
+        {
+            "alpha": alpha,
+            "k": k,
+            "c": costs.c,
+            "verify_ratio": costs.verify_ratio(k),
+            "predicted_speedup": metrics.predicted_speedup(alpha, costs.c, k),
+            "predicted_speedup_verify": metrics.predicted_speedup_verify(alpha, costs.c, k, costs.verify_ratio(k)),
+        }
+        for alpha in alphas
+        for k in range(1, max(costs.target))
+    ]
+
+
+def _chain(row: dict) -> bool:
+    """A summary row of a method that takes K (not a tree, and not one without a lookahead)."""
+    return row["k"] is not None and not row["tree"]
+
+
+def best_ks(summary: list[dict]) -> dict:
+    """Per method with K: the best K by measured speedup and by each prediction."""
+    picks: dict[str, dict] = {}
+    for row in summary:
+        if not _chain(row):
+            continue
+        for label, column in [
+            ("measured", "speedup"),
+            ("predicted", "predicted_speedup"),
+            ("predicted_verify", "predicted_speedup_verify"),
+        ]:
+            if not math.isnan(row[column]):
+                picks.setdefault(row["method"], {}).setdefault(label, {"by_k": {}})["by_k"][row["k"]] = row[column]
+    for by_label in picks.values():
+        for pick in by_label.values():
+            pick["k"] = metrics.best_k(pick["by_k"])
+            pick["speedup"] = pick["by_k"][pick["k"]]
+    return picks
+
+
+def suggestions(summary: list[dict], costs: ForwardCosts, ks: list[int]) -> list[str]:
+    """After a one-K run: where the measured alpha and costs predict a better K, say so."""
+    if len(ks) != 1:
+        return []
+    lines = []
+    for row in summary:
+        if not _chain(row) or math.isnan(row["alpha"]) or math.isnan(row["c"]):
+            continue
+        by_k = predicted_by_k(row["alpha"], row["c"], costs)
+        best = metrics.best_k(by_k)
+        if best != ks[0]:
+            lines.append(
+                f"{row['method']}: at this alpha and the measured forward costs, K={best} predicts {by_k[best]:.2f}x "
+                f"against {by_k[ks[0]]:.2f}x at K={ks[0]}: `specbench run --k 1,2,3,4` measures each K"
+            )
+    return lines
+
+
+def context_rows(runs: dict[int, Path]) -> list[dict]:
+    """context.csv: a row per context length, method and K of a context sweep (``runs``: context
+    length -> its run directory), with the cost of a target step there and what each method got."""
+    rows = []
+    for context, run_dir in sorted(runs.items()):
+        summary = pd.read_csv(run_dir / "summary.csv")
+        costs = pd.read_csv(run_dir / "verify_cost.csv")
+        step = costs.loc[(costs["model"] == "target") & (costs["tokens"] == 1), "seconds"].iloc[0]
+        for row in summary.to_dict("records"):
+            inner = row.get("inner_drafted", math.nan)
+            rows.append(
+                {
+                    "context_tokens": context,
+                    "method": row["method"],
+                    "k": row["k"],
+                    "options": row["options"],
+                    "num_prompts": row["num_prompts"],
+                    "target_step_ms": 1000 * step,
+                    "c": row["c"],
+                    "c_run": row["c_run"],
+                    "alpha": row["alpha"],
+                    "acceptance_rate": row["acceptance_rate"],
+                    "inner_acceptance": row["inner_accepted"] / inner if inner and not math.isnan(inner) else math.nan,
+                    "tau": row["tau"],
+                    "speedup": row["speedup"],
+                    "decode_speedup": row["decode_speedup"],
+                    "outputs_match": row["outputs_match"],
+                }
+            )
+    baseline, rival = CONTENDERS
+    for row in rows:  # the method's decode speedup over the rival's at the same length and K
+        same = [r for r in rows if r["method"] == rival and r["context_tokens"] == row["context_tokens"]]
+        same = [r for r in same if r["k"] == row["k"]] or same
+        row["vs_speculative"] = (
+            row["decode_speedup"] / same[0]["decode_speedup"]
+            if same and row["method"] not in (rival, baseline)
+            else math.nan
+        )
+    return rows
+
+
+# The baseline, and the rival a context sweep holds every other method to: the default method (one
+# draft model, one level; speculative).
+CONTENDERS = (BASELINE.name, DEFAULT[0])
+
+
+def missing(value) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def row_label(row: dict) -> str:
+    return row["method"] if missing(row["k"]) else f"{row['method']} K={int(row['k'])}"
+
+
+def crossovers(rows: list[dict]) -> dict[str, dict]:
+    """Per method and K of a context sweep: the shortest context from which its decode speedup stays
+    above the baseline's, and above speculative's (None: not at the longest context measured)."""
+    baseline, rival = CONTENDERS
+    found: dict[str, dict] = {}
+    for row in rows:
+        if row["method"] == baseline:
+            continue
+        found.setdefault(row_label(row), {"speedup": {}, "vs_speculative": {}})
+        found[row_label(row)]["speedup"][row["context_tokens"]] = row["decode_speedup"]
+        found[row_label(row)]["vs_speculative"][row["context_tokens"]] = row["vs_speculative"]
+    return {
+        label: {
+            "beats_baseline_from": metrics.wins_from(by["speedup"]),
+            "beats_speculative_from": None if label.split()[0] == rival else metrics.wins_from(by["vs_speculative"]),
+        }
+        for label, by in found.items()
+    }
+
+
+def _parse(name: str, text: str):
+    """A records.csv cell back to the value written (schema formats: d = integer, empty = text)."""
+    spec = schema.BY_NAME[name].fmt
+    if text in ("True", "False"):
+        return text == "True"
+    if spec == "":
+        return text
+    if text == "":
+        return None if name == "k" else float("nan")
+    value = float(text)
+    return int(value) if spec == "d" and not math.isnan(value) else value  # a count a method does not have is NaN
+
+
+def _read_csv(path: Path) -> list[dict]:
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+@dataclass
+class PreviousRun:
+    """What an interrupted run left in its directory."""
+
+    records: list[dict]
+    costs: list[dict]  # verify_cost.csv rows (empty if it never got that far)
+    prompts_hash: str | None
+
+    def complete_prompts(self, steps: int) -> set[int]:
+        """Prompts with a record for every decoder of the plan."""
+        counts: dict[int, int] = {}
+        for r in self.records:
+            counts[r["prompt_index"]] = counts.get(r["prompt_index"], 0) + 1
+        return {index for index, n in counts.items() if n == steps}
+
+
+class RunWriter:
+    def __init__(self, out: Path):
+        self.out = out
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            probe = out / ".specbench-write-check"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as e:
+            raise SpecbenchError(f"cannot write results to {out} ({e.strerror or e}): choose another --out") from None
+        self._files: dict[str, object] = {}
+        self._records: csv.DictWriter | None = None
+
+    def previous_run(self, config: dict) -> PreviousRun:
+        """The state of an interrupted run in this directory, which must have the same configuration."""
+        meta_path = self.out / "meta.json"
+        if not meta_path.is_file():
+            raise SpecbenchError(f"--resume: {self.out} holds no run to resume (no meta.json): drop --resume")
+        meta = json.loads(meta_path.read_text(encoding="utf-8"))
+        config = json.loads(json.dumps(config))  # tuples and lists compare alike after a round trip
+        changed = [
+            key
+            for key in sorted(set(config) | set(meta.get("config", {})))
+            if config.get(key) != meta["config"].get(key)
+        ]
+        if changed:
+            was = ", ".join(f"{key} {meta['config'].get(key)!r} -> {config.get(key)!r}" for key in changed)
+            raise SpecbenchError(
+                f"--resume: the run in {self.out} has another configuration ({was}): use the same options or another --out"
+            )
+        records = (
+            [{k: _parse(k, v) for k, v in row.items()} for row in _read_csv(self.out / RECORDS)]
+            if (self.out / RECORDS).is_file()
+            else []
+        )
+        costs = _read_csv(self.out / "verify_cost.csv") if (self.out / "verify_cost.csv").is_file() else []
+        return PreviousRun(records, costs, meta.get("resolved", {}).get("prompts_hash"))
+
+    def start_records(self, kept: list[dict], done: set[int]) -> list[dict]:
+        """Begin records.csv and outputs.jsonl with the rows and outputs of the prompts in ``done``
+        (none for a fresh run) and open both for appending. Returns the kept records."""
+        outputs = []
+        if done and (self.out / OUTPUTS).is_file():
+            lines = (self.out / OUTPUTS).read_text(encoding="utf-8").splitlines()
+            outputs = [line for line in lines if json.loads(line).get("prompt_index") in done]
+        with replacing(self.out / OUTPUTS) as tmp:
+            tmp.write_text("".join(line + "\n" for line in outputs), encoding="utf-8")
+        with replacing(self.out / RECORDS) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=schema.RECORDS)
+            writer.writeheader()
+            writer.writerows(kept)
+        self._files[OUTPUTS] = open(self.out / OUTPUTS, "a", encoding="utf-8")
+        self._files[RECORDS] = open(self.out / RECORDS, "a", newline="", encoding="utf-8")
+        self._records = csv.DictWriter(self._files[RECORDS], fieldnames=schema.RECORDS)
+        return list(kept)
+
+    def append_record(self, row: dict) -> None:
+        self._records.writerow(row)
+        self._files[RECORDS].flush()
+
+    def output(
+        self,
+        prompt_id: str,
+        prompt_index: int,
+        k: int | None,
+        method: str,
+        token_ids: list[int],
+        text: str,
+        tree: str = "",
+    ) -> None:
+        obj = {
+            "prompt_id": prompt_id,
+            "prompt_index": prompt_index,
+            "k": k,
+            "tree": tree,
+            "method": method,
+            "token_ids": token_ids,
+            "text": text,
+        }
+        self._files[OUTPUTS].write(json.dumps(obj) + "\n")
+        self._files[OUTPUTS].flush()
+
+    def write_csv(self, name: str, rows: list[dict]) -> None:
+        """Replace ``name`` with ``rows`` (for files rewritten whole, like summary.csv)."""
+        if not rows:
+            return
+        with replacing(self.out / name) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=schema.FILES[name])
+            writer.writeheader()
+            writer.writerows(rows)
+
+    def write_json(self, name: str, obj: dict) -> None:
+        with replacing(self.out / name) as tmp:
+            tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files.clear()
+
+
+def write_context(out: Path, runs: dict[int, Path]) -> tuple[list[dict], dict]:
+    """context.csv and crossover.json of a context sweep in ``out``; returns both."""
+    rows = context_rows(runs)
+    wins = crossovers(rows)
+    with replacing(out / "context.csv") as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=schema.CONTEXT)
+        writer.writeheader()
+        writer.writerows(rows)
+    with replacing(out / "crossover.json") as tmp:
+        tmp.write_text(json.dumps(wins, indent=2) + "\n", encoding="utf-8")
+    return rows, wins
+
+
+def results_document(meta: dict, summary: list[dict], records: list[dict], confidence: float = 0.95) -> dict:
+    """results.json: the run's configuration, machine and versions (meta.json's) and its summary
+    rows, each rate with a bootstrap interval over the prompts (``<metric>_ci``: [low, high])."""
+    rows = []
+    for row in summary:
+        same = [r for r in records if (r["method"], r["k"], r["tree"]) == (row["method"], row["k"], row["tree"])]
+        intervals = {}
+        if len(same) > 1:
+            for metric, parts in schema.RATES.items():
+                intervals[f"{metric}_ci"] = list(
+                    metrics.rate_interval(np.array([[r[c] for c in parts] for r in same]), confidence)
+                )
+        rows.append({**{name: _json_value(v) for name, v in row.items()}, **intervals})
+    return {
+        "format": schema.RESULTS_FORMAT,
+        "specbench": meta["specbench"],
+        "versions": {name: meta[name] for name in ("python", "torch", "transformers")},
+        "machine": meta["machine"],
+        "config": meta["config"],
+        "resolved": meta["resolved"],
+        "confidence": confidence,
+        "summary": rows,
+    }
+
+
+def _json_value(value):
+    """NaN, which JSON lacks, as null."""
+    return None if isinstance(value, float) and math.isnan(value) else value
