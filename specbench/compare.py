@@ -3,13 +3,17 @@
 A timing metric the summary sums over prompts (speedup, tokens/s) is judged on a paired-bootstrap
 interval of its change when both runs kept their records.csv: it regresses only when the whole
 interval lies beyond the tolerance. Timing metrics are judged only between runs whose meta.json holds
-the same machine fingerprint; elsewhere they are "not comparable", which does not fail. (Without a
-fingerprint, in runs older than it, ratios within a run such as speedup are still judged.) A baseline
-may be a directory of runs, one per machine: the one measured on the current run's machine is used.
+the same machine fingerprint; elsewhere they are "not comparable". (Without a fingerprint, in runs
+older than it, ratios within a run such as speedup are still judged.) A baseline may be a directory of
+runs, one per machine: the one measured on the current run's machine is used.
 
-Exit code 0: nothing regressed and every baseline row was found again (rows only in the current run are "new");
-1: a metric regressed or a baseline row or value is gone, since a benchmark that stops measuring something must not
-pass; 2: unusable input (SpecbenchError, which the CLI prints as one line).
+A metric of which no row was judged (ok, regressed or improved) is "not judged": a gate on it would
+pass whatever the code did, so it fails with its own exit code unless allow_unjudged, and is shown
+either way. Exit code 0: nothing regressed, every baseline row was found again (rows only in the
+current run are "new") and every metric was judged, or allowed not to be; 1: a metric regressed or a
+baseline row or value is gone, since a benchmark that stops measuring something must not pass (1
+wins over 3); 2: unusable input (SpecbenchError, which the CLI prints as one line); 3: a metric
+could not be judged on any row.
 """
 
 import json
@@ -19,9 +23,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from rich.console import Console
+from rich.table import Table
 
 from specbench import schema
 from specbench.errors import SpecbenchError
+from specbench.files import write_text
 from specbench.metrics import paired_change, rate_of_sums
 
 # k before method, so that rows are labelled "k=4 method=speculative".
@@ -37,19 +43,24 @@ OPTIONAL_KEYS = [
 CONTEXT = ["device", "dtype"]  # not keys, so CI and a laptop still match on alpha; but timings become incomparable
 METRICS = [c.name for c in schema.COLUMNS if c.name in schema.SUMMARY and c.kind != schema.CONFIG and c.better]
 RELATIVE = {c.name for c in schema.COLUMNS if c.kind == schema.TIMING}  # noisy, so judged with a relative tolerance
-# The summary's value of each is metrics.rate_of_sums of these records.csv columns over its prompts,
-# so the prompts both runs decoded give its change a confidence interval.
-PER_PROMPT = {
-    "spec_tokens_per_s": ["new_tokens", "method_s"],
-    "baseline_tokens_per_s": ["baseline_tokens", "baseline_s"],
-    "speedup": ["new_tokens", "method_s", "baseline_tokens", "baseline_s"],
-}
+PER_PROMPT = schema.RATES  # rates whose change gets a paired-bootstrap interval over the prompts
 # Seconds and tokens/s depend on the machine as much as on the code; ratios within a run do much less.
-ABSOLUTE = {"baseline_tokens_per_s", "spec_tokens_per_s", "method_s", "prefill_s", "draft_s", "verify_s", "other_s"}
+ABSOLUTE = set(schema.ABSOLUTE)
 OK, REGRESSED, IMPROVED, MISSING, NEW, SKIPPED = "ok", "regressed", "improved", "missing", "new", "skipped"
 NOT_COMPARABLE = "not comparable"
 FAILING = {REGRESSED, MISSING}
 JUDGED = [OK, REGRESSED, IMPROVED, NOT_COMPARABLE]  # the statuses that compared two values
+VERDICTS = [OK, REGRESSED, IMPROVED]  # the statuses that held a value to the tolerance
+PASSED, FAILED, UNJUDGED = 0, 1, 3  # exit codes (2, unusable input, is the CLI's for a SpecbenchError)
+STATUS_STYLES = {
+    OK: "green",
+    REGRESSED: "bold red",
+    IMPROVED: "cyan",
+    MISSING: "bold red",
+    NEW: "blue",
+    SKIPPED: "dim",
+    NOT_COMPARABLE: "yellow",
+}
 BOOTSTRAP, POINT = "paired bootstrap", "point"
 _EPS = 1e-9  # 0.99 / 1.1 - 1 is -0.10000000000000009: a change of exactly the tolerance must stay ok
 
@@ -60,9 +71,13 @@ MetricVerdict = namedtuple(
     defaults=(None, None, None, None),
 )
 RowVerdict = namedtuple("RowVerdict", "key label status metrics")
+# Metrics of which no row was judged, why, and what would let them be.
+Unjudged = namedtuple("Unjudged", "metrics reason fix")
 # Its fields come in the order of the JSON report.
 Comparison = namedtuple(
-    "Comparison", "baseline current tolerance abs_tolerance confidence metrics key_columns notes rows exit_code"
+    "Comparison",
+    "baseline current tolerance abs_tolerance confidence metrics key_columns notes unjudged allow_unjudged rows "
+    "exit_code",
 )
 
 
@@ -237,7 +252,29 @@ def _machine_difference(machines: tuple) -> str:
     differ = [
         f"{k} {base.get(k)} vs {cur.get(k)}" for k in sorted(base.keys() | cur.keys()) if base.get(k) != cur.get(k)
     ]
-    return f"the machines differ ({', '.join(differ)})" if differ else ""
+    return f"the machines differ: {', '.join(differ)}" if differ else ""
+
+
+def _unjudged(merged: pd.DataFrame, chosen: list[str], elsewhere: str, unlike: set) -> list[Unjudged]:
+    """The chosen metrics of which no row was held to the tolerance, grouped by why."""
+    causes = {}
+    for m in chosen:
+        if merged[f"{m} status"].isin(VERDICTS).any():
+            continue
+        if elsewhere.startswith("no machine") and m in unlike:  # runs older than the fingerprint
+            cause = elsewhere, "record that run again with this specbench, or pass --allow-unjudged"
+        elif elsewhere and m in unlike:
+            cause = (
+                f"no baseline from this machine ({elsewhere})",
+                "run `make baseline` on this machine, or pass --allow-unjudged",
+            )
+        else:
+            cause = (
+                "no row holds a value in both runs",
+                "compare runs that measure it, drop that --metric, or pass --allow-unjudged",
+            )
+        causes.setdefault(cause, []).append(m)
+    return [Unjudged(ms, *cause) for cause, ms in causes.items()]
 
 
 def compare_frames(
@@ -251,12 +288,13 @@ def compare_frames(
     records=(None, None),
     machines=(None, None),
     confidence=0.95,
+    allow_unjudged=False,
 ):
     """Match the rows of two summary frames on configuration and judge each metric (a list of names,
     default schema.GATED); the names label the files in messages. ``records``: the runs' records.csv
     frames (load_records), which give timing changes a ``confidence`` interval; ``machines``: their
-    fingerprints (load_machine), without which absolute timings are not judged. Returns a
-    Comparison. No I/O."""
+    fingerprints (load_machine), without which absolute timings are not judged. A metric judged on no
+    row sets exit code 3 unless ``allow_unjudged``. Returns a Comparison. No I/O."""
     if not (0 <= tolerance < 1 and abs_tolerance >= 0 and 0 < confidence < 1):
         raise SpecbenchError(
             f"--tolerance {tolerance} must lie in [0, 1), --abs-tolerance {abs_tolerance} be >= 0 "
@@ -290,11 +328,6 @@ def compare_frames(
     # 1.57 on a 2-core Intel Xeon and 0.89 on a 2-core AMD EPYC, whose 3-row matrix products cost more).
     # Not known (no fingerprint): ratios within a run are still judged, absolute timings not.
     unlike = ABSOLUTE if elsewhere.startswith("no machine fingerprint") else RELATIVE
-    if elsewhere and (skipped := [m for m in chosen if m in unlike]):
-        notes.append(
-            f"{elsewhere}: {', '.join(skipped)} not judged, as timings measure the machine as much as the code"
-            + (" (speedup, a ratio within each run, still is)" if unlike is ABSOLUTE else "")
-        )
     records = [None if df is None else df.assign(decoder=_decoder(df)) for df in records]
     gaps = {}  # (why, rows without an interval, rows compared) -> the metrics without one
     for m in chosen:
@@ -324,9 +357,22 @@ def compare_frames(
         )
         for r in merged.astype(object).where(merged.notna(), None).to_dict("records")
     ]
-    exit_code = int(any(row.status in FAILING for row in rows))
+    unjudged = _unjudged(merged, chosen, elsewhere, unlike)
+    failed = any(row.status in FAILING for row in rows)
+    exit_code = FAILED if failed else UNJUDGED if unjudged and not allow_unjudged else PASSED
     return Comparison(
-        baseline_name, current_name, tolerance, abs_tolerance, confidence, chosen, keys, notes, rows, exit_code
+        baseline_name,
+        current_name,
+        tolerance,
+        abs_tolerance,
+        confidence,
+        chosen,
+        keys,
+        notes,
+        unjudged,
+        allow_unjudged,
+        rows,
+        exit_code,
     )
 
 
@@ -377,14 +423,29 @@ def _problem(row: RowVerdict, confidence: float) -> str:
     )
 
 
+def _unjudged_line(u: Unjudged) -> str:
+    return f"{', '.join(u.metrics)} NOT JUDGED: {u.reason}"
+
+
+def _unjudged_notes(comparison: Comparison) -> list[Unjudged]:
+    """The unjudged metrics to show beside the table: all of them, unless the verdict line is about them."""
+    return [] if comparison.exit_code == UNJUDGED else comparison.unjudged
+
+
 def verdict_line(comparison: Comparison) -> str:
-    """One line for logs: PASS/FAIL and, on failure, each failing row and metric."""
+    """One line for logs: PASS/FAIL and, on failure, each failing row and metric; when a metric was not
+    judged and that fails, why and what to do."""
+    if comparison.exit_code == UNJUDGED:
+        return "; ".join(f"{_unjudged_line(u)}: {u.fix}" for u in comparison.unjudged)
     tol = f"tolerance {comparison.tolerance:.0%} relative, {comparison.abs_tolerance:g} absolute"
+    # A verdict that is silent about an unjudged metric would read as if it had been judged.
+    names = ", ".join(m for u in comparison.unjudged for m in u.metrics)
+    unjudged = f"; {names} NOT JUDGED" + (" (--allow-unjudged)" if comparison.allow_unjudged else "") if names else ""
     if failures := [row for row in comparison.rows if row.status in FAILING]:
-        return f"FAIL ({tol}): " + "; ".join(_problem(row, comparison.confidence) for row in failures)
+        return f"FAIL ({tol}): " + "; ".join(_problem(row, comparison.confidence) for row in failures) + unjudged
     counts = {s: sum(r.status == s for r in comparison.rows) for s in (OK, IMPROVED, NEW)}
     extra = "".join(f", {counts[s]} {s}" for s in (IMPROVED, NEW) if counts[s])
-    return f"PASS ({tol}): {counts[OK] + counts[IMPROVED]} rows within tolerance{extra}"
+    return f"PASS ({tol}): {counts[OK] + counts[IMPROVED]} rows within tolerance{extra}{unjudged}"
 
 
 def to_json(comparison: Comparison) -> dict:
@@ -394,9 +455,10 @@ def to_json(comparison: Comparison) -> dict:
         return {**m._asdict(), "change_kind": "relative" if m.metric in RELATIVE else "absolute"}
 
     rows = [{**row._asdict(), "metrics": {m.metric: metric(m) for m in row.metrics}} for row in comparison.rows]
-    verdict = {"verdict": "fail" if comparison.exit_code else "pass", "exit_code": comparison.exit_code}
-    data = {**verdict, "summary": verdict_line(comparison), **comparison._asdict(), "rows": rows}
-    return data
+    word = {PASSED: "pass", FAILED: "fail", UNJUDGED: "unjudged"}[comparison.exit_code]
+    verdict = {"verdict": word, "exit_code": comparison.exit_code}
+    unjudged = [u._asdict() for u in comparison.unjudged]
+    return {**verdict, "summary": verdict_line(comparison), **comparison._asdict(), "unjudged": unjudged, "rows": rows}
 
 
 def cells(row: RowVerdict, style, confidence: float) -> list[str]:
@@ -423,7 +485,38 @@ def to_markdown(comparison: Comparison) -> str:
         "| " + " | ".join(cells(row, style, comparison.confidence)) + " |" for row in comparison.rows
     ]
     lines += [line for note in comparison.notes for line in ("", f"> note: {note}")]
+    lines += [line for u in _unjudged_notes(comparison) for line in ("", f"> **{_unjudged_line(u)}**")]
     return "\n".join(lines) + "\n"
+
+
+def comparison_table(comparison: Comparison) -> Table:
+    """The comparison on screen: a row per configuration, a column per metric, coloured by status."""
+    table = Table("row", "status", title="specbench compare: baseline -> current")
+    for m in comparison.metrics:
+        band = f"±{comparison.tolerance:.0%}" if m in RELATIVE else f"±{comparison.abs_tolerance:g}"
+        table.add_column(f"{m} ({band})", justify="right")
+    for row in comparison.rows:
+        statuses = [row.status, row.status, *(m.status for m in row.metrics)]
+        styled = zip(cells(row, lambda text, _: text, comparison.confidence), statuses, strict=True)
+        table.add_row(*(f"[{STATUS_STYLES[status]}]{cell}[/]" for cell, status in styled))
+    return table
+
+
+def print_comparison(console: Console, comparison: Comparison) -> None:
+    """The table, its notes, any metric not judged, and the verdict line."""
+    console.print(comparison_table(comparison))
+    for note in comparison.notes:
+        console.print(f"[yellow]note:[/] {note}", highlight=False)
+    for u in _unjudged_notes(comparison):
+        console.print(_unjudged_line(u), style="bold yellow", highlight=False, markup=False, soft_wrap=True)
+    # soft_wrap keeps the verdict on one line however narrow the terminal is.
+    console.print(
+        verdict_line(comparison),
+        style="bold green" if comparison.exit_code == PASSED else "bold red",
+        highlight=False,
+        markup=False,
+        soft_wrap=True,
+    )
 
 
 def run_compare(
@@ -436,12 +529,11 @@ def run_compare(
     markdown_path=None,
     console=None,
     confidence=0.95,
+    allow_unjudged=False,
 ):
     """Compare two run directories (or summary.csv paths), print the table and verdict, write the
-    JSON and Markdown reports where paths are given; return 0 or 1 (unusable input: SpecbenchError)."""
-    from .files import write_text
-    from .report import print_comparison
-
+    JSON and Markdown reports where paths are given; return the exit code, 0, 1 or 3 (unusable input:
+    SpecbenchError)."""
     baseline, note = pick_baseline(baseline, load_machine(current))
     frames = load_summary(baseline), load_summary(current)
     comparison = compare_frames(
@@ -454,6 +546,7 @@ def run_compare(
         records=(load_records(baseline), load_records(current)),
         machines=(load_machine(baseline), load_machine(current)),
         confidence=confidence,
+        allow_unjudged=allow_unjudged,
     )
     if json_path:
         write_text(json_path, json.dumps(to_json(comparison), indent=2) + "\n")
@@ -462,7 +555,7 @@ def run_compare(
     console = console or Console()
     if note:
         console.print(note)
-    print_comparison(console, comparison, verdict_line(comparison))
+    print_comparison(console, comparison)
     return comparison.exit_code
 
 
@@ -482,3 +575,13 @@ def pick_baseline(path: str | Path, machine: dict | None) -> tuple[Path, str]:
         f"baseline: {runs[0]}; none of {path}'s runs was measured on this machine, so its timings are not judged "
         f"(`make baseline` records one)"
     )
+
+
+def same_machine(baseline: str | Path, current: str | Path) -> bool:
+    """Whether the baseline that compare takes for the run ``current`` (pick_baseline) was measured on
+    its machine, so that its timings are judged: `make ci-bench` gates speedup only then."""
+    machine = load_machine(current)
+    try:
+        return machine is not None and load_machine(pick_baseline(baseline, machine)[0]) == machine
+    except SpecbenchError:  # no run there: the compare that follows says so
+        return False
