@@ -11,6 +11,7 @@ options, so this module cannot import it) and ``costs`` its forward costs (costs
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,6 +240,19 @@ class Cascade(SpeculativeLoop):
         return CascadeDrafter(pair.draft_lm, cfg.sampling, generator, cfg.cascade_split or None, lower=lookup)
 
 
+TREES = Option(
+    "trees",
+    ["2,2"],
+    "Tree shape for --method tree and lookup-tree: the branching at each depth, e.g. 2,2,1 "
+    "(2 + 4 + 4 = 10 nodes, K = 3). Repeat to compare shapes.",
+    flags=("--tree",),
+    repeat=lambda given: [tree.replace(" ", "") for tree in given],
+    check=lambda trees: all(re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", tree) for tree in trees),
+    problem="--tree: give the branching at each depth, like 2,2,1",
+    recorded=False,  # the tree column holds the shape
+)
+
+
 class Tree(SpeculativeLoop):
     name, help, takes_k, takes_tree, needs_draft = (
         "tree",
@@ -248,6 +262,7 @@ class Tree(SpeculativeLoop):
         True,
         True,
     )
+    options = (TREES,)
 
     def c(self, costs):
         return costs.c
@@ -264,6 +279,7 @@ class LookupTree(SpeculativeLoop):
         False,
         True,
     )
+    options = (TREES,)
 
     def c(self, costs):
         return 0.0

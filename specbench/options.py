@@ -105,8 +105,6 @@ def methods_given(given: list[str]) -> list[str]:
     return list(dict.fromkeys(name.strip() for value in given for name in value.split(",") if name.strip()))
 
 
-TREE = re.compile(r"[1-9]\d*(,[1-9]\d*)*")
-
 # The options of every run, in the order --help lists them; a method's own options follow them.
 RUN: tuple[Option, ...] = (
     Option("target", DEFAULT_TARGET, "Target model: alias from configs/models.toml, hub id, local dir or .gguf file."),
@@ -154,16 +152,6 @@ RUN: tuple[Option, ...] = (
         "Eta sampling's epsilon, applied to target and draft alike after top-k and top-p (0 = off).",
         check=lambda e: 0 <= e < 1,
         problem="--eta must be in [0, 1) (0 turns it off)",
-    ),
-    Option(
-        "trees",
-        ["2,2"],
-        "Tree shape for --method tree and lookup-tree: the branching at each depth, e.g. 2,2,1 "
-        "(2 + 4 + 4 = 10 nodes, K = 3). Repeat to compare shapes.",
-        flags=("--tree",),
-        repeat=lambda given: [tree.replace(" ", "") for tree in given],
-        check=lambda trees: all(TREE.fullmatch(tree) for tree in trees),
-        problem="--tree: give the branching at each depth, like 2,2,1",
     ),
     Option("seed", 0, "Base seed; each prompt's generators derive from (seed, prompt index, method)."),
     Option(
