@@ -1,4 +1,5 @@
-"""Tiny models built locally (no hub): a byte-level BPE tokenizer and random Llama pairs."""
+"""Fixtures: tiny models built locally (no hub), a prompts file, one torch thread, and the guard
+that keeps test runs out of the checkout's results/ directory."""
 
 import json
 from pathlib import Path
@@ -6,12 +7,24 @@ from pathlib import Path
 import pytest
 import torch
 
-CORPUS = [
-    "def add(a, b):\n    return a + b\n",
-    "def greet(name):\n    print('hello ' + name)\n",
-    "for i in range(10):\n    total += i * i\n",
-    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
-] * 20
+from .helpers import CORPUS, build_llama, build_tokenizer
+
+RESULTS = Path(__file__).parent.parent / "results"
+
+
+def _listing(directory: Path) -> set[str]:
+    return {str(p.relative_to(directory)) for p in directory.rglob("*")} if directory.is_dir() else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def nothing_written_to_results():
+    """Fails the session if a test left new entries under the checkout's results/: a `specbench run`
+    without --out writes there (results/<time>-<target>-<draft>/), and every run a test starts
+    belongs under its tmp_path. Each xdist worker checks across its own tests."""
+    before = _listing(RESULTS)
+    yield
+    if new := sorted(_listing(RESULTS) - before):
+        pytest.fail(f"tests wrote into {RESULTS}: {', '.join(new[:10])}; pass --out under tmp_path")
 
 
 @pytest.fixture
@@ -22,50 +35,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def build_tokenizer(path: Path, vocab_size: int = 320, seed_text: list[str] = CORPUS):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    tok.train_from_iterator(seed_text, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-    fast.save_pretrained(path)
-    return fast
-
-
-def build_llama(
-    path: Path, tokenizer, layers: int, hidden: int, seed: int, vocab_pad: int = 0, window: int = 256, tie: bool = True
-):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer) + vocab_pad,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=window,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=tie,
-    )
-    model = LlamaForCausalLM(config)
-    # Larger logits than the default init, so greedy ties are unlikely and sampling is not uniform.
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(20)
-        if not tie:
-            model.get_output_embeddings().weight.mul_(20)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 @pytest.fixture(scope="session")

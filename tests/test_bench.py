@@ -5,12 +5,14 @@ import re
 from pathlib import Path
 
 import pandas as pd
+import pytest
 
 from specbench import bench, schema
-from specbench.bench import BenchConfig, Results
+from specbench.bench import Results
+from specbench.config import BenchConfig
 from specbench.methods import METHODS
 
-from .test_pipeline import on_tiny_pair, one_line_error, specbench
+from .helpers import on_tiny_pair, one_line_error, specbench
 
 ROOT = Path(__file__).parent.parent
 
@@ -36,6 +38,7 @@ def outputs(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 def test_a_k_list_sweeps_and_writes_best_k_and_the_plot(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "run"
     result = on_tiny_pair(
@@ -153,34 +156,115 @@ def test_no_module_but_methods_compares_method_names():
             assert not comparison.search(path.read_text()), f"{path.name} special-cases a method by name"
 
 
-def test_the_readme_column_table_is_the_schema():
-    readme = (ROOT / "README.md").read_text()
-    rows = re.findall(r"^\| `(\w+)` \| (\w+) \| (\w*) \| (.+) \|$", readme, flags=re.M)
+def test_the_methodology_column_table_is_the_schema():
+    methodology = (ROOT / "docs" / "methodology.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (\w+) \| (\w*) \| (.+) \|$", methodology, flags=re.M)
     want = [(c.name, c.kind, c.better or "", c.meaning) for c in schema.COLUMNS]
     assert rows == want
 
 
-def test_the_readme_example_method_is_exact_and_registers(monkeypatch):
+def test_the_contributing_example_method_is_exact_and_registers(monkeypatch, one_thread):
+    from types import SimpleNamespace
+
+    import pytest
     import torch
 
-    from specbench import methods
+    from specbench import config, methods
     from specbench.engine import autoregressive_decode, speculative_decode
+    from specbench.errors import SpecbenchError
     from specbench.sampling import SamplingConfig
 
-    from .test_lossless import P_FLOOR, VOCAB, chi_square_p
-    from .toy import ToyLM
+    from .toy import P_FLOOR, VOCAB, ToyLM, chi_square_p
 
-    readme = (ROOT / "README.md").read_text()
-    example = readme.split("## Adding a method", 1)[1].split("```python", 1)[1].split("```", 1)[0]
-    monkeypatch.setattr(methods, "METHODS", dict(methods.METHODS))
+    guide = (ROOT / "docs" / "contributing.md").read_text()
+    example = guide.split("## Adding a method", 1)[1].split("```python", 1)[1].split("```", 1)[0]
     namespace = vars(methods).copy()
     exec(example, namespace)
-    assert "repeat" in namespace["METHODS"]
-    drafter = namespace["RepeatDrafter"]()
-    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, SamplingConfig(temperature=1.0)) > P_FLOOR
+    repeat = namespace["Repeat"]()
+    assert isinstance(repeat, methods.SpeculativeLoop) and repeat.name == "repeat"
+    # Registered as the guide says, its option is declared once, and the options column and the refusal follow.
+    registered = methods.METHODS
+    extended = {**registered, repeat.name: repeat} if isinstance(registered, dict) else (*registered, repeat)
+    monkeypatch.setattr(config, "METHODS", extended)
+    (option,) = repeat.options
+    assert config.declared()["repeat_last"] is option and option.default == 1
+    assert repeat.settings(SimpleNamespace(repeat_last=3)) == "repeat_last=3"
+    with pytest.raises(SpecbenchError, match="^--repeat-last .*$"):
+        option.validate(0)
+    assert repeat.drafter(None, SimpleNamespace(repeat_last=3), None, None).last == 3
+    # Exact under sampling while it cycles (2 tokens, K=3), and greedy equality.
+    drafter = namespace["RepeatDrafter"](2)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 3, SamplingConfig(temperature=1.0)) > P_FLOOR
     target, prompt, greedy = ToyLM(5, seed=3), torch.tensor([1, 4]), SamplingConfig(0.0)
     want = autoregressive_decode(target, prompt, 30, greedy, torch.Generator()).tokens
     assert (
-        speculative_decode(target, namespace["RepeatDrafter"](), prompt, 3, 30, greedy, torch.Generator()).tokens
+        speculative_decode(target, namespace["RepeatDrafter"](3), prompt, 3, 30, greedy, torch.Generator()).tokens
         == want
     )
+
+
+def test_every_file_a_run_writes_has_exactly_the_schemas_columns(tiny_pair, prompts_file, tmp_path):
+    # online (online.csv), a tree (rank rows in acceptance.csv), assumed alphas (predicted.csv).
+    cfg = config(
+        tiny_pair, prompts_file, methods=["speculative", "online", "tree"], num_prompts=2, assume_alpha=[0.5, 0.7]
+    )
+    run(cfg, tmp_path)
+    written = {path.name for path in tmp_path.iterdir()}
+    assert {"summary.csv", "records.csv", "verify_cost.csv", "acceptance.csv", "online.csv", "predicted.csv"} <= written
+    for name, columns in schema.FILES.items():
+        if name.endswith(".csv") and name in written:
+            assert tuple(pd.read_csv(tmp_path / name).columns) == columns, name
+    assert all(tuple(line) == schema.OUTPUTS for line in outputs(tmp_path))
+    document = json.loads((tmp_path / "results.json").read_text())
+    assert document["format"] == schema.RESULTS_FORMAT and document["config"]["methods"] == cfg.methods
+    speculative = next(row for row in document["summary"] if row["method"] == "speculative")
+    low, high = speculative["speedup_ci"]
+    assert low <= speculative["speedup"] <= high and set(speculative) - {f"{m}_ci" for m in schema.RATES} == set(
+        schema.SUMMARY
+    )
+
+
+def test_the_phases_are_the_phase_clocks():
+    from dataclasses import fields
+
+    from specbench.timing import Phases
+
+    assert tuple(f"{f.name}_s" for f in fields(Phases)) == schema.PHASES
+
+
+def test_version_list_and_the_choices_in_help():
+    from typer.testing import CliRunner
+
+    from specbench import __version__
+    from specbench.cli import app
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["--version"]).stdout.strip() == f"specbench {__version__}"
+    listed = runner.invoke(app, ["list"], env={"COLUMNS": "250"})
+    assert listed.exit_code == 0
+    for name, method in METHODS.items():
+        assert name in listed.stdout and all(option.flag in listed.stdout for option in method.options)
+    assert "smollm2-135m-draft" in listed.stdout and "longcode" in listed.stdout and "pydoc" in listed.stdout
+    shown = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "250"}).stdout
+    for choices in (
+        "[auto|float32|bfloat16|float16]",
+        "[auto|on|off]",
+        "[retrieval|window]",
+        "[auto|cpu|cuda|cuda:N|mps]",
+    ):
+        assert choices in shown
+    assert "[table|csv]" in runner.invoke(app, ["theory", "--help"], env={"COLUMNS": "250"}).stdout
+
+
+def test_theory_takes_k_as_run_spells_it():
+    from typer.testing import CliRunner
+
+    from specbench.cli import app
+
+    runner = CliRunner()
+    spelled = [
+        runner.invoke(app, ["theory", "--alpha", "0.6", "--c", "0.1", flag, "2,4", "--format", "csv"])
+        for flag in ("--k", "--ks")
+    ]
+    assert spelled[0].exit_code == 0 and spelled[0].stdout == spelled[1].stdout
+    assert [line.split(",")[2] for line in spelled[0].stdout.splitlines()[1:]] == ["2", "4"]

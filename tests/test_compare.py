@@ -7,18 +7,24 @@ import numpy as np
 import pandas as pd
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
+from specbench.cli import app
 from specbench.compare import (
     compare_frames,
     load_records,
     load_summary,
     run_compare,
+    same_machine,
     to_json,
     to_markdown,
     verdict_line,
 )
 from specbench.errors import SpecbenchError
-from tests.test_metrics import noisy_prompts
+from tests.helpers import noisy_prompts
+
+MACHINE = {"cpu": "Some CPU", "cores": 2, "torch_threads": 2, "gpu": None, "torch": "2.5", "transformers": "4.50"}
+SAME = (MACHINE, MACHINE)  # both runs measured on one machine: every metric can be judged
 
 
 def summary_rows(ks=(1, 2, 4)):
@@ -82,8 +88,8 @@ def changed(rows, k, **values):
     return [{**r, **values} if r["k"] == k and r["method"] == "speculative" else r for r in rows]
 
 
-def compare(tmp_path, base_rows, cur_rows, records=(None, None), machines=(None, None), **kwargs):
-    """run_compare on two run directories: their summaries, records.csv and meta.json's fingerprint where given."""
+def write_runs(tmp_path, base_rows, cur_rows, records=(None, None), machines=SAME):
+    """The baseline and current run directories: their summaries, records.csv and meta.json's fingerprint where given."""
     paths = [write_run(tmp_path / "base", base_rows), write_run(tmp_path / "cur", cur_rows)]
     for path, df, machine in zip(paths, records, machines, strict=True):
         (path / "records.csv").unlink(missing_ok=True)  # from an earlier call on the same directories
@@ -92,6 +98,12 @@ def compare(tmp_path, base_rows, cur_rows, records=(None, None), machines=(None,
             df.to_csv(path / "records.csv", index=False)
         if machine:
             (path / "meta.json").write_text(json.dumps({"machine": machine}))
+    return paths
+
+
+def compare(tmp_path, base_rows, cur_rows, records=(None, None), machines=SAME, **kwargs):
+    """run_compare on two run directories written by write_runs; its exit code and what it printed."""
+    paths = write_runs(tmp_path, base_rows, cur_rows, records, machines)
     out = io.StringIO()
     console = Console(file=out, width=250, color_system=None)
     code = run_compare(*map(str, paths), console=console, **kwargs)
@@ -146,7 +158,7 @@ def test_change_of_exactly_the_tolerance_is_ok():
     # Values chosen so that the naive float threshold sits just above the current value.
     base = changed(summary_rows(), 2, alpha=0.10, speedup=1.1)
     cur = changed(base, 2, alpha=0.09, speedup=0.99)
-    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur))
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur), machines=SAME)
     assert result.exit_code == 0
     assert compare_frames(pd.DataFrame(base), pd.DataFrame(changed(cur, 2, alpha=0.089))).exit_code == 1
 
@@ -154,7 +166,7 @@ def test_change_of_exactly_the_tolerance_is_ok():
 def test_improvement_is_reported_and_passes(tmp_path):
     base = summary_rows()
     cur = changed(base, 1, tau=base[0]["tau"] + 0.2)
-    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur))
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur), machines=SAME)
     assert result.exit_code == 0
     row = next(r for r in result.rows if r.key["k"] == 1 and r.key["method"] == "speculative")
     assert row.status == "improved"
@@ -209,7 +221,7 @@ def test_k_matches_across_spellings_and_blanks():
     # Real files leave k blank for the baseline method; a blank must match a blank, and 4.0 or "4" must match 4.
     base = [{**r, "k": math.nan} if r["method"] == "baseline" else r for r in summary_rows()]
     cur = [{**r, "k": None} if r["method"] == "baseline" else {**r, "k": f"{r['k']}.0"} for r in summary_rows()]
-    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur))
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(cur), machines=SAME)
     assert result.exit_code == 0
     assert [r.status for r in result.rows] == ["ok"] * 4
     assert [r.key["k"] for r in result.rows] == [1, 2, 4, None]
@@ -240,13 +252,13 @@ def test_same_prompts_or_one_unknown_hash_pass(tmp_path):
     code, _ = compare(tmp_path, base, base)
     assert code == 0
     # A file written before the column existed cannot be checked, so it is not refused.
-    assert compare_frames(pd.DataFrame(summary_rows()), pd.DataFrame(base)).exit_code == 0
+    assert compare_frames(pd.DataFrame(summary_rows()), pd.DataFrame(base), machines=SAME).exit_code == 0
 
 
 def test_optional_keys_only_when_in_both_files():
     base = pd.DataFrame(summary_rows()).drop(columns=["seed"])
     cur = pd.DataFrame(summary_rows()).assign(seed=7)
-    result = compare_frames(base, cur)
+    result = compare_frames(base, cur, machines=SAME)
     assert "seed" not in result.key_columns
     assert result.exit_code == 0
     # With seed in both files a different seed is a different experiment.
@@ -263,6 +275,7 @@ def test_device_change_is_noted_but_alpha_still_compared(tmp_path):
 
 def test_directory_and_csv_paths_both_work(tmp_path):
     run_dir = write_run(tmp_path / "run", summary_rows())
+    (run_dir / "meta.json").write_text(json.dumps({"machine": MACHINE}))
     from_dir = load_summary(run_dir)
     from_csv = load_summary(run_dir / "summary.csv")
     pd.testing.assert_frame_equal(from_dir, from_csv)
@@ -298,8 +311,9 @@ def test_json_and_markdown_are_written(tmp_path):
 
 
 def test_to_json_and_markdown_on_pass():
-    result = compare_frames(pd.DataFrame(summary_rows()), pd.DataFrame(summary_rows()))
+    result = compare_frames(pd.DataFrame(summary_rows()), pd.DataFrame(summary_rows()), machines=SAME)
     assert to_json(result)["verdict"] == "pass"
+    assert to_json(result)["unjudged"] == []
     md = to_markdown(result)
     assert "PASS" in md
     table_rows = [line for line in md.splitlines() if line.startswith("| k=")]
@@ -392,8 +406,6 @@ def test_machine_fingerprint_names_the_hardware_and_versions():
 
 # ---------------------------------------------------------------- intervals from the prompts
 
-MACHINE = {"cpu": "Some CPU", "cores": 2, "torch_threads": 2, "gpu": None, "torch": "2.5", "transformers": "4.50"}
-
 
 def timed_runs(draws=1, prompts=8, noise=0.05, slowdown=1.0, slower=1.0, seed=0):
     """A baseline and a current run as `specbench run` writes them: summary rows summed from per-prompt
@@ -457,15 +469,31 @@ def test_timings_are_judged_only_on_the_same_machine(tmp_path):
     rows, records = timed_runs(slower=1 / 0.7)  # tokens/s 30% lower, speedup unchanged
     other = {**MACHINE, "torch_threads": 1}
     code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other), json_path=tmp_path / "v.json")
-    assert code == 0
-    assert "note: the machines differ (torch_threads 2 vs 1): baseline_tokens_per_s, spec_tokens_per_s, speedup" in out
-    statuses = json.loads((tmp_path / "v.json").read_text())["rows"][0]["metrics"]
+    # Nothing judged the timings, so a pass would say nothing about them.
+    assert code == 3
+    assert last_line(out) == (
+        "baseline_tokens_per_s, spec_tokens_per_s, speedup NOT JUDGED: no baseline from this machine (the machines "
+        "differ: torch_threads 2 vs 1): run `make baseline` on this machine, or pass --allow-unjudged"
+    )
+    verdict = json.loads((tmp_path / "v.json").read_text())
+    statuses = verdict["rows"][0]["metrics"]
     timings = {"baseline_tokens_per_s", "spec_tokens_per_s", "speedup"}
     assert {statuses[m]["status"] for m in timings} == {"not comparable"}
     assert {m["status"] for name, m in statuses.items() if name not in timings} == {"ok"}  # alpha, tau, acceptance
+    assert verdict["verdict"] == "unjudged" and verdict["exit_code"] == 3
+    assert [(u["metrics"], u["reason"]) for u in verdict["unjudged"]] == [
+        (
+            ["baseline_tokens_per_s", "spec_tokens_per_s", "speedup"],
+            "no baseline from this machine (the machines differ: torch_threads 2 vs 1)",
+        )
+    ]
     # Without a fingerprint (runs older than it) the ratio is judged, absolute tokens/s are not.
     code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, None), json_path=tmp_path / "v.json")
-    assert code == 0 and "no machine fingerprint in the current run's meta.json" in out
+    assert code == 3
+    assert last_line(out) == (
+        "baseline_tokens_per_s, spec_tokens_per_s NOT JUDGED: no machine fingerprint in the current run's meta.json: "
+        "record that run again with this specbench, or pass --allow-unjudged"
+    )
     statuses = json.loads((tmp_path / "v.json").read_text())["rows"][0]["metrics"]
     assert statuses["speedup"]["status"] == "ok" and statuses["speedup"]["test"] == "paired bootstrap"
     assert statuses["spec_tokens_per_s"]["status"] == "not comparable"
@@ -478,7 +506,91 @@ def test_timings_are_judged_only_on_the_same_machine(tmp_path):
     code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, MACHINE))
     assert code == 1 and "speedup 1.344 -> 1.015" in last_line(out)
     code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other))
+    assert code == 3 and "speedup NOT JUDGED" in last_line(out)
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other), allow_unjudged=True)
+    assert code == 0 and "regressed" not in out
+
+
+def cli(*args):
+    """`specbench compare` as a user runs it: its exit code and output."""
+    result = CliRunner().invoke(app, ["compare", *map(str, args)])
+    return result.exit_code, result.output
+
+
+def test_a_baseline_from_another_machine_fails_unjudged_through_the_cli(tmp_path):
+    rows, records = timed_runs()
+    newer = {**MACHINE, "torch": "2.13"}
+    paths = write_runs(tmp_path, *rows, records=records, machines=(MACHINE, newer))
+    md = tmp_path / "compare.md"
+    timings = "baseline_tokens_per_s, spec_tokens_per_s, speedup"
+    why = f"{timings} NOT JUDGED: no baseline from this machine (the machines differ: torch 2.5 vs 2.13)"
+    code, out = cli(*paths, "--markdown", md)
+    assert code == 3
+    assert last_line(out) == f"{why}: run `make baseline` on this machine, or pass --allow-unjudged"
+    assert f"**{why}: run `make baseline` on this machine, or pass --allow-unjudged**" in md.read_text()
+    assert out.count("NOT JUDGED") == md.read_text().count("NOT JUDGED") == 1  # one line, with the fix
+    # Allowed, it passes on what was judged and still says what was not.
+    code, out = cli(*paths, "--markdown", md, "--allow-unjudged")
     assert code == 0
+    assert why in out.splitlines()
+    pass_line = "PASS (tolerance 10% relative, 0.01 absolute): 1 rows within tolerance"
+    assert last_line(out) == f"{pass_line}; {timings} NOT JUDGED (--allow-unjudged)"
+    text = md.read_text()
+    assert f"> **{why}**" in text.splitlines()
+    assert f"**{pass_line}; {timings} NOT JUDGED (--allow-unjudged)**" in text
+
+
+def test_deterministic_metrics_are_judged_across_machines(tmp_path):
+    rows, records = timed_runs()
+    other = {**MACHINE, "cpu": "Another CPU", "torch": "2.13"}
+    deterministic = ["alpha", "tau", "acceptance_rate"]
+    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other), metrics=deterministic)
+    assert code == 0 and "NOT JUDGED" not in out
+    assert last_line(out) == "PASS (tolerance 10% relative, 0.01 absolute): 1 rows within tolerance"
+    cur = changed(rows[1], 1, alpha=0.7)
+    code, out = compare(tmp_path, rows[0], cur, records=records, machines=(MACHINE, other), metrics=deterministic)
+    assert code == 1 and "k=1 method=speculative: alpha 0.8 -> 0.7" in last_line(out)
+
+
+def test_a_regression_fails_even_beside_an_unjudged_metric(tmp_path):
+    rows, records = timed_runs()
+    other = {**MACHINE, "cpu": "Another CPU"}
+    cur = changed(rows[1], 1, alpha=0.7)
+    for allow in (False, True):
+        code, out = compare(
+            tmp_path, rows[0], cur, records, (MACHINE, other), json_path=tmp_path / "v.json", allow_unjudged=allow
+        )
+        assert code == 1
+        verdict = last_line(out)
+        assert verdict.startswith("FAIL") and "k=1 method=speculative: alpha 0.8 -> 0.7" in verdict
+        assert verdict.endswith(
+            "; baseline_tokens_per_s, spec_tokens_per_s, speedup NOT JUDGED" + (" (--allow-unjudged)" if allow else "")
+        )
+        data = json.loads((tmp_path / "v.json").read_text())
+        assert data["verdict"] == "fail" and data["exit_code"] == 1
+        assert [u["metrics"] for u in data["unjudged"]] == [["baseline_tokens_per_s", "spec_tokens_per_s", "speedup"]]
+
+
+def test_a_metric_without_values_in_both_runs_is_not_judged():
+    base = [{**r, "alpha": math.nan} for r in summary_rows()]  # a baseline that never measured alpha
+    result = compare_frames(pd.DataFrame(base), pd.DataFrame(summary_rows()), metrics=["alpha", "tau"])
+    assert result.exit_code == 3
+    assert verdict_line(result) == (
+        "alpha NOT JUDGED: no row holds a value in both runs: "
+        "compare runs that measure it, drop that --metric, or pass --allow-unjudged"
+    )
+    allowed = compare_frames(
+        pd.DataFrame(base), pd.DataFrame(summary_rows()), metrics=["alpha", "tau"], allow_unjudged=True
+    )
+    assert allowed.exit_code == 0
+    assert to_json(allowed)["unjudged"] == [
+        {
+            "metrics": ["alpha"],
+            "reason": "no row holds a value in both runs",
+            "fix": "compare runs that measure it, drop that --metric, or pass --allow-unjudged",
+        }
+    ]
+    assert "> **alpha NOT JUDGED: no row holds a value in both runs**" in to_markdown(allowed)
 
 
 def test_a_directory_of_baselines_gives_the_one_of_this_machine(tmp_path):
@@ -494,15 +606,22 @@ def test_a_directory_of_baselines_gives_the_one_of_this_machine(tmp_path):
     out = io.StringIO()
     code = run_compare(str(shelf), str(tmp_path / "cur"), console=Console(file=out, width=250, color_system=None))
     assert code == 1 and f"baseline: {shelf / 'this'} (measured on this machine)" in out.getvalue()
+    assert same_machine(shelf, tmp_path / "cur")
     (shelf / "this" / "meta.json").write_text(json.dumps({"machine": {**MACHINE, "torch": "2.6"}}))
     out = io.StringIO()
     code = run_compare(str(shelf), str(tmp_path / "cur"), console=Console(file=out, width=250, color_system=None))
     said = " ".join(out.getvalue().split())  # the console folds long lines
-    assert code == 0 and "was measured on this machine, so its timings are not judged" in said
+    assert code == 3 and "was measured on this machine, so its timings are not judged" in said
     assert "`make baseline` records one" in said
+    assert last_line(out.getvalue()).startswith(
+        "baseline_tokens_per_s, spec_tokens_per_s, speedup NOT JUDGED: no baseline from this machine "
+        "(the machines differ: torch 2.6 vs 2.5)"
+    )
+    assert not same_machine(shelf, tmp_path / "cur")
     (tmp_path / "empty").mkdir()
     with pytest.raises(SpecbenchError, match="holds no run"):
         run_compare(str(tmp_path / "empty"), str(tmp_path / "cur"))
+    assert not same_machine(tmp_path / "empty", tmp_path / "cur")
 
 
 def test_without_records_the_point_values_are_judged(tmp_path):

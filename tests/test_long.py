@@ -15,8 +15,8 @@ import torch
 from scipy.stats import chisquare
 
 from specbench.engine import CascadeDrafter, ModelDrafter, autoregressive_decode, speculative_decode
-from specbench.kv import SINKS, retrieval_positions, window_positions
-from specbench.models import EVICT_SLACK, HFCausalLM, SparseView, WindowLM
+from specbench.kv import EVICT_SLACK, SINKS, retrieval_positions, window_positions
+from specbench.lm import HFCausalLM, SparseView, WindowLM
 from specbench.sampling import SamplingConfig, warp
 
 LENGTH, SAMPLES, P_FLOOR, BUDGET, WINDOW = 3, 2000, 1e-3, 32, 40
@@ -118,11 +118,13 @@ def triforce(cfg: SamplingConfig, drafter_class=CascadeDrafter, inner_k: int = 1
 @pytest.mark.parametrize(
     "policy,cfg", [("retrieval", SamplingConfig(1.0)), ("window", SamplingConfig(temperature=0.8, top_k=2))]
 )
+@pytest.mark.slow
 def test_self_sparse_matches_target_law(target, policy, cfg):
     assert chi_square_p(target, self_sparse(policy, cfg), 2, cfg, watch) > P_FLOOR
 
 
 @pytest.mark.parametrize("cfg,inner_k", [(SamplingConfig(1.0), 1), (SamplingConfig(temperature=1.2, top_p=0.9), 2)])
+@pytest.mark.slow
 def test_triforce_matches_target_law(target, cfg, inner_k):
     assert chi_square_p(target, triforce(cfg, inner_k=inner_k), 3, cfg, watch) > P_FLOOR
 
@@ -149,6 +151,7 @@ class BottomRowsPassedUp(CascadeDrafter):
         return draft
 
 
+@pytest.mark.slow
 def test_the_test_catches_a_middle_level_that_passes_up_the_wrong_rows(target):
     cfg = SamplingConfig(1.0)
     assert chi_square_p(target, triforce(cfg, BottomRowsPassedUp, inner_k=2), 3, cfg, watch) < P_FLOOR
@@ -162,6 +165,7 @@ def window_draft(cfg: SamplingConfig, drafter_class=ModelDrafter):
 
 
 @pytest.mark.parametrize("cfg", [SamplingConfig(1.0), SamplingConfig(temperature=0.8, top_p=0.9)])
+@pytest.mark.slow
 def test_speculative_with_a_window_draft_matches_target_law(target, cfg):
     assert chi_square_p(target, window_draft(cfg), 3, cfg) > P_FLOOR
 
@@ -187,6 +191,7 @@ class WholeSequenceRows(ModelDrafter):
         self.whole.accepted(draft, verdict)
 
 
+@pytest.mark.slow
 def test_the_test_catches_a_window_draft_that_hands_up_rows_over_the_whole_sequence(target):
     cfg = SamplingConfig(1.0)
     assert chi_square_p(target, window_draft(cfg, WholeSequenceRows), 3, cfg) < P_FLOOR
@@ -309,12 +314,13 @@ def test_chunked_prefill_equals_one_forward_and_reports_progress(target):
     assert seen == [(24, 80), (48, 80), (72, 80), (80, 80)]  # the last chunk yields the logits
 
 
+@pytest.mark.slow
 def test_a_context_sweep_runs_each_length_and_finds_the_crossovers(tiny_pair, tmp_path):
     import json
 
     import pandas as pd
 
-    from .test_pipeline import on_tiny_pair
+    from .helpers import on_tiny_pair
 
     out = tmp_path / "sweep"
     result = on_tiny_pair(

@@ -4,7 +4,6 @@ from collections import Counter
 
 import pytest
 import torch
-from scipy.stats import chisquare
 
 from specbench import engine, sampling
 from specbench.engine import (
@@ -21,55 +20,25 @@ from specbench.engine import (
 from specbench.online import rejection
 from specbench.sampling import SamplingConfig, warp
 
-from .toy import ToyLM, exact_distribution
-
-VOCAB, LENGTH, PROMPT = 3, 4, [0, 2]
-SAMPLES = 6000
-# Chi-square p-values below this fail; with a fixed seed the test is deterministic, and the
-# negative controls below show a broken verifier lands far under it.
-P_FLOOR = 1e-3
-
+from .toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, VOCAB, ToyLM, chi_square_p, law_p
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-def chi_square_p(target: ToyLM, draft, k: int, cfg: SamplingConfig, seed: int = 0) -> float:
-    """p-value of the sequences sampled by speculative decoding against the target's exact law;
-    ``draft`` is a drafter, or a model that drafts by sampling."""
-    generator = torch.Generator().manual_seed(seed)
-    drafter = draft if hasattr(draft, "propose") else ModelDrafter(draft, cfg, generator)
-    prompt = torch.tensor(PROMPT)
-    counts = Counter(
-        tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator).tokens) for _ in range(SAMPLES)
-    )
-    return law_p(target, cfg, counts)
-
-
-def law_p(target: ToyLM, cfg: SamplingConfig, counts: Counter) -> float:
-    """p-value of sampled sequence counts against the target's exact law of LENGTH tokens after PROMPT."""
-    law = exact_distribution(target, PROMPT, LENGTH, cfg)
-    assert set(counts) <= {s for s, p in law.items() if p > 0}, "sampled a sequence the target cannot produce"
-    # Cells the warp made impossible carry no information; keep the rest.
-    cells = [s for s, p in law.items() if p > 0]
-    observed = [counts[s] for s in cells]
-    mass = sum(law[s] for s in cells)
-    expected = [law[s] / mass * SAMPLES for s in cells]
-    return chisquare(observed, expected).pvalue
 
 
 @pytest.mark.parametrize(
     "cfg,k",
     [
-        (SamplingConfig(temperature=1.0), 1),
-        (SamplingConfig(temperature=1.0), 3),
-        (SamplingConfig(temperature=0.7, top_k=2), 2),
-        (SamplingConfig(temperature=1.3, top_p=0.8), 2),
+        (SamplingConfig(temperature=1.0), 1),  # the fast suite's check of the sampled chain verifier
+        pytest.param(SamplingConfig(temperature=1.0), 3, marks=pytest.mark.slow),
+        pytest.param(SamplingConfig(temperature=0.7, top_k=2), 2, marks=pytest.mark.slow),
+        pytest.param(SamplingConfig(temperature=1.3, top_p=0.8), 2, marks=pytest.mark.slow),
     ],
 )
 def test_speculative_sampling_matches_target_law(cfg, k):
     assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), k, cfg) > P_FLOOR
 
 
+@pytest.mark.slow
 def test_prompt_lookup_drafting_matches_target_law():
     # One-hot drafts proposed from n-gram matches; with 3 tokens, matches are frequent.
     lookup = PromptLookupDrafter(max_ngram=2)
@@ -85,6 +54,7 @@ class ShortlistedToy(ToyLM):
         return logits
 
 
+@pytest.mark.slow
 def test_a_draft_blind_to_a_token_still_gives_the_target_law():
     # q is zero on token 1, which the target often picks: only the residual can produce it.
     assert (
@@ -108,6 +78,7 @@ def _verify_with_stale_bonus(draft_tokens, q, p, generator):
 
 
 @pytest.mark.parametrize("broken", [_verify_with_residual_p, _verify_with_stale_bonus])
+@pytest.mark.slow
 def test_the_test_catches_a_broken_verifier(monkeypatch, broken):
     monkeypatch.setattr(engine, "verify_chain_sampled", broken)
     assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 1, SamplingConfig(temperature=1.0)) < P_FLOOR
@@ -152,12 +123,12 @@ def test_stop_token_ends_both_decoders_at_the_same_place():
 # ---------------------------------------------------------------- trees
 
 SAMPLED_TREES = [
-    (SamplingConfig(temperature=1.0), (2, 2)),
-    (SamplingConfig(temperature=1.0), (3, 1, 1)),
-    (SamplingConfig(temperature=0.8, top_k=2), (2, 2)),
-    (SamplingConfig(temperature=1.2, top_p=0.85), (3, 1, 1)),
-    (SamplingConfig(temperature=1.0, eta=0.2), (2, 2)),
-    (SamplingConfig(temperature=1.3, top_k=2, eta=0.1), (3, 1, 1)),
+    (SamplingConfig(temperature=1.0), (2, 2)),  # the fast suite's check of the sampled tree verifier
+    pytest.param(SamplingConfig(temperature=1.0), (3, 1, 1), marks=pytest.mark.slow),
+    pytest.param(SamplingConfig(temperature=0.8, top_k=2), (2, 2), marks=pytest.mark.slow),
+    pytest.param(SamplingConfig(temperature=1.2, top_p=0.85), (3, 1, 1), marks=pytest.mark.slow),
+    pytest.param(SamplingConfig(temperature=1.0, eta=0.2), (2, 2), marks=pytest.mark.slow),
+    pytest.param(SamplingConfig(temperature=1.3, top_k=2, eta=0.1), (3, 1, 1), marks=pytest.mark.slow),
 ]
 
 
@@ -176,11 +147,13 @@ def test_tree_of_children_drawn_from_q_gives_the_target_law(cfg, shape):
         (SamplingConfig(temperature=1.0, eta=0.2), (3, 1, 1)),
     ],
 )
+@pytest.mark.slow
 def test_tree_of_deterministic_candidates_gives_the_target_law(cfg, shape):
     drafter = LookupTreeDrafter(nodes=len(tree_parents(shape)), depth=len(shape), max_ngram=2)
     assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, len(shape), cfg) > P_FLOOR
 
 
+@pytest.mark.slow
 def test_the_test_catches_a_tree_verifier_that_keeps_p_after_a_rejection(monkeypatch):
     monkeypatch.setattr(sampling, "residual", lambda p_row, q_row: p_row)
     cfg = SamplingConfig(temperature=1.0)
@@ -188,6 +161,7 @@ def test_the_test_catches_a_tree_verifier_that_keeps_p_after_a_rejection(monkeyp
     assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, cfg) < P_FLOOR
 
 
+@pytest.mark.slow
 def test_the_test_catches_a_tree_verifier_that_does_not_renormalise(monkeypatch):
     monkeypatch.setattr(sampling, "normalised", lambda weights: weights)
     drafter = LookupTreeDrafter(nodes=6, depth=2, max_ngram=2)
@@ -231,6 +205,7 @@ def cascade(cfg: SamplingConfig, split: int | None = None, draft: ToyLM | None =
 
 @pytest.mark.parametrize("split", [None, 1, 2])
 @pytest.mark.parametrize("cfg", CASCADE_CONFIGS)
+@pytest.mark.slow
 def test_cascade_matches_target_law(cfg, split):
     # Vertical (split None): lookup proposes beneath the draft model; with a split the model drafts
     # the first positions and lookup the rest.
@@ -258,12 +233,14 @@ def _unchecked_round(target, drafter, last, k, cfg, generator):
     return engine.Round(draft, verdict, logits, p)
 
 
+@pytest.mark.slow
 def test_the_test_catches_a_cascade_that_passes_up_the_wrong_rows():
     cfg = SamplingConfig(temperature=1.0)
     broken = CascadeWithStaleQ(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7), None, 2)
     assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 3, cfg) < P_FLOOR
 
 
+@pytest.mark.slow
 def test_the_test_catches_a_cascade_whose_inner_check_is_not_exact(monkeypatch):
     cfg = SamplingConfig(temperature=1.0)
     draft = ToyLM(VOCAB, seed=2)
@@ -284,6 +261,7 @@ def three_levels(cfg: SamplingConfig, inner_k: int) -> CascadeDrafter:
 
 @pytest.mark.parametrize("inner_k", [1, 2])
 @pytest.mark.parametrize("cfg", CASCADE_CONFIGS[:2])
+@pytest.mark.slow
 def test_a_model_beneath_a_model_matches_target_law(cfg, inner_k):
     assert chi_square_p(ToyLM(VOCAB, seed=1), three_levels(cfg, inner_k), 3, cfg) > P_FLOOR
 
@@ -300,6 +278,7 @@ class LowerRowsPassedUp(CascadeDrafter):
         return engine.Draft.chain(draft.tokens, torch.stack(rows), draft.forwards)
 
 
+@pytest.mark.slow
 def test_the_test_catches_a_middle_level_whose_rows_are_not_passed_up():
     cfg = SamplingConfig(temperature=1.0)
     broken = LowerRowsPassedUp(
@@ -375,7 +354,12 @@ def online_counts(target: ToyLM, drafter, learner: ToyLearner, k: int, cfg: Samp
 
 
 @pytest.mark.parametrize(
-    "cfg", [SamplingConfig(1.0), SamplingConfig(temperature=0.8, top_k=2), SamplingConfig(temperature=1.2, top_p=0.85)]
+    "cfg",
+    [
+        SamplingConfig(1.0),  # the fast suite's check of a draft that changes between sequences
+        pytest.param(SamplingConfig(temperature=0.8, top_k=2), marks=pytest.mark.slow),
+        pytest.param(SamplingConfig(temperature=1.2, top_p=0.85), marks=pytest.mark.slow),
+    ],
 )
 def test_a_draft_updated_between_sequences_gives_the_target_law(cfg):
     target, draft = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2)
@@ -403,6 +387,7 @@ class RowsFromTheUpdatedCopy(ModelDrafter):
         return Draft.chain(draft.tokens, torch.stack(rows), draft.forwards)
 
 
+@pytest.mark.slow
 def test_the_test_catches_rows_read_from_an_updated_copy_of_the_draft():
     cfg = SamplingConfig(1.0)
     target, draft, updated = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), ToyLM(VOCAB, seed=2)

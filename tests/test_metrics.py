@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 
 from specbench import metrics
-from specbench.bench import Cost, ForwardCosts
+from specbench.costs import Cost, ForwardCosts
+
+from .helpers import noisy_prompts
 
 
 @pytest.mark.parametrize(
@@ -86,7 +88,7 @@ def test_iqr_is_the_spread_of_the_middle_half():
 
 
 def test_predicted_by_k_weighs_the_measured_verification_cost():
-    from specbench.bench import predicted_by_k
+    from specbench.results import predicted_by_k
 
     # A CPU-like profile: four or more tokens cost twice one token's forward.
     cpu = forward_costs({1: 1.0, 2: 1.1, 3: 1.2, 4: 2.0, 5: 2.0}, 0.1)
@@ -140,28 +142,13 @@ def test_phase_figures_account_for_forwards_and_overhead():
 
 
 def test_noisy_forward_costs_are_called_out():
-    from specbench.bench import noisy_costs
+    from specbench.costs import noisy_costs
 
     steady = forward_costs({1: 1.0, 2: 1.1, 3: 1.2}, 0.1)
     assert noisy_costs(steady) == []
     shaky = ForwardCosts(100, {**steady.target, 3: Cost(1.2, 0.5, 0.4)}, steady.draft_single, repeats=10)
     (warning,) = noisy_costs(shaky)
     assert "[3] tokens" in warning and "--threads 1" in warning
-
-
-def noisy_prompts(rng, noise, prompts=8, slowdown=1.0):
-    """Per-prompt (new_tokens, method_s, baseline_tokens, baseline_s) for two runs of the same prompts:
-    speedup differs by prompt, each time is off by up to ``noise`` either way, and the current run's
-    method takes ``slowdown`` times as long."""
-    tokens = rng.integers(24, 65, prompts).astype(float)
-    base_s = tokens / 25 * rng.uniform(0.8, 1.2, prompts)
-    method_s = base_s / rng.uniform(1.1, 1.6, prompts)
-
-    def run(slow):
-        jitter = rng.uniform(1 - noise, 1 + noise, (2, prompts))
-        return np.column_stack([tokens, method_s * slow * jitter[0], tokens, base_s * jitter[1]])
-
-    return run(1.0), run(slowdown)
 
 
 def test_paired_change_is_the_change_of_the_summed_rates():

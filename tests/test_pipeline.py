@@ -2,17 +2,18 @@
 
 import dataclasses
 import json
-import subprocess
-import sys
 
 import pandas as pd
 import pytest
 import torch
 
-from specbench import metrics
+from specbench import metrics, schema
 from specbench.engine import ModelDrafter, autoregressive_decode, speculative_decode
-from specbench.models import HFCausalLM, load, shared_width
+from specbench.lm import HFCausalLM
+from specbench.models import load, shared_width
 from specbench.sampling import SamplingConfig
+
+from .helpers import on_tiny_pair, one_line_error, specbench
 
 CPU, F32 = torch.device("cpu"), torch.float32
 SUMMARY_COLUMNS = (
@@ -20,10 +21,6 @@ SUMMARY_COLUMNS = (
     "baseline_tokens_per_s spec_tokens_per_s speedup alpha acceptance_rate tau c verify_ratio "
     "predicted_speedup predicted_speedup_verify"
 ).split()
-
-
-def specbench(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "specbench", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def wrapped(tiny_pair):
@@ -129,6 +126,7 @@ def test_run_writes_every_file_with_the_contract_columns(tiny_pair, prompts_file
     assert meta["config"]["ks"] == [3] and meta["torch_threads"] == 1  # --threads 1 reached torch
 
 
+@pytest.mark.slow
 def test_sampled_run_is_reproducible(tiny_pair, prompts_file, tmp_path):
     args = [
         "run",
@@ -156,22 +154,10 @@ def test_sampled_run_is_reproducible(tiny_pair, prompts_file, tmp_path):
     assert (tmp_path / "a" / "outputs.jsonl").read_text() == (tmp_path / "b" / "outputs.jsonl").read_text()
 
 
-def on_tiny_pair(command: str, tiny_pair, *args, timeout=300):
-    """``specbench COMMAND`` with the tiny target and draft."""
-    return specbench(command, "--target", tiny_pair[0], "--draft", tiny_pair[1], *args, timeout=timeout)
-
-
-def one_line_error(result, *needles):
-    assert result.returncode != 0
-    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1, result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
-
-
-def test_uncached_hub_model_fails_fast_with_one_line():
-    result = specbench("run", "--target", "llama-7b", "--draft", "llama-68m", "--k", "4", timeout=60)
+def test_uncached_hub_model_fails_fast_with_one_line(tmp_path):
+    result = specbench(
+        "run", "--target", "llama-7b", "--draft", "llama-68m", "--k", "4", "--out", str(tmp_path / "run"), timeout=60
+    )
     one_line_error(result, "huggyllama/llama-7b", "not in the local Hugging Face cache", "download", "--random-weights")
 
 
@@ -186,16 +172,17 @@ def test_uncached_hub_model_fails_fast_with_one_line():
         (["--threads", "-1"], "--threads must be >= 0"),
     ],
 )
-def test_bad_input_is_one_clear_line(tiny_pair, prompts_file, args, needle):
+def test_bad_input_is_one_clear_line(tiny_pair, prompts_file, tmp_path, args, needle):
     base = {"--target": tiny_pair[0], "--draft": tiny_pair[1], "--dataset": prompts_file}
     base.update(dict(zip(args[::2], args[1::2], strict=True)))
-    result = specbench("run", *[x for kv in base.items() for x in kv], "--out", "/nonexistent-never-written")
+    result = specbench("run", *[x for kv in base.items() for x in kv], "--out", str(tmp_path / "run"))
     one_line_error(result, needle)
 
 
-def test_hf_assisted_refuses_unequal_widths(tiny_pair, padded_draft, prompts_file):
+def test_hf_assisted_refuses_unequal_widths(tiny_pair, padded_draft, prompts_file, tmp_path):
+    pair = ["--target", tiny_pair[0], "--draft", padded_draft]
     result = specbench(
-        "run", "--target", tiny_pair[0], "--draft", padded_draft, "--dataset", prompts_file, "--method", "hf-assisted"
+        "run", *pair, "--dataset", prompts_file, "--method", "hf-assisted", "--out", str(tmp_path / "run")
     )
     one_line_error(result, "hf-assisted")
 
@@ -203,12 +190,12 @@ def test_hf_assisted_refuses_unequal_widths(tiny_pair, padded_draft, prompts_fil
 def test_empty_dataset_and_foreign_tokenizer(tiny_pair, foreign_draft, tmp_path):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
-    one_line_error(
-        specbench("run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--dataset", str(empty)), "no prompts"
-    )
-    one_line_error(specbench("run", "--target", tiny_pair[0], "--draft", foreign_draft), "tokenizers of")
+    out = ["--out", str(tmp_path / "run")]
+    one_line_error(on_tiny_pair("run", tiny_pair, "--dataset", str(empty), *out), "no prompts")
+    one_line_error(specbench("run", "--target", tiny_pair[0], "--draft", foreign_draft, *out), "tokenizers of")
 
 
+@pytest.mark.slow
 def test_sweep_shares_one_baseline_and_writes_the_sweep_files(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "sweep"
     result = on_tiny_pair(
@@ -298,7 +285,7 @@ def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_p
     records = pd.read_csv(out / "records.csv")
     assert len(records) == 3 * len(methods) and records["outputs_match"].all()
     # Every method's decode time is split into phases that add up to its wall time.
-    phases = records[["prefill_s", "draft_s", "verify_s", "other_s"]]
+    phases = records[list(schema.PHASES)]
     assert (phases >= 0).all().all() and (phases["prefill_s"] > 0).all() and (phases["verify_s"] > 0).all()
     assert ((phases.sum(axis=1) - records["method_s"]).abs() <= 0.02 * records["method_s"]).all()
     drafting = records.set_index("method")["draft_s"]
@@ -387,6 +374,7 @@ def test_distill_makes_a_loadable_draft_and_resumes(tiny_pair, tmp_path):
     assert recipe["hidden_size"] == recipe["init_recipe"]["hidden_size"] == 32
 
 
+@pytest.mark.slow
 def test_tree_methods_run_several_shapes_and_equal_the_greedy_baseline(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "trees"
     result = on_tiny_pair(
@@ -452,7 +440,7 @@ def test_cascade_with_a_split_reports_its_levels(tiny_pair, prompts_file, tmp_pa
     assert result.returncode == 0, result.stderr
     summary = pd.read_csv(out / "summary.csv").set_index("method")
     cascade, speculative = summary.loc["cascade"], summary.loc["speculative"]
-    assert cascade["options"] == "split=2" and pd.isna(speculative["options"])
+    assert cascade["options"] == "cascade_split=2" and pd.isna(speculative["options"])
     assert cascade["outputs_match"] == 3
     assert (
         0 < cascade["inner_accepted"] <= cascade["inner_drafted"] and 0 < cascade["from_inner"] <= cascade["accepted"]

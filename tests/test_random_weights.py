@@ -9,11 +9,12 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from specbench import bench, models
-from specbench.bench import BenchConfig
+from specbench import bench, models, results
+from specbench.config import BenchConfig
 from specbench.errors import SpecbenchError
+from specbench.pair import _encoded, length_tokenizer, random_weights_dtype
 
-from .test_pipeline import on_tiny_pair, one_line_error, specbench
+from .helpers import on_tiny_pair, one_line_error, specbench
 
 CPU = torch.device("cpu")
 
@@ -73,7 +74,7 @@ def test_random_weights_run_end_to_end(configs, prompts_file, tmp_path):
     summary = {r["method"]: r for r in read_csv(out / "summary.csv")}
     spec = summary["speculative"]
     # alpha of random models means nothing: empty, and so is everything that follows from it.
-    for column in bench.WEIGHT_DEPENDENT:
+    for column in results.WEIGHT_DEPENDENT:
         assert math.isnan(float(spec[column])), column
     assert float(spec["c"]) > 0 and float(spec["verify_ratio"]) > 0
     assert int(spec["outputs_match"]) == 3  # exactness holds whatever the weights: greedy equals the baseline
@@ -103,8 +104,8 @@ def test_random_prompts_take_the_lengths_the_dataset_encodes_to(configs, prompts
         target=configs[0], draft=configs[1], dataset=prompts_file, random_weights=True, num_prompts=3, ks=[2]
     )
     pair, prompts, ids = bench.prepare(cfg)
-    tokenizer = bench.length_tokenizer(pair.target)  # no tokenizer beside the config: the default target's
-    expected = [len(x) for x in bench._encoded(tokenizer, prompts, cfg, None, CPU)]
+    tokenizer = length_tokenizer(pair.target)  # no tokenizer beside the config: the default target's
+    expected = [len(x) for x in _encoded(tokenizer, prompts, cfg, None, CPU)]
     assert [len(x) for x in ids] == expected and len(set(expected)) > 1
     assert all(int(x.max()) < pair.target_lm.width for x in ids)
     again = bench.prepare(cfg)[2]
@@ -122,13 +123,13 @@ def test_shipped_architectures_have_their_models_parameter_counts(alias, billion
 def test_random_weights_fall_back_to_bfloat16_when_float32_does_not_fit(configs, monkeypatch):
     cfg = BenchConfig(target=configs[0], draft=configs[1], random_weights=True)
     need = sum(models.weight_bytes(spec, torch.float32) for spec in configs)
-    monkeypatch.setattr(bench, "available_memory", lambda: need)  # fits only at half the size
-    assert bench.random_weights_dtype(cfg, CPU) == torch.bfloat16
+    monkeypatch.setattr("specbench.pair.available_memory", lambda: need)  # fits only at half the size
+    assert random_weights_dtype(cfg, CPU) == torch.bfloat16
     cfg.dtype = "float32"
     with pytest.raises(SpecbenchError, match="--dtype bfloat16"):
-        bench.random_weights_dtype(cfg, CPU)
-    monkeypatch.setattr(bench, "available_memory", lambda: 10 * need)
-    assert bench.random_weights_dtype(cfg, CPU) == torch.float32
+        random_weights_dtype(cfg, CPU)
+    monkeypatch.setattr("specbench.pair.available_memory", lambda: 10 * need)
+    assert random_weights_dtype(cfg, CPU) == torch.float32
 
 
 def test_random_models_are_built_on_the_device_in_the_dtype(configs):
@@ -157,18 +158,21 @@ def test_a_tied_output_head_is_the_random_embedding(tmp_path):
         (["--random-weights", "--device-map", "auto"], "--device-map"),
     ],
 )
-def test_bad_random_weight_and_device_map_options_are_one_line(configs, args, needle):
-    one_line_error(specbench("run", "--target", configs[0], "--draft", configs[1], *args), needle)
+def test_bad_random_weight_and_device_map_options_are_one_line(configs, tmp_path, args, needle):
+    pair = ["--target", configs[0], "--draft", configs[1]]
+    one_line_error(specbench("run", *pair, *args, "--out", str(tmp_path / "run")), needle)
 
 
 def test_random_pair_with_different_vocabularies_is_refused(configs, tmp_path):
     other = tiny_config(tmp_path / "other.json", layers=1, hidden=32, vocab=600)
-    result = specbench("run", "--target", configs[0], "--draft", other, "--random-weights", "--prompt-tokens", "8")
+    pair = ["--target", configs[0], "--draft", other]
+    result = specbench("run", *pair, "--random-weights", "--prompt-tokens", "8", "--out", str(tmp_path / "run"))
     one_line_error(result, "vocabularies of 512 and 600")
 
 
-def test_unknown_architecture_is_one_line():
-    result = specbench("run", "--target", "org/not-cached", "--draft", "llama-68m", "--random-weights")
+def test_unknown_architecture_is_one_line(tmp_path):
+    pair = ["--target", "org/not-cached", "--draft", "llama-68m"]
+    result = specbench("run", *pair, "--random-weights", "--out", str(tmp_path / "run"))
     one_line_error(result, "no architecture config for 'org/not-cached'", "config.json")
 
 

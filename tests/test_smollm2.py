@@ -6,11 +6,12 @@ import pytest
 import torch
 
 from specbench.engine import ModelDrafter, autoregressive_decode, speculative_decode
-from specbench.models import HFCausalLM, load, local_dir, resolve, shared_width
+from specbench.lm import HFCausalLM
+from specbench.models import load, local_dir, resolve, shared_width
 from specbench.prompts import load_prompts
 from specbench.sampling import SamplingConfig
 
-from .conftest import build_llama
+from .helpers import build_llama
 
 pytestmark = [
     pytest.mark.slow,
@@ -54,7 +55,8 @@ def test_greedy_self_speculation_equals_greedy_target_at_2k_tokens(target):
     # the target over its budget drafts, the bundled draft over a 256-token window drafts for it;
     # and that windowed draft alone (speculative-window).
     from specbench.engine import CascadeDrafter
-    from specbench.models import EVICT_SLACK, SparseView, WindowLM
+    from specbench.kv import EVICT_SLACK
+    from specbench.lm import SparseView, WindowLM
 
     prompt = load_prompts("longcode", 1, context_tokens=2048, seed=0)[0]
     ids = target.tokenizer(prompt.text, return_tensors="pt").input_ids[0][-2048:]

@@ -5,7 +5,8 @@ the cache as if only that path had been decoded."""
 import pytest
 import torch
 
-from specbench.models import HFCausalLM, load
+from specbench.lm import HFCausalLM
+from specbench.models import load
 from specbench.tree import tree_inputs
 from tests.toy import ToyLM
 

@@ -1,13 +1,23 @@
 """A toy causal LM whose next-token logits are a fixed function of the last two tokens.
 
-Its exact sequence distribution is enumerable, so tests can compare a decoder's samples with it.
+Its exact sequence distribution is enumerable, so tests can compare a decoder's samples with it:
+chi_square_p does, for speculative decoding with any drafter.
 """
 
 import itertools
+from collections import Counter
 
 import torch
+from scipy.stats import chisquare
 
+from specbench.engine import ModelDrafter, speculative_decode
 from specbench.sampling import SamplingConfig, warp
+
+VOCAB, LENGTH, PROMPT = 3, 4, [0, 2]
+SAMPLES = 6000
+# Chi-square p-values below this fail; with a fixed seed the test is deterministic, and the
+# negative controls of test_lossless show a broken verifier lands far under it.
+P_FLOOR = 1e-3
 
 
 class ToyLM:
@@ -60,3 +70,27 @@ def exact_distribution(model: ToyLM, prompt: list[int], length: int, cfg: Sampli
             context.append(t)
         law[seq] = prob
     return law
+
+
+def chi_square_p(target: ToyLM, draft, k: int, cfg: SamplingConfig, seed: int = 0) -> float:
+    """p-value of the sequences sampled by speculative decoding against the target's exact law;
+    ``draft`` is a drafter, or a model that drafts by sampling."""
+    generator = torch.Generator().manual_seed(seed)
+    drafter = draft if hasattr(draft, "propose") else ModelDrafter(draft, cfg, generator)
+    prompt = torch.tensor(PROMPT)
+    counts = Counter(
+        tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator).tokens) for _ in range(SAMPLES)
+    )
+    return law_p(target, cfg, counts)
+
+
+def law_p(target: ToyLM, cfg: SamplingConfig, counts: Counter) -> float:
+    """p-value of sampled sequence counts against the target's exact law of LENGTH tokens after PROMPT."""
+    law = exact_distribution(target, PROMPT, LENGTH, cfg)
+    assert set(counts) <= {s for s, p in law.items() if p > 0}, "sampled a sequence the target cannot produce"
+    # Cells the warp made impossible carry no information; keep the rest.
+    cells = [s for s, p in law.items() if p > 0]
+    observed = [counts[s] for s in cells]
+    mass = sum(law[s] for s in cells)
+    expected = [law[s] / mass * SAMPLES for s in cells]
+    return chisquare(observed, expected).pvalue
