@@ -27,7 +27,7 @@ from .bench import Results, benchmark
 from .config import OPTIONS, BenchConfig
 from .costs import ForwardCosts
 from .errors import SpecbenchError
-from .methods import METHODS
+from .methods import LONG_CONTEXT, METHODS
 from .models import read_config
 from .options import Option
 from .plot import plot_context, plot_online, plot_phases, plot_run
@@ -263,7 +263,7 @@ app.command(
         {
             "dataset": "longcode",
             "context_tokens": "1024,2048,4096,8064",
-            "methods": ["speculative,speculative-window,self-sparse,triforce"],
+            "methods": [",".join(LONG_CONTEXT)],
             "ks": "3",
             "num_prompts": 4,
         }

@@ -12,15 +12,15 @@ from dataclasses import asdict, field, make_dataclass
 
 from .engine import tree_parents
 from .errors import SpecbenchError
-from .methods import BASELINE, METHODS, Decoder
+from .methods import BASELINE, METHOD, METHODS, Decoder
 from .options import RUN, Option
 from .prompts import LONG_DATASETS
 from .sampling import SamplingConfig
 
 
 def declared() -> dict[str, Option]:
-    """Every run option by name: the common ones, then each method's own (a shared one once)."""
-    options = {option.name: option for option in RUN}
+    """Every run option by name: --method, the common ones, then each method's own (a shared one once)."""
+    options = {option.name: option for option in (METHOD, *RUN)}
     for method in METHODS.values():
         for option in method.options:
             if options.setdefault(option.name, option) is not option:

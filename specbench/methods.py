@@ -34,7 +34,7 @@ from .errors import SpecbenchError
 from .kv import SINKS
 from .lm import HFCausalLM, SparseView, WindowLM, hf_generate
 from .online import Learned, OnlineConfig, OnlineLearner, rejection
-from .options import Option
+from .options import Option, methods_given
 from .pair import Pair
 from .timing import TimedDrafter, TimedLM
 
@@ -456,3 +456,12 @@ METHODS: dict[str, Method] = {
 }
 BASELINE = METHODS["baseline"]
 DEFAULT = [Speculative.name]  # what `specbench run` measures when no --method is given
+# What sweep-context runs by default: the one-level draft model, and the methods built for long contexts.
+LONG_CONTEXT = [Speculative.name, SpeculativeWindow.name, SelfSparse.name, TriForce.name]
+METHOD = Option(
+    "methods",
+    DEFAULT,
+    "Decoding methods, repeatable or comma-separated (`specbench list` describes each).",
+    flags=("--method",),
+    repeat=methods_given,
+)

@@ -118,13 +118,6 @@ RUN: tuple[Option, ...] = (
         low=1,
         problem="K must be at least 1 (--k)",
     ),
-    Option(
-        "methods",
-        ["speculative"],
-        "Decoding methods, repeatable or comma-separated (`specbench list` describes each).",
-        flags=("--method",),
-        repeat=methods_given,
-    ),
     Option("dataset", "humaneval", "humaneval, xsum, pydoc, longcode, or a local .jsonl/.csv/.parquet file."),
     Option("prompt_field", "prompt", "Field holding the prompt in a local dataset file."),
     Option("num_prompts", 10, "How many prompts (from the start of the dataset).", low=1),

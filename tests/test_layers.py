@@ -68,3 +68,27 @@ def test_no_function_local_import_of_specbench_outside_the_cli():
 
 def test_no_module_is_over_600_lines():
     assert {name: n for name, path in MODULES.items() if (n := len(path.read_text().splitlines())) > 600} == {}
+
+
+def test_only_methods_names_a_method():
+    from specbench.methods import METHODS
+
+    def named(node: ast.Compare) -> list[str]:
+        """Method names that a comparison spells out: x == "name", or x in ("name", ...) (a
+        column named like a method, as row["tree"] or "tree" in frame, is not one)."""
+        sides = [node.left, *node.comparators]
+        if any(isinstance(op, (ast.In, ast.NotIn)) for op in node.ops):
+            sides = [side for side in node.comparators if isinstance(side, (ast.Tuple, ast.List, ast.Set))]
+        parts = [
+            p for side in sides for p in (side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side])
+        ]
+        texts = [part.value for part in parts if isinstance(part, ast.Constant)]
+        return [text for text in texts if isinstance(text, str) and text in METHODS]
+
+    found = {}
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        hits = [m for node in ast.walk(tree) if isinstance(node, ast.Compare) for m in named(node)]
+        if hits and name != "methods":
+            found[name] = hits
+    assert found == {}
