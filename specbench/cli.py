@@ -75,7 +75,7 @@ def _parameter(option: Option, default=inspect.Parameter.empty) -> inspect.Param
     elif option.parse is not None:
         kind = str
     else:
-        kind = option.kind | None if option.default is None else type(option.default)
+        kind = option.type
     owners = _owners(option)
     metavar = option.metavar or ("[" + "|".join(option.choices) + "]" if option.choices else None)
     shown = f"{option.help} [default: {', '.join(option.default)}]" if option.repeat else option.help

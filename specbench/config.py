@@ -104,7 +104,7 @@ class _Run:
 
 BenchConfig = make_dataclass(
     "BenchConfig",
-    [(name, object, field(default_factory=lambda o=o: copy.copy(o.default))) for name, o in OPTIONS.items()],
+    [(name, o.type, field(default_factory=lambda o=o: copy.copy(o.default))) for name, o in OPTIONS.items()],
     bases=(_Run,),
     namespace={"__doc__": "A run's configuration: one field per option in OPTIONS, with its default."},
 )

@@ -67,6 +67,11 @@ class Option:
         return self.flags[0] if self.flags else "--" + self.name.replace("_", "-")
 
     @property
+    def type(self) -> type:
+        """The configuration value's type."""
+        return self.kind | None if self.default is None else type(self.default)
+
+    @property
     def text_default(self) -> Any:
         """The default as the command line gives it: text for parsed lists, None for repeatable flags."""
         if self.repeat is not None:
