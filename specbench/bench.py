@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .config import BenchConfig
-from .costs import ForwardCosts, measure_costs, median_run, noisy_costs
+from .costs import ForwardCosts, measure_costs, noisy_costs
 from .errors import SpecbenchError
 from .machine import environment
 from .methods import BASELINE, Decoder
@@ -38,7 +38,7 @@ from .results import (
     suggestions,
     summarize,
 )
-from .timing import PhaseClock
+from .timing import PhaseClock, synchronize
 
 SUMMARY_EVERY_S = 10.0  # summary.csv is rewritten at most this often while decoding, and at the end
 
@@ -52,18 +52,22 @@ def generator_for(device: torch.device, seed: int, prompt_index: int, method: st
 
 def decode(pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, decoder: Decoder) -> Measurement:
     """Time one prompt's decode cfg.repeats times (each from the same seed, so identical work) and
-    keep the median run, phases and all."""
+    keep the median run, phases and all.
+
+    A decode's wall time is its phase clock's span, from the synchronised start to the last lap,
+    so its phases add up to it exactly: nothing done outside the clock (the generator's creation, a
+    garbage collection there) is counted in the time but in no phase."""
     clock = PhaseClock(pair.device)
     timed = pair.timed(clock)
-
-    def once():
+    runs = []
+    for _ in range(cfg.repeats):
         generator = generator_for(pair.device, cfg.seed, index, decoder.method.name)
+        synchronize(pair.device)
         clock.start()
         result = decoder.method.decode(timed, cfg, decoder, ids, generator)
-        return result, clock.stop()
-
-    (result, phases), seconds = median_run(pair.device, once, cfg.repeats)
-    return Measurement(result, seconds, phases)
+        runs.append((result, clock.stop()))  # stop waits for the device
+    result, phases = sorted(runs, key=lambda run: run[1].total)[(len(runs) - 1) // 2]
+    return Measurement(result, phases.total, phases)
 
 
 def warm_up(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor], plan: list[Decoder]) -> None:

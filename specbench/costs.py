@@ -20,18 +20,13 @@ from .pair import Pair
 from .timing import synchronize
 
 
-def median_run(device: torch.device, fn: Callable[[], object], repeats: int) -> tuple[object, float]:
-    """Run ``fn`` ``repeats`` times with the device synchronised around each; the result and seconds
-    of the median run (the faster of the middle two for an even count)."""
-    runs = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        out = fn()
-        synchronize(device)
-        runs.append((time.perf_counter() - start, out))
-    seconds, out = sorted(runs, key=lambda run: run[0])[(len(runs) - 1) // 2]
-    return out, seconds
+def seconds_of(device: torch.device, fn: Callable[[], object]) -> float:
+    """Seconds ``fn`` takes, with the device synchronised before and after."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
 
 
 COST_SIZES = 8  # verify_cost.csv covers target forwards of 1..max(this, K + 1) tokens: the whole curve
@@ -113,7 +108,7 @@ def _forward_seconds(
             lm.keep([], n)
 
         steps.append(step)
-    times = [[median_run(device, step, 1)[1] for step in steps] for _ in range(2 + repeats)]
+    times = [[seconds_of(device, step) for step in steps] for _ in range(2 + repeats)]
     return times[2:]
 
 
