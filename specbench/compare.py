@@ -33,6 +33,8 @@ from specbench.metrics import paired_change, rate_of_sums
 # k before method, so that rows are labelled "k=4 method=speculative".
 REQUIRED_KEYS = ["target", "draft", "dataset", "k", "temperature", "top_k", "top_p", "method"]
 OPTIONAL_KEYS = [
+    "engine",
+    "concurrency",
     "tree",
     "options",
     "eta",

@@ -12,15 +12,16 @@ from dataclasses import asdict, field, make_dataclass
 
 from .engine import tree_parents
 from .errors import SpecbenchError
-from .methods import BASELINE, METHOD, METHODS, Decoder
-from .options import RUN, Option
+from .methods import BASELINE, METHOD, METHODS, SERVED, Decoder, served_names
+from .options import ENGINE, RUN, Option
 from .prompts import LONG_DATASETS
 from .sampling import SamplingConfig
+from .vllm_engine import INSTALL, available, device_count
 
 
 def declared() -> dict[str, Option]:
     """Every run option by name: --method, the common ones, then each method's own (a shared one once)."""
-    options = {option.name: option for option in (METHOD, *RUN)}
+    options = {option.name: option for option in (METHOD, *RUN, *ENGINE)}
     for method in METHODS.values():
         for option in method.options:
             if options.setdefault(option.name, option) is not option:
@@ -40,14 +41,26 @@ class _Run:
 
     @property
     def plan(self) -> list[Decoder]:
-        """What is decoded per prompt after the baseline: each method at each K, or each tree shape."""
+        """What specbench's loop decodes per prompt after the baseline: each method at each K, or each
+        tree shape (nothing when --engine leaves torch out)."""
+        if "torch" not in self.engines:
+            return []
         steps = []
-        for method in (METHODS[name] for name in dict.fromkeys(self.methods) if name != BASELINE.name):
+        for method in (
+            METHODS[name] for name in dict.fromkeys(self.methods) if name in METHODS and name != BASELINE.name
+        ):
             if method.takes_tree:
                 steps += [Decoder(method, len(shape), shape) for shape in self.shapes]
             else:
                 steps += [Decoder(method, k) for k in self.ks] if method.takes_k else [Decoder(method)]
         return steps
+
+    @property
+    def served_plan(self) -> list[Decoder]:
+        """What each vLLM engine after vLLM's baseline decodes: a method at each K (one engine each)."""
+        if "vllm" not in self.engines:
+            return []
+        return [Decoder(SERVED[name], k) for name in served_names(self.methods) for k in self.ks]
 
     @property
     def widest(self) -> int:
@@ -56,7 +69,7 @@ class _Run:
 
     @property
     def needs_draft(self) -> bool:
-        return any(step.method.needs_draft for step in self.plan)
+        return any(step.method.needs_draft for step in self.plan + self.served_plan)
 
     @property
     def learns(self) -> bool:
@@ -67,10 +80,14 @@ class _Run:
         return SamplingConfig(self.temperature, self.top_k, self.top_p, self.eta)
 
     def validate(self) -> None:
-        if unknown := [name for name in self.methods if name not in METHODS]:
-            raise SpecbenchError(f"unknown --method {', '.join(unknown)}: choose from {', '.join(METHODS)}")
+        if unknown := [name for name in self.methods if name not in METHODS and name not in SERVED]:
+            raise SpecbenchError(
+                f"unknown --method {', '.join(unknown)}: choose from {', '.join(METHODS)} "
+                f"(or, with --engine vllm, {', '.join(SERVED)})"
+            )
         for option in OPTIONS.values():
             option.validate(getattr(self, option.name))
+        self.validate_engines()
         long = self.dataset in LONG_DATASETS
         problems = [
             (
@@ -97,6 +114,53 @@ class _Run:
         for bad, message in problems:
             if bad:
                 raise SpecbenchError(message)
+
+    def validate_engines(self) -> None:
+        """What --engine allows: every error here comes before any model loads or engine starts."""
+        vllm = "vllm" in self.engines
+        for name in self.methods:
+            if name in SERVED and name not in METHODS and not vllm:
+                own = [m.name for m in METHODS.values() if m.counterpart == name]
+                hint = f" (specbench's own is {own[0]})" if own else ""
+                raise SpecbenchError(f"--method {name} is vLLM's: add --engine vllm{hint}")
+            if vllm and "torch" not in self.engines and name in METHODS and name not in SERVED:
+                if not METHODS[name].counterpart:
+                    raise SpecbenchError(
+                        f"--method {name} does not run in vLLM: choose from {', '.join(SERVED)}, "
+                        "or add torch to --engine"
+                    )
+        if "torch" in self.engines and max(self.concurrency) > 1:
+            raise SpecbenchError(
+                "specbench's loop decodes one request at a time: --concurrency above 1 needs --engine vllm alone"
+            )
+        if not vllm:
+            given = [
+                o.flag
+                for o in OPTIONS.values()
+                if o.panel and o.name != "engines" and getattr(self, o.name) != o.default
+            ]
+            if given:
+                raise SpecbenchError(f"{', '.join(given)} set(s) the vLLM engine: add --engine vllm")
+            return
+        if max(self.concurrency) > self.num_prompts:
+            raise SpecbenchError(
+                f"--concurrency {max(self.concurrency)} keeps that many requests in flight and needs as many prompts: "
+                f"raise --num-prompts to {max(self.concurrency)} or more (twice as many measure a steady state)"
+            )
+        if self.eta:
+            raise SpecbenchError("vLLM has no eta sampling: drop --eta or --engine vllm")
+        for step in self.served_plan:
+            step.method.check_served(self)
+        devices = self.tensor_parallel_size * self.pipeline_parallel_size
+        count, what = device_count(self.device)
+        if devices > count and self.distributed_executor_backend != "ray":
+            raise SpecbenchError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} x --pipeline-parallel-size "
+                f"{self.pipeline_parallel_size} needs {devices} devices and this machine has {count} {what}: "
+                "lower them, or spread over machines with --distributed-executor-backend ray"
+            )
+        if not available():
+            raise SpecbenchError(INSTALL)
 
     def as_dict(self) -> dict:
         return asdict(self)

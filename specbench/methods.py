@@ -72,6 +72,8 @@ class Method:
     inner_level = ""  # what proposes beneath the drafting model, in a method of several levels
     levels: tuple[Level, ...] = ()  # drafting models whose one-token forward the cost measurement times
     options: tuple[Option, ...] = ()  # the run options it owns (a flag each, a configuration field each)
+    engine = "torch"  # whose implementation decodes: specbench's loop, transformers' (hf) or vLLM's
+    counterpart = ""  # the vLLM method that does the same, run in its place under --engine vllm
 
     @property
     def drafts(self) -> bool:
@@ -129,6 +131,7 @@ class Speculative(SpeculativeLoop):
         "specbench's loop: the draft model samples K tokens, one target forward verifies them",
         True,
     )
+    counterpart = "draft"
 
     def c(self, costs):
         return costs.c
@@ -204,6 +207,7 @@ class PromptLookup(SpeculativeLoop):
         "prompt-lookup",
         "K tokens copied from the latest match of the last n-gram in prompt and output; no draft model",
     )
+    counterpart = "ngram"
 
     def c(self, costs):
         return 0.0  # no draft model runs; its lookups are host-side bookkeeping
@@ -410,6 +414,7 @@ class HFAssisted(Method):
         "transformers' generate(assistant_model=draft) with exactly K draft tokens per round",
         True,
     )
+    engine = "hf"
 
     def check(self, pair):
         if pair.target.width != pair.draft.width:
@@ -430,11 +435,101 @@ class HFAssisted(Method):
 
 class HFGenerate(Method):
     name, help, takes_k = "hf-generate", "transformers' plain generate (checks that the baseline is as fast)", False
+    engine = "hf"
 
     def decode(self, pair, cfg, step, ids, generator):
         return hf_generate(
             pair.target, ids, cfg.max_new_tokens, cfg.sampling, _seed(generator), pair.stop_ids, clock=pair.clock
         )
+
+
+class Served(Method):
+    """A method of vLLM's (--engine vllm): vLLM decodes, specbench starts the engine, drives the
+    requests and reads vLLM's counters. ``speculative_config`` is what vLLM is started with."""
+
+    engine = "vllm"
+
+    def speculative_config(self, cfg, k: int | None, draft: str | None) -> dict | None:
+        return None
+
+    def check_served(self, cfg) -> None:
+        """Raise SpecbenchError when this method cannot run with ``cfg`` (before any engine starts)."""
+
+
+class ServedBaseline(Served):
+    name, help, takes_k = "baseline", "vLLM without speculation: every vLLM method's reference (always runs)", False
+
+
+class ServedDraft(Served):
+    name, help, needs_draft = "draft", "vLLM's draft-model speculation with --draft (specbench's: speculative)", True
+
+    def speculative_config(self, cfg, k, draft):
+        return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
+
+
+class ServedNgram(Served):
+    name, help = "ngram", "vLLM's prompt lookup, n-grams of 1 to 3 tokens as specbench's prompt-lookup"
+
+    def c(self, costs):
+        return 0.0  # no model drafts
+
+    def speculative_config(self, cfg, k, draft):
+        # The n-gram lengths of specbench's prompt lookup (engine.PromptLookupDrafter), so the two compare.
+        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+
+
+class ServedSuffix(Served):
+    name, help = "suffix", "vLLM's suffix decoding (a suffix tree over prompt and earlier outputs; arctic-inference)"
+
+    def c(self, costs):
+        return 0.0
+
+    def speculative_config(self, cfg, k, draft):
+        return {"method": "suffix", "num_speculative_tokens": k}
+
+    def check_served(self, cfg):
+        import importlib.util
+
+        if importlib.util.find_spec("arctic_inference") is None:
+            raise SpecbenchError(
+                "--method suffix needs vLLM's suffix-tree package: .venv-vllm/bin/pip install arctic-inference"
+            )
+
+
+class ServedEagle(Served):
+    """EAGLE heads: the head drafts from the target's hidden states; --speculator names it."""
+
+    name, help = "eagle", "vLLM's EAGLE drafting with the head in --speculator"
+    kind = "eagle"
+
+    def speculative_config(self, cfg, k, draft):
+        return {"method": self.kind, "model": cfg.speculator, "num_speculative_tokens": k}
+
+    def check_served(self, cfg):
+        if not cfg.speculator:
+            raise SpecbenchError(f"--method {self.name} needs --speculator PATH: a checkpoint of an {self.kind} head")
+        if not Path(cfg.speculator).expanduser().is_dir():
+            raise SpecbenchError(f"--speculator {cfg.speculator}: no such directory; give an {self.kind} checkpoint")
+
+
+class ServedEagle3(ServedEagle):
+    name, help, kind = "eagle3", "vLLM's EAGLE-3 drafting with the head in --speculator", "eagle3"
+
+
+# vLLM's methods (--engine vllm), apart from specbench's: their baseline is another engine's.
+SERVED: dict[str, Served] = {
+    m.name: m for m in (ServedBaseline(), ServedDraft(), ServedNgram(), ServedSuffix(), ServedEagle(), ServedEagle3())
+}
+SERVED_BASELINE = SERVED["baseline"]
+ENGINES = ("torch", "vllm")  # --engine: specbench's loop (with transformers' methods), vLLM
+
+
+def served_names(names: list[str]) -> list[str]:
+    """The vLLM methods a --method list asks for: vLLM's own names, and the counterparts of specbench's."""
+    picked = [
+        name if name in SERVED else METHODS[name].counterpart for name in names if name in SERVED or name in METHODS
+    ]
+    return [name for name in dict.fromkeys(picked) if name and name != SERVED_BASELINE.name]
 
 
 METHODS: dict[str, Method] = {

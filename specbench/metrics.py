@@ -100,6 +100,43 @@ def acceptance_by_position(hist: Sequence[int]) -> list[float]:
     return [sum(hist[i + 1 :]) / steps for i in range(len(hist) - 1)]
 
 
+def alpha_estimate(hist: Sequence[int]) -> float:
+    """alpha from ``hist[n]`` (verify steps that accepted exactly n of K drafts) alone, assuming each
+    draft is accepted independently with one probability until the first rejection: the maximum
+    likelihood estimate, accepted / (accepted + steps that stopped short of K). This is all an engine
+    that exposes only counts (vLLM) allows; specbench's alpha, E[sum min(p, q)], needs p and q."""
+    accepted = sum(n * count for n, count in enumerate(hist))
+    stopped = sum(hist[:-1])
+    return accepted / (accepted + stopped) if accepted + stopped else float("nan")
+
+
+def first_divergence(reference: Sequence[int], tokens: Sequence[int]) -> int | None:
+    """The first index where two outputs differ, counting a length difference; None when equal."""
+    found = next((i for i, (x, y) in enumerate(zip(reference, tokens, strict=False)) if x != y), None)
+    if found is None and len(reference) != len(tokens):
+        found = min(len(reference), len(tokens))
+    return found
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The q-th percentile (0..100) of the values, NaN for none (linear interpolation, as numpy)."""
+    kept = [v for v in values if v == v]
+    return float(np.percentile(kept, q)) if kept else float("nan")
+
+
+def latency_figures(rs: list[dict]) -> dict:
+    """Time to first token and time per output token over the requests, median and 99th percentile."""
+    return {
+        f"{name}_p{q}_ms": percentile([r[f"{name}_ms"] for r in rs], q) for name in ("ttft", "tpot") for q in (50, 99)
+    }
+
+
+def summed_hist(rs: list[dict]) -> list[int]:
+    """The accept_hist cells of records added up: verify rounds that accepted 0, 1, ..., K drafts."""
+    counts = [[int(x) for x in r["accept_hist"].split()] for r in rs if r["accept_hist"]]
+    return [sum(column) for column in zip(*counts, strict=True)] if counts else []
+
+
 def rate_of_sums(parts: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
     """sum(numerator) / sum(denominator) over prompts, as the summary sums tokens/s; with four columns
     (numerator, denominator, reference numerator, reference denominator) that rate over the

@@ -358,6 +358,18 @@ def random_model(spec: str, device: torch.device, dtype: torch.dtype, seed: int 
     return LoadedModel(spec, path, model, None)
 
 
+def skeleton(spec: str, random_weights: bool) -> LoadedModel:
+    """``spec``'s configuration, shape and tokenizer without its weights (the model on the meta
+    device): what a run needs when another engine (vLLM) loads the weights itself."""
+    if random_weights:
+        path, model = _skeleton(spec, torch.float32)
+        model.generation_config.eos_token_id = None  # as random_model: it never stops early
+        return LoadedModel(spec, path, model, None)
+    path = local_dir(resolve(spec))
+    _, model = _skeleton(str(path), torch.float32)
+    return LoadedModel(spec, path, model, tokenizer_in(path))
+
+
 def shared_width(target: LoadedModel, draft: LoadedModel) -> int:
     """Logit width both models share, after checking that their vocabularies agree.
 

@@ -8,6 +8,7 @@ The run configuration (config.py) has one field per option, the command line one
 from __future__ import annotations
 
 import copy
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class Option:
     repeat: Callable[[list[str]], list[str]] | None = None
     kind: type = str  # the type of an option whose default is None
     recorded: bool = True
+    panel: str = ""  # the --help section it is listed in (empty: the general options, or its method's)
 
     @property
     def flag(self) -> str:
@@ -98,11 +100,29 @@ class Option:
         if value is None:
             return
         if self.choices and not all(v in self.choices for v in values):
-            raise SpecbenchError(self.problem or f"{self.flag} {value}: use one of {', '.join(self.choices)}")
+            shown = ",".join(map(str, values))
+            raise SpecbenchError(self.problem or f"{self.flag} {shown}: use one of {', '.join(self.choices)}")
         if self.low is not None and not all(v >= self.low for v in values):
             raise SpecbenchError(self.problem or f"{self.flag} must be >= {self.low:g}")
         if self.check is not None and not self.check(value):
             raise SpecbenchError(self.problem)
+
+
+def name_list(text: str) -> list[str]:
+    """Distinct names in order from comma-separated text, e.g. "torch,vllm"."""
+    return list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(
+            f"is not valid JSON ({e.msg} at character {e.pos}): give an object such as '{{\"enforce_eager\": true}}'"
+        ) from None
+    if not isinstance(value, dict):
+        raise ValueError("is not a JSON object: give one such as '{\"enforce_eager\": true}'")
+    return value
 
 
 def methods_given(given: list[str]) -> list[str]:
@@ -226,5 +246,55 @@ RUN: tuple[Option, ...] = (
         "Prefill prompts longer than this in chunks of it, so memory stays bounded (0: one forward).",
         low=0,
         problem="--prefill-chunk must be >= 0 (0: the whole prompt in one forward)",
+    ),
+)
+
+# The engines and what only a serving engine (vLLM) takes: many requests, models over many devices.
+ENGINE_PANEL = "Engines: vLLM, many requests, many devices (docs/engines.md)"
+ENGINE: tuple[Option, ...] = (
+    Option(
+        "engines",
+        ["torch"],
+        "Who decodes: torch (specbench's loop, with transformers' hf-* methods) and/or vllm, comma-separated; "
+        "each engine's methods are timed against its own baseline.",
+        flags=("--engine",),
+        parse=name_list,
+        choices=("torch", "vllm"),
+        metavar="[torch|vllm|torch,vllm]",
+        panel=ENGINE_PANEL,
+    ),
+    Option(
+        "concurrency",
+        [1],
+        "Requests in flight (vLLM), a comma-separated list sweeps, e.g. 1,4,16; needs as many prompts.",
+        parse=int_list,
+        low=1,
+        problem="--concurrency must be at least 1 (requests in flight)",
+        panel=ENGINE_PANEL,
+    ),
+    Option(
+        "speculator",
+        None,
+        "An EAGLE or EAGLE-3 head's checkpoint directory, for --method eagle / eagle3.",
+        panel=ENGINE_PANEL,
+    ),
+    Option("tensor_parallel_size", 1, "vLLM: devices that split each layer.", low=1, panel=ENGINE_PANEL),
+    Option(
+        "pipeline_parallel_size", 1, "vLLM: devices (or machines) that split the layers.", low=1, panel=ENGINE_PANEL
+    ),
+    Option(
+        "distributed_executor_backend",
+        None,
+        "vLLM's workers: mp (processes on this machine) or ray (a Ray cluster, for many machines); empty: vLLM's choice.",
+        choices=("mp", "ray"),
+        panel=ENGINE_PANEL,
+    ),
+    Option(
+        "engine_args",
+        {},
+        "Any other vLLM engine argument as a JSON object, e.g. '{\"enforce_eager\": true}'; recorded in meta.json.",
+        parse=json_object,
+        metavar="JSON",
+        panel=ENGINE_PANEL,
     ),
 )

@@ -14,10 +14,12 @@ from pathlib import Path
 import torch
 
 from .errors import SpecbenchError
+from .files import write_text
 from .lm import HFCausalLM
 from .models import (
     LoadedModel,
     available_memory,
+    cache_dir,
     load,
     offload_warning,
     placement,
@@ -26,6 +28,7 @@ from .models import (
     resolve_device,
     resolve_dtype,
     shared_width,
+    skeleton,
     tokenizer_in,
     weight_bytes,
 )
@@ -41,7 +44,7 @@ class Pair:
     """The loaded target, and the draft when a method needs one."""
 
     target: LoadedModel
-    target_lm: HFCausalLM
+    target_lm: HFCausalLM | None  # None when only another engine (vLLM) decodes: no weights here
     draft: LoadedModel | None
     draft_lm: HFCausalLM | None
     device: torch.device
@@ -82,6 +85,11 @@ def load_pair(cfg) -> Pair:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     device = resolve_device(cfg.device)
+    if not cfg.plan:  # only vLLM decodes: it loads the weights, this process needs their shapes
+        dtype = random_weights_dtype(cfg, device) if cfg.random_weights else resolve_dtype(cfg.dtype, device)
+        target = skeleton(cfg.target, cfg.random_weights)
+        draft = skeleton(cfg.draft, cfg.random_weights) if cfg.needs_draft else None
+        return Pair(target, None, draft, None, torch.device("cpu"), dtype)
     if cfg.random_weights:
         dtype = random_weights_dtype(cfg, device)
         target = random_model(cfg.target, device, dtype, cfg.seed)
@@ -122,7 +130,21 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], cfg) -> list[torch.Tensor]
     else:
         lengths = [len(ids) for ids in _encoded(length_tokenizer(pair.target), prompts, cfg, room, pair.device)]
     generator = torch.Generator().manual_seed(cfg.seed)
-    return [torch.randint(pair.target_lm.width, (n,), generator=generator).to(pair.device) for n in lengths]
+    width = shared_width(pair.target, pair.draft) if pair.draft else pair.target.width
+    return [torch.randint(width, (n,), generator=generator).to(pair.device) for n in lengths]
+
+
+def model_dir(model: LoadedModel) -> str:
+    """The directory another engine loads ``model`` from. For random weights, a directory holding
+    only its architecture's config.json (in specbench's cache), which vLLM fills with dummy weights."""
+    if model.path.suffix != ".json":
+        return str(model.path)
+    text = model.path.read_text(encoding="utf-8")
+    directory = cache_dir() / "architectures" / hashlib.sha256(text.encode()).hexdigest()[:12]
+    if not (directory / "config.json").is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        write_text(directory / "config.json", text)
+    return str(directory)
 
 
 def length_tokenizer(target: LoadedModel):

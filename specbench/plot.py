@@ -27,11 +27,16 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
             if has_acceptance
             else pd.DataFrame(columns=["method", "k", "position", "acceptance"])
         )
+        summary = _own(summary)
+        if summary.empty:  # only vLLM ran: plot_concurrency draws its figures
+            return None
         verify = pd.read_csv(run_dir / "verify_cost.csv")
     except (OSError, ValueError) as e:
         raise SpecbenchError(
             f"cannot read the run's CSVs in {run_dir} ({str(e).splitlines()[0]}): pass a run directory"
         ) from None
+    if "engine" in acceptance:
+        acceptance = acceptance[acceptance["engine"] != "vllm"]
     drafting = summary[summary["k"].notna()].sort_values("k")  # the rows of methods that draft
     has_tree = "tree" in drafting and drafting["tree"].notna().any()
     chains = drafting[drafting["tree"].isna()] if has_tree else drafting
@@ -117,9 +122,14 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
 PHASE_COLORS = dict(zip(schema.PHASES, ("#9e9e9e", "#4c9be8", "#8e6bd1", "#e8834c", "#d64550"), strict=True))
 
 
-def plot_phases(run_dir: Path, name: str = "phases.png") -> Path:
-    """Stacked bars of milliseconds per generated token (prefill, draft, verify, other), one bar per
-    method and K with the baseline first, so a gap between methods shows in the phase it comes from."""
+def _own(summary):
+    """The rows of specbench's loop (and transformers'): vLLM's have no phases or forward costs."""
+    return summary[summary["engine"] != "vllm"].reset_index(drop=True) if "engine" in summary else summary
+
+
+def plot_concurrency(run_dir: Path, name: str = "concurrency.png") -> Path | None:
+    """vLLM at each concurrency: the speedup of all requests' throughput over the baseline's, and
+    the median time per output token, one line per method and K (None: fewer than two concurrencies)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -132,6 +142,48 @@ def plot_phases(run_dir: Path, name: str = "phases.png") -> Path:
         raise SpecbenchError(
             f"cannot read {run_dir}/summary.csv ({str(e).splitlines()[0]}): pass a run directory"
         ) from None
+    served = summary[summary["engine"] == "vllm"] if "engine" in summary else summary.iloc[0:0]
+    if served["concurrency"].nunique() < 2:
+        return None
+    fig, (ax_speed, ax_tpot) = plt.subplots(1, 2, figsize=(12, 4.5))
+    first = served.iloc[0]
+    fig.suptitle(f"vLLM: {first['target']} <- {first['draft']} on {first['dataset']}, T={first['temperature']}")
+    for (method, k), rows in served.groupby(["method", "k"], dropna=False, sort=False):
+        rows = rows.sort_values("concurrency")
+        label = method if pd.isna(k) else f"{method} K={int(k)}"
+        if not pd.isna(k):
+            ax_speed.plot(rows["concurrency"], rows["throughput_speedup"], "o-", label=label)
+        ax_tpot.plot(rows["concurrency"], rows["tpot_p50_ms"], "o-", label=label)
+    ax_speed.axhline(1.0, color="grey", linestyle=":", label="baseline")
+    ax_speed.set(xscale="log", xlabel="requests in flight", ylabel="throughput / baseline's", title="speedup")
+    ax_tpot.set(xscale="log", xlabel="requests in flight", ylabel="ms", title="median time per output token")
+    for ax in (ax_speed, ax_tpot):
+        ax.set_xticks(sorted(served["concurrency"].unique()), labels=map(str, sorted(served["concurrency"].unique())))
+        ax.legend(fontsize="small")
+    fig.tight_layout()
+    path = run_dir / name
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_phases(run_dir: Path, name: str = "phases.png") -> Path | None:
+    """Stacked bars of milliseconds per generated token (prefill, draft, verify, other), one bar per
+    method and K with the baseline first, so a gap between methods shows in the phase it comes from."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    try:
+        summary = _own(pd.read_csv(run_dir / "summary.csv"))
+    except (OSError, ValueError) as e:
+        raise SpecbenchError(
+            f"cannot read {run_dir}/summary.csv ({str(e).splitlines()[0]}): pass a run directory"
+        ) from None
+    if summary.empty:
+        return None
     labels = [m if pd.isna(k) else f"{m}\nK={int(k)}" for m, k in zip(summary["method"], summary["k"], strict=True)]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(summary) + 2), 4.5))
     bottom = pd.Series(0.0, index=summary.index)

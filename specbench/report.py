@@ -12,17 +12,59 @@ from .results import CONTENDERS, missing, row_label
 
 
 def summary_table(rows: list[dict], title: str) -> Table:
+    """The summary's headed columns, less those that say nothing here: a column empty in every row,
+    and a configuration column (engine, concurrency, tree) with one value for all of them."""
+    cells = {c.name: [schema.fmt(c.name, row.get(c.name)) for row in rows] for c in schema.TABLE}
+    shown = [
+        c
+        for c in schema.TABLE
+        if c.name == "method"
+        or (any(cell != "-" for cell in cells[c.name]) and (c.kind != schema.CONFIG or len(set(cells[c.name])) > 1))
+    ]
     table = Table(title=title)
-    for column in schema.TABLE:
+    for column in shown:
         table.add_column(column.header, justify="right")
+    for i in range(len(rows)):
+        table.add_row(*(cells[column.name][i] for column in shown))
+    return table
+
+
+SERVING = (
+    ("engine", "engine"),
+    ("concurrency", "conc"),
+    ("method", "method"),
+    ("k", "K"),
+    ("spec_tokens_per_s", "tok/s"),
+    ("throughput", "all tok/s"),
+    ("speedup", "speedup"),
+    ("throughput_speedup", "all x"),
+    ("ttft_p50_ms", "ttft p50"),
+    ("tpot_p50_ms", "tpot p50"),
+    ("tpot_p99_ms", "tpot p99"),
+    ("alpha_estimate", "alpha~"),
+    ("tau", "tau"),
+    ("c", "c"),
+    ("outputs_match", "= base"),
+)
+
+
+def serving_table(rows: list[dict]) -> Table | None:
+    """Requests in flight: per engine, method, K and concurrency, each request's tokens/s and all of
+    them together, with time to first token and per output token (ms). None for a run without vLLM."""
+    if all(row["engine"] != "vllm" for row in rows):
+        return None
+    table = Table(*(header for _, header in SERVING), title="engines and requests in flight")
+    for column in table.columns:
+        column.justify = "right"
     for row in rows:
-        table.add_row(*(schema.fmt(column.name, row.get(column.name)) for column in schema.TABLE))
+        table.add_row(*(schema.fmt(name, row.get(name)) for name, _ in SERVING))
     return table
 
 
 def phase_table(rows: list[dict]) -> Table:
     """Where each method's time went: milliseconds per generated token, phase by phase (inner only
     when a method has a level beneath its draft model)."""
+    rows = [row for row in rows if row["engine"] != "vllm"]  # vLLM's time is not split into phases
     phases = [name for name in schema.PHASES if name != "inner_s" or any(row[name] for row in rows)]
     names = (f"{name.removesuffix('_s')} ms" for name in phases)
     table = Table("method", "K", "tree", *names, "total ms", "other %")

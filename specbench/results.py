@@ -28,6 +28,14 @@ from .prompts import Prompt
 from .timing import Phases
 
 RECORDS, OUTPUTS = "records.csv", "outputs.jsonl"
+OWN_ENGINES = ("torch", "hf")
+BLOCK = (
+    "engine",
+    "concurrency",
+    "method",
+    "k",
+    "tree",
+)  # what a summary row is one of  # the engines of specbench's process: its loop, and transformers' generate
 # What random weights make meaningless: how often random models agree, and what follows from it.
 WEIGHT_DEPENDENT = ("alpha", "acceptance_rate", "tau", "predicted_speedup", "predicted_speedup_verify")
 
@@ -68,12 +76,13 @@ def record(
     ``learned`` is what a method that learns did after the prompt."""
     b, s = baseline.result, measured.result
     method, k = decoder.method, decoder.k
-    divergence = next((i for i, (x, y) in enumerate(zip(b.tokens, s.tokens, strict=False)) if x != y), None)
-    if divergence is None and len(b.tokens) != len(s.tokens):
-        divergence = min(len(b.tokens), len(s.tokens))
+    divergence = metrics.first_divergence(b.tokens, s.tokens)
     drafts = method.drafts
     rate, base_rate = len(s.tokens) / measured.seconds, len(b.tokens) / baseline.seconds
+    hist = [s.accept_counts.count(n) for n in range(k + 1)] if s.accept_counts and not decoder.tree else []
     return {
+        "engine": method.engine,
+        "concurrency": 1,
         "method": method.name,
         "k": k,
         "tree": decoder.shape,
@@ -86,9 +95,17 @@ def record(
         "spec_tokens_per_s": rate,
         "speedup": rate / base_rate,
         "alpha": s.beta_sum / s.tested if s.tested else math.nan,
+        "alpha_estimate": metrics.alpha_estimate(hist) if hist else math.nan,
         "acceptance_rate": s.accepted / s.drafted if s.drafted else math.nan,
         "tau": len(s.tokens) / s.target_forwards if drafts else math.nan,
         "nodes": s.drafted / (s.target_forwards - 1) if drafts and s.target_forwards > 1 else math.nan,
+        # The prefill forward yields the first token; the rest share the decode time.
+        "ttft_ms": 1000 * measured.phases.prefill,
+        "tpot_ms": 1000 * (measured.seconds - measured.phases.prefill) / (len(s.tokens) - 1)
+        if len(s.tokens) > 1
+        else math.nan,
+        "start_s": math.nan,
+        "end_s": math.nan,
         "drafted": s.drafted,
         "accepted": s.accepted,
         "beta_sum": s.beta_sum,
@@ -116,7 +133,9 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
     """One summary row per (method, K) over the prompts measured so far, the baseline's first.
 
     Each row sums its prompts' totals and compares them with the baseline's on the same prompts.
+    Only specbench's loop's rows (engines torch and hf): serving.summarize has vLLM's.
     """
+    records = [r for r in records if r["engine"] in OWN_ENGINES]
     baselines = {r["prompt_index"]: r for r in records if r["method"] == BASELINE.name}
     rows = []
     for decoder in [Decoder(BASELINE), *plan]:
@@ -139,9 +158,17 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
         verify_ratio = costs.verify_ratio(k if chain else round(nodes)) if not math.isnan(nodes) else math.nan
         divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0]
         trained = sum(r["train_s"] for r in rs) if method.learns else math.nan
+        speedup = (tokens / seconds) / (base_tokens / base_s)
         values = {
             **run_info,
             **run,
+            **metrics.latency_figures(rs),
+            "engine": method.engine,
+            "concurrency": 1,
+            "throughput": tokens / seconds,  # one request at a time: its rate
+            "throughput_speedup": speedup,
+            "vs_specbench": speedup,
+            "alpha_estimate": metrics.alpha_estimate(metrics.summed_hist(rs)) if chain else math.nan,
             **metrics.phase_figures(run, base, len(rs)),
             **{name: sum(r[name] for r in rs) if method.inner_level else math.nan for name in INNER},
             "method": method.name,
@@ -157,7 +184,7 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
             "num_prompts": len(rs),
             "baseline_tokens_per_s": base_tokens / base_s,
             "spec_tokens_per_s": tokens / seconds,
-            "speedup": (tokens / seconds) / (base_tokens / base_s),
+            "speedup": speedup,
             "train_s": trained,
             "speedup_with_training": (tokens / (seconds + trained)) / (base_tokens / base_s),
             "alpha": alpha,
@@ -197,23 +224,20 @@ def acceptance_rows(records: list[dict]) -> list[dict]:
     depths: dict[tuple, list[int]] = {}
     ranks: dict[tuple, list[int]] = {}
     for r in records:
-        key = (r["method"], r["k"], r["tree"])
+        key = (r["engine"], r["concurrency"], r["method"], r["k"], r["tree"])
         for hists, cell in ((depths, r["accept_hist"]), (ranks, r["rank_hist"])):
             counts = [int(x) for x in cell.split()] if cell else []
             total = hists.setdefault(key, [])
             total += [0] * (len(counts) - len(total))
             hists[key] = [a + b for a, b in zip(total, counts + [0] * (len(total) - len(counts)), strict=True)]
     rows = []
-    for (method, k, tree), hist in sorted(depths.items(), key=str):
+    for key, hist in sorted(depths.items(), key=str):
+        engine, concurrency, method, k, tree = key
+        row = dict(engine=engine, concurrency=concurrency, method=method, k=k, tree=tree, verify_steps=sum(hist))
         for i, rate in enumerate(metrics.acceptance_by_position(hist) if hist else []):
-            rows.append(
-                dict(method=method, k=k, tree=tree, by="depth", position=i + 1, acceptance=rate, verify_steps=sum(hist))
-            )
-        for i, count in enumerate(ranks[(method, k, tree)]):
-            share = count / sum(ranks[(method, k, tree)])
-            rows.append(
-                dict(method=method, k=k, tree=tree, by="rank", position=i + 1, acceptance=share, verify_steps=sum(hist))
-            )
+            rows.append({**row, "by": "depth", "position": i + 1, "acceptance": rate})
+        for i, count in enumerate(ranks[key]):
+            rows.append({**row, "by": "rank", "position": i + 1, "acceptance": count / sum(ranks[key])})
     return rows
 
 
@@ -251,8 +275,10 @@ def best_ks(summary: list[dict]) -> dict:
     """Per method with K: the best K by measured speedup and by each prediction."""
     picks: dict[str, dict] = {}
     for row in summary:
-        if not _chain(row):
+        if not _chain(row) or row["concurrency"] != 1:
             continue
+        if row["engine"] not in OWN_ENGINES:
+            row = {**row, "method": f"{row['engine']} {row['method']}"}
         for label, column in [
             ("measured", "speedup"),
             ("predicted", "predicted_speedup"),
@@ -372,6 +398,13 @@ def _parse(name: str, text: str):
     return int(value) if spec == "d" and not math.isnan(value) else value  # a count a method does not have is NaN
 
 
+def kept(row: dict, done: set[int], blocks: set[tuple]) -> bool:
+    """Whether a resumed run keeps a record or an outputs.jsonl line (older lines lack the engine)."""
+    if row.get("engine", "torch") in OWN_ENGINES:
+        return row["prompt_index"] in done
+    return (row["method"], row["k"], row["concurrency"]) in blocks
+
+
 def _read_csv(path: Path) -> list[dict]:
     with open(path, newline="", encoding="utf-8") as f:
         return list(csv.DictReader(f))
@@ -384,13 +417,28 @@ class PreviousRun:
     records: list[dict]
     costs: list[dict]  # verify_cost.csv rows (empty if it never got that far)
     prompts_hash: str | None
+    engine_costs: list[dict]  # engine_costs.csv rows (vLLM's one-token decode times)
 
     def complete_prompts(self, steps: int) -> set[int]:
-        """Prompts with a record for every decoder of the plan."""
+        """Prompts with a record for every decoder of specbench's loop's plan."""
         counts: dict[int, int] = {}
         for r in self.records:
-            counts[r["prompt_index"]] = counts.get(r["prompt_index"], 0) + 1
+            if r["engine"] in OWN_ENGINES:
+                counts[r["prompt_index"]] = counts.get(r["prompt_index"], 0) + 1
         return {index for index, n in counts.items() if n == steps}
+
+    def complete_blocks(self, prompts: int) -> set[tuple]:
+        """The (method, K, concurrency) of vLLM blocks that finished every prompt."""
+        counts: dict[tuple, int] = {}
+        for r in self.records:
+            if r["engine"] not in OWN_ENGINES:
+                key = (r["method"], r["k"], r["concurrency"])
+                counts[key] = counts.get(key, 0) + 1
+        return {key for key, n in counts.items() if n == prompts}
+
+    def kept(self, done: set[int], blocks: set[tuple]) -> list[dict]:
+        """The records a resumed run keeps: its loop's complete prompts, vLLM's complete blocks."""
+        return [r for r in self.records if kept(r, done, blocks)]
 
 
 class RunWriter:
@@ -429,25 +477,27 @@ class RunWriter:
             else []
         )
         costs = _read_csv(self.out / "verify_cost.csv") if (self.out / "verify_cost.csv").is_file() else []
-        return PreviousRun(records, costs, meta.get("resolved", {}).get("prompts_hash"))
+        engine_costs = _read_csv(self.out / "engine_costs.csv") if (self.out / "engine_costs.csv").is_file() else []
+        return PreviousRun(records, costs, meta.get("resolved", {}).get("prompts_hash"), engine_costs)
 
-    def start_records(self, kept: list[dict], done: set[int]) -> list[dict]:
-        """Begin records.csv and outputs.jsonl with the rows and outputs of the prompts in ``done``
-        (none for a fresh run) and open both for appending. Returns the kept records."""
-        outputs = []
-        if done and (self.out / OUTPUTS).is_file():
+    def start_records(self, previous: PreviousRun | None, done: set[int], blocks: set[tuple]) -> list[dict]:
+        """Begin records.csv and outputs.jsonl with the rows and outputs a resumed run keeps (the
+        prompts in ``done``, vLLM's ``blocks``; nothing for a fresh run) and open both for appending.
+        Returns the kept records."""
+        outputs, kept_rows = [], previous.kept(done, blocks) if previous else []
+        if kept_rows and (self.out / OUTPUTS).is_file():
             lines = (self.out / OUTPUTS).read_text(encoding="utf-8").splitlines()
-            outputs = [line for line in lines if json.loads(line).get("prompt_index") in done]
+            outputs = [line for line in lines if kept(json.loads(line), done, blocks)]
         with replacing(self.out / OUTPUTS) as tmp:
             tmp.write_text("".join(line + "\n" for line in outputs), encoding="utf-8")
         with replacing(self.out / RECORDS) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
             writer = csv.DictWriter(f, fieldnames=schema.RECORDS)
             writer.writeheader()
-            writer.writerows(kept)
+            writer.writerows(kept_rows)
         self._files[OUTPUTS] = open(self.out / OUTPUTS, "a", encoding="utf-8")
         self._files[RECORDS] = open(self.out / RECORDS, "a", newline="", encoding="utf-8")
         self._records = csv.DictWriter(self._files[RECORDS], fieldnames=schema.RECORDS)
-        return list(kept)
+        return list(kept_rows)
 
     def append_record(self, row: dict) -> None:
         self._records.writerow(row)
@@ -462,10 +512,14 @@ class RunWriter:
         token_ids: list[int],
         text: str,
         tree: str = "",
+        engine: str = "torch",
+        concurrency: int = 1,
     ) -> None:
         obj = {
             "prompt_id": prompt_id,
             "prompt_index": prompt_index,
+            "engine": engine,
+            "concurrency": concurrency,
             "k": k,
             "tree": tree,
             "method": method,
@@ -512,7 +566,7 @@ def results_document(meta: dict, summary: list[dict], records: list[dict], confi
     rows, each rate with a bootstrap interval over the prompts (``<metric>_ci``: [low, high])."""
     rows = []
     for row in summary:
-        same = [r for r in records if (r["method"], r["k"], r["tree"]) == (row["method"], row["k"], row["tree"])]
+        same = [r for r in records if all(r[key] == row[key] for key in BLOCK)]
         intervals = {}
         if len(same) > 1:
             for metric, parts in schema.RATES.items():

@@ -44,6 +44,15 @@ COLUMNS: tuple[Column, ...] = (
         "hash of the encoded prompt ids: runs with other prompts are not comparable",
         files="summary",
     ),
+    Column(
+        "engine",
+        CONFIG,
+        None,
+        "",
+        "who decodes: torch (specbench's loop), hf (transformers' generate) or vllm; speedup is over the engine's own baseline",
+        header="engine",
+    ),
+    Column("concurrency", CONFIG, None, "d", "requests in flight (1 for specbench's loop)", header="conc"),
     Column("method", CONFIG, None, "", "decoding method (`baseline` is the target alone)", header="method"),
     Column(
         "k",
@@ -128,6 +137,103 @@ COLUMNS: tuple[Column, ...] = (
         gated=True,
     ),
     Column(
+        "throughput",
+        TIMING,
+        HIGHER,
+        ".1f",
+        "tokens/s over all requests: their tokens / the wall time from the first submission to the last token",
+        files="summary",
+        absolute=True,
+    ),
+    Column(
+        "throughput_speedup",
+        TIMING,
+        HIGHER,
+        ".3f",
+        "throughput over the engine's baseline's at the same concurrency",
+        files="summary",
+    ),
+    Column(
+        "vs_specbench",
+        TIMING,
+        HIGHER,
+        ".3f",
+        "tokens/s over specbench's own baseline on the same prompts (empty without --engine torch)",
+        files="summary",
+    ),
+    Column(
+        "ttft_ms",
+        TIMING,
+        LOWER,
+        ".1f",
+        "time to first token in ms, from the request's submission (specbench's loop: its prefill)",
+        files="records",
+        absolute=True,
+    ),
+    Column(
+        "tpot_ms",
+        TIMING,
+        LOWER,
+        ".2f",
+        "time per output token after the first, in ms (the request's decode time / (tokens - 1))",
+        files="records",
+        absolute=True,
+    ),
+    Column(
+        "ttft_p50_ms",
+        TIMING,
+        LOWER,
+        ".1f",
+        "median time to first token over the requests, ms",
+        files="summary",
+        absolute=True,
+    ),
+    Column(
+        "ttft_p99_ms",
+        TIMING,
+        LOWER,
+        ".1f",
+        "99th percentile of time to first token, ms",
+        files="summary",
+        absolute=True,
+    ),
+    Column(
+        "tpot_p50_ms",
+        TIMING,
+        LOWER,
+        ".2f",
+        "median time per output token over the requests, ms",
+        files="summary",
+        absolute=True,
+    ),
+    Column(
+        "tpot_p99_ms",
+        TIMING,
+        LOWER,
+        ".2f",
+        "99th percentile of time per output token, ms",
+        files="summary",
+        absolute=True,
+    ),
+    Column(
+        "start_s",
+        TIMING,
+        None,
+        ".3f",
+        "when the request was submitted, seconds from its block's start (vLLM)",
+        files="records",
+        absolute=True,
+    ),
+    Column(
+        "end_s",
+        TIMING,
+        None,
+        ".3f",
+        "when its last token arrived, seconds from its block's start (vLLM)",
+        files="records",
+        absolute=True,
+    ),
+    Column(
         "train_s",
         TIMING,
         LOWER,
@@ -151,6 +257,15 @@ COLUMNS: tuple[Column, ...] = (
         "mean of sum_x min(p, q) over the draft positions tested (each accepted one and the first rejected one)",
         header="alpha",
         gated=True,
+    ),
+    Column(
+        "alpha_estimate",
+        DETERMINISTIC,
+        HIGHER,
+        ".3f",
+        "alpha estimated from the accepted-count histogram alone, as if each draft were accepted independently "
+        "with one probability: accepted / (accepted + rounds stopped short of K); all vLLM gives",
+        header="alpha~",
     ),
     Column(
         "acceptance_rate",
@@ -365,10 +480,12 @@ PHASES = ("prefill_s", "draft_s", "inner_s", "verify_s", "other_s")
 
 # The columns of the other files a run writes (outputs.jsonl: the keys of each line).
 VERIFY_COST = ("model", "tokens", "context_tokens", "seconds", "iqr_s", "ratio", "ratio_iqr", "repeats")
-ACCEPTANCE = ("method", "k", "tree", "by", "position", "acceptance", "verify_steps")
+ACCEPTANCE = ("engine", "concurrency", "method", "k", "tree", "by", "position", "acceptance", "verify_steps")
 PREDICTED = ("alpha", "k", "c", "verify_ratio", "predicted_speedup", "predicted_speedup_verify")
 ONLINE = ("method", "k", "prompt_index", "prompt_id", "alpha", "acceptance_rate", "lessons", "updates", "train_s")
-OUTPUTS = ("prompt_id", "prompt_index", "k", "tree", "method", "token_ids", "text")
+OUTPUTS = ("prompt_id", "prompt_index", "engine", "concurrency", "k", "tree", "method", "token_ids", "text")
+# vLLM's one-token decode time per model, each alone in the engine at one request: its c.
+ENGINE_COSTS = ("engine", "model", "tpot_ms", "tpot_iqr_ms", "requests")
 CONTEXT = (
     "context_tokens",
     "method",
@@ -396,6 +513,7 @@ FILES = {
     "online.csv": ONLINE,
     "outputs.jsonl": OUTPUTS,
     "context.csv": CONTEXT,
+    "engine_costs.csv": ENGINE_COSTS,
 }
 RESULTS_FORMAT = 1  # results.json's "format": raised when its structure changes
 

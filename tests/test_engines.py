@@ -1,0 +1,122 @@
+"""Engines other than specbench's loop (vLLM), without starting one: the mapping of vLLM's counters to
+specbench's columns, the rows and summary built from requests, and every bad input refused before
+an engine starts. The tests that start engines are in test_vllm.py."""
+
+import math
+import random
+import sys
+
+import pytest
+
+from specbench import metrics, schema, serving
+from specbench.cli import main
+from specbench.config import BenchConfig
+from specbench.errors import SpecbenchError
+from specbench.methods import SERVED, SERVED_BASELINE, Decoder
+from specbench.prompts import Prompt
+from specbench.vllm_engine import EngineSpec, Served
+
+
+def test_counts_map_a_hand_built_histogram_to_the_columns():
+    # K=3: 2 steps accepted none, 1 accepted one, 3 accepted all three; 18 drafts proposed.
+    hist = [2, 1, 0, 3]
+    found = serving.counts(hist, drafted=18, tokens=20)
+    assert found == {"drafted": 18, "accepted": 10, "target_forwards": 10, "accept_hist": "2 1 0 3"}
+    # accepted / (accepted + steps that stopped short of K) = 10 / (10 + 3)
+    assert metrics.alpha_estimate(hist) == pytest.approx(10 / 13)
+    # position i accepted in the steps that accepted more than i: 4, 3, 3 of 6
+    assert metrics.acceptance_by_position(hist) == pytest.approx([4 / 6, 3 / 6, 3 / 6])
+    assert serving.counts(None, 0, 7)["target_forwards"] == 7  # no speculation: a forward per token
+
+
+def test_alpha_estimate_recovers_the_alpha_of_independent_acceptances():
+    rng = random.Random(0)
+    for alpha, k in ((0.3, 2), (0.7, 4), (0.9, 6)):
+        hist = [0] * (k + 1)
+        for _ in range(20000):
+            accepted = 0
+            while accepted < k and rng.random() < alpha:
+                accepted += 1
+            hist[accepted] += 1
+        assert metrics.alpha_estimate(hist) == pytest.approx(alpha, abs=0.01)
+    assert metrics.alpha_estimate([0, 0, 5]) == 1.0 and math.isnan(metrics.alpha_estimate([0, 0]))
+
+
+def _cfg(**given):
+    return BenchConfig(engines=["vllm"], methods=["draft"], ks=[2], num_prompts=2, **given)
+
+
+def test_records_and_summary_of_requests_in_flight():
+    cfg = _cfg(concurrency=[2])
+    prompts = [Prompt("a", "a", "a"), Prompt("b", "b", "b")]
+    base = [Served(0, [5, 6, 7, 8], 0.0, 0.1, 0.4, None), Served(1, [5, 6], 0.0, 0.1, 0.2, None)]
+    # The draft's request 1 diverges at token 1; both ran at once from t=0.
+    draft = [Served(0, [5, 6, 7, 8], 0.0, 0.05, 0.2, [1, 0, 1], 4), Served(1, [5, 9], 0.0, 0.05, 0.15, [1, 0, 0], 2)]
+    step = Decoder(SERVED["draft"], 2)
+    rows = [serving.record(prompts[i], i, [1], Decoder(SERVED_BASELINE), 2, base[i], base[i]) for i in range(2)]
+    rows += [serving.record(prompts[i], i, [1], step, 2, draft[i], base[i]) for i in range(2)]
+    assert set(rows[0]) == set(schema.RECORDS)
+    first = rows[2]
+    assert first["speedup"] == pytest.approx((4 / 0.2) / (4 / 0.4))
+    assert first["ttft_ms"] == pytest.approx(50) and first["tpot_ms"] == pytest.approx(1000 * 0.15 / 3)
+    assert (first["accepted"], first["target_forwards"], first["tau"]) == (2, 2, 2.0)
+    assert (rows[3]["outputs_match"], rows[3]["first_divergence"]) == (False, 1)
+    costs = [serving.decode_cost([{"tpot_ms": 10.0}], "target"), serving.decode_cost([{"tpot_ms": 2.0}], "draft")]
+    summary = serving.summarize(rows, costs, cfg, {"target": "t", "draft": "d", "dataset": "x"})
+    assert [(r["method"], r["concurrency"]) for r in summary] == [("baseline", 2), ("draft", 2)]
+    row = summary[1]
+    assert row["throughput"] == pytest.approx(6 / 0.2) and row["throughput_speedup"] == pytest.approx(30 / (6 / 0.4))
+    assert row["c"] == pytest.approx(0.2) and row["outputs_match"] == 1 and row["first_divergence"] == 1
+    assert row["alpha_estimate"] == pytest.approx(2 / (2 + 2))  # hist 2 0 1: two accepted, two stops short
+    assert row["predicted_speedup"] == pytest.approx(metrics.predicted_speedup(0.5, 0.2, 2))
+    assert math.isnan(row["vs_specbench"])  # no --engine torch: no specbench baseline to compare with
+
+
+def test_engine_spec_passes_the_distributed_settings_through():
+    spec = EngineSpec("m", "float32", 0, 128, 4, {"method": "ngram"}, True, {"tensor_parallel_size": 2}, {"x": 1})
+    kwargs = spec.kwargs()
+    assert kwargs["load_format"] == "dummy" and kwargs["tensor_parallel_size"] == 2 and kwargs["x"] == 1
+    assert kwargs["skip_tokenizer_init"] and kwargs["per_request_spec_decode_metrics"] == "summary"
+    assert "per_request_spec_decode_metrics" not in EngineSpec("m", "float32", 0, 128, 4).kwargs()
+
+
+def test_methods_map_to_their_vllm_counterparts():
+    cfg = BenchConfig(engines=["torch", "vllm"], methods=["speculative", "prompt-lookup", "tree", "hf-generate"])
+    assert [d.label for d in cfg.served_plan] == ["draft K=4", "ngram K=4"]
+    assert [d.method.name for d in cfg.plan] == ["speculative", "prompt-lookup", "tree", "hf-generate"]
+    assert BenchConfig(engines=["vllm"]).plan == []
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--engine", "vllm", "--method", "tree"], "--method tree does not run in vLLM"),
+        (["--method", "ngram"], "--method ngram is vLLM's: add --engine vllm (specbench's own is prompt-lookup)"),
+        (["--engine", "vllm", "--method", "eagle"], "--method eagle needs --speculator PATH"),
+        (["--engine", "vllm", "--method", "eagle3", "--speculator", "/nonexistent"], "no such directory"),
+        (["--engine", "vllm", "--concurrency", "0"], "--concurrency must be at least 1"),
+        (["--concurrency", "4"], "--concurrency above 1 needs --engine vllm alone"),
+        (["--engine", "vllm", "--concurrency", "4", "--num-prompts", "2"], "needs as many prompts"),
+        (["--engine", "vllm", "--tensor-parallel-size", "512"], "needs 512 devices and this machine has"),
+        (["--engine", "gpu"], "--engine gpu: use one of torch, vllm"),
+        (["--tensor-parallel-size", "2"], "--tensor-parallel-size set(s) the vLLM engine: add --engine vllm"),
+        (["--engine", "vllm", "--engine-args", "{bad"], "--engine-args '{bad' is not valid JSON"),
+        (["--engine", "vllm", "--eta", "0.1"], "vLLM has no eta sampling"),
+    ],
+)
+def test_bad_engine_input_is_one_line_and_exit_2_before_anything_starts(args, says, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["specbench", "run", *args, "--out", str(tmp_path / "run")])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    said = capsys.readouterr().err
+    assert exited.value.code == 2 and says in " ".join(said.split()), said
+    assert len(said.strip().splitlines()) <= 2 and "Traceback" not in said  # one line (wrapped at most once)
+    assert not (tmp_path / "run" / "meta.json").exists()  # refused before the run began
+
+
+def test_vllm_missing_names_its_install_command(monkeypatch):
+    import specbench.config
+
+    monkeypatch.setattr(specbench.config, "available", lambda: False)
+    with pytest.raises(SpecbenchError, match="make install-vllm"):
+        BenchConfig(engines=["vllm"]).validate()

@@ -1,0 +1,115 @@
+"""vLLM as an engine, on a tiny local pair: each test starts real engines (tens of seconds each), so
+they are few, marked ``vllm`` and run by `make test-vllm` in the vLLM environment (.venv-vllm).
+Without vLLM installed they fail with the install line: they never skip."""
+
+import json
+
+import pandas as pd
+import pytest
+
+from tests.helpers import build_llama, build_tokenizer, specbench
+
+pytestmark = pytest.mark.vllm
+EAGER = ["--engine-args", '{"enforce_eager": true}']  # compiling would only lengthen the engines' start
+
+
+@pytest.fixture(scope="module")
+def vllm_pair(tmp_path_factory) -> tuple[str, str]:
+    """A 2-layer target and a 1-layer draft with one tokenizer; heads of 32, the least vLLM's CPU
+    attention takes."""
+    root = tmp_path_factory.mktemp("vllm-pair")
+    tokenizer = build_tokenizer(root / "tok")
+    return (
+        str(build_llama(root / "target", tokenizer, layers=2, hidden=128, seed=0)),
+        str(build_llama(root / "draft", tokenizer, layers=1, hidden=128, seed=1)),
+    )
+
+
+def test_engines_side_by_side_on_the_same_prompts(vllm_pair, prompts_file, tmp_path):
+    out = tmp_path / "run"
+    args = ["--target", vllm_pair[0], "--draft", vllm_pair[1], "--dataset", prompts_file, "--num-prompts", "3"]
+    args += ["--max-new-tokens", "12", "--k", "2", "--engine", "torch,vllm", "--method", "speculative,prompt-lookup"]
+    result = specbench("run", *args, *EAGER, "--out", str(out), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = pd.read_csv(out / "records.csv")
+    served = records[records["engine"] == "vllm"]
+    assert sorted(set(zip(served["method"], served["k"].fillna(0), strict=True))) == [
+        ("baseline", 0),
+        ("draft", 2),
+        ("ngram", 2),
+    ]
+    assert len(served) == 9 and (served["concurrency"] == 1).all()
+    assert served["outputs_match"].all()  # greedy: every vLLM method equals vLLM's baseline per prompt
+    drafting = served[served["method"] != "baseline"]
+    assert (drafting["drafted"] > 0).all() and (drafting["accepted"] <= drafting["drafted"]).all()
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    by_prompt = {}
+    for o in outputs:
+        if o["engine"] == "vllm":
+            by_prompt.setdefault(o["prompt_index"], set()).add(tuple(o["token_ids"]))
+    assert all(len(tokens) == 1 for tokens in by_prompt.values()) and len(by_prompt) == 3
+    summary = pd.read_csv(out / "summary.csv")
+    draft = summary[(summary["engine"] == "vllm") & (summary["method"] == "draft")].iloc[0]
+    assert 0 < draft["c"] and draft["vs_specbench"] > 0 and 0 <= draft["alpha_estimate"] <= 1
+    assert set(pd.read_csv(out / "engine_costs.csv")["model"]) == {"target", "draft"}
+    acceptance = pd.read_csv(out / "acceptance.csv")
+    assert set(acceptance["engine"]) == {"torch", "vllm"}
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["resolved"]["vllm"] and meta["config"]["engine_args"] == {"enforce_eager": True}
+
+    # An interruption after vLLM's draft rows: --resume keeps them and runs only what is missing.
+    kept = records[~((records["engine"] == "vllm") & (records["method"] == "ngram"))]
+    kept.to_csv(out / "records.csv", index=False)
+    resumed = specbench("run", *args, *EAGER, "--out", str(out), "--resume", timeout=900)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    again = pd.read_csv(out / "records.csv")
+    assert len(again) == len(records)
+    assert (
+        again[again["method"] == "draft"]["method_s"].tolist()
+        == records[records["method"] == "draft"]["method_s"].tolist()
+    )
+
+
+def test_vllm_counters_equal_the_sum_of_its_per_request_histograms(vllm_pair):
+    from specbench.vllm_engine import Engine, EngineSpec, Sampling
+
+    spec = {"method": "draft_model", "model": vllm_pair[1], "num_speculative_tokens": 3}
+    requests = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [17, 18]]
+    with Engine(EngineSpec(vllm_pair[0], "float32", 0, 64, 2, spec, extra={"enforce_eager": True})) as engine:
+        before = engine.counters()
+        served = list(engine.run(requests, 2, Sampling(16, 0.0, 0, 1.0, 0, ())))
+        after = engine.counters()
+    assert sorted(s.index for s in served) == [0, 1, 2, 3] and all(len(s.tokens) == 16 for s in served)
+    hist = [sum(column) for column in zip(*(s.histogram for s in served), strict=True)]
+
+    def delta(name):
+        return after.get(name, 0) - before.get(name, 0)
+
+    assert delta("num_drafts") == sum(hist)
+    assert delta("num_draft_tokens") == sum(s.drafted for s in served)
+    assert delta("num_accepted_tokens") == sum(n * count for n, count in enumerate(hist))
+    per_position = [
+        a - b
+        for a, b in zip(
+            after["num_accepted_tokens_per_pos"], before.get("num_accepted_tokens_per_pos", [0] * 3), strict=True
+        )
+    ]
+    assert per_position == [sum(hist[i + 1 :]) for i in range(3)]  # position i accepted when more than i were
+
+
+def test_random_weights_time_the_architecture_in_vllm(tmp_path):
+    out = tmp_path / "run"
+    args = ["--target", "llama-68m", "--random-weights", "--prompt-tokens", "16", "--num-prompts", "2"]
+    args += ["--max-new-tokens", "8", "--engine", "vllm", "--method", "ngram", "--k", "2", "--concurrency", "1,2"]
+    result = specbench("run", *args, *EAGER, "--out", str(out), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = pd.read_csv(out / "summary.csv")
+    assert sorted(zip(summary["method"], summary["concurrency"], strict=True)) == [
+        ("baseline", 1),
+        ("baseline", 2),
+        ("ngram", 1),
+        ("ngram", 2),
+    ]
+    assert summary["alpha_estimate"].isna().all()  # random weights: acceptance means nothing
+    assert (summary["throughput"] > 0).all() and (out / "concurrency.png").is_file()
+    assert json.loads((out / "meta.json").read_text())["resolved"]["weights"] == "random"
