@@ -235,15 +235,18 @@ def decode_all(
     for index in todo:
         prompt, ids = prompts[index], prompt_ids[index]
         baseline = decode(pair, cfg, ids, index, Decoder(BASELINE))
+        references = {}  # an engine's own baseline (hf-generate), for the methods it is the reference of
         for decoder in [Decoder(BASELINE), *plan]:
             measured = baseline if decoder.method is BASELINE else decode(pair, cfg, ids, index, decoder)
+            references[decoder.method.name] = measured
+            reference = references.get(decoder.method.reference, baseline)
             learned = decoder.method.after_prompt(decoder, ids, measured.result)
             tokens = measured.result.tokens
             text = pair.target.tokenizer.decode(tokens) if pair.target.tokenizer else ""
             writer.output(
                 prompt.id, index, decoder.k, decoder.method.name, tokens, text, decoder.shape, decoder.method.engine
             )
-            records.append(record(prompt, index, ids, baseline, decoder, measured, learned))
+            records.append(record(prompt, index, ids, reference, decoder, measured, learned))
             if cfg.random_weights:
                 records[-1].update((name, math.nan) for name in WEIGHT_DEPENDENT if name in records[-1])
             writer.append_record(records[-1])

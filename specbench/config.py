@@ -46,9 +46,9 @@ class _Run:
         if "torch" not in self.engines:
             return []
         steps = []
-        for method in (
-            METHODS[name] for name in dict.fromkeys(self.methods) if name in METHODS and name != BASELINE.name
-        ):
+        # A method timed against its engine's own baseline (hf-assisted: hf-generate) brings it along.
+        names = [n for name in self.methods if name in METHODS for n in (METHODS[name].reference, name) if n]
+        for method in (METHODS[name] for name in dict.fromkeys(names) if name != BASELINE.name):
             if method.takes_tree:
                 steps += [Decoder(method, len(shape), shape) for shape in self.shapes]
             else:

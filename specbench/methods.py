@@ -74,6 +74,7 @@ class Method:
     options: tuple[Option, ...] = ()  # the run options it owns (a flag each, a configuration field each)
     engine = "torch"  # whose implementation decodes: specbench's loop, transformers' (hf) or vLLM's
     counterpart = ""  # the vLLM method that does the same, run in its place under --engine vllm
+    reference = ""  # the method its speedup is over when not specbench's baseline (its engine's own)
 
     @property
     def drafts(self) -> bool:
@@ -415,6 +416,7 @@ class HFAssisted(Method):
         True,
     )
     engine = "hf"
+    reference = "hf-generate"  # transformers' own plain decoding, which runs whenever this does
 
     def check(self, pair):
         if pair.target.width != pair.draft.width:

@@ -38,6 +38,7 @@ SERVING = (
     ("throughput", "all tok/s"),
     ("speedup", "speedup"),
     ("throughput_speedup", "all x"),
+    ("vs_specbench", "x specbench"),
     ("ttft_p50_ms", "ttft p50"),
     ("tpot_p50_ms", "tpot p50"),
     ("tpot_p99_ms", "tpot p99"),

@@ -136,15 +136,22 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
     Only specbench's loop's rows (engines torch and hf): serving.summarize has vLLM's.
     """
     records = [r for r in records if r["engine"] in OWN_ENGINES]
-    baselines = {r["prompt_index"]: r for r in records if r["method"] == BASELINE.name}
+    by_method: dict[str, dict[int, dict]] = {}
+    for r in records:
+        by_method.setdefault(r["method"], {})[r["prompt_index"]] = r
     rows = []
     for decoder in [Decoder(BASELINE), *plan]:
         method, k, tree = decoder.method, decoder.k, decoder.shape
         rs = [r for r in records if r["method"] == method.name and r["k"] == k and r["tree"] == tree]
         if not rs:
             continue
+        baselines = by_method[method.reference or BASELINE.name]  # the engine's own baseline
+        own = by_method[BASELINE.name]
         run = {name: sum(r[name] for r in rs) for name in TOTALS}
         base = {name: sum(baselines[r["prompt_index"]][name] for r in rs) for name in TOTALS}
+        specbench_rate = sum(own[r["prompt_index"]]["new_tokens"] for r in rs) / sum(
+            own[r["prompt_index"]]["method_s"] for r in rs
+        )
         tokens, seconds = run["new_tokens"], run["method_s"]
         base_tokens, base_s = base["new_tokens"], base["method_s"]
         drafts = method.drafts  # only drafting methods; the others' counts are left empty
@@ -167,7 +174,7 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
             "concurrency": 1,
             "throughput": tokens / seconds,  # one request at a time: its rate
             "throughput_speedup": speedup,
-            "vs_specbench": speedup,
+            "vs_specbench": (tokens / seconds) / specbench_rate,
             "alpha_estimate": metrics.alpha_estimate(metrics.summed_hist(rs)) if chain else math.nan,
             **metrics.phase_figures(run, base, len(rs)),
             **{name: sum(r[name] for r in rs) if method.inner_level else math.nan for name in INNER},

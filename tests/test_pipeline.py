@@ -279,7 +279,7 @@ def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_p
     )
     assert result.returncode == 0, result.stderr
     summary = pd.read_csv(out / "summary.csv")
-    methods = ["baseline", "speculative", "prompt-lookup", "cascade", "hf-assisted", "hf-generate"]
+    methods = ["baseline", "speculative", "prompt-lookup", "cascade", "hf-generate", "hf-assisted"]
     assert summary["method"].tolist() == methods
     assert (summary["outputs_match"] == 3).all() and (summary["first_divergence"] == -1).all()
     records = pd.read_csv(out / "records.csv")
@@ -296,6 +296,13 @@ def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_p
         assert 1 <= by_method.loc[method, "tau"] <= 4  # measured for every drafting method
         assert 0 <= by_method.loc[method, "acceptance_rate"] <= 1
     assert by_method.loc["baseline", "speedup"] == 1.0
+    # hf-assisted's speedup is over transformers' own plain generate, its vs_specbench over specbench's baseline.
+    hf = records[records["method"] == "hf-assisted"].set_index("prompt_index")
+    plain = records[records["method"] == "hf-generate"].set_index("prompt_index")
+    assert (hf["baseline_s"] == plain["method_s"]).all()
+    assert by_method.loc["hf-assisted", "vs_specbench"] == pytest.approx(
+        by_method.loc["hf-assisted", "spec_tokens_per_s"] / by_method.loc["baseline", "spec_tokens_per_s"]
+    )
     assert "every method equals the baseline" in result.stdout
 
 
