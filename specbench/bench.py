@@ -7,6 +7,7 @@ It yields what it is doing, then its Results; it never prints.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import math
@@ -184,7 +185,10 @@ def benchmark(
             yield from decode_all(
                 pair, cfg, prompts, prompt_ids, plan, writer, records, done, learning, costs, run_info
             )
-        if cfg.served_plan or "vllm" in cfg.engines:
+        if "vllm" in cfg.engines:
+            if pair.target_lm is not None:  # vLLM loads the models again: free this process's copy first
+                pair = pair.without_weights()
+                gc.collect()
             yield from serve_all(pair, cfg, prompts, prompt_ids, writer, records, blocks, engine_costs)
     finally:
         summary = summarize(records, costs, cfg, run_info, plan) if own else []

@@ -100,16 +100,6 @@ def acceptance_by_position(hist: Sequence[int]) -> list[float]:
     return [sum(hist[i + 1 :]) / steps for i in range(len(hist) - 1)]
 
 
-def alpha_estimate(hist: Sequence[int]) -> float:
-    """alpha from ``hist[n]`` (verify steps that accepted exactly n of K drafts) alone, assuming each
-    draft is accepted independently with one probability until the first rejection: the maximum
-    likelihood estimate, accepted / (accepted + steps that stopped short of K). This is all an engine
-    that exposes only counts (vLLM) allows; specbench's alpha, E[sum min(p, q)], needs p and q."""
-    accepted = sum(n * count for n, count in enumerate(hist))
-    stopped = sum(hist[:-1])
-    return accepted / (accepted + stopped) if accepted + stopped else float("nan")
-
-
 def first_divergence(reference: Sequence[int], tokens: Sequence[int]) -> int | None:
     """The first index where two outputs differ, counting a length difference; None when equal."""
     found = next((i for i, (x, y) in enumerate(zip(reference, tokens, strict=False)) if x != y), None)

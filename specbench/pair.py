@@ -55,6 +55,16 @@ class Pair:
     def stop_ids(self) -> frozenset[int]:
         return self.target.stop_ids
 
+    def without_weights(self) -> Pair:
+        """This pair with the weights freed (moved to the meta device; shapes and configs stay),
+        before another engine loads its own copy onto the same memory."""
+        for model in (self.target, self.draft):
+            if model is not None:
+                model.model.to("meta")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return replace(self, target_lm=None, draft_lm=None)
+
     def timed(self, clock: PhaseClock) -> Pair:
         """This pair with every forward of its models lapped on ``clock``."""
         draft_lm = TimedLM(self.draft_lm, clock, "draft") if self.draft_lm else None

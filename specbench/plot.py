@@ -148,13 +148,16 @@ def plot_concurrency(run_dir: Path, name: str = "concurrency.png") -> Path | Non
     fig, (ax_speed, ax_tpot) = plt.subplots(1, 2, figsize=(12, 4.5))
     first = served.iloc[0]
     fig.suptitle(f"vLLM: {first['target']} <- {first['draft']} on {first['dataset']}, T={first['temperature']}")
-    for (method, k), rows in served.groupby(["method", "k"], dropna=False, sort=False):
+    colors = itertools.cycle(plt.rcParams["axes.prop_cycle"].by_key()["color"])
+    groups = served.groupby(["method", "k"], dropna=False, sort=False)
+    for ((method, k), rows), color in zip(groups, colors, strict=False):
         rows = rows.sort_values("concurrency")
         label = method if pd.isna(k) else f"{method} K={int(k)}"
-        if not pd.isna(k):
-            ax_speed.plot(rows["concurrency"], rows["throughput_speedup"], "o-", label=label)
-        ax_tpot.plot(rows["concurrency"], rows["tpot_p50_ms"], "o-", label=label)
-    ax_speed.axhline(1.0, color="grey", linestyle=":", label="baseline")
+        if pd.isna(k):  # the baseline: 1 by definition
+            ax_speed.axhline(1.0, color=color, linestyle=":", label=label)
+        else:
+            ax_speed.plot(rows["concurrency"], rows["throughput_speedup"], "o-", color=color, label=label)
+        ax_tpot.plot(rows["concurrency"], rows["tpot_p50_ms"], "o-", color=color, label=label)
     ax_speed.set(xscale="log", xlabel="requests in flight", ylabel="throughput / baseline's", title="speedup")
     ax_tpot.set(xscale="log", xlabel="requests in flight", ylabel="ms", title="median time per output token")
     for ax in (ax_speed, ax_tpot):

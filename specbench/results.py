@@ -79,7 +79,6 @@ def record(
     divergence = metrics.first_divergence(b.tokens, s.tokens)
     drafts = method.drafts
     rate, base_rate = len(s.tokens) / measured.seconds, len(b.tokens) / baseline.seconds
-    hist = [s.accept_counts.count(n) for n in range(k + 1)] if s.accept_counts and not decoder.tree else []
     return {
         "engine": method.engine,
         "concurrency": 1,
@@ -95,7 +94,7 @@ def record(
         "spec_tokens_per_s": rate,
         "speedup": rate / base_rate,
         "alpha": s.beta_sum / s.tested if s.tested else math.nan,
-        "alpha_estimate": metrics.alpha_estimate(hist) if hist else math.nan,
+        "alpha_estimate": s.accepted / s.tested if s.tested else math.nan,
         "acceptance_rate": s.accepted / s.drafted if s.drafted else math.nan,
         "tau": len(s.tokens) / s.target_forwards if drafts else math.nan,
         "nodes": s.drafted / (s.target_forwards - 1) if drafts and s.target_forwards > 1 else math.nan,
@@ -175,7 +174,7 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
             "throughput": tokens / seconds,  # one request at a time: its rate
             "throughput_speedup": speedup,
             "vs_specbench": (tokens / seconds) / specbench_rate,
-            "alpha_estimate": metrics.alpha_estimate(metrics.summed_hist(rs)) if chain else math.nan,
+            "alpha_estimate": totals["accepted"] / totals["tested"] if drafts and totals["tested"] else math.nan,
             **metrics.phase_figures(run, base, len(rs)),
             **{name: sum(r[name] for r in rs) if method.inner_level else math.nan for name in INNER},
             "method": method.name,

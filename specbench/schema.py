@@ -263,8 +263,8 @@ COLUMNS: tuple[Column, ...] = (
         DETERMINISTIC,
         HIGHER,
         ".3f",
-        "alpha estimated from the accepted-count histogram alone, as if each draft were accepted independently "
-        "with one probability: accepted / (accepted + rounds stopped short of K); all vLLM gives",
+        "alpha from acceptance counts alone, as if each draft were accepted independently with one probability: "
+        "accepted / tested (the maximum-likelihood estimate); all vLLM's counters give, and equal to alpha under greedy",
         header="alpha~",
     ),
     Column(

@@ -20,17 +20,26 @@ from .vllm_engine import Served
 ENGINE = "vllm"
 
 
-def counts(histogram: list[int] | None, drafted: int, tokens: int) -> dict:
+def counts(histogram: list[int] | None, drafted: int, tokens: int, rejected: int | None = None) -> dict:
     """What vLLM's per-request counters say, in specbench's columns. ``histogram[n]`` counts verify
-    steps that accepted n drafts. Every target forward yields one token that was not an accepted
-    draft (the prefill's first token, a bonus or a correction), so the forwards are the tokens less
-    the accepted drafts."""
+    steps that accepted n drafts, ``rejected`` the steps that rejected a drafted token (when vLLM
+    did not report it: the steps that accepted fewer than K). Every target forward yields one token
+    that was not an accepted draft (the prefill's first token, a bonus or a correction), so the
+    forwards are the tokens less the accepted drafts. ``tested`` counts the draft positions
+    verification decided on: the accepted ones and the first rejected one of each step."""
     if histogram is None:
-        return {"drafted": math.nan, "accepted": math.nan, "target_forwards": tokens, "accept_hist": ""}
+        return {
+            "drafted": math.nan,
+            "accepted": math.nan,
+            "tested": math.nan,
+            "target_forwards": tokens,
+            "accept_hist": "",
+        }
     accepted = sum(n * count for n, count in enumerate(histogram))
     return {
         "drafted": drafted,
         "accepted": accepted,
+        "tested": accepted + (sum(histogram[:-1]) if rejected is None else rejected),
         "target_forwards": tokens - accepted,
         "accept_hist": " ".join(map(str, histogram)),
     }
@@ -42,7 +51,7 @@ def record(
     """The records.csv row of one request, against vLLM's baseline on the same prompt and concurrency."""
     tokens, seconds = len(served.tokens), served.end - served.start
     base_tokens, base_s = len(base.tokens), base.end - base.start
-    found = counts(served.histogram, served.drafted, tokens)
+    found = counts(served.histogram, served.drafted, tokens, served.rejected)
     divergence = metrics.first_divergence(base.tokens, served.tokens)
     row = dict.fromkeys(schema.RECORDS, math.nan)
     row.update(
@@ -63,7 +72,7 @@ def record(
             "baseline_tokens_per_s": base_tokens / base_s,
             "spec_tokens_per_s": tokens / seconds,
             "speedup": (tokens / seconds) / (base_tokens / base_s),
-            "alpha_estimate": metrics.alpha_estimate(served.histogram) if served.histogram else math.nan,
+            "alpha_estimate": found["accepted"] / found["tested"] if found["tested"] else math.nan,
             "acceptance_rate": found["accepted"] / served.drafted if served.drafted else math.nan,
             "tau": tokens / found["target_forwards"] if served.histogram else math.nan,
             "ttft_ms": 1000 * (served.first - served.start),
@@ -117,10 +126,11 @@ def summarize(records: list[dict], costs: list[dict], cfg, run_info: dict) -> li
             base_tokens, base_s = sum(r["baseline_tokens"] for r in rs), sum(r["baseline_s"] for r in rs)
             throughput = tokens / _span(rs)
             hist = metrics.summed_hist(rs)
-            alpha = metrics.alpha_estimate(hist) if hist else math.nan
+            tested = sum(r["tested"] for r in rs)
             c = c_draft if method.needs_draft else method.c(None)
             drafted = sum(r["drafted"] for r in rs)
             accepted = sum(r["accepted"] for r in rs)
+            alpha = accepted / tested if hist and tested else math.nan
             divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0]
             same = [own_base[r["prompt_index"]] for r in rs if r["prompt_index"] in own_base]
             values = dict.fromkeys(schema.SUMMARY, math.nan)
@@ -154,6 +164,7 @@ def summarize(records: list[dict], costs: list[dict], cfg, run_info: dict) -> li
                     "target_forwards": sum(r["target_forwards"] for r in rs),
                     "drafted": drafted,
                     "accepted": accepted,
+                    "tested": tested if hist else math.nan,
                     "c": c,
                     # The classic formula with the estimated alpha (vLLM exposes no other).
                     "predicted_speedup": metrics.predicted_speedup(alpha, c, k) if k else math.nan,

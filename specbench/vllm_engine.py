@@ -53,7 +53,9 @@ class EngineSpec:
             # A prompt decoded in the warm-up would otherwise be a cache hit when timed.
             "enable_prefix_caching": False,
             # Each request's acceptance histogram (vLLM refuses it without speculation).
-            **({"per_request_spec_decode_metrics": "summary"} if self.speculative else {}),
+            # "detailed" adds each step's drafted and accepted counts: a step that drafted fewer
+            # than K tokens and had them all accepted is no rejection.
+            **({"per_request_spec_decode_metrics": "detailed"} if self.speculative else {}),
             "disable_log_stats": False,
             **self.parallel,
             **self.extra,
@@ -81,6 +83,7 @@ class Served:
     end: float
     histogram: list[int] | None  # verify steps that accepted 0, 1, ..., K drafts (None: no speculation)
     drafted: int = 0
+    rejected: int | None = None  # verify steps that rejected a drafted token (None: not reported)
 
 
 def vllm_version() -> str | None:
@@ -179,7 +182,7 @@ class Engine:
             async with gate:
                 start = time.perf_counter() - began
                 tokens: list[int] = []
-                first, histogram, drafted = None, None, 0
+                first, histogram, drafted, rejected = None, None, 0, None
                 async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), params, f"{tag + index}"):
                     completion = out.outputs[0]
                     if completion.token_ids and first is None:
@@ -187,8 +190,12 @@ class Engine:
                     tokens += completion.token_ids
                     if out.finished and (spec := completion.spec_decode_metrics) is not None:
                         histogram, drafted = list(spec.histogram), spec.num_draft_tokens
+                        if spec.per_step_drafted:
+                            steps = zip(spec.per_step_accepted, spec.per_step_drafted, strict=True)
+                            rejected = sum(1 for accepted, proposed in steps if accepted < proposed)
                 end = time.perf_counter() - began
-            finished.put(Served(index, tokens, start, end if first is None else first, end, histogram, drafted))
+            first = end if first is None else first
+            finished.put(Served(index, tokens, start, first, end, histogram, drafted, rejected))
 
         async def guarded(index: int, ids: list[int]) -> None:
             try:

@@ -21,9 +21,10 @@ def test_counts_map_a_hand_built_histogram_to_the_columns():
     # K=3: 2 steps accepted none, 1 accepted one, 3 accepted all three; 18 drafts proposed.
     hist = [2, 1, 0, 3]
     found = serving.counts(hist, drafted=18, tokens=20)
-    assert found == {"drafted": 18, "accepted": 10, "target_forwards": 10, "accept_hist": "2 1 0 3"}
-    # accepted / (accepted + steps that stopped short of K) = 10 / (10 + 3)
-    assert metrics.alpha_estimate(hist) == pytest.approx(10 / 13)
+    assert found == {"drafted": 18, "accepted": 10, "tested": 13, "target_forwards": 10, "accept_hist": "2 1 0 3"}
+    # Without vLLM's per-step counts every step short of K is a rejection: alpha~ = 10 / (10 + 3).
+    # With them, a step that drafted fewer than K tokens and kept them all is none.
+    assert serving.counts(hist, drafted=16, tokens=20, rejected=2)["tested"] == 12
     # position i accepted in the steps that accepted more than i: 4, 3, 3 of 6
     assert metrics.acceptance_by_position(hist) == pytest.approx([4 / 6, 3 / 6, 3 / 6])
     assert serving.counts(None, 0, 7)["target_forwards"] == 7  # no speculation: a forward per token
@@ -38,8 +39,8 @@ def test_alpha_estimate_recovers_the_alpha_of_independent_acceptances():
             while accepted < k and rng.random() < alpha:
                 accepted += 1
             hist[accepted] += 1
-        assert metrics.alpha_estimate(hist) == pytest.approx(alpha, abs=0.01)
-    assert metrics.alpha_estimate([0, 0, 5]) == 1.0 and math.isnan(metrics.alpha_estimate([0, 0]))
+        found = serving.counts(hist, k * sum(hist), 0)
+        assert found["accepted"] / found["tested"] == pytest.approx(alpha, abs=0.01)
 
 
 def _cfg(**given):
@@ -76,7 +77,7 @@ def test_engine_spec_passes_the_distributed_settings_through():
     spec = EngineSpec("m", "float32", 0, 128, 4, {"method": "ngram"}, True, {"tensor_parallel_size": 2}, {"x": 1})
     kwargs = spec.kwargs()
     assert kwargs["load_format"] == "dummy" and kwargs["tensor_parallel_size"] == 2 and kwargs["x"] == 1
-    assert kwargs["skip_tokenizer_init"] and kwargs["per_request_spec_decode_metrics"] == "summary"
+    assert kwargs["skip_tokenizer_init"] and kwargs["per_request_spec_decode_metrics"] == "detailed"
     assert "per_request_spec_decode_metrics" not in EngineSpec("m", "float32", 0, 128, 4).kwargs()
 
 

@@ -80,6 +80,8 @@ def test_vllm_counters_equal_the_sum_of_its_per_request_histograms(vllm_pair):
         served = list(engine.run(requests, 2, Sampling(16, 0.0, 0, 1.0, 0, ())))
         after = engine.counters()
     assert sorted(s.index for s in served) == [0, 1, 2, 3] and all(len(s.tokens) == 16 for s in served)
+    # vLLM's per-step counts arrived: no more steps rejected a draft than accepted fewer than K.
+    assert all(s.rejected is not None and s.rejected <= sum(s.histogram[:-1]) for s in served)
     hist = [sum(column) for column in zip(*(s.histogram for s in served), strict=True)]
 
     def delta(name):
