@@ -13,6 +13,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -135,7 +136,7 @@ def benchmark(
     previous = writer.previous_run(cfg.as_dict()) if resume else None
     yield Step("loading models and prompts")
     pair, prompts, prompt_ids = prepare(cfg)
-    for lm in (pair.target_lm, pair.draft_lm) if pair.target_lm is not None else ():
+    for lm in (pair.target_lm, pair.draft_lm):
         if lm is not None:
             lm.prefill_chunk, lm.progress = cfg.prefill_chunk, prefill_progress
     run_hash = prompts_hash(prompt_ids)
@@ -308,9 +309,7 @@ def serve_all(pair, cfg, prompts, prompt_ids, writer, records, blocks, engine_co
         if not todo:
             continue
         yield Step(f"starting vLLM: {decoder.label} (a minute or two)")
-        with Engine(engine_spec(pair, cfg, prompt_ids, decoder)) as engine:
-            for _ in range(cfg.warmup):
-                list(engine.run(ids[:1], 1, sampling))
+        with warmed_up(engine_spec(pair, cfg, prompt_ids, decoder), cfg, ids, sampling) as engine:
             for n in todo:
                 for finished, served in enumerate(engine.run(ids, n, sampling), 1):
                     base = served if decoder.method is SERVED_BASELINE else baselines[n][served.index]
@@ -325,38 +324,36 @@ def serve_all(pair, cfg, prompts, prompt_ids, writer, records, blocks, engine_co
                     records.append(row)
                     writer.append_record(row)
                     yield Step("decoding", finished, len(prompts), f"vllm {decoder.label}, {n} in flight")
+    # c: the draft's time per output token alone in vLLM over the target's, both at one request.
     timed = {row["model"] for row in engine_costs}
-    wanted = ["target"] + (["draft"] if any(step.method.needs_draft for step in cfg.served_plan) else [])
+    if 1 not in cfg.concurrency:
+        return
     if "target" not in timed:
-        alone = [
-            r
-            for r in records
-            if r["engine"] == "vllm" and r["concurrency"] == 1 and r["method"] == SERVED_BASELINE.name
-        ]
-        if alone:
-            engine_costs.append(serving.decode_cost(alone, "target"))
-            writer.write_csv("engine_costs.csv", engine_costs)
-    if "draft" in wanted and "draft" not in timed:
+        engine_costs.append(
+            serving.decode_cost([r["tpot_ms"] for r in serving.block(records, SERVED_BASELINE.name, 1)], "target")
+        )
+        writer.write_csv("engine_costs.csv", engine_costs)
+    if any(step.method.needs_draft for step in cfg.served_plan) and "draft" not in timed:
         yield Step("starting vLLM: the draft model alone, for c")
-        with Engine(engine_spec(pair, cfg, prompt_ids, None)) as engine:
-            for _ in range(cfg.warmup):
-                list(engine.run(ids[:1], 1, sampling))
-            alone = [
-                {"tpot_ms": 1000 * (s.end - s.first) / (len(s.tokens) - 1) if len(s.tokens) > 1 else math.nan}
-                for s in engine.run(ids, 1, sampling)
-            ]
+        with warmed_up(engine_spec(pair, cfg, prompt_ids, None), cfg, ids, sampling) as engine:
+            alone = [served.tpot_ms for served in engine.run(ids, 1, sampling)]
         engine_costs.append(serving.decode_cost(alone, "draft"))
         writer.write_csv("engine_costs.csv", engine_costs)
+
+
+@contextmanager
+def warmed_up(spec: EngineSpec, cfg: BenchConfig, ids: list[list[int]], sampling: Sampling) -> Iterator[Engine]:
+    """A started vLLM engine after --warmup untimed requests of the first prompt; stopped on exit."""
+    with Engine(spec) as engine:
+        for _ in range(cfg.warmup):
+            list(engine.run(ids[:1], 1, sampling))
+        yield engine
 
 
 def _served_baseline(records: list[dict], out: Path, concurrency: int) -> dict[int, Served]:
     """vLLM's baseline requests at a concurrency that a resumed run kept, rebuilt from their rows
     and outputs; empty for a fresh run."""
-    rows = [
-        r
-        for r in records
-        if r["engine"] == "vllm" and r["concurrency"] == concurrency and r["method"] == SERVED_BASELINE.name
-    ]
+    rows = serving.block(records, SERVED_BASELINE.name, concurrency)
     if not rows:
         return {}
     outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text(encoding="utf-8").splitlines()]

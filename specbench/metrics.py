@@ -121,12 +121,6 @@ def latency_figures(rs: list[dict]) -> dict:
     }
 
 
-def summed_hist(rs: list[dict]) -> list[int]:
-    """The accept_hist cells of records added up: verify rounds that accepted 0, 1, ..., K drafts."""
-    counts = [[int(x) for x in r["accept_hist"].split()] for r in rs if r["accept_hist"]]
-    return [sum(column) for column in zip(*counts, strict=True)] if counts else []
-
-
 def rate_of_sums(parts: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
     """sum(numerator) / sum(denominator) over prompts, as the summary sums tokens/s; with four columns
     (numerator, denominator, reference numerator, reference denominator) that rate over the

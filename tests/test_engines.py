@@ -62,7 +62,7 @@ def test_records_and_summary_of_requests_in_flight():
     assert first["ttft_ms"] == pytest.approx(50) and first["tpot_ms"] == pytest.approx(1000 * 0.15 / 3)
     assert (first["accepted"], first["target_forwards"], first["tau"]) == (2, 2, 2.0)
     assert (rows[3]["outputs_match"], rows[3]["first_divergence"]) == (False, 1)
-    costs = [serving.decode_cost([{"tpot_ms": 10.0}], "target"), serving.decode_cost([{"tpot_ms": 2.0}], "draft")]
+    costs = [serving.decode_cost([10.0], "target"), serving.decode_cost([2.0], "draft")]
     summary = serving.summarize(rows, costs, cfg, {"target": "t", "draft": "d", "dataset": "x"})
     assert [(r["method"], r["concurrency"]) for r in summary] == [("baseline", 2), ("draft", 2)]
     row = summary[1]
