@@ -113,6 +113,7 @@ class Results:
     plots: list[Path]
     greedy: bool
     predicted: list[dict] = field(default_factory=list)  # predicted.csv
+    forward: str = ""  # what ran specbench's forwards, and what building them took
 
 
 def benchmark(
@@ -150,6 +151,7 @@ def benchmark(
         "dataset": cfg.dataset,
         "device": str(pair.device),
         "dtype": str(pair.dtype).removeprefix("torch."),
+        "compile": forward_route(pair.target_lm),
         "prompts_hash": run_hash,
     }
     resolved = {
@@ -159,6 +161,13 @@ def benchmark(
         "weights": "random" if cfg.random_weights else "checkpoint",
         # Where accelerate put each module of the target (None: all on the device above).
         "device_map": placement(pair.target.model) if cfg.device_map else None,
+        # What runs each model's forward in specbench's loop, and what building it took (packing, padding choice).
+        "forward": {
+            role: {"route": forward_route(lm), "build_s": lm.fast.build_seconds if lm.fast else 0.0}
+            | ({"padded_rows": lm.fast.padding} if lm.fast and lm.fast.padding else {})
+            for role, lm in (("target", pair.target_lm), ("draft", pair.draft_lm))
+            if lm is not None
+        },
     }
     if "vllm" in cfg.engines:
         resolved["vllm"] = vllm_version()
@@ -225,7 +234,14 @@ def benchmark(
     else:
         title += f" on {cfg.dataset} ({len(prompts)} prompts)"
     notes = suggestions(summary, costs, cfg.ks) + noisy_costs(costs) if own else []
-    yield Results(out, title, summary, picks, notes, plots, cfg.sampling.greedy, predicted)
+    built = [(role, lm.fast) for role, lm in (("target", pair.target_lm), ("draft", pair.draft_lm)) if lm and lm.fast]
+    forward = ", ".join(f"{role} {fast.route} (built in {fast.build_seconds:.1f} s)" for role, fast in built)
+    yield Results(out, title, summary, picks, notes, plots, cfg.sampling.greedy, predicted, forward)
+
+
+def forward_route(lm) -> str:
+    """The compile column: what runs ``lm``'s forward in specbench's loop."""
+    return "eager" if lm is None or lm.fast is None else lm.fast.route
 
 
 def decode_all(

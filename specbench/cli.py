@@ -159,6 +159,8 @@ def _show(events, progress: Progress) -> None:
             f"best K for {method}: "
             + ", ".join(f"{label} K={p['k']} ({p['speedup']:.2f}x)" for label, p in picks.items())
         )
+    if results.forward:
+        console.print(f"forward: {results.forward}")
     for path in results.plots:
         console.print(f"plot: {path}")
     for line in results.suggestions:

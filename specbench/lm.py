@@ -9,6 +9,7 @@ from functools import cache
 import torch
 
 from .engine import DecodeResult
+from .fast import FastLlama
 from .kv import Window, retrieval_positions
 from .models import LoadedModel
 from .timing import ForwardLaps
@@ -63,8 +64,10 @@ class HFCausalLM:
     prefill_chunk = 0  # a plain forward over more tokens than this runs in chunks of it (0: whole)
     progress: Callable[[int, int], None] | None = None  # told (tokens done, tokens) after each chunk
 
-    def __init__(self, model, width: int, head_tokens: torch.Tensor | None = None):
+    def __init__(self, model, width: int, head_tokens: torch.Tensor | None = None, fast: FastLlama | None = None):
         self.model = model
+        self.fast = fast  # specbench's own forward over the same weights (fast.py), or None: transformers'
+        self.fast_head = None  # (the shortlisted head, its linear map in the fast forward)
         self.width = width  # logits beyond the shared width are dropped so p and q align
         self.device = model.device
         self.queries: list[torch.Tensor] | None = None  # see watch_queries
@@ -78,6 +81,8 @@ class HFCausalLM:
     def refresh(self, more_tokens: torch.Tensor) -> None:
         """After the weights changed (online updates): gather the shortlisted head again from them,
         with ``more_tokens`` added to the shortlist. Takes effect at the next ``reset``."""
+        if self.fast is not None:  # its packed copies of the weights are stale
+            self.fast = FastLlama(self.model, self.fast.packed)
         if self.head_tokens is None:
             return  # the full projection reads the weights themselves
         more = more_tokens.to(self.device)
@@ -119,15 +124,19 @@ class HFCausalLM:
         if positions is None:
             positions = torch.arange(past, past + n, device=self.device)
         inputs["position_ids"] = positions.to(self.device).view(1, -1)  # transformers feeds these to RoPE as given
-        if mask is not None:
-            if mask.shape != (n, past + n):
-                raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({n}, {past + n})")
-            # A 4D mask reaches attention untouched. Additive and in the model's dtype, because eager
-            # attention adds it to the scores (a bool would be added as 0/1); sdpa accepts it as well.
-            dtype = self.model.dtype
-            additive = torch.zeros(mask.shape, dtype=dtype, device=self.device)
-            inputs["attention_mask"] = additive.masked_fill_(~mask.to(self.device), torch.finfo(dtype).min)[None, None]
+        if mask is not None:  # a 4D mask reaches attention untouched
+            inputs["attention_mask"] = self._additive(mask, past)[None, None]
         return inputs
+
+    def _additive(self, mask: torch.Tensor, past: int) -> torch.Tensor:
+        """A bool mask [n, past + n] as attention takes it: additive, in the model's dtype (eager
+        attention adds a mask to the scores, so a bool would be added as 0/1; sdpa accepts this too)."""
+        n = mask.shape[0]
+        if mask.shape != (n, past + n):
+            raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({n}, {past + n})")
+        dtype = self.model.dtype
+        additive = torch.zeros(mask.shape, dtype=dtype, device=self.device)
+        return additive.masked_fill_(~mask.to(self.device), torch.finfo(dtype).min)
 
     def prefill(self, prompt_ids: torch.Tensor) -> None:
         """Start a new sequence with the prompt."""
@@ -180,7 +189,7 @@ class HFCausalLM:
     def _forward(
         self, token_ids: torch.Tensor, last: int, positions: torch.Tensor | None, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        if self.queries is None:
+        if self.queries is None or self.fast is not None:  # the fast forward records queries itself
             return self._call(token_ids, last, positions, mask)
         layers = self.model.base_model.layers
         hooks = [
@@ -198,6 +207,8 @@ class HFCausalLM:
     def _call(
         self, token_ids: torch.Tensor, last: int, positions: torch.Tensor | None, mask: torch.Tensor | None
     ) -> torch.Tensor:
+        if self.fast is not None:
+            return self._fast_call(token_ids, last, positions, mask)
         inputs = self._inputs(token_ids, positions, mask)
         if self.head_tokens is None:
             out = self.model(**inputs, logits_to_keep=last)
@@ -206,6 +217,27 @@ class HFCausalLM:
         hidden = self.model.base_model(**inputs).last_hidden_state[0, -last:]
         logits = torch.full((last, self.width), float("-inf"), dtype=hidden.dtype, device=self.device)
         logits[:, self.head_ids] = hidden @ self.head.T
+        return logits
+
+    def _fast_call(
+        self, token_ids: torch.Tensor, last: int, positions: torch.Tensor | None, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        n, past = token_ids.shape[0], self.cache.get_seq_length()
+        if positions is None:
+            positions = torch.arange(past, past + n, device=self.device)
+        if mask is None and n > 1:  # a causal append: each token sees the cache and the tokens before it
+            mask = torch.ones(n, past + n, dtype=torch.bool, device=self.device).tril(past)
+        if mask is not None:
+            mask = self._additive(mask, past)
+        ids = token_ids.to(self.device)
+        hidden = self.fast.hidden(ids, positions.to(self.device), self.cache, mask, last, self.queries)
+        if self.head_tokens is None:
+            return self.fast.logits(hidden)[:, : self.width]
+        self._read(ids)
+        if self.fast_head is None or self.fast_head[0] is not self.head:  # the shortlist grew: pack it again
+            self.fast_head = self.head, self.fast.linear(self.head)
+        logits = torch.full((last, self.width), float("-inf"), dtype=hidden.dtype, device=self.device)
+        logits[:, self.head_ids] = self.fast_head[1](hidden)
         return logits
 
     @torch.inference_mode()  # the cache holds inference tensors, which only change in place in this mode
@@ -233,9 +265,9 @@ class PartialLM(HFCausalLM):
     """A model whose cache holds part of the sequence it reads, as ``window`` (a kv.Window) keeps
     account; ``length`` is the sequence's."""
 
-    def __init__(self, model, width: int, head_tokens, window: Window):
+    def __init__(self, model, width: int, head_tokens, window: Window, fast: FastLlama | None = None):
         self.window = window
-        super().__init__(model, width, head_tokens)
+        super().__init__(model, width, head_tokens, fast)
 
     def reset(self) -> None:
         super().reset()
@@ -257,9 +289,11 @@ class CacheView(PartialLM):
     only the sinks and the most recent positions, ``budget`` in all, cutting the window back every
     EVICT_SLACK tokens (the target over a window of its own cache)."""
 
-    def __init__(self, model, width: int, head_tokens=None, budget: int = 0, streaming: bool = False):
+    def __init__(
+        self, model, width: int, head_tokens=None, budget: int = 0, streaming: bool = False, fast: FastLlama | None = None
+    ):
         self.streaming = streaming
-        super().__init__(model, width, head_tokens, Window(budget))
+        super().__init__(model, width, head_tokens, Window(budget), fast)
 
     def _call(self, token_ids, last, positions, mask):
         if mask is not None:
@@ -298,7 +332,7 @@ class SparseView(CacheView):
 
     def __init__(self, full: HFCausalLM, budget: int, policy: str):
         self.full, self.policy = full, policy
-        super().__init__(full.model, full.width, None, budget, streaming=policy == "window")
+        super().__init__(full.model, full.width, None, budget, streaming=policy == "window", fast=full.fast)
 
     def watch(self) -> None:
         """Call before the target's prefill: retrieval scores chunks with the last prompt token's queries."""
@@ -352,8 +386,8 @@ class WindowLM(PartialLM):
     newest, at positions 0..: a forward of at most ``budget`` tokens every ``EVICT_SLACK`` tokens.
     A long prompt is read the same way, as its window only. ``length`` is the sequence's."""
 
-    def __init__(self, model, width: int, head_tokens=None, budget: int = 256):
-        super().__init__(model, width, head_tokens, Window(budget))
+    def __init__(self, model, width: int, head_tokens=None, budget: int = 256, fast: FastLlama | None = None):
+        super().__init__(model, width, head_tokens, Window(budget), fast)
 
     def reset(self) -> None:
         super().reset()

@@ -165,7 +165,8 @@ DRAFT_WINDOW = Option(
 
 def draft_window(pair: Pair, cfg) -> WindowLM:
     """The draft model over a streaming window of --draft-window positions (speculative-window, triforce)."""
-    return WindowLM(pair.draft_lm.model, pair.draft_lm.width, pair.draft.head_tokens, cfg.draft_window)
+    lm = pair.draft_lm
+    return WindowLM(lm.model, lm.width, pair.draft.head_tokens, cfg.draft_window, lm.fast)
 
 
 @dataclass(frozen=True)
@@ -326,7 +327,7 @@ class Online(Speculative):
 
     def begin_run(self, pair, cfg, step):
         online = OnlineConfig(cfg.online_every, cfg.online_steps, cfg.online_lr)
-        step.state = OnlineLearner(pair.draft, pair.draft_lm.width, online, pair.device)
+        step.state = OnlineLearner(pair.draft, pair.draft_lm.width, online, pair.device, pair.draft_lm.fast is not None)
 
     def drafter(self, pair, cfg, step, generator):
         return ModelDrafter(TimedLM(step.state.lm, pair.clock, "draft"), cfg.sampling, generator)

@@ -20,6 +20,7 @@ import torch
 
 from .distill import Example, collate, kd_loss, labelled_logits, save_checkpoint
 from .engine import DecodeResult, Round
+from .fast import FastLlama
 from .lm import HFCausalLM
 from .models import LoadedModel
 from .timing import synchronize
@@ -68,11 +69,12 @@ class Learned:
 class OnlineLearner:
     """A run's learning copy of the draft: ``lm`` decodes, a float32 ``student`` trains."""
 
-    def __init__(self, draft: LoadedModel, width: int, cfg: OnlineConfig, device: torch.device):
+    def __init__(self, draft: LoadedModel, width: int, cfg: OnlineConfig, device: torch.device, fast: bool = False):
         self.draft, self.cfg, self.device = draft, cfg, device
         self.student = copy.deepcopy(draft.model).to(device=device, dtype=torch.float32).train()
         # The shipped draft is never changed: both copies are the learner's own.
-        self.lm = HFCausalLM(copy.deepcopy(draft.model).eval(), width, draft.head_tokens)
+        decoding = copy.deepcopy(draft.model).eval()
+        self.lm = HFCausalLM(decoding, width, draft.head_tokens, FastLlama(decoding) if fast else None)
         # Only the decoder layers learn. The embedding is also the (tied) head: every one of its rows
         # gets a gradient through the softmax, and Adam would move each by about the learning rate
         # whatever that gradient's size, reshaping the whole vocabulary after a few lessons.

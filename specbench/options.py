@@ -241,6 +241,13 @@ RUN: tuple[Option, ...] = (
         low=0,
     ),
     Option(
+        "compile",
+        True,
+        "specbench's own forward for Llama-architecture models (docs/methodology.md#fast-path): on a CPU the "
+        "weights packed once for oneDNN's kernels, row counts run at the size measured fastest; on CUDA "
+        "torch.compile. --no-compile runs transformers' eager forward. The hf-* methods always run transformers'.",
+    ),
+    Option(
         "prefill_chunk",
         512,
         "Prefill prompts longer than this in chunks of it, so memory stays bounded (0: one forward).",

@@ -15,6 +15,7 @@ import torch
 
 from .errors import SpecbenchError
 from .files import write_text
+from .fast import FastLlama, unsupported
 from .lm import HFCausalLM
 from .models import (
     LoadedModel,
@@ -109,14 +110,24 @@ def load_pair(cfg) -> Pair:
         if cfg.device_map and (warning := offload_warning(placement(target.model))):
             log.warning(warning)
     if not cfg.needs_draft:
-        return Pair(target, HFCausalLM(target.model, target.width), None, None, device, dtype)
+        return Pair(target, HFCausalLM(target.model, target.width, fast=fast_forward(target, cfg)), None, None, device, dtype)
     draft = (
         random_model(cfg.draft, device, dtype, cfg.seed + 1) if cfg.random_weights else load(cfg.draft, device, dtype)
     )
     width = shared_width(target, draft)
-    return Pair(
-        target, HFCausalLM(target.model, width), draft, HFCausalLM(draft.model, width, draft.head_tokens), device, dtype
-    )
+    target_lm = HFCausalLM(target.model, width, fast=fast_forward(target, cfg))
+    draft_lm = HFCausalLM(draft.model, width, draft.head_tokens, fast_forward(draft, cfg))
+    return Pair(target, target_lm, draft, draft_lm, device, dtype)
+
+
+def fast_forward(model: LoadedModel, cfg) -> FastLlama | None:
+    """specbench's own forward for ``model`` (--compile), or None for transformers' eager one."""
+    if not cfg.compile:
+        return None
+    if reason := unsupported(model.model):
+        log.info("%s runs transformers' eager forward: %s", model.name, reason)
+        return None
+    return FastLlama(model.model)
 
 
 def encode_prompts(pair: Pair, prompts: list[Prompt], cfg) -> list[torch.Tensor]:

@@ -170,6 +170,7 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
             **run,
             **metrics.latency_figures(rs),
             "engine": method.engine,
+            "compile": run_info["compile"] if method.engine == "torch" else "eager",  # hf-*: transformers' own
             "concurrency": 1,
             "throughput": tokens / seconds,  # one request at a time: its rate
             "throughput_speedup": speedup,

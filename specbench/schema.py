@@ -37,6 +37,17 @@ COLUMNS: tuple[Column, ...] = (
     Column("device", CONFIG, None, "", "torch device the run used", files="summary"),
     Column("dtype", CONFIG, None, "", "weights' dtype", files="summary"),
     Column(
+        "compile",
+        CONFIG,
+        None,
+        "",
+        "the target's forward: packed (specbench's, oneDNN-packed weights on CPU), inductor (specbench's under "
+        "torch.compile, CUDA), own (specbench's, unpacked), eager (transformers': --no-compile and the hf-* methods), "
+        "vllm",
+        header="forward",
+        files="summary",
+    ),
+    Column(
         "prompts_hash",
         CONFIG,
         None,

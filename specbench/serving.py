@@ -142,6 +142,7 @@ def summarize(records: list[dict], costs: list[dict], cfg, run_info: dict) -> li
                     **run_info,
                     **metrics.latency_figures(rs),
                     "engine": ENGINE,
+                    "compile": ENGINE,
                     "concurrency": concurrency,
                     "method": method.name,
                     "k": k,
