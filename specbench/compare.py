@@ -42,7 +42,11 @@ OPTIONAL_KEYS = [
     "num_prompts",
     "seed",
 ]  # keys only when both files have them
-CONTEXT = ["device", "dtype", "compile"]  # not keys, so CI and a laptop still match on alpha; but timings become incomparable
+CONTEXT = [
+    "device",
+    "dtype",
+    "compile",
+]  # not keys, so CI and a laptop still match on alpha; but timings become incomparable
 METRICS = [c.name for c in schema.COLUMNS if c.name in schema.SUMMARY and c.kind != schema.CONFIG and c.better]
 RELATIVE = {c.name for c in schema.COLUMNS if c.kind == schema.TIMING}  # noisy, so judged with a relative tolerance
 PER_PROMPT = schema.RATES  # rates whose change gets a paired-bootstrap interval over the prompts

@@ -5,9 +5,10 @@ that product streams the weights in a layout that suits neither one row nor a fe
 AMD EPYC the LM head of SmolLM2-135M took 9.6 ms for one row, 22 ms for two and 32 ms for three,
 so a 3-token verification cost two one-token forwards. Here every weight is reordered once, at
 load, into oneDNN's blocked layout (what inductor's weight freezing does inside torch.compile):
-the same head then takes about 4 ms for any of 1 to 8 rows, and the whole one-token forward a
-third less. On CUDA the forward is compiled by torch.compile (inductor), which fuses the small
-kernels that bound an eager forward at batch 1.
+the same head then takes about 4 ms for any of 1 to 8 rows, the one-token forward half the time
+(29.9 against 59.8 ms), and forwards of 2 to 6 tokens about as long as one. On CUDA the
+elementwise work is compiled by torch.compile (inductor), which fuses the small kernels that
+bound an eager forward at batch 1 (not timed here: the project has no GPU).
 
 The forward is written against the transformers model's own modules and cache object, so
 everything the engine does with a cache (append, crop, keep a tree path, the partial views of
@@ -109,11 +110,16 @@ def padded_rows(linears: list[Linear], dtype: torch.dtype, repeats: int = 5) -> 
             stack(n)
             if repeat:
                 seconds[n].append(time.perf_counter() - start)
-    median = {n: sorted(times)[len(times) // 2] for n, times in seconds.items()}
+    return fastest_rows({n: sorted(times)[len(times) // 2] for n, times in seconds.items()})
+
+
+def fastest_rows(seconds: dict[int, float]) -> dict[int, int]:
+    """For each row count n, the row count m >= n with the shortest time in ``seconds``; n itself
+    unless m saves more than 1 - PADDING_GAIN of n's time (so noise does not pick padding)."""
     choice = {}
-    for n in sizes:
-        best = min((m for m in sizes if m >= n), key=median.get)
-        choice[n] = best if median[best] <= PADDING_GAIN * median[n] else n
+    for n in seconds:
+        best = min((m for m in seconds if m >= n), key=seconds.get)
+        choice[n] = best if seconds[best] <= PADDING_GAIN * seconds[n] else n
     return choice
 
 
@@ -148,7 +154,7 @@ class FastLlama:
     """A Llama model's decoder, run by specbench: ``hidden(ids, positions, cache, mask)`` returns
     the final normed hidden states, as ``model.model(...).last_hidden_state`` would."""
 
-    def __init__(self, model, packed: bool | None = None):
+    def __init__(self, model, packed: bool | None = None, compiled: bool | None = None):
         start = time.perf_counter()
         config, base = model.config, model.model
         self.device, self.dtype = model.device, model.dtype
@@ -176,7 +182,7 @@ class FastLlama:
             linears = [m for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
             self.padding.update(padded_rows([*linears, self.head], self.dtype))
         self._rms, self._rope, self._swiglu = rms_norm, rope, swiglu
-        self.compiled = self.device.type == "cuda"
+        self.compiled = self.device.type == "cuda" if compiled is None else compiled
         if self.compiled:  # the elementwise work around the matrix products, fused (launches bound batch 1)
             self._rms, self._rope, self._swiglu = (torch.compile(f, dynamic=True) for f in (rms_norm, rope, swiglu))
         self.build_seconds = time.perf_counter() - start

@@ -82,7 +82,7 @@ class HFCausalLM:
         """After the weights changed (online updates): gather the shortlisted head again from them,
         with ``more_tokens`` added to the shortlist. Takes effect at the next ``reset``."""
         if self.fast is not None:  # its packed copies of the weights are stale
-            self.fast = FastLlama(self.model, self.fast.packed)
+            self.fast = FastLlama(self.model, self.fast.packed, self.fast.compiled)
         if self.head_tokens is None:
             return  # the full projection reads the weights themselves
         more = more_tokens.to(self.device)
@@ -290,7 +290,13 @@ class CacheView(PartialLM):
     EVICT_SLACK tokens (the target over a window of its own cache)."""
 
     def __init__(
-        self, model, width: int, head_tokens=None, budget: int = 0, streaming: bool = False, fast: FastLlama | None = None
+        self,
+        model,
+        width: int,
+        head_tokens=None,
+        budget: int = 0,
+        streaming: bool = False,
+        fast: FastLlama | None = None,
     ):
         self.streaming = streaming
         super().__init__(model, width, head_tokens, Window(budget), fast)

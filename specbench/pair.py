@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from .errors import SpecbenchError
-from .files import write_text
 from .fast import FastLlama, unsupported
+from .files import write_text
 from .lm import HFCausalLM
 from .models import (
     LoadedModel,
@@ -110,7 +110,9 @@ def load_pair(cfg) -> Pair:
         if cfg.device_map and (warning := offload_warning(placement(target.model))):
             log.warning(warning)
     if not cfg.needs_draft:
-        return Pair(target, HFCausalLM(target.model, target.width, fast=fast_forward(target, cfg)), None, None, device, dtype)
+        return Pair(
+            target, HFCausalLM(target.model, target.width, fast=fast_forward(target, cfg)), None, None, device, dtype
+        )
     draft = (
         random_model(cfg.draft, device, dtype, cfg.seed + 1) if cfg.random_weights else load(cfg.draft, device, dtype)
     )

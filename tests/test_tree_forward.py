@@ -5,6 +5,7 @@ the cache as if only that path had been decoded."""
 import pytest
 import torch
 
+from specbench.fast import FastLlama
 from specbench.lm import HFCausalLM
 from specbench.models import load
 from specbench.tree import tree_inputs
@@ -104,9 +105,27 @@ def target_model(request, tiny_pair):
     return model
 
 
-def wrap(model, shortlisted: bool) -> HFCausalLM:
+# transformers' forward (with sdpa or eager attention), and specbench's fast forward (fast.py) with
+# the modules' weights and with oneDNN-packed ones: each must keep the engine's cache contract.
+FORWARDS = ["transformers-sdpa", "transformers-eager", "fast-own", "fast-packed"]
+
+
+@pytest.fixture(scope="module", params=FORWARDS)
+def target_lm(request, tiny_pair):
+    """A function (shortlisted) -> a fresh HFCausalLM of the tiny target, on the forward of the param."""
+    if request.param == "transformers-eager":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(tiny_pair[0], attn_implementation="eager").eval()
+    else:
+        model = load(tiny_pair[0], CPU, F32).model
+    fast = FastLlama(model, packed=request.param == "fast-packed") if request.param.startswith("fast") else None
+    return lambda shortlisted: wrap(model, shortlisted, fast)
+
+
+def wrap(model, shortlisted: bool, fast: FastLlama | None = None) -> HFCausalLM:
     width = model.get_output_embeddings().weight.shape[0]
-    return HFCausalLM(model, width, torch.arange(0, width, 3) if shortlisted else None)
+    return HFCausalLM(model, width, torch.arange(0, width, 3) if shortlisted else None, fast)
 
 
 def linear(lm: HFCausalLM, prefix: torch.Tensor, tokens: list[int]) -> torch.Tensor:
@@ -138,8 +157,8 @@ def prompt_and_nodes(lm: HFCausalLM, n: int) -> tuple[torch.Tensor, list[int]]:
 
 
 @pytest.mark.parametrize("shortlisted", [False, True])
-def test_tree_forward_scores_every_node_as_a_linear_decode_of_its_branch(target_model, shortlisted):
-    lm = wrap(target_model, shortlisted)
+def test_tree_forward_scores_every_node_as_a_linear_decode_of_its_branch(target_lm, shortlisted):
+    lm = target_lm(shortlisted)
     prefix, nodes = prompt_and_nodes(lm, len(PARENTS))
     logits = tree_round(lm, prefix, nodes, PARENTS)
     assert logits.shape == (len(nodes), lm.width)
@@ -149,8 +168,8 @@ def test_tree_forward_scores_every_node_as_a_linear_decode_of_its_branch(target_
 
 @pytest.mark.parametrize("shortlisted", [False, True])
 @pytest.mark.parametrize("accepted", [ACCEPTED, [0, 2, 5], [1]])
-def test_keeping_an_accepted_path_leaves_the_cache_of_a_linear_decode(target_model, shortlisted, accepted):
-    lm = wrap(target_model, shortlisted)
+def test_keeping_an_accepted_path_leaves_the_cache_of_a_linear_decode(target_lm, shortlisted, accepted):
+    lm = target_lm(shortlisted)
     prefix, nodes = prompt_and_nodes(lm, len(PARENTS) + 1)
     nodes, bonus = nodes[:-1], nodes[-1]
     tree_round(lm, prefix, nodes, PARENTS)
@@ -168,8 +187,8 @@ def test_keeping_an_accepted_path_leaves_the_cache_of_a_linear_decode(target_mod
     assert_same_scores(second[2], linear(lm, prefix, path + [bonus, nodes[2]]))
 
 
-def test_keep_of_a_prefix_is_the_old_crop_and_of_nothing_drops_all_new(target_model):
-    lm = wrap(target_model, False)
+def test_keep_of_a_prefix_is_the_old_crop_and_of_nothing_drops_all_new(target_lm):
+    lm = target_lm(False)
     prefix, chain = prompt_and_nodes(lm, 6)
     chain, bonus = chain[:5], chain[5]
     for kept in range(len(chain) + 1):
@@ -185,8 +204,8 @@ def test_keep_of_a_prefix_is_the_old_crop_and_of_nothing_drops_all_new(target_mo
     assert lm.cache.get_seq_length() == before
 
 
-def test_a_chain_mask_gives_the_ordinary_forward(target_model):
-    lm = wrap(target_model, False)
+def test_a_chain_mask_gives_the_ordinary_forward(target_lm):
+    lm = target_lm(False)
     prefix, nodes = prompt_and_nodes(lm, 4)
     lm.reset()
     lm.forward(prefix)
@@ -197,8 +216,8 @@ def test_a_chain_mask_gives_the_ordinary_forward(target_model):
     torch.testing.assert_close(masked, lm.forward(torch.tensor(nodes), last=4))
 
 
-def test_a_mask_of_the_wrong_shape_is_refused(target_model):
-    lm = wrap(target_model, False)
+def test_a_mask_of_the_wrong_shape_is_refused(target_lm):
+    lm = target_lm(False)
     lm.reset()
     lm.forward(torch.tensor([1, 2, 3]))
     _, mask = tree_inputs([-1, 0], 2, CPU)

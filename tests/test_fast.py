@@ -1,0 +1,166 @@
+"""specbench's fast forward (fast.py, --compile): transformers' arithmetic, the engine's cache
+contract (test_tree_forward runs its cache tests on it too), the row padding it measures, and
+exactness: speculative sampling through it still draws from the target's law."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+from specbench.engine import ModelDrafter, speculative_decode
+from specbench.fast import PADDED_UP_TO, FastLlama, fastest_rows, padded_rows, unsupported
+from specbench.lm import CacheView, HFCausalLM
+from specbench.models import load
+from specbench.sampling import SamplingConfig
+from specbench.tree import tree_inputs
+
+from .toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, law_p
+
+CPU, F32 = torch.device("cpu"), torch.float32
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+    return load(tiny_pair[0], CPU, F32).model
+
+
+def scores(lm: HFCausalLM, prefix: torch.Tensor, chain: torch.Tensor, parents: list[int]) -> list[torch.Tensor]:
+    """Logits of a prefill, a chain forward and a tree forward on top of it, with the shortlist on."""
+    lm.reset()
+    out = [lm.forward(prefix, last=2), lm.forward(chain, last=len(chain))]
+    positions, mask = tree_inputs(parents, lm.length, CPU)
+    out.append(lm.forward(chain[: len(parents)], last=len(parents), positions=positions, mask=mask))
+    return out
+
+
+@pytest.mark.parametrize("shortlisted", [False, True])
+def test_the_own_forward_is_transformers_arithmetic(target, shortlisted):
+    # With the modules' own weights the fast forward runs transformers' operations in transformers'
+    # order: the logits are equal bit for bit, prefill, chain and tree alike.
+    width = target.get_output_embeddings().weight.shape[0]
+    head = torch.arange(0, width, 3) if shortlisted else None
+    prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
+    want = scores(HFCausalLM(target, width, head), prefix, chain, [-1, 0, 0])
+    got = scores(HFCausalLM(target, width, head, FastLlama(target, packed=False)), prefix, chain, [-1, 0, 0])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_packed_weights_move_the_logits_by_rounding_only(target):
+    width = target.get_output_embeddings().weight.shape[0]
+    fast = FastLlama(target, packed=True)
+    assert fast.route == "packed" and sorted(fast.padding) == list(range(1, PADDED_UP_TO + 1))
+    prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
+    want = scores(HFCausalLM(target, width), prefix, chain, [-1, 0, 0])
+    for padding in (dict(fast.padding), {n: PADDED_UP_TO for n in fast.padding}, {}):
+        fast.padding.clear()
+        fast.padding.update(padding)
+        got = scores(HFCausalLM(target, width, fast=fast), prefix, chain, [-1, 0, 0])
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+            assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+@pytest.mark.slow
+def test_the_compiled_forward_scores_as_the_own_one(target):
+    # The CUDA route (torch.compile of the elementwise work, dynamic shapes) compiled here on CPU:
+    # every forward size of a run goes through the same graphs, with transformers' scores.
+    width = target.get_output_embeddings().weight.shape[0]
+    compiled = FastLlama(target, packed=False, compiled=True)
+    assert compiled.route == "inductor"
+    prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
+    want = scores(HFCausalLM(target, width, fast=FastLlama(target, packed=False)), prefix, chain, [-1, 0, 0])
+    got = scores(HFCausalLM(target, width, fast=compiled), prefix, chain, [-1, 0, 0])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cache_view_reads_true_positions_on_the_fast_forward(target):
+    # A view gives each token its position in the sequence itself (RoPE), through the fast forward too.
+    width = target.get_output_embeddings().weight.shape[0]
+    fast = FastLlama(target, packed=False)
+    views = [CacheView(target, width, budget=64), CacheView(target, width, budget=64, fast=fast)]
+    ids = torch.arange(3, 50)
+    out = [(view.prefill(ids), view.forward(torch.tensor([5, 6]), last=2))[1] for view in views]
+    assert torch.equal(out[0], out[1])
+
+
+def test_the_fastest_row_count_is_chosen_only_when_it_clearly_pays():
+    seconds = {1: 22.7, 2: 26.5, 3: 21.0, 4: 19.0, 5: 19.3, 6: 20.0, 7: 24.0, 8: 25.0}
+    assert fastest_rows(seconds) == {1: 4, 2: 4, 3: 4, 4: 4, 5: 5, 6: 6, 7: 7, 8: 8}
+    assert fastest_rows({1: 10.0, 2: 9.8, 3: 12.0}) == {1: 1, 2: 2, 3: 3}  # 2% is noise, not a reason to pad
+
+
+def test_padded_rows_measures_every_size_up_to_the_limit(target):
+    fast = FastLlama(target, packed=True)
+    choice = padded_rows([layer.qkv for layer in fast.layers] + [fast.head], F32, repeats=1)
+    assert sorted(choice) == list(range(1, PADDED_UP_TO + 1))
+    assert all(n <= m <= PADDED_UP_TO for n, m in choice.items())
+
+
+def test_models_beyond_the_fast_path_say_why(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    assert "gpt2" in unsupported(gpt2)
+    biased = LlamaForCausalLM(
+        LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, attention_bias=True, vocab_size=50)
+    )
+    assert "biases" in unsupported(biased)
+
+
+# ---------------------------------------------------------------- exactness through the fast forward
+
+
+class LawLM(HFCausalLM):
+    """A tiny Llama of VOCAB tokens on the fast forward, whose exact law transformers computes: the
+    logits after a context are its eager forward over the whole context, without a cache."""
+
+    def __init__(self, model, packed: bool):
+        super().__init__(model, model.config.vocab_size, fast=FastLlama(model, packed=packed))
+        self.vocab = model.config.vocab_size
+
+    @torch.inference_mode()
+    def logits_after(self, context: list[int]) -> torch.Tensor:
+        return self.model(input_ids=torch.tensor([context])).logits[0, -1]
+
+
+def tiny_law_model(seed: int, tmp_path) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=3, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(8)  # a law far from uniform, so a wrong cache shows
+    model.save_pretrained(tmp_path / f"law{seed}")
+    return AutoModelForCausalLM.from_pretrained(tmp_path / f"law{seed}").eval()
+
+
+def sampled_law_p(target: LawLM, draft: LawLM, k: int) -> float:
+    cfg, generator = SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0)
+    drafter = ModelDrafter(draft, cfg, generator)
+    from collections import Counter
+
+    counts = Counter(
+        tuple(speculative_decode(target, drafter, torch.tensor(PROMPT), k, LENGTH, cfg, generator).tokens)
+        for _ in range(SAMPLES)
+    )
+    return law_p(target, cfg, counts)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("packed", [False, True])
+def test_speculative_sampling_on_the_fast_forward_matches_the_target_law(tmp_path, one_thread, packed):
+    target, draft = LawLM(tiny_law_model(1, tmp_path), packed), LawLM(tiny_law_model(2, tmp_path), packed)
+    assert sampled_law_p(target, draft, k=2) > P_FLOOR
+
+
+@pytest.mark.slow
+def test_the_test_catches_a_fast_forward_that_misplaces_its_rows(tmp_path, one_thread, monkeypatch):
+    # A verification forward whose rows come back one place off: each drafted token is judged by the
+    # distribution of the position before it. One-token forwards are unaffected.
+    target, draft = LawLM(tiny_law_model(1, tmp_path), True), LawLM(tiny_law_model(2, tmp_path), True)
+    hidden = FastLlama.hidden
+    monkeypatch.setattr(FastLlama, "hidden", lambda self, *args, **kw: hidden(self, *args, **kw).roll(1, 0))
+    assert sampled_law_p(target, draft, k=2) < P_FLOOR
