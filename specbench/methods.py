@@ -27,6 +27,7 @@ from .engine import (
     PromptLookupDrafter,
     TreeDrafter,
     autoregressive_decode,
+    heuristic_k,
     speculative_decode,
     tree_parents,
 )
@@ -34,19 +35,21 @@ from .errors import SpecbenchError
 from .kv import SINKS
 from .lm import HFCausalLM, SparseView, WindowLM, hf_generate
 from .online import Learned, OnlineConfig, OnlineLearner, rejection
-from .options import Option, methods_given
+from .options import CONFIDENCE, FIXED, HEURISTIC, K_POLICIES, Option, names_given
 from .pair import Pair
 from .timing import TimedDrafter, TimedLM
 
 
 @dataclass(eq=False)
 class Decoder:
-    """One way of decoding a prompt: a method with its lookahead K (a tree's depth) and tree shape,
-    and what the method keeps between the prompts of a run (``state``: online's learner)."""
+    """One way of decoding a prompt: a method with its lookahead K (a tree's depth), tree shape and
+    lookahead policy, and what the method keeps between the prompts of a run (``state``: online's
+    learner)."""
 
     method: Method
     k: int | None = None
     tree: tuple[int, ...] | None = None
+    k_policy: str = FIXED
     state: object = None
 
     @property
@@ -55,10 +58,30 @@ class Decoder:
         return ",".join(map(str, self.tree)) if self.tree else ""
 
     @property
+    def policy(self) -> str:
+        """The ``k_policy`` column: how K is chosen each round ("" for a method without K)."""
+        return self.k_policy if self.method.drafts else ""
+
+    @property
     def label(self) -> str:
         if self.tree:
             return f"{self.method.name} tree={self.shape}"
-        return f"{self.method.name} K={self.k}" if self.k else self.method.name
+        label = f"{self.method.name} K={self.k}" if self.k else self.method.name
+        return label if self.k_policy == FIXED else f"{label} {self.k_policy}"
+
+    def settings(self, cfg) -> str:
+        """The ``options`` column: the method's own settings, and the confidence policy's threshold."""
+        policy = f"draft_p_min={cfg.draft_p_min}" if self.k_policy == CONFIDENCE else ""
+        return ",".join(part for part in (self.method.settings(cfg), policy) if part)
+
+    @property
+    def schedule(self) -> Callable[[int, int, int], int] | None:
+        """What sets K round by round (engine.speculative_decode's ``schedule``): None keeps it."""
+        return heuristic_k if self.k_policy == HEURISTIC else None
+
+    def p_min(self, cfg) -> float | None:
+        """Where a ModelDrafter stops a round (--draft-p-min) under the confidence policy; None: it drafts K."""
+        return cfg.draft_p_min if self.k_policy == CONFIDENCE else None
 
 
 class Method:
@@ -72,6 +95,7 @@ class Method:
     inner_level = ""  # what proposes beneath the drafting model, in a method of several levels
     levels: tuple[Level, ...] = ()  # drafting models whose one-token forward the cost measurement times
     options: tuple[Option, ...] = ()  # the run options it owns (a flag each, a configuration field each)
+    k_policies: tuple[str, ...] = (FIXED,)  # how it can choose K round by round (--k-policy; one row each)
     engine = "torch"  # whose implementation decodes: specbench's loop, transformers' (hf) or vLLM's
     counterpart = ""  # the vLLM method that does the same, run in its place under --engine vllm
     reference = ""  # the method its speedup is over when not specbench's baseline (its engine's own)
@@ -114,7 +138,11 @@ class Baseline(Method):
 
 
 class SpeculativeLoop(Method):
-    """A method that runs specbench's own speculative loop with its own drafter."""
+    """A method that runs specbench's own speculative loop with its own drafter. The loop can set K
+    round by round (heuristic) whatever the drafter; a method whose drafter is a ModelDrafter given
+    the decoder's p_min opts in to the confidence policy too (k_policies = K_POLICIES)."""
+
+    k_policies = (FIXED, HEURISTIC)
 
     def drafter(self, pair: Pair, cfg, step: Decoder, generator: torch.Generator) -> Drafter:
         raise NotImplementedError
@@ -122,7 +150,16 @@ class SpeculativeLoop(Method):
     def decode(self, pair, cfg, step, ids, generator, on_round=None):
         drafter = self.drafter(pair, cfg, step, generator)
         return speculative_decode(
-            pair.target_lm, drafter, ids, step.k, cfg.max_new_tokens, cfg.sampling, generator, pair.stop_ids, on_round
+            pair.target_lm,
+            drafter,
+            ids,
+            step.k,
+            cfg.max_new_tokens,
+            cfg.sampling,
+            generator,
+            pair.stop_ids,
+            on_round,
+            step.schedule,
         )
 
 
@@ -133,12 +170,13 @@ class Speculative(SpeculativeLoop):
         True,
     )
     counterpart = "draft"
+    k_policies = K_POLICIES  # a ModelDrafter given step.p_min: it can stop where unsure
 
     def c(self, costs):
         return costs.c
 
     def drafter(self, pair, cfg, step, generator):
-        return ModelDrafter(pair.draft_lm, cfg.sampling, generator)
+        return ModelDrafter(pair.draft_lm, cfg.sampling, generator, step.p_min(cfg))
 
 
 KV_BUDGET = Option(
@@ -193,6 +231,7 @@ class SpeculativeWindow(SpeculativeLoop):
     draft_level = "draft model over its window"
     levels = (DRAFT_WINDOW_LEVEL,)
     options = (DRAFT_WINDOW,)
+    k_policies = K_POLICIES  # a ModelDrafter given step.p_min: it can stop where unsure
 
     def c(self, costs):
         return costs.level_c(DRAFT_WINDOW_LEVEL.name)
@@ -201,7 +240,7 @@ class SpeculativeWindow(SpeculativeLoop):
         step.state = draft_window(pair, cfg)
 
     def drafter(self, pair, cfg, step, generator):
-        return ModelDrafter(TimedLM(step.state, pair.clock, "draft"), cfg.sampling, generator)
+        return ModelDrafter(TimedLM(step.state, pair.clock, "draft"), cfg.sampling, generator, step.p_min(cfg))
 
 
 class PromptLookup(SpeculativeLoop):
@@ -269,6 +308,7 @@ class Tree(SpeculativeLoop):
         True,
     )
     options = (TREES,)
+    k_policies = (FIXED,)  # its shape is its lookahead
 
     def c(self, costs):
         return costs.c
@@ -286,6 +326,7 @@ class LookupTree(SpeculativeLoop):
         True,
     )
     options = (TREES,)
+    k_policies = (FIXED,)  # its shape is its lookahead
 
     def c(self, costs):
         return 0.0
@@ -319,8 +360,8 @@ class Online(Speculative):
         Option(
             "save_draft",
             None,
-            "online: write the updated draft here at the end (a checkpoint --draft loads; one k<K>/ directory per K "
-            "when several K learn). The shipped draft is never changed.",
+            "online: write the updated draft here at the end (a checkpoint --draft loads; one k<K>/ directory per K, "
+            "k<K>-<policy>/ beside a fixed K's, when several rows learn). The shipped draft is never changed.",
             recorded=False,
         ),
     )
@@ -330,7 +371,7 @@ class Online(Speculative):
         step.state = OnlineLearner(pair.draft, pair.draft_lm.width, online, pair.device, pair.draft_lm.fast is not None)
 
     def drafter(self, pair, cfg, step, generator):
-        return ModelDrafter(TimedLM(step.state.lm, pair.clock, "draft"), cfg.sampling, generator)
+        return ModelDrafter(TimedLM(step.state.lm, pair.clock, "draft"), cfg.sampling, generator, step.p_min(cfg))
 
     def decode(self, pair, cfg, step, ids, generator):
         lessons = []
@@ -360,6 +401,7 @@ class SelfSparse(SpeculativeLoop):
     levels = (SELF_SPARSE_LEVEL,)
     draft_level = "target over its KV budget"
     options = (KV_BUDGET, KV_POLICY)
+    k_policies = K_POLICIES  # a ModelDrafter given step.p_min: it can stop where unsure
 
     def c(self, costs):
         return costs.level_c(SELF_SPARSE_LEVEL.name)
@@ -369,7 +411,7 @@ class SelfSparse(SpeculativeLoop):
 
     def drafter(self, pair, cfg, step, generator):
         step.state.watch()  # before the target's prefill, which comes next
-        return ModelDrafter(TimedLM(step.state, pair.clock, "draft"), cfg.sampling, generator)
+        return ModelDrafter(TimedLM(step.state, pair.clock, "draft"), cfg.sampling, generator, step.p_min(cfg))
 
 
 class TriForce(SpeculativeLoop):
@@ -561,5 +603,5 @@ METHOD = Option(
     DEFAULT,
     "Decoding methods, repeatable or comma-separated (`specbench list` describes each).",
     flags=("--method",),
-    repeat=methods_given,
+    repeat=names_given,
 )

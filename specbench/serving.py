@@ -62,6 +62,7 @@ def record(
             "method": decoder.method.name,
             "k": decoder.k,
             "tree": "",
+            "k_policy": decoder.policy,
             "prompt_id": prompt.id,
             "prompt_index": index,
             "prompt_tokens": len(ids),
@@ -82,6 +83,7 @@ def record(
             "outputs_match": divergence is None,
             "first_divergence": -1 if divergence is None else divergence,
             "rank_hist": "",
+            "draft_hist": "",  # vLLM reports no round's draft length
         }
     )
     return row
@@ -147,6 +149,7 @@ def summarize(records: list[dict], costs: list[dict], cfg, run_info: dict) -> li
                     "method": method.name,
                     "k": k,
                     "tree": "",
+                    "k_policy": decoder.policy,
                     "options": _options(decoder, cfg),
                     **{name: getattr(cfg, name) for name in ("temperature", "top_k", "top_p", "eta", "seed")},
                     "max_new_tokens": cfg.max_new_tokens,
