@@ -112,16 +112,16 @@ def record(
         **metrics.phase_figures(_totals(measured), _totals(baseline)),
         "outputs_match": divergence is None,
         "first_divergence": -1 if divergence is None else divergence,
-        # A heuristic K grows past the first: up to the most a round accepted.
-        "accept_hist": _hist(s.accept_counts, max([k, *s.accept_counts])),
-        "draft_hist": _hist(s.draft_counts, max(s.draft_counts, default=0)),
+        "accept_hist": _hist(s.accept_counts, k),  # a heuristic K may accept more than K
+        "draft_hist": _hist(s.draft_counts),
         "rank_hist": " ".join(map(str, s.rank_counts)) if decoder.tree else "",
     }
 
 
-def _hist(counts: list[int], most: int) -> str:
-    """How many of ``counts`` are 0, 1, ..., ``most``, space-separated ("" for no counts)."""
-    return " ".join(str(counts.count(n)) for n in range(most + 1)) if counts else ""
+def _hist(counts: list[int], least: int = 0) -> str:
+    """How many of ``counts`` are 0, 1, ... up to the largest of them and at least ``least``,
+    space-separated ("" for no counts)."""
+    return " ".join(str(counts.count(n)) for n in range(max([least, *counts]) + 1)) if counts else ""
 
 
 def _inner(result: DecodeResult) -> dict:

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from rich.console import Console
 
 from specbench import bench, schema
 from specbench.bench import Results
 from specbench.config import BenchConfig
 from specbench.methods import METHODS
+from specbench.report import phase_table, summary_table
 
 from .helpers import on_tiny_pair, one_line_error, specbench
 
@@ -34,6 +36,13 @@ def config(tiny_pair, prompts_file, **options) -> BenchConfig:
 
 def run(cfg: BenchConfig, out: Path, resume: bool = False) -> Results:
     return [event for event in bench.benchmark(cfg, out, resume) if isinstance(event, Results)][0]
+
+
+def shown(table) -> str:
+    """A rich table as text."""
+    console = Console(width=300, record=True)
+    console.print(table)
+    return console.export_text()
 
 
 def outputs(out: Path) -> list[dict]:
@@ -176,6 +185,9 @@ def test_each_lookahead_policy_is_a_row_of_its_own_exact_under_greedy_and_resume
     heuristic = lengths[(lengths["method"] == "speculative") & (lengths["k_policy"] == "heuristic")]
     assert heuristic["drafted"].nunique() > 1
     assert {(o["method"], o["k_policy"]) for o in outputs(out)} >= {("speculative", "confidence"), ("baseline", "")}
+    # On screen: a policy column where one is not fixed, and the policy beside K in the phase table.
+    table = shown(summary_table(results.summary, "run"))
+    assert "policy" in table and "confidence" in table and "3 heuristic" in shown(phase_table(results.summary))
 
 
 def test_resume_refuses_another_configuration_and_a_missing_run(tiny_pair, prompts_file, tmp_path):
@@ -195,7 +207,8 @@ def test_an_unusable_out_directory_fails_before_any_model_is_loaded(tmp_path):
 
 def test_rows_follow_the_schema(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "run"
-    run(config(tiny_pair, prompts_file, ks=[2], methods=["speculative", "prompt-lookup"], num_prompts=1), out)
+    results = run(config(tiny_pair, prompts_file, ks=[2], methods=["speculative", "prompt-lookup"], num_prompts=1), out)
+    assert "policy" not in shown(summary_table(results.summary, "run"))  # every K fixed: nothing to say
     summary = pd.read_csv(out / "summary.csv")
     assert list(summary.columns) == schema.SUMMARY
     # The baseline drafts nothing: no acceptance figures, though its records carry the methods' counts.
