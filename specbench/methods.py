@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from .eagle import EagleDrafter, HeadLM
 from .engine import (
     CascadeDrafter,
     DecodeResult,
@@ -67,6 +68,7 @@ class Method:
     takes_k = True  # decodes with a lookahead K (one row per K)
     takes_tree = False  # drafts a tree of the --tree shape (one row per shape; K is its depth)
     needs_draft = False  # the --draft model must be loaded
+    needs_speculator = False  # the --speculator head must be given
     learns = False  # changes between prompts (begin_run, after_prompt and save say how)
     draft_level = "draft model"  # what drafts the tokens the target verifies
     inner_level = ""  # what proposes beneath the drafting model, in a method of several levels
@@ -410,6 +412,80 @@ def _seed(generator: torch.Generator) -> int:
     return int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
 
 
+SPECULATOR = Option(
+    "speculator",
+    None,
+    "An EAGLE-3 head's checkpoint directory (the format vLLM and SGLang load; `specbench distill --kind eagle` "
+    "trains one): the head of --method eagle, eagle-tree and eagle-dynamic, and of vLLM's eagle3 / eagle1.",
+)
+EAGLE_LEVEL = Level("eagle", lambda pair, cfg: HeadLM(pair.head))
+
+
+class Eagle(SpeculativeLoop):
+    name, help = (
+        "eagle",
+        "EAGLE: a one-layer head (--speculator) drafts K tokens from the target's own features (EAGLE-3: three of its "
+        "layers, fused) and scores them with its own head over a reduced vocabulary; one target forward verifies them",
+    )
+    needs_speculator = True
+    counterpart = "eagle3"
+    draft_level = "EAGLE head"
+    levels = (EAGLE_LEVEL,)
+    options = (SPECULATOR,)
+
+    def c(self, costs):
+        return costs.level_c(EAGLE_LEVEL.name)
+
+    def shape(self, cfg, step: Decoder) -> dict:
+        """How its drafter drafts: a chain (here), a fixed tree or a dynamic one."""
+        return {}
+
+    def drafter(self, pair, cfg, step, generator):
+        drafter = EagleDrafter(
+            pair.head, pair.target_lm, pair.target_lm.width, cfg.sampling, generator, **self.shape(cfg, step)
+        )
+        return TimedDrafter(drafter, pair.clock, "draft")
+
+    def decode(self, pair, cfg, step, ids, generator, on_round=None):
+        pair.target_lm.record_features(pair.head.config.taps)
+        try:
+            return super().decode(pair, cfg, step, ids, generator, on_round)
+        finally:
+            pair.target_lm.record_features(None)
+
+
+class EagleTree(Eagle):
+    name, help, takes_k, takes_tree = (
+        "eagle-tree",
+        "EAGLE's head drafts a token tree of the --tree shape (top-b children under greedy, b draws from q under "
+        "sampling), one head forward per level; one target forward verifies the tree",
+        False,
+        True,
+    )
+    counterpart = ""
+    options = (SPECULATOR, TREES)
+
+    def shape(self, cfg, step):
+        return {"shape": step.tree}
+
+
+class EagleDynamic(Eagle):
+    name, help = (
+        "eagle-dynamic",
+        "EAGLE-2's dynamic tree: K levels deep, the --dynamic-width most probable nodes of each level offer their "
+        "--dynamic-width most probable children, and the --dynamic-nodes most probable of all make the tree",
+    )
+    counterpart = ""
+    options = (
+        SPECULATOR,
+        Option("dynamic_nodes", 5, "eagle-dynamic: draft tokens the target verifies per round.", low=1),
+        Option("dynamic_width", 2, "eagle-dynamic: nodes expanded per level, and children offered by each.", low=1),
+    )
+
+    def shape(self, cfg, step):
+        return {"dynamic": (cfg.dynamic_nodes, cfg.dynamic_width)}
+
+
 class HFAssisted(Method):
     name, help, needs_draft = (
         "hf-assisted",
@@ -502,15 +578,14 @@ class ServedSuffix(Served):
 class ServedEagle(Served):
     """EAGLE heads: the head drafts from the target's hidden states; --speculator names it."""
 
-    name, help = "eagle", "vLLM's EAGLE drafting with the head in --speculator"
+    name, help = "eagle1", "vLLM's EAGLE(-1) drafting with the head in --speculator"
     kind = "eagle"
+    needs_speculator = True
 
     def speculative_config(self, cfg, k, draft):
         return {"method": self.kind, "model": cfg.speculator, "num_speculative_tokens": k}
 
     def check_served(self, cfg):
-        if not cfg.speculator:
-            raise SpecbenchError(f"--method {self.name} needs --speculator PATH: a checkpoint of an {self.kind} head")
         if not Path(cfg.speculator).expanduser().is_dir():
             raise SpecbenchError(f"--speculator {cfg.speculator}: no such directory; give an {self.kind} checkpoint")
 
@@ -530,7 +605,7 @@ ENGINES = ("torch", "vllm")  # --engine: specbench's loop (with transformers' me
 def served_names(names: list[str]) -> list[str]:
     """The vLLM methods a --method list asks for: vLLM's own names, and the counterparts of specbench's."""
     picked = [
-        name if name in SERVED else METHODS[name].counterpart for name in names if name in SERVED or name in METHODS
+        METHODS[name].counterpart if name in METHODS else name for name in names if name in SERVED or name in METHODS
     ]
     return [name for name in dict.fromkeys(picked) if name and name != SERVED_BASELINE.name]
 
@@ -548,6 +623,9 @@ METHODS: dict[str, Method] = {
         Online(),
         SelfSparse(),
         TriForce(),
+        Eagle(),
+        EagleTree(),
+        EagleDynamic(),
         HFAssisted(),
         HFGenerate(),
     )
