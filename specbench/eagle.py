@@ -29,7 +29,7 @@ from torch import nn
 
 from .engine import Draft, tree_parents
 from .errors import SpecbenchError
-from .fast import rms_norm, rope, swiglu
+from .fast import Linear, rms_norm, rope, swiglu
 from .sampling import SamplingConfig, Verdict, argmax, sample, warp
 from .tree import tree_inputs
 
@@ -183,10 +183,46 @@ class EagleHead(nn.Module):
         self.embed = embed.detach()
         inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        attention, mlp = layer.self_attn, layer.mlp
+        # The products by name: the modules' own (trained through), until pack() replaces them.
+        self.products = {
+            "qkv": lambda x: torch.cat([attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)], dim=-1),
+            "o": attention.o_proj,
+            "gate_up": lambda x: torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1),
+            "down": mlp.down_proj,
+            "lm_head": self.lm_head,
+            "fc": self.fc,
+        }
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def pack(self) -> None:
+        """For inference on a CPU: every product through oneDNN's packed kernel, as the target's fast
+        forward runs (fast.py), q, k and v as one product and gate and up as another. Call it after
+        the weights are where they stay; training keeps the modules' own products."""
+        attention, mlp = self.midlayer.self_attn, self.midlayer.mlp
+
+        def packed(*modules):
+            return Linear.of(*(m.weight for m in modules), packed=True, padding={})
+
+        self.products = {
+            "qkv": packed(attention.q_proj, attention.k_proj, attention.v_proj),
+            "o": packed(attention.o_proj),
+            "gate_up": packed(mlp.gate_proj, mlp.up_proj),
+            "down": packed(mlp.down_proj),
+            "lm_head": packed(self.lm_head),
+            "fc": packed(self.fc) if self.fc is not None else None,
+        }
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features [n, len(taps) * target_hidden] as the layer reads them [n, hidden]."""
-        return features if self.fc is None else self.fc(features)
+        return features if self.fc is None else self.products["fc"](features)
 
     def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq
@@ -202,18 +238,17 @@ class EagleHead(nn.Module):
         normed = rms_norm(hidden, layer.hidden_norm.weight, c.eps)
         residual = normed if c.norm_before_residual else hidden
         x = torch.cat([rms_norm(embeds, layer.input_layernorm.weight, c.eps), normed], dim=-1)
-        attention = layer.self_attn
-        qkv = torch.cat([attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)], dim=-1)
+        qkv = self.products["qkv"](x)
         cos, sin = self._rotary(positions)
         q, k, v = rope(qkv, cos, sin, c.heads, c.kv_heads, c.head_dim)
         attended = attend(q, k, v)
-        x = residual + attention.o_proj(attended[0].transpose(0, 1).reshape(len(embeds), c.heads * c.head_dim))
-        mlp, normed = layer.mlp, rms_norm(x, layer.post_attention_layernorm.weight, c.eps)
-        return x + mlp.down_proj(swiglu(torch.cat([mlp.gate_proj(normed), mlp.up_proj(normed)], dim=-1)))
+        x = residual + self.products["o"](attended[0].transpose(0, 1).reshape(len(embeds), c.heads * c.head_dim))
+        normed = rms_norm(x, layer.post_attention_layernorm.weight, c.eps)
+        return x + self.products["down"](swiglu(self.products["gate_up"](normed)))
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Scores over the draft vocabulary [n, draft_vocab] from the layer's output."""
-        return self.lm_head(rms_norm(out, self.norm.weight, self.config.eps))
+        return self.products["lm_head"](rms_norm(out, self.norm.weight, self.config.eps))
 
     def step(
         self,

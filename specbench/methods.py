@@ -67,6 +67,7 @@ class Method:
     help = ""
     takes_k = True  # decodes with a lookahead K (one row per K)
     takes_tree = False  # drafts a tree of the --tree shape (one row per shape; K is its depth)
+    shapes_tree = False  # takes K, but drafts a tree of a shape of its own each round (K is its depth)
     needs_draft = False  # the --draft model must be loaded
     needs_speculator = False  # the --speculator head must be given
     learns = False  # changes between prompts (begin_run, after_prompt and save say how)
@@ -81,6 +82,11 @@ class Method:
     @property
     def drafts(self) -> bool:
         return self.takes_k or self.takes_tree
+
+    @property
+    def chains(self) -> bool:
+        """Whether it drafts chains of K tokens, which the chain formulas (predicted_speedup) describe."""
+        return self.takes_k and not self.shapes_tree
 
     def check(self, pair: Pair) -> None:
         """Raise SpecbenchError when this method cannot run on ``pair``."""
@@ -475,7 +481,7 @@ class EagleDynamic(Eagle):
         "EAGLE-2's dynamic tree: K levels deep, the --dynamic-width most probable nodes of each level offer their "
         "--dynamic-width most probable children, and the --dynamic-nodes most probable of all make the tree",
     )
-    counterpart = ""
+    counterpart, shapes_tree = "", True
     options = (
         SPECULATOR,
         Option("dynamic_nodes", 5, "eagle-dynamic: draft tokens the target verifies per round.", low=1),

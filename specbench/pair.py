@@ -15,7 +15,7 @@ import torch
 
 from .eagle import EagleHead, read_head
 from .errors import SpecbenchError
-from .fast import FastLlama, unsupported
+from .fast import FastLlama, can_pack, unsupported
 from .files import write_text
 from .lm import HFCausalLM
 from .models import (
@@ -133,6 +133,8 @@ def speculator(cfg, target: LoadedModel, device: torch.device, dtype: torch.dtyp
     embed = target.model.get_input_embeddings().weight
     head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size).to(device, dtype)
     head.embed = head.embed.to(device, dtype)  # a plain tensor (the target's, or the head's own): .to() skips it
+    if cfg.compile and can_pack(head):  # as the target's fast forward runs its products
+        head.pack()
     return head
 
 

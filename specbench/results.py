@@ -116,7 +116,7 @@ def record(
         "outputs_match": divergence is None,
         "first_divergence": -1 if divergence is None else divergence,
         "accept_hist": " ".join(str(s.accept_counts.count(n)) for n in range(k + 1)) if s.accept_counts else "",
-        "rank_hist": " ".join(map(str, s.rank_counts)) if decoder.tree else "",
+        "rank_hist": " ".join(map(str, s.rank_counts)) if method.drafts and not method.chains else "",
     }
 
 
@@ -154,7 +154,7 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
         tokens, seconds = run["new_tokens"], run["method_s"]
         base_tokens, base_s = base["new_tokens"], base["method_s"]
         drafts = method.drafts  # only drafting methods; the others' counts are left empty
-        chain = drafts and not decoder.tree  # the chain formulas apply
+        chain = method.chains  # the chain formulas apply
         counted = ("drafted", "accepted", "beta_sum", "tested")
         totals = {name: sum(r[name] for r in rs) for name in counted}
         alpha = totals["beta_sum"] / totals["tested"] if totals["tested"] else math.nan
@@ -306,7 +306,7 @@ def suggestions(summary: list[dict], costs: ForwardCosts, ks: list[int]) -> list
         return []
     lines = []
     for row in summary:
-        if not _chain(row) or math.isnan(row["alpha"]) or math.isnan(row["c"]):
+        if math.isnan(row["predicted_speedup"]) or math.isnan(row["c"]):  # no chain, or nothing to predict from
             continue
         by_k = predicted_by_k(row["alpha"], row["c"], costs)
         best = metrics.best_k(by_k)

@@ -73,6 +73,19 @@ def test_a_saved_head_reads_back_as_the_same_head(law, tmp_path):
     torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # saved in half precision
 
 
+def test_a_packed_head_scores_as_the_unpacked_one(law, tmp_path):
+    target, _ = law
+    path = build_eagle3_head(tmp_path / "head", target.model.config, taps=(0, 1, 2), draft_ids=DRAFT_IDS, seed=4)
+    plain, packed = head_for(target, path), head_for(target, path)
+    packed.pack()
+    ids, features = torch.tensor([0, 2, 1, 1]), torch.randn(4, 96)
+    with torch.inference_mode():
+        a, b = HeadLM(plain).forward(ids, last=4), HeadLM(packed).forward(ids, last=4)
+        fused = plain.fuse(features), packed.fuse(features)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(*fused, atol=1e-4, rtol=1e-4)
+
+
 def test_default_layers_and_an_eagle1_head(tmp_path, tiny_pair):
     target = load(tiny_pair[0], CPU, F32).model
     default = head_for_model(target, build_eagle3_head(tmp_path / "h3", target.config, seed=0))
