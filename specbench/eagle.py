@@ -318,7 +318,8 @@ def save_head(head: EagleHead, path: Path, target_layers: int) -> None:
 
     path.mkdir(parents=True, exist_ok=True)
     state = {name: w.detach().half().contiguous() for name, w in head.state_dict().items() if name != "draft_ids"}
-    state["d2t"] = (head.draft_ids - torch.arange(head.config.draft_vocab, device=head.draft_ids.device)).cpu()
+    if head.config.draft_vocab < head.config.vocab:  # vLLM refuses a mapping for the full vocabulary
+        state["d2t"] = head.draft_ids - torch.arange(head.config.draft_vocab, device=head.draft_ids.device)
     save_file({name: w.cpu() for name, w in state.items()}, str(path / WEIGHTS))
     (path / "config.json").write_text(json.dumps(head.config.as_json(target_layers), indent=2) + "\n")
 

@@ -153,9 +153,10 @@ def build_eagle3_head(
         f"{layer_prefix}.mlp.down_proj.weight": w(h, inner),
         "norm.weight": torch.ones(h),
         "lm_head.weight": w(len(draft_ids), h),
-        "d2t": draft_ids - torch.arange(len(draft_ids)),
-        "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill(0, draft_ids, True),
     }
+    if len(draft_ids) < vocab:  # a full vocabulary has no mapping: vLLM refuses a d2t then
+        tensors["d2t"] = draft_ids - torch.arange(len(draft_ids))
+        tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, draft_ids, True)
     if fused:
         tensors["fc.weight"] = w(h, 3 * h)
     eagle = {"use_aux_hidden_state": fused}
