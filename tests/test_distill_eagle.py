@@ -90,6 +90,7 @@ TINY_ARGS = (
 )  # fmt: skip
 
 
+@pytest.mark.slow  # two CLI runs: about 2 minutes on 2 busy cores
 def test_distill_kind_eagle_trains_a_head_that_runs_equal_to_the_baseline(tiny_pair, tmp_path):
     out = tmp_path / "head"
     sources = write_sources(tmp_path)
@@ -125,6 +126,7 @@ def test_distill_kind_eagle_trains_a_head_that_runs_equal_to_the_baseline(tiny_p
     assert len(eagle) == 2 and (eagle["outputs_match"] == 2).all()
 
 
+@pytest.mark.slow  # four runs of the phases: about a minute on 2 busy cores
 def test_head_training_resumes_from_its_saved_step(tiny_pair, tmp_path):
     target = load(tiny_pair[0], CPU, F32)
     cfg = tiny_config(tmp_path / "head", write_sources(tmp_path))
