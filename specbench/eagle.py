@@ -37,6 +37,11 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"  # what config.json names: vLLM's and SG
 WEIGHTS = "model.safetensors"
 
 
+def default_taps(target_layers: int) -> tuple[int, ...]:
+    """vLLM's default layers for an EAGLE-3 head: a low, a middle and a high one (their inputs)."""
+    return (2, target_layers // 2, target_layers - 3)
+
+
 @dataclass(frozen=True)
 class HeadConfig:
     hidden: int  # the head's width, which is the target's embedding width
@@ -100,8 +105,7 @@ class HeadConfig:
             )
         eagle = config.get("eagle_config") or {}
         if eagle.get("use_aux_hidden_state", True):
-            # vLLM's default layers: low, middle and high
-            taps = tuple(eagle.get("eagle_aux_hidden_state_layer_ids") or (2, target_layers // 2, target_layers - 3))
+            taps = tuple(eagle.get("eagle_aux_hidden_state_layer_ids") or default_taps(target_layers))
         else:
             taps = (target_layers,)
         heads = config["num_attention_heads"]
