@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -24,8 +25,10 @@ from .config import BenchConfig
 from .costs import ForwardCosts, measure_costs, noisy_costs
 from .errors import SpecbenchError
 from .machine import environment
-from .methods import BASELINE, SERVED_BASELINE, Decoder
+from .method import Decoder
+from .methods import BASELINE, SERVED_BASELINE
 from .models import placement
+from .options import FIXED
 from .pair import Pair, encode_prompts, load_pair, model_dir, prompts_hash
 from .plot import plot_concurrency, plot_online, plot_phases, plot_run
 from .prompts import Prompt, load_prompts
@@ -35,6 +38,7 @@ from .results import (
     RunWriter,
     acceptance_rows,
     best_ks,
+    draft_length_rows,
     online_row,
     predicted_rows,
     record,
@@ -45,6 +49,7 @@ from .results import (
 from .timing import PhaseClock, synchronize
 from .vllm_engine import Engine, EngineSpec, Sampling, Served, vllm_version
 
+log = logging.getLogger("specbench")
 SUMMARY_EVERY_S = 10.0  # summary.csv is rewritten at most this often while decoding, and at the end
 
 
@@ -129,6 +134,8 @@ def benchmark(
     ``prefill_progress`` is told (tokens done, tokens) as a prompt longer than --prefill-chunk is read.
     """
     cfg.validate()
+    for line in cfg.policy_notes:
+        log.info(line)
     if resume and cfg.learns:
         raise SpecbenchError(
             "--resume cannot restore what --method online learned before the interruption: run it again without --resume"
@@ -205,13 +212,15 @@ def benchmark(
         summary += serving.summarize(records, engine_costs, cfg, run_info)
         writer.write_csv("summary.csv", summary)
         writer.write_csv("acceptance.csv", acceptance_rows(records))
+        writer.write_csv("draft_lengths.csv", draft_length_rows(records))
         writer.write_csv("engine_costs.csv", engine_costs)
         writer.write_json("results.json", results_document(meta, summary, records))
         writer.close()
         if cfg.save_draft:  # what was learned is kept, also when the run was interrupted
             learners = [step for step in plan if step.method.learns]
             for step in learners:
-                step.method.save(step, Path(cfg.save_draft) / (f"k{step.k}" if len(learners) > 1 else ""))
+                row = f"k{step.k}" if step.k_policy == FIXED else f"k{step.k}-{step.k_policy}"
+                step.method.save(step, Path(cfg.save_draft) / (row if len(learners) > 1 else ""))
     picks = {} if cfg.random_weights else best_ks(summary)
     if picks:
         writer.write_json("best_k.json", picks)
@@ -265,12 +274,21 @@ def decode_all(
             tokens = measured.result.tokens
             text = pair.target.tokenizer.decode(tokens) if pair.target.tokenizer else ""
             writer.output(
-                prompt.id, index, decoder.k, decoder.method.name, tokens, text, decoder.shape, decoder.method.engine
+                prompt.id,
+                index,
+                decoder.k,
+                decoder.method.name,
+                tokens,
+                text,
+                decoder.shape,
+                decoder.method.engine,
+                k_policy=decoder.policy,
             )
             records.append(record(prompt, index, ids, reference, decoder, measured, learned))
             if cfg.random_weights:
                 records[-1].update((name, math.nan) for name in WEIGHT_DEPENDENT if name in records[-1])
             writer.append_record(records[-1])
+            writer.write_csv("draft_lengths.csv", draft_length_rows(records))
             if learned is not None:
                 learning.append(online_row(records[-1], learned))
                 writer.write_csv("online.csv", learning)
@@ -335,7 +353,16 @@ def serve_all(pair, cfg, prompts, prompt_ids, writer, records, blocks, engine_co
                     row = serving.record(prompt, served.index, ids[served.index], decoder, n, served, base)
                     text = pair.target.tokenizer.decode(served.tokens) if pair.target.tokenizer else ""
                     writer.output(
-                        prompt.id, served.index, decoder.k, decoder.method.name, served.tokens, text, "", "vllm", n
+                        prompt.id,
+                        served.index,
+                        decoder.k,
+                        decoder.method.name,
+                        served.tokens,
+                        text,
+                        "",
+                        "vllm",
+                        n,
+                        decoder.policy,
                     )
                     records.append(row)
                     writer.append_record(row)

@@ -33,7 +33,7 @@ from .options import Option
 from .plot import plot_concurrency, plot_context, plot_online, plot_phases, plot_run
 from .prompts import BUILT_IN, LONG_DATASETS
 from .report import context_table, levels_table, phase_table, predicted_table, serving_table, summary_table
-from .results import predicted_rows, write_context
+from .results import predicted_rows, row_label, write_context
 
 
 def _version(show: bool) -> None:
@@ -166,7 +166,7 @@ def _show(events, progress: Progress) -> None:
     for line in results.suggestions:
         console.print(line)
     if results.greedy:
-        mismatched = [f"{r['method']} K={r['k']}" for r in results.summary if r["outputs_match"] < r["num_prompts"]]
+        mismatched = [row_label(r) for r in results.summary if r["outputs_match"] < r["num_prompts"]]
         console.print(
             f"greedy outputs differing from the baseline: {', '.join(mismatched)}"
             if mismatched
@@ -360,7 +360,7 @@ def list_(
     if what in ("methods", "all"):
         table = Table("method", "engine", "K", "draft model", "what it does", "its options", title="methods (--method)")
         for m in [*METHODS.values(), *SERVED.values()]:
-            k = "tree" if m.takes_tree else "K" if m.takes_k else "-"
+            k = "tree" if m.takes_tree else f"K: {', '.join(m.k_policies)}" if m.takes_k else "-"
             options = "\n".join(f"{o.flag} ({o.default})" for o in m.options) or "-"
             table.add_row(m.name, m.engine, k, "yes" if m.needs_draft else "-", m.help, options)
         console.print(table)

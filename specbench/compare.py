@@ -36,6 +36,7 @@ OPTIONAL_KEYS = [
     "engine",
     "concurrency",
     "tree",
+    "k_policy",
     "options",
     "eta",
     "max_new_tokens",
@@ -130,7 +131,7 @@ def load_records(path: str | Path) -> pd.DataFrame | None:
     df = _read_csv(p, hint)
     if missing := [c for c in ["method", "k", "prompt_index", *PER_PROMPT["speedup"]] if c not in df.columns]:
         raise SpecbenchError(f"{p} lacks the columns {', '.join(missing)}; {hint}")
-    if df.duplicated([c for c in ("method", "k", "tree", "prompt_index") if c in df]).any():
+    if df.duplicated([c for c in (*DECODER, "prompt_index") if c in df]).any():
         raise SpecbenchError(f"{p} has more than one row for a prompt and method; {hint}")
     return df
 
@@ -156,10 +157,17 @@ def _differing(baseline: pd.DataFrame, current: pd.DataFrame, column: str) -> st
     return f"{before} vs {after}" if before and after and before != after else None
 
 
-def _decoder(df: pd.DataFrame) -> pd.Series:
-    """Each row's method, k and tree as text: what ties a summary row to its records."""
-    parts = [df[c].map(_text) if c in df else "" for c in ("method", "k", "tree")]
-    return parts[0] + " k=" + parts[1] + " tree=" + parts[2]
+DECODER = ("method", "k", "tree", "k_policy")  # what a summary row is one of, and its records
+
+
+def _decoder(df: pd.DataFrame, keys: list[str]) -> pd.Series:
+    """Each row's method, k, tree and policy as text, of those in ``keys`` (the columns both runs
+    have): what ties a summary row to its records."""
+    return pd.Series(
+        [" ".join(f"{c}={_text(row[c])}" for c in DECODER if c in keys) for row in df.to_dict("records")],
+        index=df.index,
+        dtype=object,
+    )
 
 
 def _choose_metrics(baseline: pd.DataFrame, current: pd.DataFrame, metrics: list[str] | None) -> list[str]:
@@ -218,7 +226,7 @@ def _intervals(merged: pd.DataFrame, metric: str, compared: pd.Series, records: 
     values = merged[[f"{metric} base", f"{metric} cur"]].to_numpy(float)
     intervals = [
         _interval(records, decoder, metric, list(pair), confidence) if judge else (None, None, None, "")
-        for decoder, judge, pair in zip(_decoder(merged), compared, values, strict=True)
+        for decoder, judge, pair in zip(merged["_decoder"], compared, values, strict=True)
     ]
     columns = [f"{metric} {name}" for name in ("ci_low", "ci_high", "prompts", "why")]
     return pd.DataFrame(intervals, index=merged.index, columns=columns)
@@ -326,6 +334,7 @@ def compare_frames(
             "run the same configuration as the baseline"
         )
     merged = merged.sort_values(["_base_order", "_cur_order"], ignore_index=True)  # baseline rows, then new ones
+    merged["_decoder"] = _decoder(merged, keys)
     side = merged["_merge"].map({"left_only": MISSING, "right_only": NEW, "both": ""}).astype(str)
     note = "{} differs ({}): timing metrics are not comparable; restrict with --metric alpha --metric tau"
     notes = [note.format(c, values) for c in CONTEXT if (values := _differing(baseline, current, c))]
@@ -334,7 +343,7 @@ def compare_frames(
     # 1.57 on a 2-core Intel Xeon and 0.89 on a 2-core AMD EPYC, whose 3-row matrix products cost more).
     # Not known (no fingerprint): ratios within a run are still judged, absolute timings not.
     unlike = ABSOLUTE if elsewhere.startswith("no machine fingerprint") else RELATIVE
-    records = [None if df is None else df.assign(decoder=_decoder(df)) for df in records]
+    records = [None if df is None else df.assign(decoder=_decoder(df, keys)) for df in records]
     gaps = {}  # (why, rows without an interval, rows compared) -> the metrics without one
     for m in chosen:
         incomparable = pd.Series(bool(elsewhere) and m in unlike, index=merged.index)

@@ -12,8 +12,9 @@ from dataclasses import asdict, field, make_dataclass
 
 from .engine import tree_parents
 from .errors import SpecbenchError
-from .methods import BASELINE, METHOD, METHODS, SERVED, Decoder, served_names
-from .options import ENGINE, RUN, Option
+from .method import Decoder
+from .methods import BASELINE, METHOD, METHODS, SERVED, served_names
+from .options import CONFIDENCE, ENGINE, FIXED, RUN, Option
 from .prompts import LONG_DATASETS
 from .sampling import SamplingConfig
 from .vllm_engine import INSTALL, available, device_count
@@ -41,8 +42,8 @@ class _Run:
 
     @property
     def plan(self) -> list[Decoder]:
-        """What specbench's loop decodes per prompt after the baseline: each method at each K, or each
-        tree shape (nothing when --engine leaves torch out)."""
+        """What specbench's loop decodes per prompt after the baseline: each method at each K with each
+        --k-policy it takes, or each tree shape (nothing when --engine leaves torch out)."""
         if "torch" not in self.engines:
             return []
         steps = []
@@ -51,9 +52,29 @@ class _Run:
         for method in (METHODS[name] for name in dict.fromkeys(names) if name != BASELINE.name):
             if method.takes_tree:
                 steps += [Decoder(method, len(shape), shape) for shape in self.shapes]
+            elif method.takes_k:
+                steps += [Decoder(method, k, k_policy=policy) for k in self.ks for policy in self.policies(method)]
             else:
-                steps += [Decoder(method, k) for k in self.ks] if method.takes_k else [Decoder(method)]
+                steps += [Decoder(method)]
         return steps
+
+    def policies(self, method) -> list[str]:
+        """The --k-policy values ``method`` decodes with: those it can take, or fixed K when it takes none."""
+        return [policy for policy in self.k_policies if policy in method.k_policies] or [FIXED]
+
+    @property
+    def policy_notes(self) -> list[str]:
+        """A line for each method of the run that drafts but cannot take every --k-policy asked for."""
+        own = [(step.method, step.method.name) for step in self.plan]
+        served = [(step.method, f"vllm {step.method.name}") for step in self.served_plan]
+        lines = []
+        for method, who in dict.fromkeys(own + served):
+            dropped = [policy for policy in self.k_policies if policy not in method.k_policies]
+            if method.drafts and dropped:
+                lines.append(
+                    f"{who} takes only --k-policy {', '.join(method.k_policies)}: no {', '.join(dropped)} rows"
+                )
+        return lines
 
     @property
     def served_plan(self) -> list[Decoder]:
@@ -64,7 +85,9 @@ class _Run:
 
     @property
     def widest(self) -> int:
-        """Most tokens in one target forward: K + 1 for a chain, the tree's nodes + 1 for a tree."""
+        """Most tokens in one target forward: K + 1 for a chain, the tree's nodes + 1 for a tree. (A
+        heuristic K grows past it, but never drafts beyond the tokens still to generate: the caches
+        stay within the prompt, --max-new-tokens and this.)"""
         return 1 + max([max(self.ks)] + [len(tree_parents(step.tree)) for step in self.plan if step.tree])
 
     @property
@@ -116,6 +139,10 @@ class _Run:
             (
                 self.random_weights and self.learns,
                 "--method online learns from the target's rows, which mean nothing with --random-weights: drop one",
+            ),
+            (
+                self.draft_p_min != OPTIONS["draft_p_min"].default and CONFIDENCE not in self.k_policies,
+                "--draft-p-min is where --k-policy confidence stops a round: add that policy or drop --draft-p-min",
             ),
             (
                 self.save_draft is not None and not self.learns,

@@ -30,7 +30,7 @@ from torch import nn
 from .engine import Draft, tree_parents
 from .errors import SpecbenchError
 from .fast import Linear, rms_norm, rope, swiglu
-from .sampling import SamplingConfig, Verdict, argmax, sample, warp
+from .sampling import SamplingConfig, Verdict, argmax, confident, sample, warp
 from .tree import tree_inputs
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what config.json names: vLLM's and SGLang's EAGLE-3 loaders read it
@@ -334,7 +334,8 @@ class EagleDrafter:
     Between rounds it holds the pairs it has not read: the accepted tokens and the next one, each
     with the target's feature of the position before it. ``shape`` drafts a tree of that shape
     (as engine.TreeDrafter: top-b children under greedy, b draws from q under sampling);
-    ``dynamic`` = (nodes, width) drafts EAGLE-2's dynamic tree (see ``_dynamic``)."""
+    ``dynamic`` = (nodes, width) drafts EAGLE-2's dynamic tree (see ``_dynamic``); with ``p_min`` a
+    chain stops before the first token the head is not confident of (sampling.confident)."""
 
     def __init__(
         self,
@@ -345,9 +346,10 @@ class EagleDrafter:
         generator: torch.Generator,
         shape: tuple[int, ...] | None = None,
         dynamic: tuple[int, int] | None = None,
+        p_min: float | None = None,
     ):
         self.head, self.target, self.width, self.cfg, self.generator = head, target, width, cfg, generator
-        self.shape, self.dynamic = shape, dynamic
+        self.shape, self.dynamic, self.p_min = shape, dynamic, p_min
 
     def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
         self.cache = HeadCache()
@@ -384,20 +386,25 @@ class EagleDrafter:
             return self._chain(out, k)
 
     def _chain(self, out: torch.Tensor, k: int) -> Draft:
-        drafted, q_rows = [], []
-        for i in range(k):
-            scores = self.head.draft_logits(out)
-            if self.cfg.greedy:
-                chosen = argmax(scores)
-            else:
-                q_rows.append(warp(scores, self.cfg))
-                chosen = sample(q_rows[-1], self.generator)
-            drafted.append(self.head.draft_ids[chosen.view(-1)])
-            if i + 1 < k:
+        drafted, q_rows, forwards = [], [], 0
+        for _ in range(k):
+            if drafted:  # the head reads its last draft with its own output
                 position = torch.tensor([self.cache.length], device=out.device)
                 out = self.head.step(drafted[-1], out, position, self.cache)
+            forwards += 1
+            scores = self.head.draft_logits(out)
+            q = None if self.cfg.greedy else warp(scores, self.cfg)
+            if self.p_min is not None and not confident(scores.float().softmax(-1) if q is None else q, self.p_min):
+                break
+            if q is None:
+                chosen = argmax(scores)
+            else:
+                q_rows.append(q)
+                chosen = sample(q, self.generator)
+            drafted.append(self.head.draft_ids[chosen.view(-1)])
+        tokens = torch.cat(drafted) if drafted else self.tokens[:0]
         q = self._full(torch.cat(q_rows)) if q_rows else None
-        return Draft.chain(torch.cat(drafted), q, forwards=k)
+        return Draft.chain(tokens, q, forwards=forwards)
 
     def _tree(self, out: torch.Tensor) -> Draft:
         parents = tree_parents(self.shape)

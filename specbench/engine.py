@@ -21,6 +21,7 @@ from .sampling import (
     Verdict,
     argmax,
     children,
+    confident,
     next_token,
     sample,
     verify_chain_greedy,
@@ -123,6 +124,7 @@ class DecodeResult:
     beta_sum: float = 0.0
     tested: int = 0
     accept_counts: list[int] = field(default_factory=list)  # accepted drafts per verify step
+    draft_counts: list[int] = field(default_factory=list)  # drafted tokens per verify step
     rank_counts: list[int] = field(default_factory=list)  # accepted nodes by their rank among siblings
     inner_drafted: int = 0  # tokens a cascade's bottom level proposed to the draft model
     inner_accepted: int = 0  # of them, those the draft model accepted
@@ -162,10 +164,15 @@ def autoregressive_decode(
 
 
 class ModelDrafter:
-    """Drafts a chain by sampling a small model autoregressively (it keeps its own KV cache)."""
+    """Drafts a chain by sampling a small model autoregressively (it keeps its own KV cache).
 
-    def __init__(self, model: CausalLM, cfg: SamplingConfig, generator: torch.Generator):
-        self.model, self.cfg, self.generator = model, cfg, generator
+    With ``p_min`` it stops a round early, before the first token its row there is not confident of
+    (sampling.confident): the confidence policy's drafter. The forward that found that row counts
+    as drafting, and its cache then holds every token it drafted, with none pending.
+    """
+
+    def __init__(self, model: CausalLM, cfg: SamplingConfig, generator: torch.Generator, p_min: float | None = None):
+        self.model, self.cfg, self.generator, self.p_min = model, cfg, generator, p_min
 
     def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
         self.model.prefill(prompt_ids)
@@ -174,27 +181,32 @@ class ModelDrafter:
     def propose(self, k: int) -> Draft:
         if k == 0:  # a cascade may ask for nothing; what it has not read stays unread
             return Draft.chain(self.pending[:0], None)
-        drafted, q_rows = [], []
+        drafted, q_rows, forwards = [], [], 0
         for _ in range(k):
             logits = self.model.forward(self.pending, last=1)[-1]
-            if self.cfg.greedy:
+            forwards += 1
+            q = None if self.cfg.greedy else warp(logits, self.cfg)
+            if self.p_min is not None and not confident(logits.float().softmax(-1) if q is None else q, self.p_min):
+                self.pending = self.pending[:0]  # it has read every token it drafted
+                break
+            if q is None:
                 self.pending = argmax(logits)
             else:
-                q_rows.append(warp(logits, self.cfg))
-                self.pending = sample(q_rows[-1], self.generator)
+                q_rows.append(q)
+                self.pending = sample(q, self.generator)
             drafted.append(self.pending)
-        return Draft.chain(torch.cat(drafted), torch.stack(q_rows) if q_rows else None, forwards=k)
+        tokens = torch.cat(drafted) if drafted else self.pending
+        return Draft.chain(tokens, torch.stack(q_rows) if q_rows else None, forwards=forwards)
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         n, k = verdict.accepted, len(draft.tokens)
-        if k == 0:
-            self.pending = torch.cat([self.pending, verdict.next_token])
-        elif n == k:
-            # It never read its own last draft: it reads it now, with the target's bonus token.
-            self.pending = torch.cat([draft.tokens[-1:], verdict.next_token])
-        else:
-            self.model.keep(range(n), k - 1)  # its cache holds drafts 1..k-1
+        if n < k:
+            # Its cache holds the drafts it read: all but the last, or all when it stopped early.
+            self.model.keep(range(n), k - len(self.pending))
             self.pending = verdict.next_token
+        else:
+            # It reads what it has not yet (its last draft, if it did not stop early), then the target's token.
+            self.pending = torch.cat([self.pending, verdict.next_token])
 
     def rewind_to(self, length: int, tokens: torch.Tensor) -> None:
         read = self.model.length  # the sequence it holds is what it read, then what is pending
@@ -462,6 +474,15 @@ def speculative_round(
     return Round(draft, verdict, target_logits, p)
 
 
+def heuristic_k(k: int, drafted: int, accepted: int) -> int:
+    """The next round's lookahead after a round at ``k`` (transformers' "heuristic" schedule): K + 2
+    when the target accepted every drafted token, else K - 1, never below 1. A round that drafted
+    nothing (prompt lookup without a match) says nothing of the drafter: K stays."""
+    if drafted == 0:
+        return k
+    return k + 2 if accepted == drafted else max(1, k - 1)
+
+
 @torch.inference_mode()
 def speculative_decode(
     target: CausalLM,
@@ -473,12 +494,18 @@ def speculative_decode(
     generator: torch.Generator,
     stop_ids: frozenset[int] = frozenset(),
     on_round: Callable[[Round, int], None] | None = None,
+    schedule: Callable[[int, int, int], int] | None = None,
 ) -> DecodeResult:
     """Speculative decoding with lookahead ``k``; output law equals the target's (exactly).
 
     Between rounds the target's cache holds every token but the newest one (``last``), which it
     reads first in the next verification forward together with the drafted tokens. ``on_round``
     sees every round and the index in the output of the round's first emitted token.
+
+    ``schedule`` (heuristic_k) gives the next round's lookahead from a round's (K, drafted,
+    accepted); None keeps ``k``. A scheduled round drafts no more than the tokens still to generate
+    (transformers caps its drafts so too), so a growing K never widens a forward beyond what the
+    cache was sized for. Both read only what earlier rounds emitted, so the output law is kept.
     """
     if k < 1:
         raise ValueError("k must be >= 1")
@@ -490,11 +517,15 @@ def speculative_decode(
         return result
     beta_sum = 0.0  # becomes a device tensor under sampling: summed there, read once at the end
     while True:
-        step = speculative_round(target, drafter, last, k, cfg, generator)
+        ask = k if schedule is None else min(k, max_new_tokens - len(result.tokens))
+        step = speculative_round(target, drafter, last, ask, cfg, generator)
         verdict, last = step.verdict, step.verdict.next_token
+        if schedule is not None:
+            k = schedule(k, len(step.draft.tokens), verdict.accepted)
         result.target_forwards += 1
         result.draft_forwards += step.draft.forwards
         result.drafted += len(step.draft.tokens)
+        result.draft_counts.append(len(step.draft.tokens))
         result.accepted += verdict.accepted
         result.tested += verdict.tested
         result.accept_counts.append(verdict.accepted)

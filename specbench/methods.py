@@ -1,8 +1,8 @@
 """Decoding methods as registered objects.
 
-A method says whether it takes a lookahead K, whether it needs the draft model, the options it
-owns, what its cost ratio c is, and how it decodes one prompt. Nothing outside this module names a
-method: adding one is a class here and an entry in METHODS.
+A method (method.Method) says whether it takes a lookahead K, whether it needs the draft model, the
+options it owns, what its cost ratio c is, and how it decodes one prompt. Nothing outside this module
+names a method: adding one is a class here and an entry in METHODS.
 
 ``cfg`` below is the run's configuration (config.BenchConfig, which is built from these methods'
 options, so this module cannot import it) and ``costs`` its forward costs (costs.ForwardCosts).
@@ -10,10 +10,7 @@ options, so this module cannot import it) and ``costs`` its forward costs (costs
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,97 +18,21 @@ import torch
 from .eagle import EagleDrafter, HeadLM
 from .engine import (
     CascadeDrafter,
-    DecodeResult,
-    Drafter,
     LookupTreeDrafter,
     ModelDrafter,
     PromptLookupDrafter,
     TreeDrafter,
     autoregressive_decode,
-    speculative_decode,
     tree_parents,
 )
 from .errors import SpecbenchError
 from .kv import SINKS
-from .lm import HFCausalLM, SparseView, WindowLM, hf_generate
-from .online import Learned, OnlineConfig, OnlineLearner, rejection
-from .options import Option, methods_given
+from .lm import SparseView, WindowLM, hf_generate
+from .method import Decoder, Level, Method, SpeculativeLoop
+from .online import OnlineConfig, OnlineLearner, rejection
+from .options import FIXED, K_POLICIES, Option, names_given
 from .pair import Pair
 from .timing import TimedDrafter, TimedLM
-
-
-@dataclass(eq=False)
-class Decoder:
-    """One way of decoding a prompt: a method with its lookahead K (a tree's depth) and tree shape,
-    and what the method keeps between the prompts of a run (``state``: online's learner)."""
-
-    method: Method
-    k: int | None = None
-    tree: tuple[int, ...] | None = None
-    state: object = None
-
-    @property
-    def shape(self) -> str:
-        """The tree shape as the --tree option and the ``tree`` column write it ("" for a chain)."""
-        return ",".join(map(str, self.tree)) if self.tree else ""
-
-    @property
-    def label(self) -> str:
-        if self.tree:
-            return f"{self.method.name} tree={self.shape}"
-        return f"{self.method.name} K={self.k}" if self.k else self.method.name
-
-
-class Method:
-    name = ""
-    help = ""
-    takes_k = True  # decodes with a lookahead K (one row per K)
-    takes_tree = False  # drafts a tree of the --tree shape (one row per shape; K is its depth)
-    shapes_tree = False  # takes K, but drafts a tree of a shape of its own each round (K is its depth)
-    needs_draft = False  # the --draft model must be loaded
-    needs_speculator = False  # the --speculator head must be given
-    learns = False  # changes between prompts (begin_run, after_prompt and save say how)
-    draft_level = "draft model"  # what drafts the tokens the target verifies
-    inner_level = ""  # what proposes beneath the drafting model, in a method of several levels
-    levels: tuple[Level, ...] = ()  # drafting models whose one-token forward the cost measurement times
-    options: tuple[Option, ...] = ()  # the run options it owns (a flag each, a configuration field each)
-    engine = "torch"  # whose implementation decodes: specbench's loop, transformers' (hf) or vLLM's
-    counterpart = ""  # the vLLM method that does the same, run in its place under --engine vllm
-    reference = ""  # the method its speedup is over when not specbench's baseline (its engine's own)
-
-    @property
-    def drafts(self) -> bool:
-        return self.takes_k or self.takes_tree
-
-    @property
-    def chains(self) -> bool:
-        """Whether it drafts chains of K tokens, which the chain formulas (predicted_speedup) describe."""
-        return self.takes_k and not self.shapes_tree
-
-    def check(self, pair: Pair) -> None:
-        """Raise SpecbenchError when this method cannot run on ``pair``."""
-
-    def settings(self, cfg) -> str:
-        """Its own options' values, for the ``options`` column."""
-        return ",".join(f"{o.name}={getattr(cfg, o.name)}" for o in self.options if o.recorded)
-
-    def c(self, costs) -> float:
-        """Cost of one drafting step in one-token target forwards (NaN: the method does not draft)."""
-        return math.nan
-
-    def begin_run(self, pair: Pair, cfg, step: Decoder) -> None:
-        """Set up ``step.state`` before the first prompt (methods that learn)."""
-
-    def decode(self, pair: Pair, cfg, step: Decoder, ids: torch.Tensor, generator: torch.Generator) -> DecodeResult:
-        """Decode one prompt; ``pair`` is timed (pair.clock is lapped around every model forward)."""
-        raise NotImplementedError
-
-    def after_prompt(self, step: Decoder, ids: torch.Tensor, result: DecodeResult) -> Learned | None:
-        """Work between prompts, after a prompt's timed decodes (methods that learn)."""
-        return None
-
-    def save(self, step: Decoder, out: Path) -> None:
-        """Write what the method learned (--save-draft)."""
 
 
 class Baseline(Method):
@@ -121,19 +42,6 @@ class Baseline(Method):
         return autoregressive_decode(pair.target_lm, ids, cfg.max_new_tokens, cfg.sampling, generator, pair.stop_ids)
 
 
-class SpeculativeLoop(Method):
-    """A method that runs specbench's own speculative loop with its own drafter."""
-
-    def drafter(self, pair: Pair, cfg, step: Decoder, generator: torch.Generator) -> Drafter:
-        raise NotImplementedError
-
-    def decode(self, pair, cfg, step, ids, generator, on_round=None):
-        drafter = self.drafter(pair, cfg, step, generator)
-        return speculative_decode(
-            pair.target_lm, drafter, ids, step.k, cfg.max_new_tokens, cfg.sampling, generator, pair.stop_ids, on_round
-        )
-
-
 class Speculative(SpeculativeLoop):
     name, help, needs_draft = (
         "speculative",
@@ -141,12 +49,13 @@ class Speculative(SpeculativeLoop):
         True,
     )
     counterpart = "draft"
+    k_policies = K_POLICIES  # a ModelDrafter given step.p_min: it can stop where unsure
 
     def c(self, costs):
         return costs.c
 
     def drafter(self, pair, cfg, step, generator):
-        return ModelDrafter(pair.draft_lm, cfg.sampling, generator)
+        return ModelDrafter(pair.draft_lm, cfg.sampling, generator, step.p_min(cfg))
 
 
 KV_BUDGET = Option(
@@ -177,15 +86,6 @@ def draft_window(pair: Pair, cfg) -> WindowLM:
     return WindowLM(lm.model, lm.width, pair.draft.head_tokens, cfg.draft_window, lm.fast)
 
 
-@dataclass(frozen=True)
-class Level:
-    """A drafting model other than the draft model, built the way its method builds it, so the cost
-    measurement times the forward the method runs; ``name`` is its verify_cost.csv row."""
-
-    name: str
-    build: Callable[[Pair, object], HFCausalLM]
-
-
 SELF_SPARSE_LEVEL = Level("self-sparse", lambda pair, cfg: SparseView(pair.target_lm, cfg.kv_budget, cfg.kv_policy))
 DRAFT_WINDOW_LEVEL = Level("draft-window", draft_window)
 
@@ -201,6 +101,7 @@ class SpeculativeWindow(SpeculativeLoop):
     draft_level = "draft model over its window"
     levels = (DRAFT_WINDOW_LEVEL,)
     options = (DRAFT_WINDOW,)
+    k_policies = K_POLICIES  # a ModelDrafter given step.p_min: it can stop where unsure
 
     def c(self, costs):
         return costs.level_c(DRAFT_WINDOW_LEVEL.name)
@@ -209,7 +110,7 @@ class SpeculativeWindow(SpeculativeLoop):
         step.state = draft_window(pair, cfg)
 
     def drafter(self, pair, cfg, step, generator):
-        return ModelDrafter(TimedLM(step.state, pair.clock, "draft"), cfg.sampling, generator)
+        return ModelDrafter(TimedLM(step.state, pair.clock, "draft"), cfg.sampling, generator, step.p_min(cfg))
 
 
 class PromptLookup(SpeculativeLoop):
@@ -277,6 +178,7 @@ class Tree(SpeculativeLoop):
         True,
     )
     options = (TREES,)
+    k_policies = (FIXED,)  # its shape is its lookahead
 
     def c(self, costs):
         return costs.c
@@ -294,6 +196,7 @@ class LookupTree(SpeculativeLoop):
         True,
     )
     options = (TREES,)
+    k_policies = (FIXED,)  # its shape is its lookahead
 
     def c(self, costs):
         return 0.0
@@ -327,8 +230,8 @@ class Online(Speculative):
         Option(
             "save_draft",
             None,
-            "online: write the updated draft here at the end (a checkpoint --draft loads; one k<K>/ directory per K "
-            "when several K learn). The shipped draft is never changed.",
+            "online: write the updated draft here at the end (a checkpoint --draft loads; one k<K>/ directory per K, "
+            "k<K>-<policy>/ beside a fixed K's, when several rows learn). The shipped draft is never changed.",
             recorded=False,
         ),
     )
@@ -338,7 +241,7 @@ class Online(Speculative):
         step.state = OnlineLearner(pair.draft, pair.draft_lm.width, online, pair.device, pair.draft_lm.fast is not None)
 
     def drafter(self, pair, cfg, step, generator):
-        return ModelDrafter(TimedLM(step.state.lm, pair.clock, "draft"), cfg.sampling, generator)
+        return ModelDrafter(TimedLM(step.state.lm, pair.clock, "draft"), cfg.sampling, generator, step.p_min(cfg))
 
     def decode(self, pair, cfg, step, ids, generator):
         lessons = []
@@ -368,6 +271,7 @@ class SelfSparse(SpeculativeLoop):
     levels = (SELF_SPARSE_LEVEL,)
     draft_level = "target over its KV budget"
     options = (KV_BUDGET, KV_POLICY)
+    k_policies = K_POLICIES  # a ModelDrafter given step.p_min: it can stop where unsure
 
     def c(self, costs):
         return costs.level_c(SELF_SPARSE_LEVEL.name)
@@ -377,7 +281,7 @@ class SelfSparse(SpeculativeLoop):
 
     def drafter(self, pair, cfg, step, generator):
         step.state.watch()  # before the target's prefill, which comes next
-        return ModelDrafter(TimedLM(step.state, pair.clock, "draft"), cfg.sampling, generator)
+        return ModelDrafter(TimedLM(step.state, pair.clock, "draft"), cfg.sampling, generator, step.p_min(cfg))
 
 
 class TriForce(SpeculativeLoop):
@@ -438,13 +342,15 @@ class Eagle(SpeculativeLoop):
     draft_level = "EAGLE head"
     levels = (EAGLE_LEVEL,)
     options = (SPECULATOR,)
+    k_policies = K_POLICIES  # its chain stops where the head is unsure, given step.p_min
 
     def c(self, costs):
         return costs.level_c(EAGLE_LEVEL.name)
 
     def shape(self, cfg, step: Decoder) -> dict:
-        """How its drafter drafts: a chain (here), a fixed tree or a dynamic one."""
-        return {}
+        """How its drafter drafts: a chain (here, stopping where unsure under the confidence policy),
+        a fixed tree or a dynamic one."""
+        return {"p_min": step.p_min(cfg)}
 
     def drafter(self, pair, cfg, step, generator):
         drafter = EagleDrafter(
@@ -470,6 +376,7 @@ class EagleTree(Eagle):
     )
     counterpart = ""
     options = (SPECULATOR, TREES)
+    k_policies = (FIXED,)  # its shape is its lookahead
 
     def shape(self, cfg, step):
         return {"shape": step.tree}
@@ -482,6 +389,7 @@ class EagleDynamic(Eagle):
         "--dynamic-width most probable children, and the --dynamic-nodes most probable of all make the tree",
     )
     counterpart, shapes_tree = "", True
+    k_policies = (FIXED,)  # K is its depth; a round drafts a fixed number of nodes
     options = (
         SPECULATOR,
         Option("dynamic_nodes", 5, "eagle-dynamic: draft tokens the target verifies per round.", low=1),
@@ -645,5 +553,5 @@ METHOD = Option(
     DEFAULT,
     "Decoding methods, repeatable or comma-separated (`specbench list` describes each).",
     flags=("--method",),
-    repeat=methods_given,
+    repeat=names_given,
 )

@@ -125,9 +125,14 @@ def json_object(text: str) -> dict:
     return value
 
 
-def methods_given(given: list[str]) -> list[str]:
-    """--method a,b --method c: the names in order, once each."""
+def names_given(given: list[str]) -> list[str]:
+    """A repeatable flag of names, --method a,b --method c: the names in order, once each."""
     return list(dict.fromkeys(name.strip() for value in given for name in value.split(",") if name.strip()))
+
+
+# How a method's lookahead is chosen round by round (--k-policy); methods.py says which methods take which.
+FIXED, HEURISTIC, CONFIDENCE = "fixed", "heuristic", "confidence"
+K_POLICIES = (FIXED, HEURISTIC, CONFIDENCE)
 
 
 # The options of every run, in the order --help lists them; a method's own options follow them.
@@ -142,6 +147,25 @@ RUN: tuple[Option, ...] = (
         parse=int_list,
         low=1,
         problem="K must be at least 1 (--k)",
+    ),
+    Option(
+        "k_policies",
+        [FIXED],
+        "How K is chosen round by round, repeatable or comma-separated (a row each): fixed (K every round); "
+        "heuristic (K first, then K+2 after a round whose drafts were all accepted, else K-1: transformers' "
+        "schedule); confidence (at most K, stopping before the first token whose draft probability is below "
+        "--draft-p-min: llama.cpp's rule). A method that cannot take a policy runs fixed (docs/methods.md).",
+        flags=("--k-policy",),
+        repeat=names_given,
+        choices=K_POLICIES,
+    ),
+    Option(
+        "draft_p_min",
+        0.4,
+        "--k-policy confidence: a round stops drafting where the draft's most likely token has a lower "
+        "probability (its warped distribution under sampling, the softmax of its logits under greedy).",
+        check=lambda p: 0 < p <= 1,
+        problem="--draft-p-min must be in (0, 1]",
     ),
     Option("dataset", "humaneval", "humaneval, xsum, pydoc, longcode, or a local .jsonl/.csv/.parquet file."),
     Option("prompt_field", "prompt", "Field holding the prompt in a local dataset file."),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from . import schema
 from .errors import SpecbenchError
+from .options import FIXED
 
 
 def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
@@ -27,7 +28,7 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
             if has_acceptance
             else pd.DataFrame(columns=["method", "k", "position", "acceptance"])
         )
-        summary = _own(summary)
+        summary, acceptance = _own(_policies(summary)), _policies(acceptance)
         if summary.empty:  # only vLLM ran: plot_concurrency draws its figures
             return None
         verify = pd.read_csv(run_dir / "verify_cost.csv")
@@ -49,11 +50,12 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
         f"{first['target']} <- {first['draft']} on {first['dataset']}, T={first['temperature']}, {first['device']}"
     )
 
-    for (method, rows), color in zip(
-        chains.groupby("method", sort=False),
+    for ((method, policy), rows), color in zip(
+        chains.groupby(["method", "k_policy"], sort=False),
         itertools.cycle(plt.rcParams["axes.prop_cycle"].by_key()["color"]),
         strict=False,
     ):
+        method += _suffix(policy)
         ax_speed.plot(rows["k"], rows["speedup"], "o-", color=color, label=f"{method}: measured", linewidth=2)
         if rows["predicted_speedup_verify"].notna().any():
             ax_speed.plot(
@@ -76,6 +78,7 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
     for _, row in drafting.iterrows():
         is_tree = has_tree and pd.notna(row["tree"])
         label = f"{row['method']} {row['tree']}" if is_tree else f"{row['method']} K={int(row['k'])}"
+        label += _suffix(row["k_policy"])
         ax_forward.scatter(row["tau"], row["speedup"], marker="^" if is_tree else "o")
         ax_forward.annotate(
             label, (row["tau"], row["speedup"]), fontsize="x-small", xytext=(3, 3), textcoords="offset points"
@@ -85,11 +88,11 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
 
     if "by" in acceptance:
         acceptance = acceptance[acceptance["by"] == "depth"]
-    for (method, k), rows in acceptance.groupby(["method", "k"], sort=False):
+    for (method, k, policy), rows in acceptance.groupby(["method", "k", "k_policy"], sort=False):
         for tree, branch in rows.groupby(
             rows["tree"].astype("string").fillna("") if "tree" in rows else [""] * len(rows)
         ):
-            label = f"{method} {tree}" if tree else f"{method} K={k}"
+            label = f"{method} {tree}" if tree else f"{method} K={k}{_suffix(policy)}"
             ax_accept.plot(branch["position"], branch["acceptance"], "o-", label=label)
     ax_accept.set_xticks(sorted(acceptance["position"].unique()))
     ax_accept.set(
@@ -137,6 +140,17 @@ def _saved(fig, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _policies(df):
+    """``df`` with a k_policy column of text ("" where a row has no K, and in runs made before policies)."""
+    policy = df["k_policy"].fillna("") if "k_policy" in df else ""
+    return df.assign(k_policy=policy)
+
+
+def _suffix(policy: str) -> str:
+    """What a label adds for a lookahead policy: nothing for a fixed K."""
+    return f" {policy}" if policy not in ("", FIXED) else ""
 
 
 def _own(summary):
@@ -192,10 +206,13 @@ def plot_phases(run_dir: Path, name: str = "phases.png") -> Path | None:
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    summary = _own(_summary(run_dir))
+    summary = _own(_policies(_summary(run_dir)))
     if summary.empty:
         return None
-    labels = [m if pd.isna(k) else f"{m}\nK={int(k)}" for m, k in zip(summary["method"], summary["k"], strict=True)]
+    labels = [
+        m if pd.isna(k) else f"{m}\nK={int(k)}{_suffix(policy)}"
+        for m, k, policy in zip(summary["method"], summary["k"], summary["k_policy"], strict=True)
+    ]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(summary) + 2), 4.5))
     bottom = pd.Series(0.0, index=summary.index)
     # A phase no method spent time in (inner, without a cascade) is left out of the bars and legend.
@@ -230,26 +247,28 @@ def plot_online(run_dir: Path, name: str = "online.png", window: int = 10) -> Pa
     if not (run_dir / "online.csv").is_file():
         return None
     try:
-        records = pd.read_csv(run_dir / "records.csv")
-        online = pd.read_csv(run_dir / "online.csv")
+        records = _policies(pd.read_csv(run_dir / "records.csv"))
+        online = _policies(pd.read_csv(run_dir / "online.csv"))
     except (OSError, ValueError) as e:
         raise SpecbenchError(f"cannot read the run's CSVs in {run_dir} ({str(e).splitlines()[0]})") from None
     chains = records[records["alpha"].notna() & records["k"].notna() & records["tree"].isna()]
     fig, (ax_alpha, ax_train) = plt.subplots(1, 2, figsize=(14, 4.5), gridspec_kw={"width_ratios": [2, 1]})
     colors = itertools.cycle(plt.rcParams["axes.prop_cycle"].by_key()["color"])
-    for ((method, k), rows), color in zip(chains.groupby(["method", "k"], sort=False), colors, strict=False):
+    groups = chains.groupby(["method", "k", "k_policy"], sort=False)
+    for ((method, k, policy), rows), color in zip(groups, colors, strict=False):
         rows = rows.sort_values("prompt_index")
         ax_alpha.scatter(rows["prompt_index"], rows["alpha"], s=6, alpha=0.25, color=color)
         smooth = rows["alpha"].rolling(window, min_periods=1).mean()
-        ax_alpha.plot(rows["prompt_index"], smooth, color=color, linewidth=2, label=f"{method} K={int(k)}")
+        label = f"{method} K={int(k)}{_suffix(policy)}"
+        ax_alpha.plot(rows["prompt_index"], smooth, color=color, linewidth=2, label=label)
     ax_alpha.set(
         xlabel="prompt index (the order the run served them)",
         ylabel=f"alpha (rolling mean of {window} prompts)",
         title="acceptance as the run goes, with and without online updates",
     )
     ax_alpha.legend(fontsize="small")
-    for (method, k), rows in online.groupby(["method", "k"], sort=False):
-        ax_train.bar(rows["prompt_index"], rows["train_s"], label=f"{method} K={int(k)}")
+    for (method, k, policy), rows in online.groupby(["method", "k", "k_policy"], sort=False):
+        ax_train.bar(rows["prompt_index"], rows["train_s"], label=f"{method} K={int(k)}{_suffix(policy)}")
     ax_train.set(xlabel="prompt index", ylabel="seconds", title="training after each prompt (train_s)")
     ax_train.legend(fontsize="small")
     return _saved(fig, run_dir / name)
@@ -267,16 +286,16 @@ def plot_context(sweep_dir: Path, name: str = "context.png") -> Path | None:
     if not (sweep_dir / "context.csv").is_file():
         return None
     try:
-        rows = pd.read_csv(sweep_dir / "context.csv")
+        rows = _policies(pd.read_csv(sweep_dir / "context.csv"))
     except (OSError, ValueError) as e:
         raise SpecbenchError(f"cannot read {sweep_dir / 'context.csv'} ({str(e).splitlines()[0]})") from None
     fig, (ax_speed, ax_cost) = plt.subplots(1, 2, figsize=(13, 4.5))
     contexts = sorted(rows["context_tokens"].unique())
     costs: dict[tuple, list[str]] = {}  # methods that draft with the same level share one c curve
     drafting = rows[rows["c"].notna() | rows["alpha"].notna()]  # every method but the baseline
-    for (method, k), group in drafting.groupby(["method", "k"], sort=False, dropna=False):
+    for (method, k, policy), group in drafting.groupby(["method", "k", "k_policy"], sort=False, dropna=False):
         group = group.sort_values("context_tokens")
-        label = method if pd.isna(k) else f"{method} K={int(k)}"
+        label = method if pd.isna(k) else f"{method} K={int(k)}{_suffix(policy)}"
         ax_speed.plot(group["context_tokens"], group["decode_speedup"], marker="o", label=label)
         if group["c"].notna().any():
             costs.setdefault(tuple(zip(group["context_tokens"], group["c"], strict=True)), []).append(method)

@@ -12,14 +12,18 @@ from .results import CONTENDERS, missing, row_label
 
 
 def summary_table(rows: list[dict], title: str) -> Table:
-    """The summary's headed columns, less those that say nothing here: a column empty in every row,
-    and a configuration column (engine, concurrency, tree) with one value for all of them."""
+    """The summary's headed columns, less those that say nothing here: a column empty (or plain, as a
+    fixed K policy) in every row, and a configuration column (engine, concurrency, tree) with one
+    value for all of them."""
     cells = {c.name: [schema.fmt(c.name, row.get(c.name)) for row in rows] for c in schema.TABLE}
     shown = [
         c
         for c in schema.TABLE
         if c.name == "method"
-        or (any(cell != "-" for cell in cells[c.name]) and (c.kind != schema.CONFIG or len(set(cells[c.name])) > 1))
+        or (
+            any(cell not in ("-", c.plain) for cell in cells[c.name])
+            and (c.kind != schema.CONFIG or len(set(cells[c.name])) > 1)
+        )
     ]
     table = Table(title=title)
     for column in shown:
@@ -62,6 +66,13 @@ def serving_table(rows: list[dict]) -> Table | None:
     return table
 
 
+def k_cell(row: dict) -> str:
+    """K as a table shows it, with the policy that chose it round by round when that is not fixed."""
+    policy = row.get("k_policy")
+    shown = schema.fmt("k", row["k"])
+    return f"{shown} {policy}" if policy and policy != schema.BY_NAME["k_policy"].plain else shown
+
+
 def phase_table(rows: list[dict]) -> Table:
     """Where each method's time went: milliseconds per generated token, phase by phase (inner only
     when a method has a level beneath its draft model)."""
@@ -76,7 +87,7 @@ def phase_table(rows: list[dict]) -> Table:
         per_token = [1000 * row[name] / row["new_tokens"] for name in phases]
         cells = [f"{ms:.2f}" for ms in per_token]
         other = row["other_s"] / (row["method_s"] - row["prefill_s"])  # of the decode proper
-        key = (row["method"], schema.fmt("k", row["k"]), schema.fmt("tree", row.get("tree")))
+        key = (row["method"], k_cell(row), schema.fmt("tree", row.get("tree")))
         table.add_row(*key, *cells, f"{sum(per_token):.2f}", f"{other:.1%}")
     return table
 
@@ -137,7 +148,7 @@ def levels_table(rows: list[dict]) -> Table | None:
         for depth, (level, forwards, proposed, accepted, chosen, seconds) in enumerate(levels):
             table.add_row(
                 row["method"] if depth == 0 else "",
-                schema.fmt("k", row["k"]) if depth == 0 else "",
+                k_cell(row) if depth == 0 else "",
                 (row.get("options") or "-") if depth == 0 else "",
                 level,
                 f"{forwards:.0f}",

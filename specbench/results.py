@@ -22,20 +22,16 @@ from .costs import ForwardCosts
 from .engine import DecodeResult
 from .errors import SpecbenchError
 from .files import replacing
-from .methods import BASELINE, DEFAULT, Decoder
+from .method import Decoder
+from .methods import BASELINE, DEFAULT
 from .online import Learned
+from .options import FIXED
 from .prompts import Prompt
 from .timing import Phases
 
 RECORDS, OUTPUTS = "records.csv", "outputs.jsonl"
-OWN_ENGINES = ("torch", "hf")
-BLOCK = (
-    "engine",
-    "concurrency",
-    "method",
-    "k",
-    "tree",
-)  # what a summary row is one of  # the engines of specbench's process: its loop, and transformers' generate
+OWN_ENGINES = ("torch", "hf")  # the engines of specbench's process: its loop, and transformers' generate
+BLOCK = ("engine", "concurrency", "method", "k", "tree", "k_policy")  # what a summary row is one of
 # What random weights make meaningless: how often random models agree, and what follows from it.
 WEIGHT_DEPENDENT = ("alpha", "acceptance_rate", "tau", "predicted_speedup", "predicted_speedup_verify")
 
@@ -85,6 +81,7 @@ def record(
         "method": method.name,
         "k": k,
         "tree": decoder.shape,
+        "k_policy": decoder.policy,
         "prompt_id": prompt.id,
         "prompt_index": index,
         "prompt_tokens": len(ids),
@@ -106,6 +103,7 @@ def record(
         "start_s": math.nan,
         "end_s": math.nan,
         "drafted": s.drafted,
+        "drafted_per_round": s.drafted / len(s.draft_counts) if s.draft_counts else math.nan,
         "accepted": s.accepted,
         "beta_sum": s.beta_sum,
         "tested": s.tested,
@@ -115,9 +113,16 @@ def record(
         **metrics.phase_figures(_totals(measured), _totals(baseline)),
         "outputs_match": divergence is None,
         "first_divergence": -1 if divergence is None else divergence,
-        "accept_hist": " ".join(str(s.accept_counts.count(n)) for n in range(k + 1)) if s.accept_counts else "",
+        # A heuristic K grows past the first: up to the most a round accepted.
+        "accept_hist": _hist(s.accept_counts, max([k, *s.accept_counts])),
+        "draft_hist": _hist(s.draft_counts, max(s.draft_counts, default=0)),
         "rank_hist": " ".join(map(str, s.rank_counts)) if method.drafts and not method.chains else "",
     }
+
+
+def _hist(counts: list[int], most: int) -> str:
+    """How many of ``counts`` are 0, 1, ..., ``most``, space-separated ("" for no counts)."""
+    return " ".join(str(counts.count(n)) for n in range(most + 1)) if counts else ""
 
 
 def _inner(result: DecodeResult) -> dict:
@@ -140,8 +145,12 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
         by_method.setdefault(r["method"], {})[r["prompt_index"]] = r
     rows = []
     for decoder in [Decoder(BASELINE), *plan]:
-        method, k, tree = decoder.method, decoder.k, decoder.shape
-        rs = [r for r in records if r["method"] == method.name and r["k"] == k and r["tree"] == tree]
+        method, k, tree, policy = decoder.method, decoder.k, decoder.shape, decoder.policy
+        rs = [
+            r
+            for r in records
+            if r["method"] == method.name and r["k"] == k and r["tree"] == tree and r["k_policy"] == policy
+        ]
         if not rs:
             continue
         baselines = by_method[method.reference or BASELINE.name]  # the engine's own baseline
@@ -154,14 +163,17 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
         tokens, seconds = run["new_tokens"], run["method_s"]
         base_tokens, base_s = base["new_tokens"], base["method_s"]
         drafts = method.drafts  # only drafting methods; the others' counts are left empty
-        chain = method.chains  # the chain formulas apply
+        chain = method.chains and policy == FIXED  # the formulas of K drafts every round apply
         counted = ("drafted", "accepted", "beta_sum", "tested")
         totals = {name: sum(r[name] for r in rs) for name in counted}
         alpha = totals["beta_sum"] / totals["tested"] if totals["tested"] else math.nan
         c = method.c(costs)
         rounds = run["target_forwards"] - len(rs)
         nodes = totals["drafted"] / rounds if drafts and rounds else math.nan
-        verify_ratio = costs.verify_ratio(k if chain else round(nodes)) if not math.isnan(nodes) else math.nan
+        # A chain verifies K + 1 tokens a round, a tree its nodes + 1; under another policy the count varies.
+        fits = not math.isnan(nodes) and (chain or bool(decoder.tree))
+        verify_ratio = costs.verify_ratio(k if chain else round(nodes)) if fits else math.nan
+        counted_rounds = sum(sum(map(int, r["draft_hist"].split())) for r in rs)
         divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0]
         trained = sum(r["train_s"] for r in rs) if method.learns else math.nan
         speedup = (tokens / seconds) / (base_tokens / base_s)
@@ -181,7 +193,8 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
             "method": method.name,
             "k": k,
             "tree": tree,
-            "options": method.settings(cfg),
+            "k_policy": policy,
+            "options": decoder.settings(cfg),
             "eta": cfg.eta,
             "temperature": cfg.temperature,
             "top_k": cfg.top_k,
@@ -198,6 +211,7 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
             "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else math.nan,
             "tau": tokens / run["target_forwards"] if drafts else math.nan,
             "nodes": nodes,
+            "drafted_per_round": totals["drafted"] / counted_rounds if counted_rounds else math.nan,
             "c": c,
             "verify_ratio": verify_ratio,
             "predicted_speedup": metrics.predicted_speedup(alpha, c, k) if chain else math.nan,
@@ -217,7 +231,10 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
 def online_row(rec: dict, learned: Learned) -> dict:
     """online.csv: after each prompt of a method that learns, how its draft did and what it learned."""
     return {
-        **{name: rec[name] for name in ("method", "k", "prompt_index", "prompt_id", "alpha", "acceptance_rate")},
+        **{
+            name: rec[name]
+            for name in ("method", "k", "k_policy", "prompt_index", "prompt_id", "alpha", "acceptance_rate")
+        },
         "lessons": learned.lessons,
         "updates": learned.updates,
         "train_s": learned.train_s,
@@ -231,21 +248,44 @@ def acceptance_rows(records: list[dict]) -> list[dict]:
     depths: dict[tuple, list[int]] = {}
     ranks: dict[tuple, list[int]] = {}
     for r in records:
-        key = (r["engine"], r["concurrency"], r["method"], r["k"], r["tree"])
-        for hists, cell in ((depths, r["accept_hist"]), (ranks, r["rank_hist"])):
-            counts = [int(x) for x in cell.split()] if cell else []
-            total = hists.setdefault(key, [])
-            total += [0] * (len(counts) - len(total))
-            hists[key] = [a + b for a, b in zip(total, counts + [0] * (len(total) - len(counts)), strict=True)]
+        key = tuple(r[name] for name in BLOCK)
+        _add(depths, key, r["accept_hist"])
+        _add(ranks, key, r["rank_hist"])
     rows = []
     for key, hist in sorted(depths.items(), key=str):
-        engine, concurrency, method, k, tree = key
-        row = dict(engine=engine, concurrency=concurrency, method=method, k=k, tree=tree, verify_steps=sum(hist))
+        row = {**dict(zip(BLOCK, key, strict=True)), "verify_steps": sum(hist)}
         for i, rate in enumerate(metrics.acceptance_by_position(hist) if hist else []):
             rows.append({**row, "by": "depth", "position": i + 1, "acceptance": rate})
         for i, count in enumerate(ranks[key]):
             rows.append({**row, "by": "rank", "position": i + 1, "acceptance": count / sum(ranks[key])})
     return rows
+
+
+def draft_length_rows(records: list[dict]) -> list[dict]:
+    """draft_lengths.csv: per method, K, tree and policy of specbench's loop, how many verification
+    rounds drafted each number of tokens (a number no round drafted has no row)."""
+    hists: dict[tuple, list[int]] = {}
+    for r in records:
+        if r["draft_hist"]:  # the rows that drafted in specbench's loop
+            _add(hists, tuple(r[name] for name in DRAFT_KEY), r["draft_hist"])
+    return [
+        {**dict(zip(DRAFT_KEY, key, strict=True)), "drafted": drafted, "rounds": rounds}
+        for key, hist in hists.items()
+        for drafted, rounds in enumerate(hist)
+        if rounds
+    ]
+
+
+DRAFT_KEY = ("method", "k", "tree", "k_policy")
+
+
+def _add(hists: dict[tuple, list[int]], key: tuple, cell: str) -> None:
+    """Add a records.csv histogram cell ("3 0 2": counts of 0, 1, 2) to ``hists[key]``."""
+    counts = [int(x) for x in cell.split()] if cell else []
+    total = hists.setdefault(key, [])
+    total += [0] * (len(counts) - len(total))
+    for n, count in enumerate(counts):
+        total[n] += count
 
 
 def predicted_by_k(alpha: float, c: float, costs: ForwardCosts) -> dict[int, float]:
@@ -286,6 +326,8 @@ def best_ks(summary: list[dict]) -> dict:
             continue
         if row["engine"] not in OWN_ENGINES:
             row = {**row, "method": f"{row['engine']} {row['method']}"}
+        if row["k_policy"] != FIXED:  # each policy has a best K of its own (heuristic: the first round's)
+            row = {**row, "method": f"{row['method']} {row['k_policy']}"}
         for label, column in [
             ("measured", "speedup"),
             ("predicted", "predicted_speedup"),
@@ -306,7 +348,7 @@ def suggestions(summary: list[dict], costs: ForwardCosts, ks: list[int]) -> list
         return []
     lines = []
     for row in summary:
-        if math.isnan(row["predicted_speedup"]) or math.isnan(row["c"]):  # no chain, or nothing to predict from
+        if math.isnan(row["predicted_speedup"]) or math.isnan(row["c"]):  # no fixed chain, or nothing to predict from
             continue
         by_k = predicted_by_k(row["alpha"], row["c"], costs)
         best = metrics.best_k(by_k)
@@ -333,6 +375,7 @@ def context_rows(runs: dict[int, Path]) -> list[dict]:
                     "context_tokens": context,
                     "method": row["method"],
                     "k": row["k"],
+                    "k_policy": row["k_policy"] if isinstance(row["k_policy"], str) else "",  # NaN: no K
                     "options": row["options"],
                     "num_prompts": row["num_prompts"],
                     "target_step_ms": 1000 * step,
@@ -347,21 +390,25 @@ def context_rows(runs: dict[int, Path]) -> list[dict]:
                     "outputs_match": row["outputs_match"],
                 }
             )
-    baseline, rival = CONTENDERS
     for row in rows:  # the method's decode speedup over the rival's at the same length and K
-        same = [r for r in rows if r["method"] == rival and r["context_tokens"] == row["context_tokens"]]
+        same = [r for r in rows if is_rival(r) and r["context_tokens"] == row["context_tokens"]]
         same = [r for r in same if r["k"] == row["k"]] or same
         row["vs_speculative"] = (
             row["decode_speedup"] / same[0]["decode_speedup"]
-            if same and row["method"] not in (rival, baseline)
+            if same and row["method"] != CONTENDERS[0] and not is_rival(row)
             else math.nan
         )
     return rows
 
 
 # The baseline, and the rival a context sweep holds every other method to: the default method (one
-# draft model, one level; speculative).
+# draft model, one level; speculative) at a fixed K.
 CONTENDERS = (BASELINE.name, DEFAULT[0])
+
+
+def is_rival(row: dict) -> bool:
+    """A row of the context sweep's rival: the default method with a fixed K (its other policies are held to it)."""
+    return row["method"] == CONTENDERS[1] and row["k_policy"] == FIXED
 
 
 def missing(value) -> bool:
@@ -369,16 +416,18 @@ def missing(value) -> bool:
 
 
 def row_label(row: dict) -> str:
-    return row["method"] if missing(row["k"]) else f"{row['method']} K={int(row['k'])}"
+    label = row["method"] if missing(row["k"]) else f"{row['method']} K={int(row['k'])}"
+    policy = row.get("k_policy")
+    return f"{label} {policy}" if isinstance(policy, str) and policy not in ("", FIXED) else label
 
 
 def crossovers(rows: list[dict]) -> dict[str, dict]:
     """Per method and K of a context sweep: the shortest context from which its decode speedup stays
     above the baseline's, and above speculative's (None: not at the longest context measured)."""
-    baseline, rival = CONTENDERS
     found: dict[str, dict] = {}
+    rivals = {row_label(row) for row in rows if is_rival(row)}
     for row in rows:
-        if row["method"] == baseline:
+        if row["method"] == CONTENDERS[0]:
             continue
         found.setdefault(row_label(row), {"speedup": {}, "vs_speculative": {}})
         found[row_label(row)]["speedup"][row["context_tokens"]] = row["decode_speedup"]
@@ -386,7 +435,7 @@ def crossovers(rows: list[dict]) -> dict[str, dict]:
     return {
         label: {
             "beats_baseline_from": metrics.wins_from(by["speedup"]),
-            "beats_speculative_from": None if label.split()[0] == rival else metrics.wins_from(by["vs_speculative"]),
+            "beats_speculative_from": None if label in rivals else metrics.wins_from(by["vs_speculative"]),
         }
         for label, by in found.items()
     }
@@ -521,6 +570,7 @@ class RunWriter:
         tree: str = "",
         engine: str = "torch",
         concurrency: int = 1,
+        k_policy: str = "",
     ) -> None:
         obj = {
             "prompt_id": prompt_id,
@@ -529,6 +579,7 @@ class RunWriter:
             "concurrency": concurrency,
             "k": k,
             "tree": tree,
+            "k_policy": k_policy,
             "method": method,
             "token_ids": token_ids,
             "text": text,

@@ -73,6 +73,20 @@ def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Gener
     return sample(warp(logits, cfg), generator)
 
 
+def confident(probs: torch.Tensor, p_min: float) -> bool:
+    """Whether a drafter proposes its next token: the draft's most likely token there has
+    probability at least ``p_min`` (llama.cpp's --draft-p-min). Below it the drafter stops and does
+    not draft that token.
+
+    ``probs`` is the draft's own distribution at the position, 1-D: under sampling the warped row it
+    would sample from (its q), under greedy the softmax of its logits. The rule reads nothing of the
+    target's, so where a round stops depends only on what the draft has drafted: each drafted token
+    is still drawn from the q it is verified against, and a position left undrafted gets the target's
+    own token, so verification stays exact.
+    """
+    return float(probs.max()) >= p_min
+
+
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """norm(max(0, p - q)), returned unnormalised; falls back to p where p <= q everywhere.
 

@@ -28,6 +28,7 @@ class Column:
     gated: bool = False  # judged by `specbench compare` when no --metric is given
     files: str = "both"  # "summary", "records" (per prompt) or "both"
     absolute: bool = False  # seconds or tokens/s: they measure the machine as much as the code
+    plain: str = ""  # a value that says nothing: the summary table hides a column of nothing else
 
 
 COLUMNS: tuple[Column, ...] = (
@@ -70,7 +71,8 @@ COLUMNS: tuple[Column, ...] = (
         CONFIG,
         None,
         "d",
-        "lookahead: draft tokens per target verification (empty for methods without K)",
+        "lookahead: draft tokens per target verification (under --k-policy heuristic the first round's, under "
+        "confidence the most a round drafts; empty for methods without K)",
         header="K",
     ),
     Column(
@@ -80,6 +82,15 @@ COLUMNS: tuple[Column, ...] = (
         "",
         "tree shape, the branching at each depth (tree methods; K is its depth)",
         header="tree",
+    ),
+    Column(
+        "k_policy",
+        CONFIG,
+        None,
+        "",
+        "how K is chosen round by round (--k-policy): fixed, heuristic or confidence (empty for methods without K)",
+        header="policy",
+        plain="fixed",
     ),
     Column(
         "options",
@@ -318,7 +329,8 @@ COLUMNS: tuple[Column, ...] = (
         TIMING,
         LOWER,
         ".2f",
-        "target forward over K+1 tokens / over one token",
+        "target forward over K+1 tokens / over one token (empty under a --k-policy other than fixed, whose rounds "
+        "verify a varying number: see verify_ratio_run)",
         header="verify",
         files="summary",
     ),
@@ -327,7 +339,8 @@ COLUMNS: tuple[Column, ...] = (
         TIMING,
         HIGHER,
         ".2f",
-        "(1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)): the classic formula",
+        "(1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)): the classic formula, for K drafts every round (empty under "
+        "another --k-policy than fixed: predicted_speedup_run holds for any)",
         header="pred",
         files="summary",
     ),
@@ -336,7 +349,8 @@ COLUMNS: tuple[Column, ...] = (
         TIMING,
         HIGHER,
         ".2f",
-        "E[tokens] / (K c + verify_ratio): the formula with the measured cost of verification",
+        "E[tokens] / (K c + verify_ratio): the formula with the measured cost of verification (fixed K only, as "
+        "predicted_speedup)",
         header="pred+verify",
         files="summary",
     ),
@@ -413,6 +427,14 @@ COLUMNS: tuple[Column, ...] = (
         header="eff",
     ),
     Column("drafted", DETERMINISTIC, None, "d", "draft tokens proposed"),
+    Column(
+        "drafted_per_round",
+        DETERMINISTIC,
+        None,
+        ".2f",
+        "mean draft tokens per verification round, from each round's count (draft_lengths.csv: how often each "
+        "count was drafted); specbench's loop only",
+    ),
     Column("accepted", DETERMINISTIC, None, "d", "draft tokens accepted"),
     Column("beta_sum", DETERMINISTIC, None, ".3f", "sum of beta over the tested positions (alpha's numerator)"),
     Column("tested", DETERMINISTIC, None, "d", "draft positions tested (alpha's denominator)"),
@@ -461,7 +483,15 @@ COLUMNS: tuple[Column, ...] = (
         "d",
         "earliest token index where an output differs from the baseline's (-1: none)",
     ),
-    Column("accept_hist", DETERMINISTIC, None, "", "verify rounds that accepted 0, 1, ..., K drafts", files="records"),
+    Column(
+        "accept_hist",
+        DETERMINISTIC,
+        None,
+        "",
+        "verify rounds that accepted 0, 1, ..., K drafts (a heuristic K: up to the most a round accepted)",
+        files="records",
+    ),
+    Column("draft_hist", DETERMINISTIC, None, "", "verify rounds that drafted 0, 1, 2, ... tokens", files="records"),
     Column(
         "rank_hist",
         DETERMINISTIC,
@@ -491,16 +521,41 @@ PHASES = ("prefill_s", "draft_s", "inner_s", "verify_s", "other_s")
 
 # The columns of the other files a run writes (outputs.jsonl: the keys of each line).
 VERIFY_COST = ("model", "tokens", "context_tokens", "seconds", "iqr_s", "ratio", "ratio_iqr", "repeats")
-ACCEPTANCE = ("engine", "concurrency", "method", "k", "tree", "by", "position", "acceptance", "verify_steps")
+ACCEPTANCE = (
+    "engine",
+    "concurrency",
+    "method",
+    "k",
+    "tree",
+    "k_policy",
+    "by",
+    "position",
+    "acceptance",
+    "verify_steps",
+)
 PREDICTED = ("alpha", "k", "c", "verify_ratio", "predicted_speedup", "predicted_speedup_verify")
-ONLINE = ("method", "k", "prompt_index", "prompt_id", "alpha", "acceptance_rate", "lessons", "updates", "train_s")
-OUTPUTS = ("prompt_id", "prompt_index", "engine", "concurrency", "k", "tree", "method", "token_ids", "text")
+ONLINE = (
+    "method",
+    "k",
+    "k_policy",
+    "prompt_index",
+    "prompt_id",
+    "alpha",
+    "acceptance_rate",
+    "lessons",
+    "updates",
+    "train_s",
+)
+OUTPUTS = ("prompt_id", "prompt_index", "engine", "concurrency", "k", "tree", "k_policy", "method", "token_ids", "text")
+# specbench's loop: how many verification rounds drafted each number of tokens, per method, K, tree and policy.
+DRAFT_LENGTHS = ("method", "k", "tree", "k_policy", "drafted", "rounds")
 # vLLM's one-token decode time per model, each alone in the engine at one request: its c.
 ENGINE_COSTS = ("engine", "model", "tpot_ms", "tpot_iqr_ms", "requests")
 CONTEXT = (
     "context_tokens",
     "method",
     "k",
+    "k_policy",
     "options",
     "num_prompts",
     "target_step_ms",
@@ -520,6 +575,7 @@ FILES = {
     "records.csv": tuple(RECORDS),
     "verify_cost.csv": VERIFY_COST,
     "acceptance.csv": ACCEPTANCE,
+    "draft_lengths.csv": DRAFT_LENGTHS,
     "predicted.csv": PREDICTED,
     "online.csv": ONLINE,
     "outputs.jsonl": OUTPUTS,

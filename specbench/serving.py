@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 
 from . import metrics, schema
-from .methods import BASELINE, SERVED_BASELINE, Decoder
+from .method import Decoder
+from .methods import BASELINE, SERVED_BASELINE
 from .prompts import Prompt
 from .results import OWN_ENGINES
 from .vllm_engine import Served
@@ -62,6 +63,7 @@ def record(
             "method": decoder.method.name,
             "k": decoder.k,
             "tree": "",
+            "k_policy": decoder.policy,
             "prompt_id": prompt.id,
             "prompt_index": index,
             "prompt_tokens": len(ids),
@@ -82,6 +84,7 @@ def record(
             "outputs_match": divergence is None,
             "first_divergence": -1 if divergence is None else divergence,
             "rank_hist": "",
+            "draft_hist": "",  # vLLM reports no round's draft length
         }
     )
     return row
@@ -147,6 +150,7 @@ def summarize(records: list[dict], costs: list[dict], cfg, run_info: dict) -> li
                     "method": method.name,
                     "k": k,
                     "tree": "",
+                    "k_policy": decoder.policy,
                     "options": _options(decoder, cfg),
                     **{name: getattr(cfg, name) for name in ("temperature", "top_k", "top_p", "eta", "seed")},
                     "max_new_tokens": cfg.max_new_tokens,

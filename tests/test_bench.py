@@ -1,6 +1,8 @@
 """The benchmark as a whole on tiny local models: K lists, random streams, resume, the schema."""
 
+import dataclasses
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -99,6 +101,81 @@ def test_an_interrupted_run_resumes_without_measuring_anything_twice(tiny_pair, 
         {(i, m, k) for i in range(3) for m, k in [("baseline", 0), *[(m, k) for m in cfg.methods for k in cfg.ks]]}
     )
     assert [r["num_prompts"] for r in results.summary] == [3] * 5
+
+
+def test_each_lookahead_policy_is_a_row_of_its_own_exact_under_greedy_and_resumed(
+    tiny_pair, untied_target, prompts_file, tmp_path, caplog
+):
+    caplog.set_level(logging.INFO, logger="specbench")
+    cfg = config(
+        (untied_target, tiny_pair[1]),  # varied text: rejections, and rounds where the draft is unsure
+        prompts_file,
+        methods=["speculative", "prompt-lookup", "tree"],
+        ks=[1, 3],
+        k_policies=["heuristic", "fixed", "confidence"],
+        draft_p_min=0.97,
+    )
+    steps, out = 1 + len(cfg.plan), tmp_path / "run"
+    events = bench.benchmark(cfg, out)
+    for event in events:  # interrupt in the middle of the second prompt
+        if event.stage == "decoding" and event.done == steps + 2:
+            break
+    events.close()
+    results = run(cfg, out, resume=True)
+    # Methods that cannot take a policy run what they can, and the run says so once each.
+    notes = [r.message for r in caplog.records if "--k-policy" in r.message]
+    assert (
+        notes
+        == [
+            "prompt-lookup takes only --k-policy fixed, heuristic: no confidence rows",
+            "tree takes only --k-policy fixed: no heuristic, confidence rows",
+        ]
+        * 2
+    )  # the run, then its resumption
+    served = dataclasses.replace(
+        cfg, methods=["speculative", "hf-assisted"], engines=["torch", "vllm"], k_policies=["heuristic"]
+    )
+    assert served.policy_notes == [
+        "hf-assisted takes only --k-policy fixed: no heuristic rows",  # it runs fixed K instead
+        "vllm draft takes only --k-policy fixed: no heuristic rows",
+    ]
+    assert [step.k_policy for step in served.plan if step.method.name == "hf-assisted"] == ["fixed", "fixed"]
+    summary = pd.DataFrame(results.summary).set_index(["method", "k", "k_policy"])
+    assert set(summary.loc["speculative"].index) == {
+        (k, p) for k in (1, 3) for p in ("heuristic", "fixed", "confidence")
+    }
+    assert set(summary.loc["prompt-lookup"].index) == {(k, p) for k in (1, 3) for p in ("heuristic", "fixed")}
+    assert summary.loc["tree"].index.tolist() == [(2, "fixed")] and results.summary[0]["k_policy"] == ""
+    assert (summary["outputs_match"] == 3).all() and (summary["num_prompts"] == 3).all()  # greedy: every prompt
+    records = pd.read_csv(out / "records.csv")
+    assert (
+        not records.duplicated(["prompt_index", "method", "k", "tree", "k_policy"]).any() and len(records) == 3 * steps
+    )
+    assert records["outputs_match"].all()
+    # The confidence threshold is that row's setting; the fixed-K formulas leave the adaptive rows.
+    speculative = summary.loc["speculative"]
+    assert speculative["options"].to_dict() == {
+        (k, p): "draft_p_min=0.97" if p == "confidence" else ""
+        for k in (1, 3)
+        for p in ("heuristic", "fixed", "confidence")
+    }
+    fixed = speculative.xs("fixed", level="k_policy")
+    assert fixed[["predicted_speedup", "verify_ratio"]].notna().all().all()
+    assert speculative.drop(index="fixed", level="k_policy")[["predicted_speedup", "verify_ratio"]].isna().all().all()
+    assert fixed["drafted_per_round"].tolist() == [1.0, 3.0]
+    # draft_lengths.csv: how many rounds drafted each count, adding up to the summary's drafts and rounds.
+    lengths = pd.read_csv(out / "draft_lengths.csv", keep_default_na=False)
+    assert tuple(lengths.columns) == schema.DRAFT_LENGTHS
+    for (method, k, _, policy), hist in lengths.groupby(["method", "k", "tree", "k_policy"]):
+        row = summary.loc[(method, k, policy)]
+        assert (hist["drafted"] * hist["rounds"]).sum() == row["drafted"]
+        assert hist["rounds"].sum() == row["target_forwards"] - 3
+        assert row["drafted_per_round"] == pytest.approx(row["drafted"] / hist["rounds"].sum())
+    confident = lengths[(lengths["method"] == "speculative") & (lengths["k_policy"] == "confidence")]
+    assert set(confident.loc[confident["k"] == 3, "drafted"]) >= {0, 3}  # it stopped where it was unsure
+    heuristic = lengths[(lengths["method"] == "speculative") & (lengths["k_policy"] == "heuristic")]
+    assert heuristic["drafted"].nunique() > 1
+    assert {(o["method"], o["k_policy"]) for o in outputs(out)} >= {("speculative", "confidence"), ("baseline", "")}
 
 
 def test_resume_refuses_another_configuration_and_a_missing_run(tiny_pair, prompts_file, tmp_path):

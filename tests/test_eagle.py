@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specbench.eagle import EagleDrafter, HeadLM, read_head, save_head
-from specbench.engine import autoregressive_decode, speculative_decode
+from specbench.engine import autoregressive_decode, heuristic_k, speculative_decode
 from specbench.models import load
 from specbench.sampling import SamplingConfig, warp
 
@@ -37,18 +37,21 @@ def head_for(target, path):
     return read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
 
 
-def sampled_p(target, drafter_of, k: int = 2) -> float:
+def sampled_p(target, drafter_of, k: int = 2, schedule=None) -> float:
     cfg, generator = SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0)
     drafter = drafter_of(cfg, generator)
     target.record_features(drafter.head.config.taps)
+    prompt = torch.tensor(PROMPT)
     counts = Counter(
-        tuple(speculative_decode(target, drafter, torch.tensor(PROMPT), k, LENGTH, cfg, generator).tokens)
+        tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator, schedule=schedule).tokens)
         for _ in range(SAMPLES)
     )
     return law_p(target, cfg, counts)
 
 
 SHAPES = {"chain": {}, "tree": {"shape": (2, 1)}, "dynamic": {"dynamic": (3, 2)}}
+# The lookahead policies a chain takes: the head's confidence stop (p_min), transformers' schedule.
+POLICIES = {"confidence": ({"p_min": 0.6}, None), "heuristic": ({}, heuristic_k)}
 
 
 # ---------------------------------------------------------------- the published format
@@ -112,6 +115,15 @@ def test_eagle_drafts_give_the_target_law(law, one_thread, how):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("policy", POLICIES)
+def test_eagle_chains_with_a_lookahead_per_round_give_the_target_law(law, one_thread, policy):
+    target, head = law
+    options, schedule = POLICIES[policy]
+    drafter_of = lambda cfg, g: EagleDrafter(head, target, 3, cfg, g, **options)  # noqa: E731
+    assert sampled_p(target, drafter_of, k=3, schedule=schedule) > P_FLOOR
+
+
+@pytest.mark.slow
 def test_the_test_catches_q_rows_left_in_draft_ids(law, one_thread, monkeypatch):
     # The rows over the draft vocabulary placed at ids 0..1 rather than mapped through d2t: the
     # tokens are mapped, q is not.
@@ -165,10 +177,11 @@ def test_eagle_chain_gives_the_target_law_quickly(law, one_thread):
     assert law_p(target, cfg, counts) > P_FLOOR
 
 
-@pytest.mark.parametrize("how", SHAPES)
+@pytest.mark.parametrize("how", [*SHAPES, *POLICIES])
 def test_greedy_eagle_equals_the_greedy_target(law, how, tmp_path):
     target, _ = law
     cfg, generator = SamplingConfig(), torch.Generator()
+    options, schedule = POLICIES[how] if how in POLICIES else (SHAPES[how], None)
     accepted = 0
     for seed in range(6):  # heads of several seeds, so that some drafts are accepted and some rejected
         path = build_eagle3_head(tmp_path / f"g{seed}", target.model.config, (0, 1, 2), DRAFT_IDS, seed=seed, scale=1.0)
@@ -177,8 +190,8 @@ def test_greedy_eagle_equals_the_greedy_target(law, how, tmp_path):
         for prompt in ([0, 2], [1, 1, 0], [2]):
             ids = torch.tensor(prompt)
             base = autoregressive_decode(target, ids, 12, cfg, generator).tokens
-            drafter = EagleDrafter(head, target, 3, cfg, generator, **SHAPES[how])
-            result = speculative_decode(target, drafter, ids, 3, 12, cfg, generator)
+            drafter = EagleDrafter(head, target, 3, cfg, generator, **options)
+            result = speculative_decode(target, drafter, ids, 3, 12, cfg, generator, schedule=schedule)
             assert result.tokens == base
             accepted += result.accepted
     assert accepted > 0

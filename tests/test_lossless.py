@@ -394,3 +394,117 @@ def test_the_test_catches_rows_read_from_an_updated_copy_of_the_draft():
     updated.table = 0.5 * (draft.table + target.table)  # one update's worth closer to the target
     drafter = RowsFromTheUpdatedCopy(draft, cfg, torch.Generator().manual_seed(5), updated)
     assert chi_square_p(target, drafter, 2, cfg) < P_FLOOR
+
+
+# ---------------------------------------------------------------- lookahead policies (--k-policy)
+
+# A p_min per setting that about half of the toy draft's rows fall below, so rounds stop anywhere
+# from their first position to their last.
+CONFIDENCE = [
+    (SamplingConfig(temperature=1.0), 0.7),  # the fast suite's check of the confidence stop
+    pytest.param(SamplingConfig(temperature=0.7, top_k=2), 0.8, marks=pytest.mark.slow),
+    pytest.param(SamplingConfig(temperature=1.3, top_p=0.8), 0.7, marks=pytest.mark.slow),
+    pytest.param(SamplingConfig(temperature=1.0, eta=0.2), 0.7, marks=pytest.mark.slow),
+]
+
+
+def unsure_drafter(cfg: SamplingConfig, p_min: float, drafter=ModelDrafter) -> ModelDrafter:
+    return drafter(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(5), p_min=p_min)
+
+
+@pytest.mark.parametrize("cfg,p_min", CONFIDENCE)
+def test_a_draft_that_stops_where_it_is_unsure_gives_the_target_law(cfg, p_min):
+    assert chi_square_p(ToyLM(VOCAB, seed=1), unsure_drafter(cfg, p_min), 3, cfg) > P_FLOOR
+
+
+def test_the_confidence_stop_drafts_from_none_to_k_and_an_empty_round_is_one_target_step():
+    cfg = SamplingConfig(temperature=1.0)
+    result = speculative_decode(
+        ToyLM(VOCAB, seed=1), unsure_drafter(cfg, 0.7), torch.tensor(PROMPT), 3, 40, cfg, torch.Generator()
+    )
+    assert {0, 3} <= set(result.draft_counts) <= {0, 1, 2, 3}  # it stopped early, and not always
+    assert len(result.draft_counts) == result.target_forwards - 1 and sum(result.draft_counts) == result.drafted
+    # A round that drafted nothing emitted one token, the target's own: the output is still whole.
+    assert len(result.tokens) == 1 + sum(n + 1 for n in result.accept_counts) >= 40
+    assert all(n == 0 for n, drafted in zip(result.accept_counts, result.draft_counts, strict=True) if drafted == 0)
+
+
+class ArgmaxWhereUnsure(ModelDrafter):
+    """Broken: where its row is unsure it drafts the row's most likely token, rather than stopping
+    short of it, and passes the row up as that token's q, though the token was not drawn from it."""
+
+    def propose(self, k):
+        draft = super().propose(k)
+        if len(draft.tokens) == k:
+            return draft
+        row = warp(self.model.logits_after(self.model.seen), self.cfg)
+        self.pending = sampling.argmax(row)  # unread, as a drafter's last token is
+        q = row[None] if draft.q is None else torch.cat([draft.q, row[None]])
+        return Draft.chain(torch.cat([draft.tokens, self.pending]), q, draft.forwards)
+
+
+@pytest.mark.slow
+def test_the_test_catches_a_confidence_stop_that_drafts_the_unsure_token():
+    cfg = SamplingConfig(temperature=1.0)
+    broken = unsure_drafter(cfg, 0.7, drafter=ArgmaxWhereUnsure)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 3, cfg) < P_FLOOR
+
+
+HEURISTIC = [
+    (SamplingConfig(temperature=1.0), 1),  # the fast suite's check of a K set by past verdicts
+    pytest.param(SamplingConfig(temperature=1.0), 2, marks=pytest.mark.slow),
+    pytest.param(SamplingConfig(temperature=0.7, top_k=2), 1, marks=pytest.mark.slow),
+    pytest.param(SamplingConfig(temperature=1.3, top_p=0.8), 2, marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("cfg,k", HEURISTIC)
+def test_a_lookahead_set_by_past_verdicts_gives_the_target_law(cfg, k):
+    assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), k, cfg, schedule=engine.heuristic_k) > P_FLOOR
+
+
+@pytest.mark.slow
+def test_a_lookahead_set_by_past_verdicts_over_prompt_lookup_gives_the_target_law():
+    # Deterministic candidates, and rounds without a match that draft nothing.
+    cfg = SamplingConfig(temperature=1.0)
+    lookup = PromptLookupDrafter(max_ngram=2)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), lookup, 2, cfg, schedule=engine.heuristic_k) > P_FLOOR
+
+
+def test_the_heuristic_schedule_is_transformers():
+    assert [engine.heuristic_k(4, 4, 4), engine.heuristic_k(4, 4, 3), engine.heuristic_k(1, 1, 0)] == [6, 3, 1]
+    assert engine.heuristic_k(3, 0, 0) == 3  # a round without a draft leaves K alone
+    cfg, g = SamplingConfig(temperature=1.0), torch.Generator()
+    itself = ModelDrafter(ToyLM(VOCAB, seed=1), cfg, g)
+    same = speculative_decode(
+        ToyLM(VOCAB, seed=1), itself, torch.tensor(PROMPT), 1, 34, cfg, g, schedule=engine.heuristic_k
+    )
+    # A draft that is the target is always accepted: K grows by 2, capped by the tokens still to generate.
+    assert same.draft_counts == [1, 3, 5, 7, 9, 3] and same.accept_counts == same.draft_counts
+
+
+def _round_cut_at_the_new_k(exact):
+    """Broken: a schedule that caps what a round emits at the lookahead it sets for the next round,
+    dropping the verdict's last tokens (the correction, after a rejection at the last position)."""
+
+    def cut(target, drafter, last, k, cfg, generator):
+        step = exact(target, drafter, last, k, cfg, generator)
+        emitted, n = step.emitted, step.verdict.accepted
+        keep = min(len(emitted), engine.heuristic_k(k, len(step.draft.tokens), n))
+        if keep == len(emitted):
+            return step
+        # The new last token is an accepted draft the target has read: it reads it again next round.
+        target.keep(range(keep - 1), n)
+        told = drafter.model.length + len(drafter.pending)
+        drafter.rewind_to(told - (len(emitted) - keep) - 1, emitted[keep - 1 : keep])
+        verdict = sampling.Verdict(step.verdict.path[: keep - 1], emitted[keep - 1 : keep], 0.0, 0)
+        return engine.Round(step.draft, verdict, step.logits, step.p)
+
+    return cut
+
+
+@pytest.mark.slow
+def test_the_test_catches_a_schedule_that_cuts_a_round_at_the_new_k(monkeypatch):
+    monkeypatch.setattr(engine, "speculative_round", _round_cut_at_the_new_k(engine.speculative_round))
+    cfg = SamplingConfig(temperature=1.0)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 2, cfg, schedule=engine.heuristic_k) < P_FLOOR

@@ -16,6 +16,7 @@ from .helpers import one_line_error, specbench
 ONLINE_COLUMNS = [
     "method",
     "k",
+    "k_policy",
     "prompt_index",
     "prompt_id",
     "alpha",

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specbench import metrics, schema
-from specbench.engine import ModelDrafter, autoregressive_decode, speculative_decode
+from specbench.engine import ModelDrafter, autoregressive_decode, heuristic_k, speculative_decode
 from specbench.lm import HFCausalLM
 from specbench.models import load, shared_width
 from specbench.sampling import SamplingConfig
@@ -76,6 +76,25 @@ def test_greedy_speculative_equals_greedy_baseline_on_tiny_transformers_pair(tin
     got = speculative_decode(target_lm, ModelDrafter(draft_lm, greedy, g), prompt, k, 40, greedy, g)
     assert got.tokens == want
     assert got.drafted > 0 and got.target_forwards < 40  # it really speculated
+
+
+@pytest.mark.parametrize("policy", ["heuristic", "confidence"])
+def test_greedy_lookahead_policies_equal_the_greedy_baseline_on_tiny_transformers_pair(
+    tiny_pair, untied_target, policy
+):
+    # The untied target writes varied text: the draft is often rejected, and often unsure where a round starts.
+    target, target_lm, draft_lm = wrapped((untied_target, tiny_pair[1]))
+    greedy, g = SamplingConfig(0.0), torch.Generator()
+    lengths = set()
+    for text in ("def add(a, b):\n", "class Stack:\n    def push(self, item):\n", "for k in range(3):\n"):
+        prompt = target.tokenizer(text, return_tensors="pt").input_ids[0]
+        want = autoregressive_decode(target_lm, prompt, 40, greedy, g).tokens
+        drafter = ModelDrafter(draft_lm, greedy, g, p_min=0.97 if policy == "confidence" else None)
+        schedule = heuristic_k if policy == "heuristic" else None
+        got = speculative_decode(target_lm, drafter, prompt, 3, 40, greedy, g, schedule=schedule)
+        assert got.tokens == want
+        lengths |= set(got.draft_counts)
+    assert len(lengths) > 1  # the lookahead did change from round to round
 
 
 def test_baseline_matches_transformers_generate(tiny_pair):
@@ -170,6 +189,9 @@ def test_uncached_hub_model_fails_fast_with_one_line(tmp_path):
         (["--max-new-tokens", "400"], "context window"),
         (["--dataset", "xsum"], "unreachable"),
         (["--threads", "-1"], "--threads must be >= 0"),
+        (["--k-policy", "sometimes"], "--k-policy sometimes: use one of fixed, heuristic, confidence"),
+        (["--draft-p-min", "0"], "--draft-p-min must be in (0, 1]"),
+        (["--draft-p-min", "0.5"], "add that policy or drop --draft-p-min"),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_pair, prompts_file, tmp_path, args, needle):

@@ -72,14 +72,15 @@ def exact_distribution(model: ToyLM, prompt: list[int], length: int, cfg: Sampli
     return law
 
 
-def chi_square_p(target: ToyLM, draft, k: int, cfg: SamplingConfig, seed: int = 0) -> float:
+def chi_square_p(target: ToyLM, draft, k: int, cfg: SamplingConfig, seed: int = 0, schedule=None) -> float:
     """p-value of the sequences sampled by speculative decoding against the target's exact law;
-    ``draft`` is a drafter, or a model that drafts by sampling."""
+    ``draft`` is a drafter, or a model that drafts by sampling; ``schedule`` sets K round by round."""
     generator = torch.Generator().manual_seed(seed)
     drafter = draft if hasattr(draft, "propose") else ModelDrafter(draft, cfg, generator)
     prompt = torch.tensor(PROMPT)
     counts = Counter(
-        tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator).tokens) for _ in range(SAMPLES)
+        tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator, schedule=schedule).tokens)
+        for _ in range(SAMPLES)
     )
     return law_p(target, cfg, counts)
 
