@@ -25,6 +25,7 @@ from rich.table import Table
 from . import __version__, metrics
 from .bench import Results, benchmark
 from .config import OPTIONS, BenchConfig
+from .context import write_context
 from .costs import ForwardCosts
 from .errors import SpecbenchError
 from .methods import LONG_CONTEXT, METHODS, SERVED
@@ -33,7 +34,7 @@ from .options import Option
 from .plot import plot_concurrency, plot_context, plot_online, plot_phases, plot_run
 from .prompts import BUILT_IN, LONG_DATASETS
 from .report import context_table, levels_table, phase_table, predicted_table, serving_table, summary_table
-from .results import predicted_rows, row_label, write_context
+from .results import predicted_rows, row_label
 
 
 def _version(show: bool) -> None:
