@@ -25,7 +25,8 @@ from .config import BenchConfig
 from .costs import ForwardCosts, measure_costs, noisy_costs
 from .errors import SpecbenchError
 from .machine import environment
-from .methods import BASELINE, SERVED_BASELINE, Decoder
+from .method import Decoder
+from .methods import BASELINE, SERVED_BASELINE
 from .models import placement
 from .options import FIXED
 from .pair import Pair, encode_prompts, load_pair, model_dir, prompts_hash

@@ -25,6 +25,7 @@ from rich.table import Table
 from . import __version__, metrics
 from .bench import Results, benchmark
 from .config import OPTIONS, BenchConfig
+from .context import write_context
 from .costs import ForwardCosts
 from .errors import SpecbenchError
 from .methods import LONG_CONTEXT, METHODS, SERVED
@@ -33,7 +34,7 @@ from .options import Option
 from .plot import plot_concurrency, plot_context, plot_online, plot_phases, plot_run
 from .prompts import BUILT_IN, LONG_DATASETS
 from .report import context_table, levels_table, phase_table, predicted_table, serving_table, summary_table
-from .results import predicted_rows, row_label, write_context
+from .results import predicted_rows, row_label
 
 
 def _version(show: bool) -> None:
@@ -438,6 +439,16 @@ Target, Seed, Device = (_parameter(OPTIONS[name]).annotation for name in ("targe
 def distill(
     out: Annotated[Path, typer.Option(help="Directory for the draft checkpoint (and resumable training state).")],
     target: Target = "smollm2-135m",
+    kind: Annotated[
+        str,
+        typer.Option(
+            help="draft: a small model (--draft DIR); eagle: an EAGLE-3 head over the target's features (--speculator DIR, Llama targets)."
+        ),
+    ] = "draft",
+    ttt_steps: Annotated[
+        int, typer.Option(help="eagle: steps of the training-time test (the head reads its own outputs).")
+    ] = 3,
+    head_intermediate: Annotated[int, typer.Option(help="eagle: the head's MLP width (0: the target's).")] = 0,
     hidden_size: Annotated[int, typer.Option(help="Draft width.")] = 256,
     layers: Annotated[int, typer.Option(help="Draft depth (decoder layers).")] = 2,
     heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
@@ -478,12 +489,14 @@ def distill(
     seed: Seed = 0,
     device: Device = "auto",
 ) -> None:
-    """Train a small draft for TARGET from the target's own next-token distributions.
+    """Train a small draft (or with --kind eagle an EAGLE-3 head) for TARGET from the target's own
+    next-token distributions.
 
     Rerunning the same command resumes: stored teacher shards are kept, training continues
     from the last saved step.
     """
     from . import distill as distillation
+    from .distill_eagle import distill_eagle
     from .models import load, resolve_device
 
     _setup_logging()
@@ -508,6 +521,9 @@ def distill(
         generate_batch=generate_batch,
         sampled_fraction=sampled_fraction,
         generated_repeats=generated_repeats,
+        kind=kind,
+        ttt_steps=ttt_steps,
+        head_intermediate=head_intermediate,
     )
     if source:
         cfg.sources = source
@@ -526,21 +542,25 @@ def distill(
     tasks: dict[str, int] = {}
     last = None
     with progress:
-        for p in distillation.distill(cfg, teacher):
+        for p in (distill_eagle if cfg.trains_head else distillation.distill)(cfg, teacher):
             last = p
             if p.phase not in tasks:
-                label = {"generate": "target answers stubs", "student": "draft training (steps)"}.get(
-                    p.phase, f"target labels {p.phase.split(':')[-1]} (sequences)"
-                )
+                label = {
+                    "generate": "target answers stubs",
+                    "student": "draft training (steps)",
+                    "features": "target features (sequences)",
+                    "head": "EAGLE head training (steps)",
+                }.get(p.phase, f"target labels {p.phase.split(':')[-1]} (sequences)")
                 tasks[p.phase] = progress.add_task(label, total=p.total, loss="")
             loss = f"loss {p.loss:.3f}" if p.loss is not None else ""
             if p.agreement is not None:
-                loss += f" held-out agreement {p.agreement:.3f}"
+                loss += f" held-out agreement {'/'.join(f'{a:.3f}' for a in (p.agreement, *p.later))}"
             progress.update(tasks[p.phase], completed=p.done, total=p.total, loss=loss)
-    console.print(f"draft saved in {out}/ (use --draft {out})")
+    console.print(f"{kind} saved in {out}/ (use {'--speculator' if cfg.trains_head else '--draft'} {out})")
     if last is not None and last.agreement is not None:
+        steps = f" (training-time test steps 0..{len(last.later)})" if last.later else ""
         console.print(
-            f"top-1 agreement with held-out greedy answers of the target: {last.agreement:.3f} (an estimate of greedy alpha)"
+            f"top-1 agreement with held-out greedy answers of the target: {'/'.join(f'{a:.3f}' for a in (last.agreement, *last.later))}{steps} (step 0 estimates greedy alpha)"
         )
 
 

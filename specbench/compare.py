@@ -163,11 +163,8 @@ DECODER = ("method", "k", "tree", "k_policy")  # what a summary row is one of, a
 def _decoder(df: pd.DataFrame, keys: list[str]) -> pd.Series:
     """Each row's method, k, tree and policy as text, of those in ``keys`` (the columns both runs
     have): what ties a summary row to its records."""
-    return pd.Series(
-        [" ".join(f"{c}={_text(row[c])}" for c in DECODER if c in keys) for row in df.to_dict("records")],
-        index=df.index,
-        dtype=object,
-    )
+    labels = [" ".join(f"{c}={_text(row[c])}" for c in DECODER if c in keys) for row in df.to_dict("records")]
+    return pd.Series(labels, index=df.index, dtype=object)
 
 
 def _choose_metrics(baseline: pd.DataFrame, current: pd.DataFrame, metrics: list[str] | None) -> list[str]:

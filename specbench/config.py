@@ -12,7 +12,8 @@ from dataclasses import asdict, field, make_dataclass
 
 from .engine import tree_parents
 from .errors import SpecbenchError
-from .methods import BASELINE, METHOD, METHODS, SERVED, Decoder, served_names
+from .method import Decoder
+from .methods import BASELINE, METHOD, METHODS, SERVED, served_names
 from .options import CONFIDENCE, ENGINE, FIXED, RUN, Option
 from .prompts import LONG_DATASETS
 from .sampling import SamplingConfig
@@ -94,6 +95,11 @@ class _Run:
         return any(step.method.needs_draft for step in self.plan + self.served_plan)
 
     @property
+    def needs_speculator(self) -> bool:
+        """Whether an EAGLE head decodes in specbench's loop (vLLM loads its own)."""
+        return any(step.method.needs_speculator for step in self.plan)
+
+    @property
     def learns(self) -> bool:
         return any(step.method.learns for step in self.plan)
 
@@ -109,6 +115,12 @@ class _Run:
             )
         for option in OPTIONS.values():
             option.validate(getattr(self, option.name))
+        heads = [name for name in self.methods if (METHODS.get(name) or SERVED[name]).needs_speculator]
+        if heads and not self.speculator:
+            raise SpecbenchError(
+                f"--method {heads[0]} needs --speculator PATH: an EAGLE-3 head's checkpoint directory "
+                "(`specbench distill --kind eagle` trains one)"
+            )
         self.validate_engines()
         long = self.dataset in LONG_DATASETS
         problems = [

@@ -15,7 +15,7 @@ import torch
 
 from . import metrics
 from .lm import HFCausalLM, SparseView
-from .methods import Decoder
+from .method import Decoder
 from .pair import Pair
 from .timing import synchronize
 

@@ -35,6 +35,7 @@ from .prompts import humaneval_records
 from .sources import source_files
 
 SHARD_SEQUENCES = 64
+KINDS = {"draft": "a draft", "eagle": "an EAGLE head"}  # what --kind trains
 
 
 @dataclass
@@ -66,12 +67,32 @@ class DistillConfig:
     generate_batch: int = 64
     sampled_fraction: float = 0.25
     generated_repeats: int = 4  # in-distribution text, so it counts this many times per epoch
+    kind: str = "draft"  # "draft": a small model; "eagle": an EAGLE-3 head (distill_eagle.py)
+    ttt_steps: int = 3  # eagle: steps of EAGLE-3's training-time test (the head reads its own outputs)
+    head_intermediate: int = 0  # eagle: the head's MLP width (0: the target's)
+
+    @property
+    def trains_head(self) -> bool:
+        """Whether it trains an EAGLE head (distill_eagle.py) rather than a draft."""
+        return self.kind != "draft"
 
     def validate(self) -> None:
         if self.init not in ("pca", "random") and not (Path(self.init) / "config.json").is_file():
             raise SpecbenchError(
                 f"--init {self.init}: use pca, random, or the directory of a draft checkpoint to go on training"
             )
+        if self.kind not in KINDS:
+            raise SpecbenchError(f"--kind {self.kind}: use draft or eagle")
+        if self.ttt_steps < 1 or self.head_intermediate < 0:
+            raise SpecbenchError("--ttt-steps must be at least 1 and --head-intermediate at least 0")
+        existing = self.out / "config.json"
+        if existing.is_file():
+            head = any("eagle" in a.lower() for a in json.loads(existing.read_text()).get("architectures") or [])
+            if head != self.trains_head:
+                raise SpecbenchError(
+                    f"--out {self.out} holds {'an EAGLE head' if head else 'a draft'}, and --kind {self.kind} trains "
+                    f"{KINDS[self.kind]}: give another --out"
+                )
         if not 0 <= self.sampled_fraction <= 1:
             raise SpecbenchError("--sampled-fraction must lie between 0 and 1")
         if self.hidden_size % self.heads or self.heads % self.kv_heads:
@@ -82,11 +103,12 @@ class DistillConfig:
 
 @dataclass
 class Progress:
-    phase: str  # "teacher:<shard dir>", "generate" or "student"
+    phase: str  # "teacher:<shard dir>", "generate", "student"; for a head "features" and "head"
     done: int
     total: int
     loss: float | None = None
     agreement: float | None = None  # the student's top-1 agreement with held-out greedy answers
+    later: tuple[float, ...] = ()  # a head's: the same at training-time test steps 1, 2, ...
 
 
 def token_stream(tokenizer, files: list[Path], seed: int) -> Iterator[int]:
@@ -322,25 +344,45 @@ class Example:
     top_logp: torch.Tensor
     top_idx: torch.Tensor
     positions: torch.Tensor | None = None
+    features: torch.Tensor | None = None  # an EAGLE head's: the target's features at every position
 
 
-def load_examples(cfg: DistillConfig) -> tuple[list[Example], list[Example]]:
+def data_shards(cfg: DistillConfig) -> list[Path]:
+    """The stored teacher and generated shards, in the order training reads them."""
+    return [path for name in ("teacher", "generated") for path in sorted((cfg.out / name).glob("*.pt"))]
+
+
+def shard_sequences(path: Path) -> list[torch.Tensor]:
+    """The token ids of each sequence in a teacher or generated shard."""
+    shard = torch.load(path)
+    return list(shard["ids"]) if isinstance(shard, dict) else [doc["ids"] for doc in shard]
+
+
+def load_examples(cfg: DistillConfig, features: Path | None = None) -> tuple[list[Example], list[Example]]:
     """Training examples (the target's answers repeated ``generated_repeats`` times) and a
-    held-out set: every 16th answer if it is greedy, on which top-1 agreement estimates greedy alpha."""
+    held-out set: every 16th answer if it is greedy, on which top-1 agreement estimates greedy alpha.
+    With ``features`` (a directory laid out as the data), each example carries its stored features."""
+
+    def stored(path: Path, count: int) -> list:
+        return torch.load(features / path.parent.name / path.name) if features else [None] * count
+
     source = []
     for path in sorted((cfg.out / "teacher").glob("*.pt")):
         shard = torch.load(path)
         source += [
-            Example(ids, 0, logp, idx)
-            for ids, logp, idx in zip(shard["ids"], shard["top_logp"], shard["top_idx"], strict=True)
+            Example(ids, 0, logp, idx, features=f)
+            for ids, logp, idx, f in zip(
+                shard["ids"], shard["top_logp"], shard["top_idx"], stored(path, len(shard["ids"])), strict=True
+            )
         ]
     answers, held_out = [], []
     for path in sorted((cfg.out / "generated").glob("*.pt")):
         greedy = not is_sampled(cfg, int(path.stem))
-        for doc in torch.load(path):
+        docs = torch.load(path)
+        for doc, f in zip(docs, stored(path, len(docs)), strict=True):
             # The distribution of answer token j conditions on the prompt and answer[:j], so it
             # is learned at the position just before that token.
-            example = Example(doc["ids"], doc["prompt_len"] - 1, doc["top_logp"], doc["top_idx"])
+            example = Example(doc["ids"], doc["prompt_len"] - 1, doc["top_logp"], doc["top_idx"], features=f)
             (held_out if greedy and (len(answers) + len(held_out)) % 16 == 0 else answers).append(example)
     if not source and not answers:
         raise SpecbenchError(f"no teacher data in {cfg.out}: raise --teacher-tokens or --generate-prompts")
@@ -409,49 +451,66 @@ def agreement(student, examples: list[Example], batch: int) -> float | None:
 def train_student(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
     """Train (or resume training) the student on the stored teacher data."""
     examples, held_out = load_examples(cfg)
-    lengths = [len(e.ids) for e in examples]
+    student = new_student(cfg, target)
+
+    def batch_loss(rows: list[int]) -> torch.Tensor:
+        b = collate([examples[i] for i in rows])
+        return kd_loss(labelled_logits(student, b), b["top_logp"][b["labelled"]], b["top_idx"][b["labelled"]])
+
+    held = yield from optimise(
+        cfg, student, [len(e.ids) for e in examples], batch_loss, lambda: (agreement(student, held_out, cfg.batch),)
+    )
+    save_draft(student, target, cfg, held[0] if held else None, head_tokens(examples))
+
+
+def optimise(cfg: DistillConfig, model, lengths: list[int], batch_loss, evaluate, phase: str = "student"):
+    """Train ``model`` on ``cfg.epochs`` passes of seeded batches of examples of these ``lengths``
+    (AdamW, warmup, cosine decay), resuming from train_state.pt; ``batch_loss(rows)`` is the loss of
+    the examples at rows, ``evaluate()`` the held-out agreements (a tuple), saved with the state.
+    Yields Progress; returns the last agreements."""
     per_epoch = len(epoch_batches(lengths, cfg.batch, 0))
     total = math.ceil(per_epoch * cfg.epochs)
-    student = new_student(cfg, target)
-    optimizer = torch.optim.AdamW(student.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
         lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)),
     )
     state_path = cfg.out / "train_state.pt"
-    step, held_out_agreement = 0, None
+    step, held = 0, None
     if state_path.exists():
         state = torch.load(state_path)
-        student.load_state_dict(state["model"])
+        model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
-        step, held_out_agreement = state["step"], state.get("agreement")
-    student.train()
+        step, held = state["step"], state.get("agreement")
+        held = (held,) if isinstance(held, float) else held  # a state saved before agreements were tuples
+    model.train()
     batches, batches_epoch = [], -1
     while step < total:
         epoch, offset = divmod(step, per_epoch)
         if epoch != batches_epoch:
             batches, batches_epoch = epoch_batches(lengths, cfg.batch, cfg.seed * 1000 + epoch), epoch
-        b = collate([examples[i] for i in batches[offset]])
-        loss = kd_loss(labelled_logits(student, b), b["top_logp"][b["labelled"]], b["top_idx"][b["labelled"]])
+        loss = batch_loss(batches[offset])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(student.parameters(), 1.0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         schedule.step()
         step += 1
         if step % cfg.eval_every == 0 or step == total:
-            held_out_agreement = agreement(student, held_out, cfg.batch)
+            held = evaluate()
+            model.train()
         if step % cfg.save_every == 0 or step == total:
             state = {
-                "model": student.state_dict(),
+                "model": model.state_dict(),
                 "optimizer": optimizer.state_dict(),
                 "schedule": schedule.state_dict(),
             }
             with replacing(state_path) as tmp:
-                torch.save({**state, "step": step, "agreement": held_out_agreement}, tmp)
-        yield Progress("student", step, total, loss.item(), held_out_agreement)
-    save_draft(student, target, cfg, held_out_agreement, head_tokens(examples))
+                torch.save({**state, "step": step, "agreement": held}, tmp)
+        first, later = (held[0], tuple(held[1:])) if held else (None, ())
+        yield Progress(phase, step, total, loss.item(), first, later)
+    return held
 
 
 def head_tokens(examples: list[Example]) -> list[int]:
@@ -475,7 +534,7 @@ def save_draft(
 ) -> None:
     """The distilled draft (see save_checkpoint) and distill.json, its recipe."""
     save_checkpoint(student, target.tokenizer, cfg.out, shortlist)
-    meta = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+    meta = recipe(cfg)
     c = student.config  # a draft trained further keeps its own shape, whatever the size options said
     shape = {
         "hidden_size": c.hidden_size,
@@ -491,11 +550,17 @@ def save_draft(
     (cfg.out / "distill.json").write_text(json.dumps(meta, indent=2) + "\n")
 
 
-def distill(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
+def recipe(cfg: DistillConfig) -> dict:
+    """The options a checkpoint was trained with, as distill.json starts."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+
+
+def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Iterator[Progress]:
+    """The teacher and generate phases, then ``train`` (a draft's student phase, or distill_eagle's)."""
     cfg.validate()
     cfg.out.mkdir(parents=True, exist_ok=True)
     stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
     yield from teacher_shards(cfg, target, stream, cfg.teacher_tokens, cfg.out / "teacher")
     if cfg.generate_prompts:
         yield from generated_shards(cfg, target)
-    yield from train_student(cfg, target)
+    yield from train(cfg, target)

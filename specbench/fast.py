@@ -216,16 +216,25 @@ class FastLlama:
         mask: torch.Tensor | None,
         last: int,
         queries: list | None = None,
+        taps: dict[int, torch.Tensor | None] | None = None,
     ) -> torch.Tensor:
         """``ids`` [n] at ``positions`` [n] on top of ``cache``; ``mask`` an additive [n, past + n] float
-        mask or None (one token, which attends to everything cached). Returns [last, hidden]."""
+        mask or None (one token, which attends to everything cached). Returns [last, hidden].
+
+        ``taps``' keys name layers whose input (the residual stream, [n, hidden]) is stored under
+        them, every row; key len(layers) takes the final normed states (an EAGLE head's features)."""
         x = self.embedding[ids]
         cos, sin = self.rotary(x, positions[None])  # transformers' own tables: same values as eager
         cos, sin = cos[:, None], sin[:, None]
         if mask is not None:
             mask = mask[None, None]
         for i, layer in enumerate(self.layers):
+            if taps is not None and i in taps:
+                taps[i] = x
             x = self._decoder_layer(x, layer, i, cos, sin, cache, mask, queries)
+        if taps is not None and len(self.layers) in taps:
+            taps[len(self.layers)] = x = self._rms(x, self.norm, self.eps)
+            return x[-last:]
         return self._rms(x[-last:], self.norm, self.eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

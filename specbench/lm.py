@@ -63,6 +63,9 @@ class HFCausalLM:
 
     prefill_chunk = 0  # a plain forward over more tokens than this runs in chunks of it (0: whole)
     progress: Callable[[int, int], None] | None = None  # told (tokens done, tokens) after each chunk
+    feature_layers: tuple[int, ...] | None = None  # see record_features
+    features: torch.Tensor | None = None  # [n, len(feature_layers) * hidden]: the last forward's, every token
+    _taps: dict | None = None  # the forward under way fills it: layer -> [n, hidden]
 
     def __init__(self, model, width: int, head_tokens: torch.Tensor | None = None, fast: FastLlama | None = None):
         self.model = model
@@ -143,6 +146,12 @@ class HFCausalLM:
         self.reset()
         self.forward(prompt_ids, last=1)
 
+    def record_features(self, layers: tuple[int, ...] | None) -> None:
+        """From the next forward on, keep in ``features`` the inputs of these decoder layers (index
+        len(layers): the final normed states) side by side, for every token a forward reads, as an
+        EAGLE head drafts from them; None stops (the copies cost a little, so only a head's decode pays)."""
+        self.feature_layers, self.features = layers, None
+
     @torch.inference_mode()
     def forward(
         self,
@@ -156,11 +165,15 @@ class HFCausalLM:
             return self._forward(token_ids, last, positions, mask)
         # A long prompt in chunks: attention's memory grows with chunk x context, not context^2.
         tail = max(last, n - (n - 1) // chunk * chunk)  # the final chunk, which yields the logits
+        features = []
         for start in range(0, n - tail, chunk):
             self._forward(token_ids[start : min(start + chunk, n - tail)], 1, None, None)
+            features.append(self.features)
             if self.progress is not None:
                 self.progress(min(start + chunk, n - tail), n)
         logits = self._forward(token_ids[n - tail :], last, None, None)
+        if self.feature_layers is not None:
+            self.features = torch.cat([*features, self.features])
         if self.progress is not None:
             self.progress(n, n)
         return logits
@@ -189,20 +202,40 @@ class HFCausalLM:
     def _forward(
         self, token_ids: torch.Tensor, last: int, positions: torch.Tensor | None, mask: torch.Tensor | None
     ) -> torch.Tensor:
-        if self.queries is None or self.fast is not None:  # the fast forward records queries itself
-            return self._call(token_ids, last, positions, mask)
-        layers = self.model.base_model.layers
-        hooks = [
-            layer.self_attn.q_proj.register_forward_hook(
-                lambda _module, _inputs, output, i=i: self.queries.__setitem__(i, output[0, -1].detach().clone())
-            )
-            for i, layer in enumerate(layers)
-        ]
+        self._taps = None if self.feature_layers is None else dict.fromkeys(self.feature_layers)
+        hooks = [] if self.fast is not None else self._hooks()  # the fast forward records them itself
         try:
-            return self._call(token_ids, last, positions, mask)
+            logits = self._call(token_ids, last, positions, mask)
         finally:
             for hook in hooks:
                 hook.remove()
+        if self._taps is not None:
+            self.features = torch.cat([self._taps[i] for i in self.feature_layers], dim=-1)
+        return logits
+
+    def _hooks(self) -> list:
+        """Forward hooks on transformers' modules that record queries and features (see watch_queries
+        and record_features)."""
+        base, hooks = self.model.base_model, []
+        if self.queries is not None:
+            hooks += [
+                layer.self_attn.q_proj.register_forward_hook(
+                    lambda _module, _inputs, output, i=i: self.queries.__setitem__(i, output[0, -1].detach().clone())
+                )
+                for i, layer in enumerate(base.layers)
+            ]
+        for i in self._taps or ():
+            if i < len(base.layers):
+                hook = base.layers[i].register_forward_pre_hook(
+                    lambda _module, args, kwargs, i=i: self._taps.__setitem__(
+                        i, (args[0] if args else kwargs["hidden_states"])[0]
+                    ),
+                    with_kwargs=True,
+                )
+            else:
+                hook = base.norm.register_forward_hook(lambda _m, _i, out, i=i: self._taps.__setitem__(i, out[0]))
+            hooks.append(hook)
+        return hooks
 
     def _call(
         self, token_ids: torch.Tensor, last: int, positions: torch.Tensor | None, mask: torch.Tensor | None
@@ -230,7 +263,7 @@ class HFCausalLM:
         if mask is not None:
             mask = self._additive(mask, past)
         ids = token_ids.to(self.device)
-        hidden = self.fast.hidden(ids, positions.to(self.device), self.cache, mask, last, self.queries)
+        hidden = self.fast.hidden(ids, positions.to(self.device), self.cache, mask, last, self.queries, self._taps)
         if self.head_tokens is None:
             return self.fast.logits(hidden)[:, : self.width]
         self._read(ids)

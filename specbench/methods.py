@@ -1,8 +1,8 @@
 """Decoding methods as registered objects.
 
-A method says whether it takes a lookahead K, whether it needs the draft model, the options it
-owns, what its cost ratio c is, and how it decodes one prompt. Nothing outside this module names a
-method: adding one is a class here and an entry in METHODS.
+A method (method.Method) says whether it takes a lookahead K, whether it needs the draft model, the
+options it owns, what its cost ratio c is, and how it decodes one prompt. Nothing outside this module
+names a method: adding one is a class here and an entry in METHODS.
 
 ``cfg`` below is the run's configuration (config.BenchConfig, which is built from these methods'
 options, so this module cannot import it) and ``costs`` its forward costs (costs.ForwardCosts).
@@ -10,124 +10,29 @@ options, so this module cannot import it) and ``costs`` its forward costs (costs
 
 from __future__ import annotations
 
-import math
 import re
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .eagle import EagleDrafter, HeadLM
 from .engine import (
     CascadeDrafter,
-    DecodeResult,
-    Drafter,
     LookupTreeDrafter,
     ModelDrafter,
     PromptLookupDrafter,
     TreeDrafter,
     autoregressive_decode,
-    heuristic_k,
-    speculative_decode,
     tree_parents,
 )
 from .errors import SpecbenchError
 from .kv import SINKS
-from .lm import HFCausalLM, SparseView, WindowLM, hf_generate
-from .online import Learned, OnlineConfig, OnlineLearner, rejection
-from .options import CONFIDENCE, FIXED, HEURISTIC, K_POLICIES, Option, names_given
+from .lm import SparseView, WindowLM, hf_generate
+from .method import Decoder, Level, Method, SpeculativeLoop
+from .online import OnlineConfig, OnlineLearner, rejection
+from .options import FIXED, K_POLICIES, Option, names_given
 from .pair import Pair
 from .timing import TimedDrafter, TimedLM
-
-
-@dataclass(eq=False)
-class Decoder:
-    """One way of decoding a prompt: a method with its lookahead K (a tree's depth), tree shape and
-    lookahead policy, and what the method keeps between the prompts of a run (``state``: online's
-    learner)."""
-
-    method: Method
-    k: int | None = None
-    tree: tuple[int, ...] | None = None
-    k_policy: str = FIXED
-    state: object = None
-
-    @property
-    def shape(self) -> str:
-        """The tree shape as the --tree option and the ``tree`` column write it ("" for a chain)."""
-        return ",".join(map(str, self.tree)) if self.tree else ""
-
-    @property
-    def policy(self) -> str:
-        """The ``k_policy`` column: how K is chosen each round ("" for a method without K)."""
-        return self.k_policy if self.method.drafts else ""
-
-    @property
-    def label(self) -> str:
-        if self.tree:
-            return f"{self.method.name} tree={self.shape}"
-        label = f"{self.method.name} K={self.k}" if self.k else self.method.name
-        return label if self.k_policy == FIXED else f"{label} {self.k_policy}"
-
-    def settings(self, cfg) -> str:
-        """The ``options`` column: the method's own settings, and the confidence policy's threshold."""
-        policy = f"draft_p_min={cfg.draft_p_min}" if self.k_policy == CONFIDENCE else ""
-        return ",".join(part for part in (self.method.settings(cfg), policy) if part)
-
-    @property
-    def schedule(self) -> Callable[[int, int, int], int] | None:
-        """What sets K round by round (engine.speculative_decode's ``schedule``): None keeps it."""
-        return heuristic_k if self.k_policy == HEURISTIC else None
-
-    def p_min(self, cfg) -> float | None:
-        """Where a ModelDrafter stops a round (--draft-p-min) under the confidence policy; None: it drafts K."""
-        return cfg.draft_p_min if self.k_policy == CONFIDENCE else None
-
-
-class Method:
-    name = ""
-    help = ""
-    takes_k = True  # decodes with a lookahead K (one row per K)
-    takes_tree = False  # drafts a tree of the --tree shape (one row per shape; K is its depth)
-    needs_draft = False  # the --draft model must be loaded
-    learns = False  # changes between prompts (begin_run, after_prompt and save say how)
-    draft_level = "draft model"  # what drafts the tokens the target verifies
-    inner_level = ""  # what proposes beneath the drafting model, in a method of several levels
-    levels: tuple[Level, ...] = ()  # drafting models whose one-token forward the cost measurement times
-    options: tuple[Option, ...] = ()  # the run options it owns (a flag each, a configuration field each)
-    k_policies: tuple[str, ...] = (FIXED,)  # how it can choose K round by round (--k-policy; one row each)
-    engine = "torch"  # whose implementation decodes: specbench's loop, transformers' (hf) or vLLM's
-    counterpart = ""  # the vLLM method that does the same, run in its place under --engine vllm
-    reference = ""  # the method its speedup is over when not specbench's baseline (its engine's own)
-
-    @property
-    def drafts(self) -> bool:
-        return self.takes_k or self.takes_tree
-
-    def check(self, pair: Pair) -> None:
-        """Raise SpecbenchError when this method cannot run on ``pair``."""
-
-    def settings(self, cfg) -> str:
-        """Its own options' values, for the ``options`` column."""
-        return ",".join(f"{o.name}={getattr(cfg, o.name)}" for o in self.options if o.recorded)
-
-    def c(self, costs) -> float:
-        """Cost of one drafting step in one-token target forwards (NaN: the method does not draft)."""
-        return math.nan
-
-    def begin_run(self, pair: Pair, cfg, step: Decoder) -> None:
-        """Set up ``step.state`` before the first prompt (methods that learn)."""
-
-    def decode(self, pair: Pair, cfg, step: Decoder, ids: torch.Tensor, generator: torch.Generator) -> DecodeResult:
-        """Decode one prompt; ``pair`` is timed (pair.clock is lapped around every model forward)."""
-        raise NotImplementedError
-
-    def after_prompt(self, step: Decoder, ids: torch.Tensor, result: DecodeResult) -> Learned | None:
-        """Work between prompts, after a prompt's timed decodes (methods that learn)."""
-        return None
-
-    def save(self, step: Decoder, out: Path) -> None:
-        """Write what the method learned (--save-draft)."""
 
 
 class Baseline(Method):
@@ -135,32 +40,6 @@ class Baseline(Method):
 
     def decode(self, pair, cfg, step, ids, generator):
         return autoregressive_decode(pair.target_lm, ids, cfg.max_new_tokens, cfg.sampling, generator, pair.stop_ids)
-
-
-class SpeculativeLoop(Method):
-    """A method that runs specbench's own speculative loop with its own drafter. The loop can set K
-    round by round (heuristic) whatever the drafter; a method whose drafter is a ModelDrafter given
-    the decoder's p_min opts in to the confidence policy too (k_policies = K_POLICIES)."""
-
-    k_policies = (FIXED, HEURISTIC)
-
-    def drafter(self, pair: Pair, cfg, step: Decoder, generator: torch.Generator) -> Drafter:
-        raise NotImplementedError
-
-    def decode(self, pair, cfg, step, ids, generator, on_round=None):
-        drafter = self.drafter(pair, cfg, step, generator)
-        return speculative_decode(
-            pair.target_lm,
-            drafter,
-            ids,
-            step.k,
-            cfg.max_new_tokens,
-            cfg.sampling,
-            generator,
-            pair.stop_ids,
-            on_round,
-            step.schedule,
-        )
 
 
 class Speculative(SpeculativeLoop):
@@ -205,15 +84,6 @@ def draft_window(pair: Pair, cfg) -> WindowLM:
     """The draft model over a streaming window of --draft-window positions (speculative-window, triforce)."""
     lm = pair.draft_lm
     return WindowLM(lm.model, lm.width, pair.draft.head_tokens, cfg.draft_window, lm.fast)
-
-
-@dataclass(frozen=True)
-class Level:
-    """A drafting model other than the draft model, built the way its method builds it, so the cost
-    measurement times the forward the method runs; ``name`` is its verify_cost.csv row."""
-
-    name: str
-    build: Callable[[Pair, object], HFCausalLM]
 
 
 SELF_SPARSE_LEVEL = Level("self-sparse", lambda pair, cfg: SparseView(pair.target_lm, cfg.kv_budget, cfg.kv_policy))
@@ -452,6 +322,84 @@ def _seed(generator: torch.Generator) -> int:
     return int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
 
 
+SPECULATOR = Option(
+    "speculator",
+    None,
+    "An EAGLE-3 head's checkpoint directory (the format vLLM and SGLang load; `specbench distill --kind eagle` "
+    "trains one): the head of --method eagle, eagle-tree and eagle-dynamic, and of vLLM's eagle3 / eagle1.",
+)
+EAGLE_LEVEL = Level("eagle", lambda pair, cfg: HeadLM(pair.head))
+
+
+class Eagle(SpeculativeLoop):
+    name, help = (
+        "eagle",
+        "EAGLE: a one-layer head (--speculator) drafts K tokens from the target's own features (EAGLE-3: three of its "
+        "layers, fused) and scores them with its own head over a reduced vocabulary; one target forward verifies them",
+    )
+    needs_speculator = True
+    counterpart = "eagle3"
+    draft_level = "EAGLE head"
+    levels = (EAGLE_LEVEL,)
+    options = (SPECULATOR,)
+    k_policies = K_POLICIES  # its chain stops where the head is unsure, given step.p_min
+
+    def c(self, costs):
+        return costs.level_c(EAGLE_LEVEL.name)
+
+    def shape(self, cfg, step: Decoder) -> dict:
+        """How its drafter drafts: a chain (here, stopping where unsure under the confidence policy),
+        a fixed tree or a dynamic one."""
+        return {"p_min": step.p_min(cfg)}
+
+    def drafter(self, pair, cfg, step, generator):
+        drafter = EagleDrafter(
+            pair.head, pair.target_lm, pair.target_lm.width, cfg.sampling, generator, **self.shape(cfg, step)
+        )
+        return TimedDrafter(drafter, pair.clock, "draft")
+
+    def decode(self, pair, cfg, step, ids, generator, on_round=None):
+        pair.target_lm.record_features(pair.head.config.taps)
+        try:
+            return super().decode(pair, cfg, step, ids, generator, on_round)
+        finally:
+            pair.target_lm.record_features(None)
+
+
+class EagleTree(Eagle):
+    name, help, takes_k, takes_tree = (
+        "eagle-tree",
+        "EAGLE's head drafts a token tree of the --tree shape (top-b children under greedy, b draws from q under "
+        "sampling), one head forward per level; one target forward verifies the tree",
+        False,
+        True,
+    )
+    counterpart = ""
+    options = (SPECULATOR, TREES)
+    k_policies = (FIXED,)  # its shape is its lookahead
+
+    def shape(self, cfg, step):
+        return {"shape": step.tree}
+
+
+class EagleDynamic(Eagle):
+    name, help = (
+        "eagle-dynamic",
+        "EAGLE-2's dynamic tree: K levels deep, the --dynamic-width most probable nodes of each level offer their "
+        "--dynamic-width most probable children, and the --dynamic-nodes most probable of all make the tree",
+    )
+    counterpart, shapes_tree = "", True
+    k_policies = (FIXED,)  # K is its depth; a round drafts a fixed number of nodes
+    options = (
+        SPECULATOR,
+        Option("dynamic_nodes", 5, "eagle-dynamic: draft tokens the target verifies per round.", low=1),
+        Option("dynamic_width", 2, "eagle-dynamic: nodes expanded per level, and children offered by each.", low=1),
+    )
+
+    def shape(self, cfg, step):
+        return {"dynamic": (cfg.dynamic_nodes, cfg.dynamic_width)}
+
+
 class HFAssisted(Method):
     name, help, needs_draft = (
         "hf-assisted",
@@ -544,15 +492,14 @@ class ServedSuffix(Served):
 class ServedEagle(Served):
     """EAGLE heads: the head drafts from the target's hidden states; --speculator names it."""
 
-    name, help = "eagle", "vLLM's EAGLE drafting with the head in --speculator"
+    name, help = "eagle1", "vLLM's EAGLE(-1) drafting with the head in --speculator"
     kind = "eagle"
+    needs_speculator = True
 
     def speculative_config(self, cfg, k, draft):
         return {"method": self.kind, "model": cfg.speculator, "num_speculative_tokens": k}
 
     def check_served(self, cfg):
-        if not cfg.speculator:
-            raise SpecbenchError(f"--method {self.name} needs --speculator PATH: a checkpoint of an {self.kind} head")
         if not Path(cfg.speculator).expanduser().is_dir():
             raise SpecbenchError(f"--speculator {cfg.speculator}: no such directory; give an {self.kind} checkpoint")
 
@@ -572,7 +519,7 @@ ENGINES = ("torch", "vllm")  # --engine: specbench's loop (with transformers' me
 def served_names(names: list[str]) -> list[str]:
     """The vLLM methods a --method list asks for: vLLM's own names, and the counterparts of specbench's."""
     picked = [
-        name if name in SERVED else METHODS[name].counterpart for name in names if name in SERVED or name in METHODS
+        METHODS[name].counterpart if name in METHODS else name for name in names if name in SERVED or name in METHODS
     ]
     return [name for name in dict.fromkeys(picked) if name and name != SERVED_BASELINE.name]
 
@@ -590,6 +537,9 @@ METHODS: dict[str, Method] = {
         Online(),
         SelfSparse(),
         TriForce(),
+        Eagle(),
+        EagleTree(),
+        EagleDynamic(),
         HFAssisted(),
         HFGenerate(),
     )

@@ -303,12 +303,6 @@ ENGINE: tuple[Option, ...] = (
         problem="--concurrency must be at least 1 (requests in flight)",
         panel=ENGINE_PANEL,
     ),
-    Option(
-        "speculator",
-        None,
-        "An EAGLE or EAGLE-3 head's checkpoint directory, for --method eagle / eagle3.",
-        panel=ENGINE_PANEL,
-    ),
     Option("tensor_parallel_size", 1, "vLLM: devices that split each layer.", low=1, panel=ENGINE_PANEL),
     Option(
         "pipeline_parallel_size", 1, "vLLM: devices (or machines) that split the layers.", low=1, panel=ENGINE_PANEL

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import torch
 
+from .eagle import EagleHead, read_head
 from .errors import SpecbenchError
-from .fast import FastLlama, unsupported
+from .fast import FastLlama, can_pack, unsupported
 from .files import write_text
 from .lm import HFCausalLM
 from .models import (
@@ -51,6 +52,7 @@ class Pair:
     device: torch.device
     dtype: torch.dtype
     clock: PhaseClock | None = None  # set on a timed pair: what methods lap their own timed parts on
+    head: EagleHead | None = None  # the --speculator head, when an EAGLE method decodes here
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -109,17 +111,31 @@ def load_pair(cfg) -> Pair:
         target = load(cfg.target, device, dtype, cfg.device_map)
         if cfg.device_map and (warning := offload_warning(placement(target.model))):
             log.warning(warning)
+    head = speculator(cfg, target, device, dtype) if cfg.needs_speculator else None
     if not cfg.needs_draft:
-        return Pair(
-            target, HFCausalLM(target.model, target.width, fast=fast_forward(target, cfg)), None, None, device, dtype
-        )
+        target_lm = HFCausalLM(target.model, target.width, fast=fast_forward(target, cfg))
+        return Pair(target, target_lm, None, None, device, dtype, head=head)
     draft = (
         random_model(cfg.draft, device, dtype, cfg.seed + 1) if cfg.random_weights else load(cfg.draft, device, dtype)
     )
     width = shared_width(target, draft)
     target_lm = HFCausalLM(target.model, width, fast=fast_forward(target, cfg))
     draft_lm = HFCausalLM(draft.model, width, draft.head_tokens, fast_forward(draft, cfg))
-    return Pair(target, target_lm, draft, draft_lm, device, dtype)
+    return Pair(target, target_lm, draft, draft_lm, device, dtype, head=head)
+
+
+def speculator(cfg, target: LoadedModel, device: torch.device, dtype: torch.dtype) -> EagleHead:
+    """The --speculator head, checked against ``target``, on its device and in its dtype."""
+    path = Path(cfg.speculator).expanduser()
+    if not path.is_dir():
+        raise SpecbenchError(f"--speculator {cfg.speculator}: no such directory; give an EAGLE-3 head's checkpoint")
+    config = target.model.config
+    embed = target.model.get_input_embeddings().weight
+    head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size).to(device, dtype)
+    head.embed = head.embed.to(device, dtype)  # a plain tensor (the target's, or the head's own): .to() skips it
+    if cfg.compile and can_pack(head):  # as the target's fast forward runs its products
+        head.pack()
+    return head
 
 
 def fast_forward(model: LoadedModel, cfg) -> FastLlama | None:

@@ -7,8 +7,9 @@ import math
 from rich.table import Table
 
 from . import schema
+from .context import CONTENDERS
 from .methods import METHODS
-from .results import CONTENDERS, missing, row_label
+from .results import missing, row_label
 
 
 def summary_table(rows: list[dict], title: str) -> Table:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 
 from . import metrics, schema
-from .methods import BASELINE, SERVED_BASELINE, Decoder
+from .method import Decoder
+from .methods import BASELINE, SERVED_BASELINE
 from .prompts import Prompt
 from .results import OWN_ENGINES
 from .vllm_engine import Served

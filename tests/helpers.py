@@ -4,12 +4,17 @@ A test module imports from here (or from toy.py), never from another test module
 run, moved or deleted alone.
 """
 
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from specbench.fast import FastLlama
+from specbench.lm import HFCausalLM
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",
@@ -84,6 +89,97 @@ def build_llama(
             model.get_output_embeddings().weight.mul_(20)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
+    return path
+
+
+class LawLM(HFCausalLM):
+    """A tiny Llama of VOCAB tokens on the fast forward, whose exact law transformers computes: the
+    logits after a context are its eager forward over the whole context, without a cache."""
+
+    def __init__(self, model, packed: bool):
+        super().__init__(model, model.config.vocab_size, fast=FastLlama(model, packed=packed))
+        self.vocab = model.config.vocab_size
+
+    @torch.inference_mode()
+    def logits_after(self, context: list[int]) -> torch.Tensor:
+        return self.model(input_ids=torch.tensor([context])).logits[0, -1]
+
+
+def tiny_law_model(seed: int, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=3, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(8)  # a law far from uniform, so a wrong cache shows
+    model.save_pretrained(tmp_path / f"law{seed}")
+    return AutoModelForCausalLM.from_pretrained(tmp_path / f"law{seed}").eval()
+
+
+def build_eagle3_head(
+    path: Path, target_config, taps=None, draft_ids=None, seed: int = 0, scale: float = 3.0, layer_prefix="midlayer"
+) -> Path:
+    """An EAGLE-3 head of random weights for a target of ``target_config``, written as vLLM's and
+    SGLang's loaders read one: config.json (LlamaForCausalLMEagle3, draft_vocab_size and the aux layer
+    ids in eagle_config) and model.safetensors (``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t``
+    = target id - draft id, ``t2d`` = which target ids are drafted). ``taps`` None writes no layer ids
+    (the loader's default: 2, L/2, L-3); () writes an EAGLE-1-style head (no fc, final states)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    h, heads = target_config.hidden_size, target_config.num_attention_heads
+    kv, d = target_config.num_key_value_heads, target_config.hidden_size // heads
+    vocab, inner = target_config.vocab_size, 2 * h
+    draft_ids = torch.arange(vocab) if draft_ids is None else torch.tensor(draft_ids)
+
+    def w(out, into):
+        return torch.randn(out, into, generator=g) * scale / math.sqrt(into)
+
+    fused = taps != ()
+    tensors = {
+        f"{layer_prefix}.input_layernorm.weight": torch.ones(h),
+        f"{layer_prefix}.hidden_norm.weight": torch.ones(h),
+        f"{layer_prefix}.post_attention_layernorm.weight": torch.ones(h),
+        f"{layer_prefix}.self_attn.q_proj.weight": w(heads * d, 2 * h),
+        f"{layer_prefix}.self_attn.k_proj.weight": w(kv * d, 2 * h),
+        f"{layer_prefix}.self_attn.v_proj.weight": w(kv * d, 2 * h),
+        f"{layer_prefix}.self_attn.o_proj.weight": w(h, heads * d),
+        f"{layer_prefix}.mlp.gate_proj.weight": w(inner, h),
+        f"{layer_prefix}.mlp.up_proj.weight": w(inner, h),
+        f"{layer_prefix}.mlp.down_proj.weight": w(h, inner),
+        "norm.weight": torch.ones(h),
+        "lm_head.weight": w(len(draft_ids), h),
+    }
+    if len(draft_ids) < vocab:  # a full vocabulary has no mapping: vLLM refuses a d2t then
+        tensors["d2t"] = draft_ids - torch.arange(len(draft_ids))
+        tensors["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill(0, draft_ids, True)
+    if fused:
+        tensors["fc.weight"] = w(h, 3 * h)
+    eagle = {"use_aux_hidden_state": fused}
+    if fused and taps is not None:
+        eagle["eagle_aux_hidden_state_layer_ids"] = list(taps)
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": h,
+        "intermediate_size": inner,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "vocab_size": vocab,
+        "draft_vocab_size": len(draft_ids),
+        "eagle_config": eagle,
+        "torch_dtype": "float32",
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
     return path
 
 

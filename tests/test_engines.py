@@ -12,7 +12,8 @@ from specbench import metrics, schema, serving
 from specbench.cli import main
 from specbench.config import BenchConfig
 from specbench.errors import SpecbenchError
-from specbench.methods import SERVED, SERVED_BASELINE, Decoder
+from specbench.method import Decoder
+from specbench.methods import SERVED, SERVED_BASELINE
 from specbench.prompts import Prompt
 from specbench.vllm_engine import EngineSpec, Served
 

@@ -4,7 +4,7 @@ exactness: speculative sampling through it still draws from the target's law."""
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from specbench.engine import ModelDrafter, speculative_decode
 from specbench.fast import PADDED_UP_TO, FastLlama, fastest_rows, padded_rows, unsupported
@@ -13,6 +13,7 @@ from specbench.models import load
 from specbench.sampling import SamplingConfig
 from specbench.tree import tree_inputs
 
+from .helpers import LawLM, tiny_law_model
 from .toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, law_p
 
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -109,32 +110,6 @@ def test_models_beyond_the_fast_path_say_why(tmp_path):
 
 
 # ---------------------------------------------------------------- exactness through the fast forward
-
-
-class LawLM(HFCausalLM):
-    """A tiny Llama of VOCAB tokens on the fast forward, whose exact law transformers computes: the
-    logits after a context are its eager forward over the whole context, without a cache."""
-
-    def __init__(self, model, packed: bool):
-        super().__init__(model, model.config.vocab_size, fast=FastLlama(model, packed=packed))
-        self.vocab = model.config.vocab_size
-
-    @torch.inference_mode()
-    def logits_after(self, context: list[int]) -> torch.Tensor:
-        return self.model(input_ids=torch.tensor([context])).logits[0, -1]
-
-
-def tiny_law_model(seed: int, tmp_path) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=3, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config)
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(8)  # a law far from uniform, so a wrong cache shows
-    model.save_pretrained(tmp_path / f"law{seed}")
-    return AutoModelForCausalLM.from_pretrained(tmp_path / f"law{seed}").eval()
 
 
 def sampled_law_p(target: LawLM, draft: LawLM, k: int) -> float:

@@ -115,3 +115,25 @@ def test_random_weights_time_the_architecture_in_vllm(tmp_path):
     assert summary["alpha_estimate"].isna().all()  # random weights: acceptance means nothing
     assert (summary["throughput"] > 0).all() and (out / "concurrency.png").is_file()
     assert json.loads((out / "meta.json").read_text())["resolved"]["weights"] == "random"
+
+
+def test_one_eagle3_head_drafts_in_both_engines(tmp_path):
+    # A head in the published EAGLE-3 format, built here, for a 4-layer target (three distinct layers
+    # to read): specbench's eagle and vLLM's eagle3 load the same directory in one run.
+    from transformers import AutoConfig
+
+    from tests.helpers import build_eagle3_head
+
+    tokenizer = build_tokenizer(tmp_path / "tok")
+    target = build_llama(tmp_path / "target", tokenizer, layers=4, hidden=128, seed=0)
+    head = build_eagle3_head(tmp_path / "head", AutoConfig.from_pretrained(target), taps=(1, 2, 3), seed=1, scale=1.0)
+    out = tmp_path / "run"
+    args = ["--target", str(target), "--method", "eagle", "--speculator", str(head), "--k", "2", "--num-prompts", "2"]
+    result = specbench(
+        "run", *args, "--max-new-tokens", "12", "--engine", "torch,vllm", *EAGER, "--out", str(out), timeout=900
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = pd.read_csv(out / "summary.csv")
+    rows = set(zip(summary["engine"], summary["method"], strict=True))
+    assert {("torch", "eagle"), ("vllm", "eagle3")} <= rows
+    assert (summary["outputs_match"] == 2).all()  # greedy: each engine's rows equal its own baseline

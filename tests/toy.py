@@ -86,12 +86,12 @@ def chi_square_p(target: ToyLM, draft, k: int, cfg: SamplingConfig, seed: int = 
 
 
 def law_p(target: ToyLM, cfg: SamplingConfig, counts: Counter) -> float:
-    """p-value of sampled sequence counts against the target's exact law of LENGTH tokens after PROMPT."""
+    """p-value of sampled sequence counts (any number) against the target's exact law of LENGTH tokens after PROMPT."""
     law = exact_distribution(target, PROMPT, LENGTH, cfg)
     assert set(counts) <= {s for s, p in law.items() if p > 0}, "sampled a sequence the target cannot produce"
     # Cells the warp made impossible carry no information; keep the rest.
     cells = [s for s, p in law.items() if p > 0]
     observed = [counts[s] for s in cells]
     mass = sum(law[s] for s in cells)
-    expected = [law[s] / mass * SAMPLES for s in cells]
+    expected = [law[s] / mass * sum(counts.values()) for s in cells]
     return chisquare(observed, expected).pvalue

@@ -1,0 +1,171 @@
+"""``specbench distill --kind eagle`` (distill_eagle.py): the training-time test attends to what
+inference attends to, the trained head loads and drafts outputs equal to the baseline's, training
+resumes from its saved step, and bad input is refused in one line."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+
+from specbench.distill import DistillConfig
+from specbench.distill_eagle import FEATURES, distill_eagle, ttt_outputs
+from specbench.eagle import EagleHead, HeadCache, HeadConfig, read_head
+from specbench.errors import SpecbenchError
+from specbench.models import load
+
+from .helpers import on_tiny_pair, one_line_error, specbench
+
+CPU, F32 = torch.device("cpu"), torch.float32
+STEPS = 3
+
+
+def scrambled_head() -> EagleHead:
+    torch.manual_seed(0)
+    config = HeadConfig(32, 4, 2, 8, 64, vocab=50, draft_vocab=20, taps=(0, 1, 2), target_hidden=32)
+    head = EagleHead(config, torch.randn(50, 32)).eval()
+    for weight in head.parameters():
+        weight.data.normal_(0, 0.3)  # far from the init, so a wrong mask shows
+    return head
+
+
+def matches_inference(head: EagleHead, length: int = 10) -> bool:
+    """Whether chain t of the training-time test, at every step, equals the head drafting after
+    reading the pairs up to t (EagleHead.step, as EagleDrafter calls it) and then its own outputs."""
+    ids, features = torch.randint(0, 50, (2, length)), torch.randn(2, length, 96)
+    with torch.no_grad():
+        outs = ttt_outputs(head, ids, features, STEPS)
+        for row in range(2):
+            for t in range(length - STEPS):
+                cache = HeadCache()
+                out = head.step(ids[row, 1 : t + 2], head.fuse(features[row, : t + 1]), torch.arange(t + 1), cache)
+                out = out[-1:]
+                for step in range(STEPS):
+                    if step:  # the next true token, at position t + step, with the chain's last output
+                        out = head.step(ids[row, t + step + 1 : t + step + 2], out, torch.tensor([t + step]), cache)
+                    if not torch.allclose(out[0], outs[step][row, t], atol=1e-5, rtol=1e-5):
+                        return False
+    return True
+
+
+def test_each_training_step_attends_to_what_inference_attends_to():
+    assert matches_inference(scrambled_head())
+
+
+def test_the_comparison_catches_steps_that_see_earlier_positions_drafts(monkeypatch):
+    """A training-time test whose step j also attends to the steps 1..j of earlier chains (a causal
+    mask over every block): inference never holds those entries."""
+    import specbench.distill_eagle as de
+
+    monkeypatch.setattr(
+        de, "ttt_mask", lambda length, step: torch.ones(length, length).tril().bool().repeat(1, step + 1)
+    )
+    assert not matches_inference(scrambled_head())
+
+
+def write_sources(tmp_path: Path) -> Path:
+    sources = tmp_path / "src"
+    sources.mkdir()
+    (sources / "lib.py").write_text(
+        (
+            'def add_up(a: int, b: int) -> int:\n    """Add two numbers and return their sum, whatever their type."""\n    return a + b\n\n\n'
+            'def greet(name):\n    """Say hello to someone by name, on standard output, then return."""\n    print("hello " + name)\n\n\n'
+        )
+        * 6
+    )
+    return sources
+
+
+def tiny_config(out: Path, sources: Path, **more) -> DistillConfig:
+    sizes = dict(seq_len=32, teacher_tokens=128, teacher_batch=4, top_k=8, epochs=1, batch=2, save_every=1)
+    data = dict(generate_prompts=3, generate_new_tokens=8, generate_batch=2, ttt_steps=STEPS)
+    return DistillConfig(out=out, sources=[str(sources)], kind="eagle", **sizes, **data, **more)
+
+
+TINY_ARGS = (
+    "--seq-len", "32", "--teacher-tokens", "128", "--top-k", "8", "--epochs", "1", "--batch", "2",
+    "--generate-prompts", "3", "--generate-new-tokens", "8", "--generate-batch", "2",
+)  # fmt: skip
+
+
+@pytest.mark.slow  # two CLI runs: about 2 minutes on 2 busy cores
+def test_distill_kind_eagle_trains_a_head_that_runs_equal_to_the_baseline(tiny_pair, tmp_path):
+    out = tmp_path / "head"
+    sources = write_sources(tmp_path)
+    result = specbench(
+        "distill", "--kind", "eagle", "--target", tiny_pair[0], "--out", str(out), "--source", str(sources), *TINY_ARGS
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--speculator" in result.stdout
+    target = load(tiny_pair[0], CPU, F32)
+    config = target.model.config
+    head = read_head(
+        out, target.model.get_input_embeddings().weight, config.num_hidden_layers, config.hidden_size, target.width
+    )
+    assert head.config.taps == (2, 2, 1)  # vLLM's default layers of the 4-layer target
+    assert head.config.intermediate == config.intermediate_size and head.config.hidden == config.hidden_size
+    # The draft vocabulary: every id the teacher ranks first in the training data, sorted.
+    ids = head.draft_ids.tolist()
+    assert ids == sorted(ids) and 0 < len(ids) <= target.width
+    recipe = json.loads((out / "distill.json").read_text())
+    assert recipe["kind"] == "eagle" and len(recipe["held_out_agreement_by_step"]) == STEPS
+    assert all(0 <= a <= 1 for a in recipe["held_out_agreement_by_step"])
+    stored = torch.load(next((out / FEATURES / "generated").glob("*.pt")))
+    assert stored[0].dtype == torch.float16 and stored[0].shape[1] == 3 * config.hidden_size
+    run = tmp_path / "run"
+    result = on_tiny_pair(
+        "run", tiny_pair, "--method", "eagle,eagle-dynamic", "--speculator", str(out), "--k", "3",
+        "--num-prompts", "2", "--max-new-tokens", "12", "--repeats", "1", "--warmup", "0", "--cost-repeats", "2",
+        "--dataset", "humaneval", "--out", str(run),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summary = pd.read_csv(run / "summary.csv")
+    eagle = summary[summary["method"].str.startswith("eagle")]
+    assert len(eagle) == 2 and (eagle["outputs_match"] == 2).all()
+
+
+@pytest.mark.slow  # four runs of the phases: about a minute on 2 busy cores
+def test_head_training_resumes_from_its_saved_step(tiny_pair, tmp_path):
+    target = load(tiny_pair[0], CPU, F32)
+    cfg = tiny_config(tmp_path / "head", write_sources(tmp_path))
+    steps = []
+    for p in distill_eagle(cfg, target):
+        if p.phase == "head":
+            steps.append(p.done)
+            if len(steps) == 2:
+                break  # interrupted after two saved steps
+    assert steps == [1, 2]
+    assert not (cfg.out / "config.json").exists()
+    resumed = [p for p in distill_eagle(cfg, target) if p.phase == "head"]
+    assert resumed[0].done == 3 and resumed[-1].done == resumed[-1].total > 3
+    assert (cfg.out / "config.json").exists()
+    # Finished: a rerun recomputes nothing, and the features are kept.
+    assert [p.phase for p in distill_eagle(cfg, target)].count("head") == 0
+    # The same data continue into a longer run.
+    longer = dataclasses.replace(cfg, epochs=2)
+    assert [p.done for p in distill_eagle(longer, target) if p.phase == "head"][0] == resumed[-1].total + 1
+
+
+def test_a_draft_directory_is_not_an_eagle_output_in_one_line(tiny_pair, tmp_path):
+    result = specbench("distill", "--kind", "eagle", "--target", tiny_pair[0], "--out", tiny_pair[1])
+    one_line_error(result, "holds a draft", "--kind eagle")
+
+
+def test_eagle_needs_a_llama_target(tiny_pair, tmp_path):
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
+    config = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
+    tokenizer.save_pretrained(tmp_path / "mistral")
+    with pytest.raises(SpecbenchError, match="Llama-architecture target"):
+        next(distill_eagle(tiny_config(tmp_path / "h", tmp_path), load(str(tmp_path / "mistral"), CPU, F32)))
+    result = specbench(
+        "distill", "--kind", "eagle", "--target", str(tmp_path / "mistral"), "--out", str(tmp_path / "o")
+    )
+    one_line_error(result, "Llama-architecture target", "mistral")
