@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .engine import Draft, tree_parents
+from .engine import Draft, tree_level, tree_parents
 from .errors import SpecbenchError
 from .fast import Linear, rms_norm, rope, swiglu
 from .sampling import SamplingConfig, Verdict, argmax, confident, sample, warp
@@ -411,13 +411,9 @@ class EagleDrafter:
         positions, mask = tree_inputs(parents, self.base, out.device)
         tokens, q_rows, start, rows = [], [], 0, out
         for depth, branching in enumerate(self.shape):
-            scores = self.head.draft_logits(rows)
-            if self.cfg.greedy:
-                level = scores.topk(branching, dim=-1).indices.flatten()
-            else:
-                q = warp(scores, self.cfg)
-                level = torch.multinomial(q, branching, replacement=True, generator=self.generator).flatten()
-                q_rows.append(q.repeat_interleave(branching, dim=0))
+            level, q = tree_level(self.head.draft_logits(rows), branching, self.cfg, self.generator)
+            if q is not None:
+                q_rows.append(q)
             level = self.head.draft_ids[level]
             tokens.append(level)
             end = start + len(level)

@@ -340,6 +340,19 @@ def tree_parents(shape: Sequence[int]) -> list[int]:
     return parents
 
 
+def tree_level(
+    rows: torch.Tensor, branching: int, cfg: SamplingConfig, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``branching`` children for each row of logits [n, V], each row's together (as tree_parents
+    numbers them): its top-b ids under greedy, b independent draws from its warped row under
+    sampling. Returns the ids [n * b] and the q row each was drawn from (None under greedy)."""
+    if cfg.greedy:
+        return rows.topk(branching, dim=-1).indices.flatten(), None
+    q = warp(rows, cfg)
+    drawn = torch.multinomial(q, branching, replacement=True, generator=generator).flatten()
+    return drawn, q.repeat_interleave(branching, dim=0)
+
+
 class TreeDrafter:
     """Drafts a token tree of a fixed shape with a small model, one forward per level.
 
@@ -364,13 +377,9 @@ class TreeDrafter:
         positions, mask = tree_inputs(self.parents, base, rows.device)
         tokens, q_rows, start = [], [], 0
         for depth, branching in enumerate(self.shape):
-            # Each row's children follow one another, as tree_parents numbers them.
-            if self.cfg.greedy:
-                level = rows.topk(branching, dim=-1).indices.flatten()
-            else:
-                q = warp(rows, self.cfg)
-                level = torch.multinomial(q, branching, replacement=True, generator=self.generator).flatten()
-                q_rows.append(q.repeat_interleave(branching, dim=0))
+            level, q = tree_level(rows, branching, self.cfg, self.generator)
+            if q is not None:
+                q_rows.append(q)
             tokens.append(level)
             end = start + len(level)
             if depth + 1 < len(self.shape):
