@@ -12,6 +12,12 @@ distill's teacher and generate phases run as for a draft (the same shards, resum
    head's cache holds after a verification) and to its own chain's steps 1..j, as EagleDrafter
    does. The loss at step j is weighted 0.8**j.
 
+Two choices the published format allows make a target with large activations trainable (SmolLM2:
+the middle and high layers' residual stream has an RMS near 100, one dimension 2,000 times the
+median one and 25,000 at a sequence's first position): the head normalises its input before its
+residual (``norm_before_residual``, which vLLM reads), and ``fc`` trains as W / s, s each feature's
+RMS over the data, so every tap and dimension starts on an equal footing; W / s is what is saved.
+
 The result is ``save_head``'s checkpoint (what ``--speculator DIR`` and vLLM load) and distill.json.
 """
 
@@ -22,6 +28,8 @@ from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
+from torch import nn
+from torch.nn.utils import parametrize
 
 from .distill import (
     DistillConfig,
@@ -102,6 +110,7 @@ def new_head(cfg: DistillConfig, target: LoadedModel, draft_ids: list[int]) -> E
         target_hidden=c.hidden_size,
         eps=c.rms_norm_eps,
         rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
+        norm_before_residual=True,
     )
     torch.manual_seed(cfg.seed)
     model = target.model
@@ -112,6 +121,25 @@ def new_head(cfg: DistillConfig, target: LoadedModel, draft_ids: list[int]) -> E
         head.lm_head.weight.copy_(model.get_output_embeddings().weight[ids])
         head.norm.weight.copy_(model.model.norm.weight)
     return head
+
+
+class DividedBy(nn.Module):
+    """fc's weight as W / scale (column-wise): training W sees features divided by ``scale``."""
+
+    def __init__(self, scale: torch.Tensor):
+        super().__init__()
+        self.register_buffer("scale", scale)
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight / self.scale
+
+
+def feature_scale(examples: list[Example]) -> torch.Tensor:
+    """Each feature's RMS over the examples, leaving out every sequence's first position (where
+    the target's massive activations are)."""
+    squares = sum(e.features[1:].float().pow(2).sum(0) for e in examples)
+    count = sum(len(e.features) - 1 for e in examples)
+    return (squares / max(count, 1)).sqrt().clamp(min=1e-2)
 
 
 def ttt_mask(length: int, step: int) -> torch.Tensor:
@@ -208,6 +236,8 @@ def train_head(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
     examples, held_out = load_examples(cfg, cfg.out / FEATURES)
     draft_ids = head_tokens(examples)
     head = new_head(cfg, target, draft_ids)
+    if head.fc is not None:
+        parametrize.register_parametrization(head.fc, "weight", DividedBy(feature_scale(examples)))
     to_draft = torch.full((head.config.vocab,), -1, dtype=torch.long)
     to_draft[torch.tensor(draft_ids)] = torch.arange(len(draft_ids))
 
@@ -219,6 +249,8 @@ def train_head(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
 
     lengths = [len(e.ids) for e in examples]
     held = yield from optimise(cfg, head, lengths, batch_loss, evaluate, phase="head")
+    if head.fc is not None:  # the published format holds fc's weight as inference applies it
+        parametrize.remove_parametrizations(head.fc, "weight")
     layers = target.model.config.num_hidden_layers
     save_head(head, cfg.out, layers)
     meta = recipe(cfg)

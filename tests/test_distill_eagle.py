@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specbench.distill import DistillConfig
-from specbench.distill_eagle import FEATURES, distill_eagle, ttt_outputs
-from specbench.eagle import EagleHead, HeadCache, HeadConfig, read_head
+from specbench.distill_eagle import FEATURES, DividedBy, distill_eagle, feature_scale, ttt_outputs
+from specbench.eagle import EagleHead, HeadCache, HeadConfig, read_head, save_head
 from specbench.errors import SpecbenchError
 from specbench.models import load
 
@@ -65,6 +65,30 @@ def test_the_comparison_catches_steps_that_see_earlier_positions_drafts(monkeypa
     assert not matches_inference(scrambled_head())
 
 
+def test_fc_trains_on_features_divided_by_their_scale_and_saves_what_inference_applies(tmp_path):
+    from torch.nn.utils import parametrize
+
+    from specbench.distill import Example
+
+    head = scrambled_head()
+    scale = torch.logspace(-1, 3, 96)  # taps and dimensions of very different sizes, as SmolLM2's
+    features = torch.randn(12, 96) * scale
+    examples = [Example(torch.zeros(7, dtype=torch.long), 0, None, None, features=f.clone()) for f in features.view(2, 6, 96)]
+    examples[0].features[0] *= 1e4  # a first position's massive activation is left out
+    measured = feature_scale(examples)
+    assert ((measured / scale).log().abs() < 1.5).all()  # within the spread of a 10-sample RMS
+    parametrize.register_parametrization(head.fc, "weight", DividedBy(measured))
+    trained = head.fc.parametrizations.weight.original
+    with torch.no_grad():
+        assert torch.allclose(head.fuse(features), (features / measured) @ trained.T, rtol=1e-4, atol=1e-4)
+        want = head.fuse(features)
+        parametrize.remove_parametrizations(head.fc, "weight")
+        assert torch.allclose(head.fuse(features), want, rtol=1e-4, atol=1e-4)
+        save_head(head, tmp_path / "head", 3)
+        saved = read_head(tmp_path / "head", head.embed, 3, 32, 50)
+        assert torch.allclose(saved.fuse(features), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
 def write_sources(tmp_path: Path) -> Path:
     sources = tmp_path / "src"
     sources.mkdir()
@@ -106,6 +130,7 @@ def test_distill_kind_eagle_trains_a_head_that_runs_equal_to_the_baseline(tiny_p
     )
     assert head.config.taps == (2, 2, 1)  # vLLM's default layers of the 4-layer target
     assert head.config.intermediate == config.intermediate_size and head.config.hidden == config.hidden_size
+    assert head.config.norm_before_residual  # as the head trained
     # The draft vocabulary: every id the teacher ranks first in the training data, sorted.
     ids = head.draft_ids.tolist()
     assert ids == sorted(ids) and 0 < len(ids) <= target.width
