@@ -367,7 +367,9 @@ def list_(
         console.print(table)
         console.print("--engine vllm runs vLLM's methods, and for speculative and prompt-lookup vLLM's draft and ngram")
     if what in ("models", "all"):
-        table = Table("alias", "source", "random weights", title="model aliases (--target, --draft)")
+        table = Table(
+            "alias", "source", "random weights", title="model aliases (--target, --draft; EAGLE heads: --speculator)"
+        )
         for alias, entry in read_config("models.toml").items():
             source = entry.get("hub") or entry.get("bundled") and "shipped with specbench" or entry.get("install", "")
             table.add_row(alias, source, "yes" if "architecture" in entry else "-")

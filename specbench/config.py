@@ -14,6 +14,7 @@ from .engine import tree_parents
 from .errors import SpecbenchError
 from .method import Decoder
 from .methods import BASELINE, METHOD, METHODS, SERVED, served_names
+from .models import default_speculator
 from .options import CONFIDENCE, ENGINE, FIXED, RUN, Option
 from .prompts import LONG_DATASETS
 from .sampling import SamplingConfig
@@ -116,6 +117,8 @@ class _Run:
         for option in OPTIONS.values():
             option.validate(getattr(self, option.name))
         heads = [name for name in self.methods if (METHODS.get(name) or SERVED[name]).needs_speculator]
+        if heads and not self.speculator:  # the target's own head, where models.toml names one
+            self.speculator = default_speculator(self.target)
         if heads and not self.speculator:
             raise SpecbenchError(
                 f"--method {heads[0]} needs --speculator PATH: an EAGLE-3 head's checkpoint directory "

@@ -11,7 +11,6 @@ options, so this module cannot import it) and ``costs`` its forward costs (costs
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import torch
 
@@ -29,6 +28,7 @@ from .errors import SpecbenchError
 from .kv import SINKS
 from .lm import SparseView, WindowLM, hf_generate
 from .method import Decoder, Level, Method, SpeculativeLoop
+from .models import speculator_dir
 from .online import OnlineConfig, OnlineLearner, rejection
 from .options import FIXED, K_POLICIES, Option, names_given
 from .pair import Pair
@@ -326,7 +326,8 @@ SPECULATOR = Option(
     "speculator",
     None,
     "An EAGLE-3 head's checkpoint directory (the format vLLM and SGLang load; `specbench distill --kind eagle` "
-    "trains one): the head of --method eagle, eagle-tree and eagle-dynamic, and of vLLM's eagle3 / eagle1.",
+    "trains one) or a shipped head's alias: the head of --method eagle, eagle-tree and eagle-dynamic, and of "
+    "vLLM's eagle3 / eagle1. Default: the target's own head where specbench ships one (smollm2-135m-eagle).",
 )
 EAGLE_LEVEL = Level("eagle", lambda pair, cfg: HeadLM(pair.head))
 
@@ -497,11 +498,10 @@ class ServedEagle(Served):
     needs_speculator = True
 
     def speculative_config(self, cfg, k, draft):
-        return {"method": self.kind, "model": cfg.speculator, "num_speculative_tokens": k}
+        return {"method": self.kind, "model": str(speculator_dir(cfg.speculator)), "num_speculative_tokens": k}
 
     def check_served(self, cfg):
-        if not Path(cfg.speculator).expanduser().is_dir():
-            raise SpecbenchError(f"--speculator {cfg.speculator}: no such directory; give an {self.kind} checkpoint")
+        speculator_dir(cfg.speculator)
 
 
 class ServedEagle3(ServedEagle):

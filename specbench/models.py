@@ -109,6 +109,22 @@ def resolve(spec: str) -> ModelSource:
     )
 
 
+def default_speculator(target: str) -> str | None:
+    """The EAGLE head models.toml names for the alias ``target`` (its ``speculator``), if any."""
+    return read_config("models.toml").get(target, {}).get("speculator")
+
+
+def speculator_dir(spec: str) -> Path:
+    """The checkpoint directory of an EAGLE head given as an alias (a bundled head) or a directory."""
+    source = resolve(spec) if spec in read_config("models.toml") else None
+    path = Path(source.location) if source and source.kind == "dir" else Path(spec).expanduser()
+    if not path.is_dir():
+        raise SpecbenchError(
+            f"--speculator {spec}: no such directory; give an EAGLE-3 head's checkpoint directory or a head's alias"
+        )
+    return path
+
+
 def local_dir(source: ModelSource) -> Path:
     """A directory with config, weights and tokenizer for ``source``, downloading or converting once."""
     if source.kind == "dir":

@@ -31,6 +31,7 @@ from .models import (
     resolve_dtype,
     shared_width,
     skeleton,
+    speculator_dir,
     tokenizer_in,
     weight_bytes,
 )
@@ -126,9 +127,7 @@ def load_pair(cfg) -> Pair:
 
 def speculator(cfg, target: LoadedModel, device: torch.device, dtype: torch.dtype) -> EagleHead:
     """The --speculator head, checked against ``target``, on its device and in its dtype."""
-    path = Path(cfg.speculator).expanduser()
-    if not path.is_dir():
-        raise SpecbenchError(f"--speculator {cfg.speculator}: no such directory; give an EAGLE-3 head's checkpoint")
+    path = speculator_dir(cfg.speculator)
     config = target.model.config
     embed = target.model.get_input_embeddings().weight
     head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size).to(device, dtype)

@@ -73,7 +73,9 @@ def test_fc_trains_on_features_divided_by_their_scale_and_saves_what_inference_a
     head = scrambled_head()
     scale = torch.logspace(-1, 3, 96)  # taps and dimensions of very different sizes, as SmolLM2's
     features = torch.randn(12, 96) * scale
-    examples = [Example(torch.zeros(7, dtype=torch.long), 0, None, None, features=f.clone()) for f in features.view(2, 6, 96)]
+    examples = [
+        Example(torch.zeros(7, dtype=torch.long), 0, None, None, features=f.clone()) for f in features.view(2, 6, 96)
+    ]
     examples[0].features[0] *= 1e4  # a first position's massive activation is left out
     measured = feature_scale(examples)
     assert ((measured / scale).log().abs() < 1.5).all()  # within the spread of a 10-sample RMS

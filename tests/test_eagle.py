@@ -246,3 +246,25 @@ def test_a_speculator_that_is_not_a_head_is_refused_in_one_line(tiny_pair, tmp_p
         "run", tiny_pair, "--method", "eagle", "--speculator", tiny_pair[1], "--out", str(tmp_path / "r")
     )
     one_line_error(result, "not an EAGLE-3 head")
+
+
+def test_the_default_target_brings_its_shipped_head():
+    """smollm2-135m's --speculator defaults to the head specbench ships, which reads back as a head for
+    that target's shape (the architecture's config, without its weights)."""
+    from safetensors import safe_open
+
+    from specbench.config import BenchConfig
+    from specbench.errors import SpecbenchError
+    from specbench.models import config_dir, speculator_dir
+
+    cfg = BenchConfig(methods=["eagle"], target="smollm2-135m")
+    cfg.validate()
+    assert cfg.speculator == "smollm2-135m-eagle"
+    arch = json.loads((config_dir() / "architectures" / "smollm2-135m.json").read_text())
+    embed = torch.zeros(arch["vocab_size"], arch["hidden_size"])
+    head = read_head(speculator_dir(cfg.speculator), embed, arch["num_hidden_layers"], arch["hidden_size"], 49152)
+    assert head.config.taps == (2, 15, 27) and head.config.norm_before_residual
+    with safe_open(speculator_dir(cfg.speculator) / "model.safetensors", "pt") as weights:  # half precision
+        assert {weights.get_tensor(name).dtype for name in weights.keys() if name != "d2t"} == {torch.float16}
+    with pytest.raises(SpecbenchError, match="no such directory"):
+        speculator_dir("no-such-head")

@@ -84,30 +84,31 @@ def test_greedy_self_speculation_equals_greedy_target_at_2k_tokens(target):
 
 def test_greedy_eagle_equals_greedy_target_on_smollm2(tmp_path, target):
     # A head of random weights in SmolLM2's shape (vLLM's default layers 2, 15, 27, the draft's
-    # shortlist as its vocabulary), on the fast forward and on transformers': chains, a tree, a
-    # dynamic tree.
+    # shortlist as its vocabulary), and the shipped head, on the fast forward and on transformers':
+    # chains, a tree, a dynamic tree.
     import json
 
     from specbench.eagle import EagleDrafter, read_head
     from specbench.fast import FastLlama
-    from specbench.models import HEAD_TOKENS
+    from specbench.models import HEAD_TOKENS, default_speculator, speculator_dir
 
     from .helpers import build_eagle3_head
 
     shortlist = json.loads((local_dir(resolve("smollm2-135m-draft")) / HEAD_TOKENS).read_text())
-    path = build_eagle3_head(tmp_path / "head", target.model.config, draft_ids=shortlist, seed=0, scale=1.0)
+    random = build_eagle3_head(tmp_path / "head", target.model.config, draft_ids=shortlist, seed=0, scale=1.0)
     config = target.model.config
-    head = read_head(path, target.model.get_input_embeddings().weight, 30, config.hidden_size, config.vocab_size)
-    assert head.config.taps == (2, 15, 27)
     prompt = load_prompts("humaneval", 1)[0]
     ids = target.tokenizer(prompt.text, return_tensors="pt").input_ids[0]
     greedy, g = SamplingConfig(0.0), torch.Generator()
-    for fast in (None, FastLlama(target.model)):
-        lm = HFCausalLM(target.model, target.width, fast=fast)
-        want = autoregressive_decode(lm, ids, 40, greedy, g, target.stop_ids).tokens
-        lm.record_features(head.config.taps)
-        for how, k in (({}, 3), ({"shape": (2, 1)}, 2), ({"dynamic": (5, 2)}, 3)):
-            drafter = EagleDrafter(head, lm, target.width, greedy, g, **how)
-            got = speculative_decode(lm, drafter, ids, k, 40, greedy, g, target.stop_ids)
-            assert got.tokens == want, f"{how or 'chain'}, fast={fast is not None}"
-        lm.record_features(None)
+    for name, path in (("random", random), ("shipped", speculator_dir(default_speculator("smollm2-135m")))):
+        head = read_head(path, target.model.get_input_embeddings().weight, 30, config.hidden_size, config.vocab_size)
+        assert head.config.taps == (2, 15, 27)
+        for fast in (None, FastLlama(target.model)):
+            lm = HFCausalLM(target.model, target.width, fast=fast)
+            want = autoregressive_decode(lm, ids, 40, greedy, g, target.stop_ids).tokens
+            lm.record_features(head.config.taps)
+            for how, k in (({}, 3), ({"shape": (2, 1)}, 2), ({"dynamic": (5, 2)}, 3)):
+                drafter = EagleDrafter(head, lm, target.width, greedy, g, **how)
+                got = speculative_decode(lm, drafter, ids, k, 40, greedy, g, target.stop_ids)
+                assert got.tokens == want, f"{name} head, {how or 'chain'}, fast={fast is not None}"
+            lm.record_features(None)
