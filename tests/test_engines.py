@@ -94,7 +94,7 @@ def test_methods_map_to_their_vllm_counterparts():
     [
         (["--engine", "vllm", "--method", "tree"], "--method tree does not run in vLLM"),
         (["--method", "ngram"], "--method ngram is vLLM's: add --engine vllm (specbench's own is prompt-lookup)"),
-        (["--engine", "vllm", "--method", "eagle"], "--method eagle needs --speculator PATH"),
+        (["--engine", "vllm", "--method", "eagle", "--target", "llama-68m"], "--method eagle needs --speculator PATH"),
         (["--engine", "vllm", "--method", "eagle3", "--speculator", "/nonexistent"], "no such directory"),
         (["--engine", "vllm", "--concurrency", "0"], "--concurrency must be at least 1"),
         (["--concurrency", "4"], "--concurrency above 1 needs --engine vllm alone"),
