@@ -116,8 +116,8 @@ def default_speculator(target: str) -> str | None:
 
 def speculator_dir(spec: str) -> Path:
     """The checkpoint directory of an EAGLE head given as an alias (a bundled head) or a directory."""
-    source = resolve(spec) if spec in read_config("models.toml") else None
-    path = Path(source.location) if source and source.kind == "dir" else Path(spec).expanduser()
+    bundled = "bundled" in read_config("models.toml").get(spec, {})
+    path = Path(resolve(spec).location) if bundled else Path(spec).expanduser()
     if not path.is_dir():
         raise SpecbenchError(
             f"--speculator {spec}: no such directory; give an EAGLE-3 head's checkpoint directory or a head's alias"

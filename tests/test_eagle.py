@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 import torch
 
-from specbench.eagle import EagleDrafter, HeadLM, read_head, save_head
+from specbench.eagle import WEIGHTS, EagleDrafter, HeadLM, read_head, save_head
 from specbench.engine import autoregressive_decode, heuristic_k, speculative_decode
 from specbench.models import load
 from specbench.sampling import SamplingConfig, warp
@@ -262,9 +262,10 @@ def test_the_default_target_brings_its_shipped_head():
     assert cfg.speculator == "smollm2-135m-eagle"
     arch = json.loads((config_dir() / "architectures" / "smollm2-135m.json").read_text())
     embed = torch.zeros(arch["vocab_size"], arch["hidden_size"])
-    head = read_head(speculator_dir(cfg.speculator), embed, arch["num_hidden_layers"], arch["hidden_size"], 49152)
+    path = speculator_dir(cfg.speculator)
+    head = read_head(path, embed, arch["num_hidden_layers"], arch["hidden_size"], arch["vocab_size"])
     assert head.config.taps == (2, 15, 27) and head.config.norm_before_residual
-    with safe_open(speculator_dir(cfg.speculator) / "model.safetensors", "pt") as weights:  # half precision
+    with safe_open(path / WEIGHTS, "pt") as weights:  # half precision
         assert {weights.get_tensor(name).dtype for name in weights.keys() if name != "d2t"} == {torch.float16}
     with pytest.raises(SpecbenchError, match="no such directory"):
         speculator_dir("no-such-head")
