@@ -77,7 +77,7 @@ MACHINE = $(shell $(PYTHON) -c "from specbench.machine import machine, machine_s
 DETERMINISTIC = --metric alpha --metric tau --metric acceptance_rate
 GATED = --metric speedup $(DETERMINISTIC)
 # Exit 0 when the baseline compare picks for results/ci was measured on its machine.
-OWN_BASELINE = $(PYTHON) -c "import sys; from specbench.compare import same_machine; \
+OWN_BASELINE = $(PYTHON) -c "import sys; from specbench.rundir import same_machine; \
 	sys.exit(not same_machine('$(BASELINE)', 'results/ci'))"
 
 baseline: install-ci

@@ -1,7 +1,7 @@
 """The benchmark: prompts x methods x K, timed, read top to bottom in ``benchmark``.
 
 It loads the pair and the prompts, measures the forward costs, warms up, then decodes every
-prompt with the baseline and each method, writing each row as it completes (results.RunWriter).
+prompt with the baseline and each method, writing each row as it completes (rundir.RunWriter).
 It yields what it is doing, then its Results; it never prints.
 """
 
@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -29,15 +29,15 @@ from .method import Decoder
 from .methods import BASELINE, SERVED_BASELINE
 from .models import placement
 from .options import FIXED
-from .pair import Pair, encode_prompts, load_pair, model_dir, prompts_hash
-from .plot import plot_concurrency, plot_online, plot_phases, plot_run
-from .prompts import Prompt, load_prompts
+from .pair import Conversations, Pair, encode_prompts, load_pair, model_dir
+from .plot import plot_categories, plot_concurrency, plot_online, plot_phases, plot_run
+from .prompts import load_prompts
 from .results import (
     WEIGHT_DEPENDENT,
     Measurement,
-    RunWriter,
     acceptance_rows,
     best_ks,
+    by_group,
     draft_length_rows,
     online_row,
     predicted_rows,
@@ -46,6 +46,7 @@ from .results import (
     suggestions,
     summarize,
 )
+from .rundir import RunWriter
 from .timing import PhaseClock, synchronize
 from .vllm_engine import Engine, EngineSpec, Sampling, Served, vllm_version
 
@@ -88,14 +89,24 @@ def warm_up(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor], plan: 
             decode(pair, cfg, prompt_ids[0], 0, decoder)
 
 
-def prepare(cfg: BenchConfig) -> tuple[Pair, list[Prompt], list[torch.Tensor]]:
+def prepare(cfg: BenchConfig) -> tuple[Pair, Conversations]:
     """Validate, load the pair and the prompts; every input error surfaces here, before timing."""
     cfg.validate()
-    prompts = load_prompts(cfg.dataset, cfg.num_prompts, cfg.prompt_field, cfg.context_tokens, cfg.seed)
+    prompts = load_prompts(
+        cfg.dataset,
+        cfg.num_prompts,
+        cfg.prompt_field,
+        cfg.context_tokens,
+        cfg.seed,
+        path=cfg.dataset_path,
+        categories=cfg.categories,
+        per_category=cfg.per_category,
+        max_turns=cfg.max_turns,
+    )
     pair = load_pair(cfg)
     for step in cfg.plan:
         step.method.check(pair)
-    return pair, prompts, encode_prompts(pair, prompts, cfg)
+    return pair, encode_prompts(pair, prompts, cfg)
 
 
 @dataclass
@@ -119,6 +130,7 @@ class Results:
     greedy: bool
     predicted: list[dict] = field(default_factory=list)  # predicted.csv
     forward: str = ""  # what ran specbench's forwards, and what building them took
+    categories: list[dict] = field(default_factory=list)  # categories.csv
 
 
 def benchmark(
@@ -143,11 +155,12 @@ def benchmark(
     writer = RunWriter(out)  # fails on an unusable directory before anything is loaded
     previous = writer.previous_run(cfg.as_dict()) if resume else None
     yield Step("loading models and prompts")
-    pair, prompts, prompt_ids = prepare(cfg)
+    pair, conversations = prepare(cfg)
+    turns, prompt_ids = conversations.turns, conversations.first
     for lm in (pair.target_lm, pair.draft_lm):
         if lm is not None:
             lm.prefill_chunk, lm.progress = cfg.prefill_chunk, prefill_progress
-    run_hash = prompts_hash(prompt_ids)
+    run_hash = conversations.hash
     if previous is not None and previous.prompts_hash != run_hash:
         raise SpecbenchError(
             f"--resume: the prompts now encode differently from the run in {out} (a changed dataset, template or tokenizer): run without --resume"
@@ -193,28 +206,26 @@ def benchmark(
         costs = measure_costs(pair, prompt_ids, cfg, plan)
         writer.write_csv("verify_cost.csv", costs.rows())
     done = previous.complete_prompts(1 + len(plan)) if previous is not None else set()
-    blocks = previous.complete_blocks(len(prompts)) if previous is not None else set()
+    # A conversation is decoded again whole unless every turn of it is done: a later turn needs the answers before it.
+    done = {i for i in done if all(j in done for j, t in enumerate(turns) if t.conversation == turns[i].conversation)}
+    blocks = previous.complete_blocks(len(turns)) if previous is not None else set()
     records = writer.start_records(previous, done, blocks)
     engine_costs = list(previous.engine_costs) if previous is not None else []
     learning: list[dict] = []  # online.csv
     try:
         if own:
-            yield from decode_all(
-                pair, cfg, prompts, prompt_ids, plan, writer, records, done, learning, costs, run_info
-            )
+            yield from decode_all(pair, cfg, conversations, plan, writer, records, done, learning, costs, run_info)
         if "vllm" in cfg.engines:
             if pair.target_lm is not None:  # vLLM loads the models again: free this process's copy first
                 pair = pair.without_weights()
                 gc.collect()
-            yield from serve_all(pair, cfg, prompts, prompt_ids, writer, records, blocks, engine_costs)
+            yield from serve_all(pair, cfg, conversations, writer, records, blocks, engine_costs)
     finally:
-        summary = summarize(records, costs, cfg, run_info, plan) if own else []
-        summary += serving.summarize(records, engine_costs, cfg, run_info)
-        writer.write_csv("summary.csv", summary)
+        summary, categories = write_summaries(writer, records, costs, cfg, run_info, plan, engine_costs)
         writer.write_csv("acceptance.csv", acceptance_rows(records))
         writer.write_csv("draft_lengths.csv", draft_length_rows(records))
         writer.write_csv("engine_costs.csv", engine_costs)
-        writer.write_json("results.json", results_document(meta, summary, records))
+        writer.write_json("results.json", results_document(meta, summary, records, categories, cfg.group_by))
         writer.close()
         if cfg.save_draft:  # what was learned is kept, also when the run was interrupted
             learners = [step for step in plan if step.method.learns]
@@ -230,22 +241,37 @@ def benchmark(
     plots = (
         [
             path
-            for path in (plot_phases(out), plot_run(out), plot_online(out), plot_concurrency(out))
+            for path in (plot_phases(out), plot_run(out), plot_online(out), plot_concurrency(out), plot_categories(out))
             if path is not None
         ]
         if summary
         else []
     )
     title = f"{cfg.target} <- {cfg.draft}" if pair.draft else cfg.target
+    count = len(conversations.first)
     if cfg.random_weights:
         lengths = f"{cfg.prompt_tokens} tokens" if cfg.prompt_tokens else f"{cfg.dataset}'s lengths"
-        title += f" with random weights ({len(prompts)} random prompts of {lengths})"
+        title += f" with random weights ({count} random prompts of {lengths})"
     else:
-        title += f" on {cfg.dataset} ({len(prompts)} prompts)"
+        title += f" on {cfg.dataset} ({count} prompts" + (f", {len(turns)} turns)" if len(turns) > count else ")")
     notes = suggestions(summary, costs, cfg.ks) + noisy_costs(costs) if own else []
     built = [(role, lm.fast) for role, lm in (("target", pair.target_lm), ("draft", pair.draft_lm)) if lm and lm.fast]
     forward = ", ".join(f"{role} {fast.route} (built in {fast.build_seconds:.1f} s)" for role, fast in built)
-    yield Results(out, title, summary, picks, notes, plots, cfg.sampling.greedy, predicted, forward)
+    yield Results(out, title, summary, picks, notes, plots, cfg.sampling.greedy, predicted, forward, categories)
+
+
+def write_summaries(writer, records, costs, cfg, run_info, plan, engine_costs) -> tuple[list[dict], list[dict]]:
+    """summary.csv over every prompt, and categories.csv: the same rows over each category's prompts
+    (or sub-category's, or input length's: --group-by). Returns both."""
+
+    def over(rows: list[dict]) -> list[dict]:
+        own = summarize(rows, costs, cfg, run_info, plan) if "torch" in cfg.engines else []
+        return own + serving.summarize(rows, engine_costs, cfg, run_info)
+
+    summary, categories = over(records), by_group(records, cfg.group_by, over)
+    writer.write_csv("summary.csv", summary)
+    writer.write_csv("categories.csv", categories)
+    return summary, categories
 
 
 def forward_route(lm) -> str:
@@ -253,38 +279,38 @@ def forward_route(lm) -> str:
     return "eager" if lm is None or lm.fast is None else lm.fast.route
 
 
-def decode_all(
-    pair, cfg, prompts, prompt_ids, plan, writer, records, done, learning, costs, run_info
-) -> Iterator[Step]:
-    """specbench's loop: every prompt not yet done, by the baseline and each decoder of the plan."""
-    todo = [i for i in range(len(prompts)) if i not in done]
+def decode_all(pair, cfg, conversations, plan, writer, records, done, learning, costs, run_info) -> Iterator[Step]:
+    """specbench's loop: every turn not yet done, by the baseline and each decoder of the plan. A
+    later turn of a conversation is rendered after the decoder's own answers to the turns before it
+    (under greedy, the baseline's: the exact methods give the same)."""
+    turns = conversations.turns
+    todo = [i for i in range(len(turns)) if i not in done]
     if todo:  # a resumed run with nothing left to decode only writes its summary again
         yield Step("warming up")
-        warm_up(pair, cfg, prompt_ids, plan)
+        warm_up(pair, cfg, conversations.first, plan)
     total, finished, written = len(todo) * (1 + len(plan)), 0, time.monotonic()
+    answers: dict[tuple[int, str], list[str]] = {}  # (conversation, decoder) -> its answers so far
     for index in todo:
-        prompt, ids = prompts[index], prompt_ids[index]
-        baseline = decode(pair, cfg, ids, index, Decoder(BASELINE))
+        turn = turns[index]
+        base_ids = conversations.ids(turn, answers.get((turn.conversation, BASELINE.name), []))
+        baseline = decode(pair, cfg, base_ids, index, Decoder(BASELINE))
         references = {}  # an engine's own baseline (hf-generate), for the methods it is the reference of
         for decoder in [Decoder(BASELINE), *plan]:
+            before = answers.setdefault((turn.conversation, decoder.label), [])
+            ids = base_ids if decoder.method is BASELINE else conversations.ids(turn, before)
             measured = baseline if decoder.method is BASELINE else decode(pair, cfg, ids, index, decoder)
             references[decoder.method.name] = measured
             reference = references.get(decoder.method.reference, baseline)
             learned = decoder.method.after_prompt(decoder, ids, measured.result)
             tokens = measured.result.tokens
             text = pair.target.tokenizer.decode(tokens) if pair.target.tokenizer else ""
+            if turn.turn < len(turn.prompt.turns):
+                before.append(conversations.answer(tokens))
             writer.output(
-                prompt.id,
-                index,
-                decoder.k,
-                decoder.method.name,
-                tokens,
-                text,
-                decoder.shape,
-                decoder.method.engine,
+                turn, index, decoder.k, decoder.method.name, tokens, text, decoder.shape, decoder.method.engine,
                 k_policy=decoder.policy,
-            )
-            records.append(record(prompt, index, ids, reference, decoder, measured, learned))
+            )  # fmt: skip
+            records.append(record(turn, index, ids, reference, decoder, measured, learned))
             if cfg.random_weights:
                 records[-1].update((name, math.nan) for name in WEIGHT_DEPENDENT if name in records[-1])
             writer.append_record(records[-1])
@@ -295,16 +321,16 @@ def decode_all(
             finished += 1
             yield Step("decoding", finished, total, decoder.label)
             if time.monotonic() - written > SUMMARY_EVERY_S:
-                writer.write_csv("summary.csv", summarize(records, costs, cfg, run_info, plan))
+                write_summaries(writer, records, costs, cfg, run_info, plan, [])
                 written = time.monotonic()
 
 
-def engine_spec(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor], decoder: Decoder | None) -> EngineSpec:
+def engine_spec(pair: Pair, cfg: BenchConfig, conversations: Conversations, decoder: Decoder | None) -> EngineSpec:
     """The vLLM engine for one decoder (None: the draft model alone, for c)."""
     model = model_dir(pair.draft if decoder is None else pair.target)
     draft = model_dir(pair.draft) if pair.draft is not None else None
     windows = [m.context_window for m in (pair.target, pair.draft) if m is not None and m.context_window]
-    needed = max(len(ids) for ids in prompt_ids) + cfg.max_new_tokens + cfg.widest
+    needed = conversations.longest + cfg.max_new_tokens + cfg.widest
     parallel = {
         "tensor_parallel_size": cfg.tensor_parallel_size,
         "pipeline_parallel_size": cfg.pipeline_parallel_size,
@@ -327,46 +353,50 @@ def engine_spec(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor], de
     )
 
 
-def serve_all(pair, cfg, prompts, prompt_ids, writer, records, blocks, engine_costs) -> Iterator[Step]:
-    """vLLM: an engine per method and K (its baseline first), every prompt at each concurrency.
+def serve_all(pair, cfg, conversations, writer, records, blocks, engine_costs) -> Iterator[Step]:
+    """vLLM: an engine per method and K (its baseline first), every turn at each concurrency.
 
-    Each request's row is written as it finishes; a resumed run skips the blocks it finished. The
-    draft model alone runs last, one request at a time, for vLLM's c."""
-    ids = [p.tolist() for p in prompt_ids]
+    At a concurrency the turns go in waves: every conversation's first turn, then every second turn
+    rendered after that engine's own first answers, and so on. Each request's row is written as it
+    finishes; a resumed run skips the blocks it finished. The draft model alone runs last, one
+    request at a time, for vLLM's c."""
+    turns, first = conversations.turns, [ids.tolist() for ids in conversations.first]
     sampling = Sampling(
         cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tuple(sorted(pair.stop_ids))
     )
     baselines = {n: _served_baseline(records, writer.out, n) for n in cfg.concurrency}
     steps = [Decoder(SERVED_BASELINE), *cfg.served_plan]
+    waves = range(1, max(t.turn for t in turns) + 1)
     for decoder in steps:
         todo = [n for n in cfg.concurrency if (decoder.method.name, decoder.k, n) not in blocks]
         if not todo:
             continue
         yield Step(f"starting vLLM: {decoder.label} (a minute or two)")
-        with warmed_up(engine_spec(pair, cfg, prompt_ids, decoder), cfg, ids, sampling) as engine:
+        with warmed_up(engine_spec(pair, cfg, conversations, decoder), cfg, first, sampling) as engine:
             for n in todo:
-                for finished, served in enumerate(engine.run(ids, n, sampling), 1):
-                    base = served if decoder.method is SERVED_BASELINE else baselines[n][served.index]
-                    if decoder.method is SERVED_BASELINE:
-                        baselines[n][served.index] = served
-                    prompt = prompts[served.index]
-                    row = serving.record(prompt, served.index, ids[served.index], decoder, n, served, base)
-                    text = pair.target.tokenizer.decode(served.tokens) if pair.target.tokenizer else ""
-                    writer.output(
-                        prompt.id,
-                        served.index,
-                        decoder.k,
-                        decoder.method.name,
-                        served.tokens,
-                        text,
-                        "",
-                        "vllm",
-                        n,
-                        decoder.policy,
-                    )
-                    records.append(row)
-                    writer.append_record(row)
-                    yield Step("decoding", finished, len(prompts), f"vllm {decoder.label}, {n} in flight")
+                answers: dict[int, list[str]] = {}  # conversation -> this engine's answers so far
+                finished = 0
+                for wave in waves:
+                    indices = [i for i, t in enumerate(turns) if t.turn == wave]
+                    requests = [conversations.ids(turns[i], answers.get(turns[i].conversation, [])) for i in indices]
+                    for served in engine.run([ids.tolist() for ids in requests], n, sampling):
+                        ids, index = requests[served.index], indices[served.index]
+                        turn, served = turns[index], replace(served, index=index)
+                        base = served if decoder.method is SERVED_BASELINE else baselines[n][index]
+                        if decoder.method is SERVED_BASELINE:
+                            baselines[n][index] = served
+                        if turn.turn < len(turn.prompt.turns):
+                            answers.setdefault(turn.conversation, []).append(conversations.answer(served.tokens))
+                        row = serving.record(turn, index, ids.tolist(), decoder, n, served, base)
+                        text = pair.target.tokenizer.decode(served.tokens) if pair.target.tokenizer else ""
+                        writer.output(
+                            turn, index, decoder.k, decoder.method.name, served.tokens, text, "", "vllm", n,
+                            decoder.policy,
+                        )  # fmt: skip
+                        records.append(row)
+                        writer.append_record(row)
+                        finished += 1
+                        yield Step("decoding", finished, len(turns), f"vllm {decoder.label}, {n} in flight")
     # c: the draft's time per output token alone in vLLM over the target's, both at one request.
     timed = {row["model"] for row in engine_costs}
     if 1 not in cfg.concurrency:
@@ -378,8 +408,8 @@ def serve_all(pair, cfg, prompts, prompt_ids, writer, records, blocks, engine_co
         writer.write_csv("engine_costs.csv", engine_costs)
     if any(step.method.needs_draft for step in cfg.served_plan) and "draft" not in timed:
         yield Step("starting vLLM: the draft model alone, for c")
-        with warmed_up(engine_spec(pair, cfg, prompt_ids, None), cfg, ids, sampling) as engine:
-            alone = [served.tpot_ms for served in engine.run(ids, 1, sampling)]
+        with warmed_up(engine_spec(pair, cfg, conversations, None), cfg, first, sampling) as engine:
+            alone = [served.tpot_ms for served in engine.run(first, 1, sampling)]
         engine_costs.append(serving.decode_cost(alone, "draft"))
         writer.write_csv("engine_costs.csv", engine_costs)
 

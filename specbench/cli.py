@@ -31,9 +31,17 @@ from .errors import SpecbenchError
 from .methods import LONG_CONTEXT, METHODS, SERVED
 from .models import read_config
 from .options import Option
-from .plot import plot_concurrency, plot_context, plot_online, plot_phases, plot_run
-from .prompts import BUILT_IN, LONG_DATASETS
-from .report import context_table, levels_table, phase_table, predicted_table, serving_table, summary_table
+from .plot import plot_categories, plot_concurrency, plot_context, plot_online, plot_phases, plot_run
+from .prompts import dataset_sources
+from .report import (
+    category_table,
+    context_table,
+    levels_table,
+    phase_table,
+    predicted_table,
+    serving_table,
+    summary_table,
+)
 from .results import predicted_rows, row_label
 
 
@@ -153,6 +161,8 @@ def _show(events, progress: Progress) -> None:
         console.print(phase_table(results.summary))
     if (levels := levels_table(results.summary)) is not None:
         console.print(levels)
+    if results.categories:
+        console.print(category_table(results.categories))
     if results.predicted:
         console.print(predicted_table(results.predicted))
     for method, picks in results.best_ks.items():
@@ -377,12 +387,8 @@ def list_(
         console.print("or a hub id, a local checkpoint directory, or a .gguf file")
     if what in ("datasets", "all"):
         table = Table("dataset", "source", title="datasets (--dataset)")
-        for name, spec in read_config("datasets.toml").items():
-            if name != "file":
-                table.add_row(name, "on this machine" if name in BUILT_IN else f"hub: {spec['hub']}")
-        for name in LONG_DATASETS:
-            table.add_row(name, "on this machine: the Python standard library, cut to --context-tokens")
-        table.add_row("FILE.jsonl / .csv / .parquet", "a local file; the prompt field is --prompt-field")
+        for name, source in dataset_sources():
+            table.add_row(name, source)
         console.print(table)
 
 
@@ -571,7 +577,13 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written b
     """Redraw a run's figures from its CSVs: time per token by phase; for methods with K speedup vs
     K, acceptance by position and verification cost; with --method online, alpha over the run."""
 
-    for path in (plot_phases(run_dir), plot_run(run_dir), plot_online(run_dir), plot_concurrency(run_dir)):
+    for path in (
+        plot_phases(run_dir),
+        plot_run(run_dir),
+        plot_online(run_dir),
+        plot_concurrency(run_dir),
+        plot_categories(run_dir),
+    ):
         if path is not None:
             console.print(f"wrote {path}")
 

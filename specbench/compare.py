@@ -18,7 +18,6 @@ could not be judged on any row.
 
 import json
 from collections import namedtuple
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -29,9 +28,18 @@ from specbench import schema
 from specbench.errors import SpecbenchError
 from specbench.files import write_text
 from specbench.metrics import paired_change, rate_of_sums
+from specbench.rundir import (
+    DECODER,
+    METRICS,
+    REQUIRED_KEYS,
+    cell_text,
+    has_categories,
+    load_machine,
+    load_records,
+    load_summary,
+    pick_baseline,
+)
 
-# k before method, so that rows are labelled "k=4 method=speculative".
-REQUIRED_KEYS = ["target", "draft", "dataset", "k", "temperature", "top_k", "top_p", "method"]
 OPTIONAL_KEYS = [
     "engine",
     "concurrency",
@@ -42,13 +50,13 @@ OPTIONAL_KEYS = [
     "max_new_tokens",
     "num_prompts",
     "seed",
+    *schema.GROUP_KEYS,  # the per-category rows, when both runs wrote categories.csv
 ]  # keys only when both files have them
 CONTEXT = [
     "device",
     "dtype",
     "compile",
 ]  # not keys, so CI and a laptop still match on alpha; but timings become incomparable
-METRICS = [c.name for c in schema.COLUMNS if c.name in schema.SUMMARY and c.kind != schema.CONFIG and c.better]
 RELATIVE = {c.name for c in schema.COLUMNS if c.kind == schema.TIMING}  # noisy, so judged with a relative tolerance
 PER_PROMPT = schema.RATES  # rates whose change gets a paired-bootstrap interval over the prompts
 # Seconds and tokens/s depend on the machine as much as on the code; ratios within a run do much less.
@@ -88,82 +96,16 @@ Comparison = namedtuple(
 )
 
 
-def _run_dir(path: str | Path) -> Path:
-    """The directory of a run given as its directory or its summary.csv."""
-    given = Path(path)
-    return given if given.is_dir() else given.parent
-
-
-def _read_csv(p: Path, hint: str, **options) -> pd.DataFrame:
-    try:
-        return pd.read_csv(p, **options)
-    except (ValueError, OSError) as exc:  # pandas' parser and empty-file errors are ValueErrors
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        raise SpecbenchError(f"{p} is not a readable CSV ({reason}); {hint}") from None
-
-
-def load_summary(path: str | Path) -> pd.DataFrame:
-    """Read a run directory's summary.csv (or that file itself), checked."""
-    given = Path(path)
-    p = given / "summary.csv" if given.is_dir() else given
-    if not p.is_file():
-        problem = "has no summary.csv" if given.is_dir() else "does not exist"
-        raise SpecbenchError(f"{given} {problem}; pass a run directory containing summary.csv or a summary.csv file")
-    # A hash made only of digits is still a hash.
-    df = _read_csv(p, "pass a summary.csv written by `specbench run`", dtype={"prompts_hash": str})
-    if missing := [c for c in REQUIRED_KEYS if c not in df.columns]:
-        raise SpecbenchError(f"{p} lacks the columns {', '.join(missing)}; pass a summary.csv from `specbench run`")
-    if df.empty:
-        raise SpecbenchError(f"{p} has a header but no rows; re-run the benchmark")
-    for metric in [m for m in METRICS if m in df.columns]:
-        if (numbers := pd.to_numeric(df[metric], errors="coerce")).count() < df[metric].count():
-            raise SpecbenchError(f"column {metric} in {p} holds non-numeric values; fix or regenerate the file")
-        df[metric] = numbers
-    return df
-
-
-def load_records(path: str | Path) -> pd.DataFrame | None:
-    """The records.csv beside a run's summary, checked; None when the run has none."""
-    p = _run_dir(path) / "records.csv"
-    if not p.is_file():
-        return None
-    hint = "regenerate the run, or delete records.csv to compare without confidence intervals"
-    df = _read_csv(p, hint)
-    if missing := [c for c in ["method", "k", "prompt_index", *PER_PROMPT["speedup"]] if c not in df.columns]:
-        raise SpecbenchError(f"{p} lacks the columns {', '.join(missing)}; {hint}")
-    if df.duplicated([c for c in (*DECODER, "prompt_index") if c in df]).any():
-        raise SpecbenchError(f"{p} has more than one row for a prompt and method; {hint}")
-    return df
-
-
-def load_machine(path: str | Path) -> dict | None:
-    """The machine fingerprint in a run's meta.json; None without one (or without meta.json)."""
-    try:
-        return json.loads((_run_dir(path) / "meta.json").read_text(encoding="utf-8")).get("machine")
-    except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object
-        return None
-
-
-def _text(value) -> str:
-    """A key cell as text: 4.0 shows as 4, a blank as nothing."""
-    if value is None or pd.isna(value):
-        return ""
-    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value).strip()
-
-
 def _differing(baseline: pd.DataFrame, current: pd.DataFrame, column: str) -> str | None:
     """ "a vs b" when both files have the column and its values differ; a blank is unknown, not different."""
-    before, after = (", ".join(sorted({_text(v) for v in df.get(column, [])} - {""})) for df in (baseline, current))
+    before, after = (", ".join(sorted({cell_text(v) for v in df.get(column, [])} - {""})) for df in (baseline, current))
     return f"{before} vs {after}" if before and after and before != after else None
-
-
-DECODER = ("method", "k", "tree", "k_policy")  # what a summary row is one of, and its records
 
 
 def _decoder(df: pd.DataFrame, keys: list[str]) -> pd.Series:
     """Each row's method, k, tree and policy as text, of those in ``keys`` (the columns both runs
     have): what ties a summary row to its records."""
-    labels = [" ".join(f"{c}={_text(row[c])}" for c in DECODER if c in keys) for row in df.to_dict("records")]
+    labels = [" ".join(f"{c}={cell_text(row[c])}" for c in DECODER if c in keys) for row in df.to_dict("records")]
     return pd.Series(labels, index=df.index, dtype=object)
 
 
@@ -191,7 +133,7 @@ def _normalised(baseline: pd.DataFrame, current: pd.DataFrame, keys: list[str]) 
         try:
             both[column] = pd.to_numeric(both[column])
         except (ValueError, TypeError):
-            both[column] = both[column].map(_text)
+            both[column] = both[column].map(cell_text)
     try:
         both["k"] = both["k"].astype("Int64")  # blank for methods without K (0 in hand-made files)
     except (ValueError, TypeError):
@@ -321,7 +263,7 @@ def compare_frames(
     base, cur = _normalised(baseline[keys + chosen], current[keys + chosen], keys)
     for df, name in ((base, baseline_name), (cur, current_name)):
         if len(twice := df[df.duplicated(keys)]):
-            shown = ", ".join(f"{c}={_text(twice[c].iloc[0])}" for c in keys)
+            shown = ", ".join(f"{c}={cell_text(twice[c].iloc[0])}" for c in keys)
             raise SpecbenchError(f"{name or 'a summary'} has more than one row for {shown}; keep one per configuration")
     ordered = base.assign(_base_order=range(len(base))), cur.assign(_cur_order=range(len(cur)))
     merged = pd.merge(*ordered, how="outer", on=keys, validate="one_to_one", indicator=True, suffixes=(" base", " cur"))
@@ -363,7 +305,7 @@ def compare_frames(
     rows = [
         RowVerdict(
             {c: r[c] for c in keys},
-            " ".join(f"{c}={_text(r[c])}" for c in shown),
+            " ".join(f"{c}={cell_text(r[c])}" for c in shown),
             r["_status"],
             [_metric_verdict(m, r) for m in chosen],
         )
@@ -547,7 +489,8 @@ def run_compare(
     JSON and Markdown reports where paths are given; return the exit code, 0, 1 or 3 (unusable input:
     SpecbenchError)."""
     baseline, note = pick_baseline(baseline, load_machine(current))
-    frames = load_summary(baseline), load_summary(current)
+    grouped = has_categories(baseline) and has_categories(current)  # per-category rows are judged too
+    frames = load_summary(baseline, grouped), load_summary(current, grouped)
     comparison = compare_frames(
         *frames,
         tolerance,
@@ -555,7 +498,7 @@ def run_compare(
         metrics,
         str(baseline),
         str(current),
-        records=(load_records(baseline), load_records(current)),
+        records=(load_records(baseline, grouped), load_records(current, grouped)),
         machines=(load_machine(baseline), load_machine(current)),
         confidence=confidence,
         allow_unjudged=allow_unjudged,
@@ -569,31 +512,3 @@ def run_compare(
         console.print(note)
     print_comparison(console, comparison)
     return comparison.exit_code
-
-
-def pick_baseline(path: str | Path, machine: dict | None) -> tuple[Path, str]:
-    """``path`` itself when it is a run; in a directory of runs (baselines of several machines) the
-    newest measured on ``machine``, else the newest of all, with a note saying so."""
-    path = Path(path)
-    if path.is_file() or (path / "summary.csv").is_file() or not path.is_dir():
-        return path, ""
-    runs = sorted((d for d in path.iterdir() if (d / "summary.csv").is_file()), key=lambda d: d.name, reverse=True)
-    if not runs:
-        raise SpecbenchError(f"{path} holds no run (no summary.csv in it or its subdirectories): pass a run directory")
-    same = [d for d in runs if machine is not None and load_machine(d) == machine]
-    if same:
-        return same[0], f"baseline: {same[0]} (measured on this machine)"
-    return runs[0], (
-        f"baseline: {runs[0]}; none of {path}'s runs was measured on this machine, so its timings are not judged "
-        f"(`make baseline` records one)"
-    )
-
-
-def same_machine(baseline: str | Path, current: str | Path) -> bool:
-    """Whether the baseline that compare takes for the run ``current`` (pick_baseline) was measured on
-    its machine, so that its timings are judged: `make ci-bench` gates speedup only then."""
-    machine = load_machine(current)
-    try:
-        return machine is not None and load_machine(pick_baseline(baseline, machine)[0]) == machine
-    except SpecbenchError:  # no run there: the compare that follows says so
-        return False

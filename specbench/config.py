@@ -136,6 +136,11 @@ class _Run:
                 "--device-map places a checkpoint's weights as it loads them: with --random-weights use --device",
             ),
             (
+                long and bool(self.categories or self.per_category or self.max_turns or self.dataset_path),
+                f"--dataset {' / '.join(LONG_DATASETS)} is made on this machine, one turn per prompt and no category: "
+                "drop --category, --per-category, --max-turns and --dataset-path",
+            ),
+            (
                 bool(self.context_tokens) != long,
                 f"--dataset {' / '.join(LONG_DATASETS)} takes its prompt length from --context-tokens N, and only it",
             ),
@@ -183,7 +188,8 @@ class _Run:
             if given:
                 raise SpecbenchError(f"{', '.join(given)} set(s) the vLLM engine: add --engine vllm")
             return
-        if max(self.concurrency) > self.num_prompts:
+        prompts = self.num_prompts or (None if self.per_category else 10)  # --per-category: known once read
+        if prompts is not None and max(self.concurrency) > prompts:
             raise SpecbenchError(
                 f"--concurrency {max(self.concurrency)} keeps that many requests in flight and needs as many prompts: "
                 f"raise --num-prompts to {max(self.concurrency)} or more (twice as many measure a steady state)"

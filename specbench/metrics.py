@@ -169,3 +169,10 @@ def wins_from(by_context: Mapping[int, float], threshold: float = 1.0) -> int | 
             break
         shortest = context
     return shortest
+
+
+def length_class(tokens: int, least: int = 128) -> str:
+    """A prompt length's class: the power of two it fits in (at least ``least``), as 128, 256, 512,
+    1k, 2k, ...; prompts of one class compare with SPEED-Bench's configured input lengths."""
+    bound = max(least, 1 << max(tokens - 1, 0).bit_length())
+    return f"{bound // 1024}k" if bound >= 1024 else str(bound)

@@ -167,9 +167,56 @@ RUN: tuple[Option, ...] = (
         check=lambda p: 0 < p <= 1,
         problem="--draft-p-min must be in (0, 1]",
     ),
-    Option("dataset", "humaneval", "humaneval, xsum, pydoc, longcode, or a local .jsonl/.csv/.parquet file."),
-    Option("prompt_field", "prompt", "Field holding the prompt in a local dataset file."),
-    Option("num_prompts", 10, "How many prompts (from the start of the dataset).", low=1),
+    Option(
+        "dataset",
+        "humaneval",
+        "humaneval, xsum, pydoc, longcode; the workloads spec-bench, mt-bench, speed-bench (speed-bench:CONFIG, e.g. "
+        "speed-bench:throughput_2k) and sharegpt; or a local .jsonl/.json/.csv/.parquet file, read by its fields "
+        "(turns, messages, conversations, or --prompt-field). `specbench list datasets` says where each comes from.",
+    ),
+    Option(
+        "dataset_path",
+        None,
+        "The file of a named workload (spec-bench, mt-bench, speed-bench, sharegpt) when it is not in its default "
+        "place, ~/.cache/specbench/datasets/NAME/.",
+    ),
+    Option("prompt_field", "prompt", "Field holding the prompt in a local dataset file of single prompts."),
+    Option(
+        "num_prompts",
+        None,
+        "How many prompts (conversations), from the start of the dataset or of what --category and --per-category "
+        "select [default: 10, or every prompt --per-category draws].",
+        low=1,
+        kind=int,
+    ),
+    Option(
+        "categories",
+        [],
+        "Only prompts of these categories, repeatable or comma-separated (an unknown one lists the dataset's).",
+        flags=("--category",),
+        repeat=names_given,
+    ),
+    Option(
+        "per_category",
+        0,
+        "Draw this many prompts of each category, seeded by --seed, so that a short run covers every category (0: off).",
+        low=0,
+        problem="--per-category must be >= 0 (0 turns it off)",
+    ),
+    Option(
+        "max_turns",
+        0,
+        "Decode at most this many user turns of each conversation (0: all); each turn is a row of its own.",
+        low=0,
+        problem="--max-turns must be >= 0 (0: every turn)",
+    ),
+    Option(
+        "group_by",
+        "category",
+        "What categories.csv, the category table and categories.png group the prompts by: category, sub_category "
+        "or input_length (SPEED-Bench's configured length, else the prompt's length rounded up to a power of two).",
+        choices=("category", "sub_category", "input_length"),
+    ),
     Option("max_new_tokens", 64, "Tokens to generate per prompt (decoding also stops at EOS).", low=1),
     Option(
         "temperature",

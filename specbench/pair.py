@@ -36,7 +36,7 @@ from .models import (
     weight_bytes,
 )
 from .options import DEFAULT_DRAFT, DEFAULT_TARGET
-from .prompts import LONG_DATASETS, Prompt
+from .prompts import LONG_DATASETS, Prompt, Turn, some, turns_of
 from .timing import PhaseClock, TimedLM
 
 log = logging.getLogger("specbench")
@@ -147,11 +147,83 @@ def fast_forward(model: LoadedModel, cfg) -> FastLlama | None:
     return FastLlama(model.model)
 
 
-def encode_prompts(pair: Pair, prompts: list[Prompt], cfg) -> list[torch.Tensor]:
-    """Token ids per prompt, left-truncated so prompt + new tokens + a full draft fit the window.
+@dataclass
+class Conversations:
+    """The run's prompts as the benchmark decodes them: every turn of every conversation (a row
+    each; ``turns[i]`` is prompt_index i), the first turns' token ids, and the token ids of a later
+    turn, rendered after the earlier answers of whichever method decodes it."""
 
-    With random weights the ids are random, as many per prompt as the prompt encodes to (or
-    --prompt-tokens).
+    turns: list[Turn]
+    first: list[torch.Tensor]  # each conversation's first turn (random ids with --random-weights)
+    tokenizer: object | None
+    chat: bool  # rendered with the target's chat template, or as plain text
+    room: int | None  # the most prompt tokens that leave room for --max-new-tokens and a full draft
+    longest: int  # a bound on the prompt tokens of any turn, for an engine's context length
+
+    def ids(self, turn: Turn, answers: list[str]) -> torch.Tensor:
+        """Token ids of ``turn`` after ``answers``, the decoding method's own to the turns before it."""
+        if turn.turn == 1:
+            return self.first[turn.conversation]
+        ids = encode_turn(self.tokenizer, turn.prompt, answers, self.chat)
+        if self.room is not None and len(ids) > self.room:
+            raise SpecbenchError(
+                f"turn {turn.turn} of prompt {turn.prompt.id} is {len(ids)} tokens after the answers before it, over the "
+                f"{self.room} the context window leaves: lower --max-new-tokens or --max-turns"
+            )
+        return ids.to(self.first[turn.conversation].device)
+
+    def answer(self, tokens: list[int]) -> str:
+        """A decoded answer as the next turn's conversation holds it (its text without special tokens)."""
+        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+    @property
+    def hash(self) -> str:
+        """A short hash of what the prompts encode to: two runs are comparable only when it is equal.
+        (The first turns' ids, then each later user turn's, encoded alone.)"""
+        later = [
+            self.tokenizer(text, return_tensors="pt").input_ids[0]
+            for turn in self.turns
+            if turn.turn > 1
+            for text in [turn.prompt.turns[turn.turn - 1]]
+        ]
+        return prompts_hash(self.first + later)
+
+
+PLAIN_USER, PLAIN_ASSISTANT = "User:", "Assistant:"  # the rendering without a chat template
+
+
+def encode_turn(tokenizer, prompt: Prompt, answers: list[str], chat: bool) -> torch.Tensor:
+    """Token ids of turn len(answers) + 1 of ``prompt`` after ``answers``: through the chat template,
+    or without one the dataset's raw first prompt where it has one, else the conversation as plain
+    text ("User: ...", blank line, "Assistant: ...", ending with "Assistant:")."""
+    n = len(answers)
+    if chat:
+        messages = []
+        for user, answer in zip(prompt.turns, answers, strict=False):
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        messages.append({"role": "user", "content": prompt.turns[n]})
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    if n == 0 and prompt.text is not None:
+        return tokenizer(prompt.text, return_tensors="pt").input_ids[0]
+    exchanges = [
+        f"{PLAIN_USER} {user}\n\n{PLAIN_ASSISTANT} {answer}\n\n"
+        for user, answer in zip(prompt.turns, answers, strict=False)
+    ]
+    text = "".join(exchanges) + f"{PLAIN_USER} {prompt.turns[n]}\n\n{PLAIN_ASSISTANT}"
+    return tokenizer(text, return_tensors="pt").input_ids[0]
+
+
+def encode_prompts(pair: Pair, prompts: list[Prompt], cfg) -> Conversations:
+    """The run's conversations: each first turn encoded, and the turns that fit the context window.
+
+    A rendered prompt whose first turn leaves no room for --max-new-tokens and a full draft is left out
+    (a raw one is cut from the left), and
+    a conversation ends before a turn that could outgrow the window (its user turns plus
+    --max-new-tokens for each answer before it), each counted in one line; a run left with nothing
+    is an error. With random weights the ids are random, as many per prompt as its first turn
+    encodes to (or --prompt-tokens), and only first turns are decoded (later ones would continue
+    random text).
     """
     models = [pair.target] + ([pair.draft] if pair.draft else [])
     windows = [m.context_window for m in models if m.context_window]
@@ -161,15 +233,88 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], cfg) -> list[torch.Tensor]
             f"--max-new-tokens {cfg.max_new_tokens} plus K does not fit the context window of {min(windows)} tokens: "
             "lower --max-new-tokens"
         )
-    if not cfg.random_weights:
-        return _encoded(pair.target.tokenizer, prompts, cfg, room, pair.device)
-    if cfg.prompt_tokens:
-        lengths = [min(cfg.prompt_tokens, room or cfg.prompt_tokens)] * len(prompts)
+    long = cfg.dataset in LONG_DATASETS
+    if long and room is not None and cfg.context_tokens > room:
+        raise SpecbenchError(
+            f"--context-tokens {cfg.context_tokens} with --max-new-tokens {cfg.max_new_tokens} and K does not fit the "
+            f"context window of the models ({room} tokens of prompt fit): lower --context-tokens"
+        )
+    if cfg.random_weights and cfg.prompt_tokens:  # random prompts of one length: no tokenizer needed
+        length = min(cfg.prompt_tokens, room or cfg.prompt_tokens)
+        tokenizer, chat, first = None, False, [torch.zeros(length, dtype=torch.long)] * len(prompts)
     else:
-        lengths = [len(ids) for ids in _encoded(length_tokenizer(pair.target), prompts, cfg, room, pair.device)]
-    generator = torch.Generator().manual_seed(cfg.seed)
-    width = shared_width(pair.target, pair.draft) if pair.draft else pair.target.width
-    return [torch.randint(width, (n,), generator=generator).to(pair.device) for n in lengths]
+        tokenizer = length_tokenizer(pair.target) if cfg.random_weights else pair.target.tokenizer
+        chat = uses_chat(tokenizer, cfg)
+        first = [_first_ids(tokenizer, prompt, cfg, chat, room) for prompt in prompts]
+    fits = [room is None or len(ids) <= room for ids in first]
+    if not any(fits):
+        raise SpecbenchError(
+            f"every prompt is longer than the {room} tokens the context window leaves beside --max-new-tokens "
+            f"{cfg.max_new_tokens} and K: lower --max-new-tokens"
+        )
+    if not all(fits):
+        too_long = [p.id for p, fit in zip(prompts, fits, strict=True) if not fit]
+        log.warning(
+            "%d prompt(s) longer than the %d tokens the context window leaves are left out: %s",
+            len(too_long),
+            room,
+            some(too_long),
+        )
+    prompts = [p for p, fit in zip(prompts, fits, strict=True) if fit]
+    first = [ids for ids, fit in zip(first, fits, strict=True) if fit]
+    if cfg.random_weights:
+        prompts = [replace(p, turns=p.turns[:1]) for p in prompts]
+        generator = torch.Generator().manual_seed(cfg.seed)
+        width = shared_width(pair.target, pair.draft) if pair.draft else pair.target.width
+        first = [torch.randint(width, (len(ids),), generator=generator) for ids in first]
+    longest = max(map(len, first))
+    capped = 0
+    for i, prompt in enumerate(prompts):
+        for n in range(2, len(prompt.turns) + 1):
+            # Each earlier answer adds at most --max-new-tokens (its text re-encodes to about as many).
+            bound = len(encode_turn(tokenizer, prompt, [""] * (n - 1), chat)) + (n - 1) * cfg.max_new_tokens
+            if room is not None and bound > room:
+                prompts[i] = replace(prompt, turns=prompt.turns[: n - 1])
+                capped += 1
+                break
+            longest = max(longest, bound)
+    if capped:
+        log.warning(
+            "%d conversation(s) end early: a later turn could outgrow the context window (lower --max-new-tokens "
+            "to keep it)",
+            capped,
+        )
+    return Conversations(
+        turns_of(prompts),
+        [ids.to(pair.device) for ids in first],
+        tokenizer,
+        chat,
+        room,
+        longest,
+    )
+
+
+def uses_chat(tokenizer, cfg) -> bool:
+    """Whether prompts go through the target's chat template (--chat), which --chat on requires."""
+    long = cfg.dataset in LONG_DATASETS  # code to continue as it is
+    chat = cfg.chat == "on" or (cfg.chat == "auto" and tokenizer.chat_template is not None and not long)
+    if chat and tokenizer.chat_template is None:
+        raise SpecbenchError(f"--chat on, but {cfg.target}'s tokenizer has no chat template: use --chat off")
+    return chat
+
+
+def _first_ids(tokenizer, prompt: Prompt, cfg, chat: bool, room: int | None) -> torch.Tensor:
+    """A prompt's first turn. A raw prompt (text to continue) is cut from the left to what fits, as
+    its continuation depends on its end, and a long dataset's to --context-tokens; a rendered
+    conversation is kept whole (cutting it would cut its template)."""
+    ids = encode_turn(tokenizer, prompt, [], chat)
+    if not chat and prompt.text is not None and room is not None:
+        ids = ids[-room:]
+    if cfg.dataset in LONG_DATASETS:
+        ids = ids[-cfg.context_tokens :]
+    if len(ids) == 0:
+        raise SpecbenchError(f"prompt {prompt.id} encodes to no tokens: remove it from the dataset")
+    return ids
 
 
 def model_dir(model: LoadedModel) -> str:
@@ -195,34 +340,6 @@ def length_tokenizer(target: LoadedModel):
             log.info("prompt lengths measured with %s's tokenizer (%s has none here)", DEFAULT_TARGET, target.name)
         return tokenizer
     raise SpecbenchError(f"no tokenizer to measure prompt lengths for {target.name}: pass --prompt-tokens N")
-
-
-def _encoded(tokenizer, prompts: list[Prompt], cfg, room: int | None, device) -> list[torch.Tensor]:
-    long = cfg.dataset in LONG_DATASETS  # code to continue as it is, cut to --context-tokens
-    if long and room is not None and cfg.context_tokens > room:
-        raise SpecbenchError(
-            f"--context-tokens {cfg.context_tokens} with --max-new-tokens {cfg.max_new_tokens} and K does not fit the "
-            f"context window of the models ({room} tokens of prompt fit): lower --context-tokens"
-        )
-    chat = cfg.chat == "on" or (cfg.chat == "auto" and tokenizer.chat_template is not None and not long)
-    if chat and tokenizer.chat_template is None:
-        raise SpecbenchError(f"--chat on, but {cfg.target}'s tokenizer has no chat template: use --chat off")
-    encoded = []
-    for prompt in prompts:
-        if chat:
-            messages = [{"role": "user", "content": prompt.instruction}]
-            text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
-        else:
-            ids = tokenizer(prompt.text, return_tensors="pt").input_ids[0]
-        if room is not None:
-            ids = ids[-room:]
-        if long:
-            ids = ids[-cfg.context_tokens :]
-        if len(ids) == 0:
-            raise SpecbenchError(f"prompt {prompt.id} encodes to no tokens: remove it from the dataset")
-        encoded.append(ids.to(device))
-    return encoded
 
 
 def prompts_hash(prompt_ids: list[torch.Tensor]) -> str:

@@ -8,7 +8,9 @@ from pathlib import Path
 
 from . import schema
 from .errors import SpecbenchError
+from .methods import BASELINE, SERVED_BASELINE
 from .options import FIXED
+from .results import decoder_label
 
 
 def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
@@ -318,3 +320,51 @@ def plot_context(sweep_dir: Path, name: str = "context.png") -> Path | None:
         ax.minorticks_off()
         ax.legend(fontsize="small")
     return _saved(fig, sweep_dir / name)
+
+
+def plot_categories(run_dir: Path, name: str = "categories.png") -> Path | None:
+    """A heat map of speedup over the baseline, a row per decoder and a column per category (or
+    whatever --group-by grouped), each cell labelled with its speedup and tau. None without
+    categories.csv."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+    import pandas as pd
+    from matplotlib.colors import TwoSlopeNorm
+
+    if not (run_dir / "categories.csv").is_file():
+        return None
+    try:
+        rows = pd.read_csv(run_dir / "categories.csv", dtype={"category": str, "tree": str, "k_policy": str})
+    except (OSError, ValueError) as e:
+        raise SpecbenchError(f"cannot read {run_dir}/categories.csv ({str(e).splitlines()[0]})") from None
+    rows = rows[~rows["method"].isin([BASELINE.name, SERVED_BASELINE.name])].fillna({"tree": "", "k_policy": ""})
+    if rows.empty:
+        return None
+    labels = [decoder_label(row) for row in rows.to_dict("records")]
+    rows = rows.assign(label=labels)
+    order, categories = list(dict.fromkeys(labels)), list(dict.fromkeys(rows["category"]))
+    speedup = rows.pivot(index="label", columns="category", values="speedup").reindex(index=order, columns=categories)
+    tau = rows.pivot(index="label", columns="category", values="tau").reindex(index=order, columns=categories)
+    values = speedup.to_numpy(float)
+    spread = max(float(np.nanmax(np.abs(values - 1.0))), 0.05)
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.05 * len(categories) + 3), max(2.5, 0.6 * len(order) + 1.8)))
+    image = ax.imshow(values, cmap="RdYlGn", norm=TwoSlopeNorm(1.0, 1.0 - spread, 1.0 + spread), aspect="auto")
+    for (i, j), value in np.ndenumerate(values):
+        if not np.isnan(value):
+            t = tau.iat[i, j]
+            ax.text(
+                j, i, f"{value:.2f}x" + ("" if pd.isna(t) else f"\nτ {t:.2f}"), ha="center", va="center", fontsize=8
+            )
+    ax.set_xticks(range(len(categories)), labels=categories, rotation=40, ha="right")
+    ax.set_yticks(range(len(order)), labels=order)
+    first = rows.iloc[0]
+    ax.set_title(
+        f"speedup by {first['group_by'].replace('_', ' ')} (τ: tokens per target forward)\n"
+        f"{Path(str(first['target'])).name} on {Path(str(first['dataset'])).name}, T={first['temperature']}",
+        fontsize=10,
+    )
+    fig.colorbar(image, ax=ax, label="speedup over the baseline")
+    return _saved(fig, run_dir / name)

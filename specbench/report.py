@@ -8,8 +8,8 @@ from rich.table import Table
 
 from . import schema
 from .context import CONTENDERS
-from .methods import METHODS
-from .results import missing, row_label
+from .methods import BASELINE, METHODS, SERVED_BASELINE
+from .results import decoder_label, missing, row_label
 
 
 def summary_table(rows: list[dict], title: str) -> Table:
@@ -233,4 +233,29 @@ def predicted_table(rows: list[dict]) -> Table:
             for k in ks
         ]
         table.add_row(f"{alpha:g}", *cells)
+    return table
+
+
+def category_table(rows: list[dict]) -> Table:
+    """categories.csv on screen: a row per decoder (the baselines left out), a column per category,
+    each cell the speedup over the baseline on that category's prompts and tau."""
+    group_by = rows[0]["group_by"]
+    categories = list(dict.fromkeys(row["category"] for row in rows))
+    table = Table(
+        "method",
+        *categories,
+        title=f"by {group_by.replace('_', ' ')}: speedup over the baseline, and tau",
+        caption="tau: tokens per target forward; categories.csv has every column (alpha, acceptance, c, ...) and "
+        "categories.png draws this table",
+    )
+    for column in table.columns[1:]:
+        column.justify = "right"
+    cells: dict[str, dict[str, str]] = {}
+    for row in rows:
+        if row["method"] not in (BASELINE.name, SERVED_BASELINE.name):
+            cells.setdefault(decoder_label(row), {})[row["category"]] = (
+                f"{row['speedup']:.2f}x {schema.fmt('tau', row['tau'])}"
+            )
+    for label, by_category in cells.items():
+        table.add_row(label, *(by_category.get(category, "-") for category in categories))
     return table

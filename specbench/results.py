@@ -7,11 +7,8 @@ holds the summary with its intervals for scripts.
 
 from __future__ import annotations
 
-import csv
-import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,18 +16,14 @@ import torch
 from . import metrics, schema
 from .costs import ForwardCosts
 from .engine import DecodeResult
-from .errors import SpecbenchError
-from .files import replacing
 from .method import Decoder
 from .methods import BASELINE
 from .online import Learned
 from .options import FIXED
-from .prompts import Prompt
+from .prompts import Turn
 from .timing import Phases
 
-RECORDS, OUTPUTS = "records.csv", "outputs.jsonl"
 OWN_ENGINES = ("torch", "hf")  # the engines of specbench's process: its loop, and transformers' generate
-BLOCK = ("engine", "concurrency", "method", "k", "tree", "k_policy")  # what a summary row is one of
 # What random weights make meaningless: how often random models agree, and what follows from it.
 WEIGHT_DEPENDENT = ("alpha", "acceptance_rate", "tau", "predicted_speedup", "predicted_speedup_verify")
 
@@ -59,7 +52,7 @@ TOTALS = list(_totals(Measurement(DecodeResult([]), 0.0, Phases())))
 
 
 def record(
-    prompt: Prompt,
+    turn: Turn,
     index: int,
     ids: torch.Tensor,
     baseline: Measurement,
@@ -67,7 +60,7 @@ def record(
     measured: Measurement,
     learned: Learned | None = None,
 ) -> dict:
-    """The per-prompt, per-decoder row of records.csv (the baseline has its own row, too);
+    """The per-turn, per-decoder row of records.csv (the baseline has its own row, too);
     ``learned`` is what a method that learns did after the prompt."""
     b, s = baseline.result, measured.result
     method, k = decoder.method, decoder.k
@@ -81,9 +74,7 @@ def record(
         "k": k,
         "tree": decoder.shape,
         "k_policy": decoder.policy,
-        "prompt_id": prompt.id,
-        "prompt_index": index,
-        "prompt_tokens": len(ids),
+        **prompt_columns(turn, index, len(ids)),
         "baseline_tokens": len(b.tokens),
         "baseline_s": baseline.seconds,
         "baseline_tokens_per_s": base_rate,
@@ -116,6 +107,32 @@ def record(
         "draft_hist": _hist(s.draft_counts),
         "rank_hist": " ".join(map(str, s.rank_counts)) if method.drafts and not method.chains else "",
     }
+
+
+def prompt_columns(turn: Turn, index: int, prompt_tokens: int) -> dict:
+    """The columns of a row that say which prompt and turn it decoded, of any engine."""
+    return {
+        "prompt_id": turn.prompt.id,
+        "prompt_index": index,
+        "turn": turn.turn,
+        "category": turn.prompt.category,
+        "sub_category": turn.prompt.sub_category,
+        "input_length": turn.prompt.input_length or metrics.length_class(prompt_tokens),
+        "prompt_tokens": prompt_tokens,
+    }
+
+
+def by_group(records: list[dict], column: str, summarize) -> list[dict]:
+    """categories.csv: ``summarize``'s rows over the records of each value of ``column`` (category,
+    sub_category or input_length), in the order they first appear, each with ``group_by`` and its
+    value as ``category``; none when no record has a value there."""
+    rows = []
+    for value in dict.fromkeys(r[column] for r in records if r[column]):
+        rows += [
+            {"group_by": column, "category": value, **row}
+            for row in summarize([r for r in records if r[column] == value])
+        ]
+    return rows
 
 
 def _hist(counts: list[int], least: int = 0) -> str:
@@ -247,12 +264,12 @@ def acceptance_rows(records: list[dict]) -> list[dict]:
     depths: dict[tuple, list[int]] = {}
     ranks: dict[tuple, list[int]] = {}
     for r in records:
-        key = tuple(r[name] for name in BLOCK)
+        key = tuple(r[name] for name in schema.BLOCK)
         _add(depths, key, r["accept_hist"])
         _add(ranks, key, r["rank_hist"])
     rows = []
     for key, hist in sorted(depths.items(), key=str):
-        row = {**dict(zip(BLOCK, key, strict=True)), "verify_steps": sum(hist)}
+        row = {**dict(zip(schema.BLOCK, key, strict=True)), "verify_steps": sum(hist)}
         for i, rate in enumerate(metrics.acceptance_by_position(hist) if hist else []):
             rows.append({**row, "by": "depth", "position": i + 1, "acceptance": rate})
         for i, count in enumerate(ranks[key]):
@@ -365,188 +382,44 @@ def missing(value) -> bool:
 
 def row_label(row: dict) -> str:
     label = row["method"] if missing(row["k"]) else f"{row['method']} K={int(row['k'])}"
+    if isinstance(tree := row.get("tree"), str) and tree:
+        label = f"{row['method']} tree={tree}"
     policy = row.get("k_policy")
     return f"{label} {policy}" if isinstance(policy, str) and policy not in ("", FIXED) else label
 
 
-def _parse(name: str, text: str):
-    """A records.csv cell back to the value written (schema formats: d = integer, empty = text)."""
-    spec = schema.BY_NAME[name].fmt
-    if text in ("True", "False"):
-        return text == "True"
-    if spec == "":
-        return text
-    if text == "":
-        return None if name == "k" else float("nan")
-    value = float(text)
-    return int(value) if spec == "d" and not math.isnan(value) else value  # a count a method does not have is NaN
+def decoder_label(row: dict) -> str:
+    """A summary row's decoder in one label: the engine when not specbench's own, the method with
+    its K, tree and policy, and the requests in flight when more than one."""
+    label = row_label(row)
+    if row.get("engine") not in (None, *OWN_ENGINES):
+        label = f"{row['engine']} {label}"
+    return f"{label} x{int(row['concurrency'])}" if (row.get("concurrency") or 1) > 1 else label
 
 
-def kept(row: dict, done: set[int], blocks: set[tuple]) -> bool:
-    """Whether a resumed run keeps a record or an outputs.jsonl line (older lines lack the engine)."""
-    if row.get("engine", "torch") in OWN_ENGINES:
-        return row["prompt_index"] in done
-    return (row["method"], row["k"], row["concurrency"]) in blocks
+def results_document(
+    meta: dict,
+    summary: list[dict],
+    records: list[dict],
+    categories: list[dict] = (),
+    group_by: str = "category",
+    confidence: float = 0.95,
+) -> dict:
+    """results.json: the run's configuration, machine and versions (meta.json's), its summary rows
+    and its per-category rows (categories.csv's), each rate with a bootstrap interval over the
+    prompts (``<metric>_ci``: [low, high])."""
 
-
-def _read_csv(path: Path) -> list[dict]:
-    with open(path, newline="", encoding="utf-8") as f:
-        return list(csv.DictReader(f))
-
-
-@dataclass
-class PreviousRun:
-    """What an interrupted run left in its directory."""
-
-    records: list[dict]
-    costs: list[dict]  # verify_cost.csv rows (empty if it never got that far)
-    prompts_hash: str | None
-    engine_costs: list[dict]  # engine_costs.csv rows (vLLM's one-token decode times)
-
-    def complete_prompts(self, steps: int) -> set[int]:
-        """Prompts with a record for every decoder of specbench's loop's plan."""
-        counts: dict[int, int] = {}
-        for r in self.records:
-            if r["engine"] in OWN_ENGINES:
-                counts[r["prompt_index"]] = counts.get(r["prompt_index"], 0) + 1
-        return {index for index, n in counts.items() if n == steps}
-
-    def complete_blocks(self, prompts: int) -> set[tuple]:
-        """The (method, K, concurrency) of vLLM blocks that finished every prompt."""
-        counts: dict[tuple, int] = {}
-        for r in self.records:
-            if r["engine"] not in OWN_ENGINES:
-                key = (r["method"], r["k"], r["concurrency"])
-                counts[key] = counts.get(key, 0) + 1
-        return {key for key, n in counts.items() if n == prompts}
-
-    def kept(self, done: set[int], blocks: set[tuple]) -> list[dict]:
-        """The records a resumed run keeps: its loop's complete prompts, vLLM's complete blocks."""
-        return [r for r in self.records if kept(r, done, blocks)]
-
-
-class RunWriter:
-    def __init__(self, out: Path):
-        self.out = out
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            probe = out / ".specbench-write-check"
-            probe.write_text("")
-            probe.unlink()
-        except OSError as e:
-            raise SpecbenchError(f"cannot write results to {out} ({e.strerror or e}): choose another --out") from None
-        self._files: dict[str, object] = {}
-        self._records: csv.DictWriter | None = None
-
-    def previous_run(self, config: dict) -> PreviousRun:
-        """The state of an interrupted run in this directory, which must have the same configuration."""
-        meta_path = self.out / "meta.json"
-        if not meta_path.is_file():
-            raise SpecbenchError(f"--resume: {self.out} holds no run to resume (no meta.json): drop --resume")
-        meta = json.loads(meta_path.read_text(encoding="utf-8"))
-        config = json.loads(json.dumps(config))  # tuples and lists compare alike after a round trip
-        changed = [
-            key
-            for key in sorted(set(config) | set(meta.get("config", {})))
-            if config.get(key) != meta["config"].get(key)
-        ]
-        if changed:
-            was = ", ".join(f"{key} {meta['config'].get(key)!r} -> {config.get(key)!r}" for key in changed)
-            raise SpecbenchError(
-                f"--resume: the run in {self.out} has another configuration ({was}): use the same options or another --out"
-            )
-        records = (
-            [{k: _parse(k, v) for k, v in row.items()} for row in _read_csv(self.out / RECORDS)]
-            if (self.out / RECORDS).is_file()
-            else []
-        )
-        costs = _read_csv(self.out / "verify_cost.csv") if (self.out / "verify_cost.csv").is_file() else []
-        engine_costs = _read_csv(self.out / "engine_costs.csv") if (self.out / "engine_costs.csv").is_file() else []
-        return PreviousRun(records, costs, meta.get("resolved", {}).get("prompts_hash"), engine_costs)
-
-    def start_records(self, previous: PreviousRun | None, done: set[int], blocks: set[tuple]) -> list[dict]:
-        """Begin records.csv and outputs.jsonl with the rows and outputs a resumed run keeps (the
-        prompts in ``done``, vLLM's ``blocks``; nothing for a fresh run) and open both for appending.
-        Returns the kept records."""
-        outputs, kept_rows = [], previous.kept(done, blocks) if previous else []
-        if kept_rows and (self.out / OUTPUTS).is_file():
-            lines = (self.out / OUTPUTS).read_text(encoding="utf-8").splitlines()
-            outputs = [line for line in lines if kept(json.loads(line), done, blocks)]
-        with replacing(self.out / OUTPUTS) as tmp:
-            tmp.write_text("".join(line + "\n" for line in outputs), encoding="utf-8")
-        with replacing(self.out / RECORDS) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=schema.RECORDS)
-            writer.writeheader()
-            writer.writerows(kept_rows)
-        self._files[OUTPUTS] = open(self.out / OUTPUTS, "a", encoding="utf-8")
-        self._files[RECORDS] = open(self.out / RECORDS, "a", newline="", encoding="utf-8")
-        self._records = csv.DictWriter(self._files[RECORDS], fieldnames=schema.RECORDS)
-        return list(kept_rows)
-
-    def append_record(self, row: dict) -> None:
-        self._records.writerow(row)
-        self._files[RECORDS].flush()
-
-    def output(
-        self,
-        prompt_id: str,
-        prompt_index: int,
-        k: int | None,
-        method: str,
-        token_ids: list[int],
-        text: str,
-        tree: str = "",
-        engine: str = "torch",
-        concurrency: int = 1,
-        k_policy: str = "",
-    ) -> None:
-        obj = {
-            "prompt_id": prompt_id,
-            "prompt_index": prompt_index,
-            "engine": engine,
-            "concurrency": concurrency,
-            "k": k,
-            "tree": tree,
-            "k_policy": k_policy,
-            "method": method,
-            "token_ids": token_ids,
-            "text": text,
-        }
-        self._files[OUTPUTS].write(json.dumps(obj) + "\n")
-        self._files[OUTPUTS].flush()
-
-    def write_csv(self, name: str, rows: list[dict]) -> None:
-        """Replace ``name`` with ``rows`` (for files rewritten whole, like summary.csv)."""
-        if not rows:
-            return
-        with replacing(self.out / name) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
-            writer = csv.DictWriter(f, fieldnames=schema.FILES[name])
-            writer.writeheader()
-            writer.writerows(rows)
-
-    def write_json(self, name: str, obj: dict) -> None:
-        with replacing(self.out / name) as tmp:
-            tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n", encoding="utf-8")
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files.clear()
-
-
-def results_document(meta: dict, summary: list[dict], records: list[dict], confidence: float = 0.95) -> dict:
-    """results.json: the run's configuration, machine and versions (meta.json's) and its summary
-    rows, each rate with a bootstrap interval over the prompts (``<metric>_ci``: [low, high])."""
-    rows = []
-    for row in summary:
-        same = [r for r in records if all(r[key] == row[key] for key in BLOCK)]
+    def with_intervals(row: dict, rows: list[dict]) -> dict:
+        same = [r for r in rows if all(r[key] == row[key] for key in schema.BLOCK)]
         intervals = {}
         if len(same) > 1:
             for metric, parts in schema.RATES.items():
                 intervals[f"{metric}_ci"] = list(
                     metrics.rate_interval(np.array([[r[c] for c in parts] for r in same]), confidence)
                 )
-        rows.append({**{name: _json_value(v) for name, v in row.items()}, **intervals})
+        return {**{name: _json_value(v) for name, v in row.items()}, **intervals}
+
+    grouped = [with_intervals(row, [r for r in records if r[group_by] == row["category"]]) for row in categories]
     return {
         "format": schema.RESULTS_FORMAT,
         "specbench": meta["specbench"],
@@ -555,7 +428,8 @@ def results_document(meta: dict, summary: list[dict], records: list[dict], confi
         "config": meta["config"],
         "resolved": meta["resolved"],
         "confidence": confidence,
-        "summary": rows,
+        "summary": [with_intervals(row, records) for row in summary],
+        "categories": grouped,
     }
 
 

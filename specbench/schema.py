@@ -31,6 +31,10 @@ class Column:
     plain: str = ""  # a value that says nothing: the summary table hides a column of nothing else
 
 
+INPUT_LENGTH = (
+    "the prompt's length class: the length SPEED-Bench built it to (throughput configs: 1k ... 32k), else "
+    "prompt_tokens rounded up to a power of two (128, 256, 512, 1k, ...)"
+)
 COLUMNS: tuple[Column, ...] = (
     Column("target", CONFIG, None, "", "target model as given (alias, hub id, directory or .gguf)", files="summary"),
     Column("draft", CONFIG, None, "", "draft model as given", files="summary"),
@@ -108,7 +112,11 @@ COLUMNS: tuple[Column, ...] = (
     Column("max_new_tokens", CONFIG, None, "", "generation limit per prompt", files="summary"),
     Column("num_prompts", CONFIG, None, "", "prompts in the row", files="summary"),
     Column("prompt_id", CONFIG, None, "", "the prompt's id in its dataset", files="records"),
-    Column("prompt_index", CONFIG, None, "d", "the prompt's position in the run", files="records"),
+    Column("prompt_index", CONFIG, None, "d", "the row's position in the run (each turn is a row)", files="records"),
+    Column("turn", CONFIG, None, "d", "which user turn of its conversation the row decoded (from 1)", files="records"),
+    Column("category", CONFIG, None, "", "the prompt's category in its dataset (empty: none)", files="records"),
+    Column("sub_category", CONFIG, None, "", "its sub-category, where the dataset has one", files="records"),
+    Column("input_length", CONFIG, None, "", INPUT_LENGTH, files="records"),
     Column("prompt_tokens", DETERMINISTIC, None, "d", "prompt length in tokens", files="records"),
     Column("new_tokens", DETERMINISTIC, None, "d", "tokens the method generated"),
     Column("baseline_tokens", DETERMINISTIC, None, "d", "tokens the baseline generated", files="records"),
@@ -521,18 +529,8 @@ PHASES = ("prefill_s", "draft_s", "inner_s", "verify_s", "other_s")
 
 # The columns of the other files a run writes (outputs.jsonl: the keys of each line).
 VERIFY_COST = ("model", "tokens", "context_tokens", "seconds", "iqr_s", "ratio", "ratio_iqr", "repeats")
-ACCEPTANCE = (
-    "engine",
-    "concurrency",
-    "method",
-    "k",
-    "tree",
-    "k_policy",
-    "by",
-    "position",
-    "acceptance",
-    "verify_steps",
-)
+BLOCK = ("engine", "concurrency", "method", "k", "tree", "k_policy")  # what a summary row is one of
+ACCEPTANCE = (*BLOCK, "by", "position", "acceptance", "verify_steps")
 PREDICTED = ("alpha", "k", "c", "verify_ratio", "predicted_speedup", "predicted_speedup_verify")
 ONLINE = (
     "method",
@@ -546,7 +544,7 @@ ONLINE = (
     "updates",
     "train_s",
 )
-OUTPUTS = ("prompt_id", "prompt_index", "engine", "concurrency", "k", "tree", "k_policy", "method", "token_ids", "text")
+OUTPUTS = ("prompt_id", "prompt_index", "turn", *BLOCK, "token_ids", "text")
 # specbench's loop: how many verification rounds drafted each number of tokens, per method, K, tree and policy.
 DRAFT_LENGTHS = ("method", "k", "tree", "k_policy", "drafted", "rounds")
 # vLLM's one-token decode time per model, each alone in the engine at one request: its c.
@@ -570,8 +568,13 @@ CONTEXT = (
     "outputs_match",
     "vs_speculative",
 )
+# categories.csv: summary.csv's columns over the prompts of one category (or sub-category or input
+# length: group_by says which), whose value is in ``category``.
+GROUP_KEYS = ("group_by", "category")
+CATEGORIES = (*GROUP_KEYS, *SUMMARY)
 FILES = {
     "summary.csv": tuple(SUMMARY),
+    "categories.csv": CATEGORIES,
     "records.csv": tuple(RECORDS),
     "verify_cost.csv": VERIFY_COST,
     "acceptance.csv": ACCEPTANCE,
@@ -582,7 +585,7 @@ FILES = {
     "context.csv": CONTEXT,
     "engine_costs.csv": ENGINE_COSTS,
 }
-RESULTS_FORMAT = 1  # results.json's "format": raised when its structure changes
+RESULTS_FORMAT = 2  # results.json's "format": raised when its structure changes
 
 
 def fmt(name: str, value) -> str:

@@ -14,8 +14,8 @@ import math
 from . import metrics, schema
 from .method import Decoder
 from .methods import BASELINE, SERVED_BASELINE
-from .prompts import Prompt
-from .results import OWN_ENGINES
+from .prompts import Turn
+from .results import OWN_ENGINES, prompt_columns
 from .vllm_engine import Served
 
 ENGINE = "vllm"
@@ -47,7 +47,7 @@ def counts(histogram: list[int] | None, drafted: int, tokens: int, rejected: int
 
 
 def record(
-    prompt: Prompt, index: int, ids: list[int], decoder: Decoder, concurrency: int, served: Served, base: Served
+    turn: Turn, index: int, ids: list[int], decoder: Decoder, concurrency: int, served: Served, base: Served
 ) -> dict:
     """The records.csv row of one request, against vLLM's baseline on the same prompt and concurrency."""
     tokens, seconds = len(served.tokens), served.end - served.start
@@ -64,9 +64,7 @@ def record(
             "k": decoder.k,
             "tree": "",
             "k_policy": decoder.policy,
-            "prompt_id": prompt.id,
-            "prompt_index": index,
-            "prompt_tokens": len(ids),
+            **prompt_columns(turn, index, len(ids)),
             "new_tokens": tokens,
             "baseline_tokens": base_tokens,
             "baseline_s": base_s,

@@ -10,17 +10,9 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from specbench.cli import app
-from specbench.compare import (
-    compare_frames,
-    load_records,
-    load_summary,
-    run_compare,
-    same_machine,
-    to_json,
-    to_markdown,
-    verdict_line,
-)
+from specbench.compare import compare_frames, run_compare, to_json, to_markdown, verdict_line
 from specbench.errors import SpecbenchError
+from specbench.rundir import load_records, load_summary, same_machine
 from tests.helpers import noisy_prompts
 
 MACHINE = {"cpu": "Some CPU", "cores": 2, "torch_threads": 2, "gpu": None, "torch": "2.5", "transformers": "4.50"}
@@ -382,9 +374,12 @@ def test_non_integer_k_raises():
 def test_every_configuration_column_has_a_role():
     # A new configuration column in the schema must be a key, a context note or the prompt check.
     from specbench import schema
-    from specbench.compare import CONTEXT, OPTIONAL_KEYS, REQUIRED_KEYS
+    from specbench.compare import CONTEXT, OPTIONAL_KEYS
+    from specbench.rundir import REQUIRED_KEYS
 
-    assert sorted(schema.KEYS) == sorted(REQUIRED_KEYS + OPTIONAL_KEYS + CONTEXT + ["prompts_hash"])
+    assert sorted([*schema.KEYS, *schema.GROUP_KEYS]) == sorted(
+        REQUIRED_KEYS + OPTIONAL_KEYS + CONTEXT + ["prompts_hash"]
+    )
 
 
 def test_duplicate_configuration_rows_raise():

@@ -14,7 +14,7 @@ from specbench.config import BenchConfig
 from specbench.errors import SpecbenchError
 from specbench.method import Decoder
 from specbench.methods import SERVED, SERVED_BASELINE
-from specbench.prompts import Prompt
+from specbench.prompts import Prompt, Turn
 from specbench.vllm_engine import EngineSpec, Served
 
 
@@ -50,7 +50,7 @@ def _cfg(**given):
 
 def test_records_and_summary_of_requests_in_flight():
     cfg = _cfg(concurrency=[2])
-    prompts = [Prompt("a", "a", "a"), Prompt("b", "b", "b")]
+    prompts = [Turn(Prompt(name, (name,)), i, 1) for i, name in enumerate("ab")]
     base = [Served(0, [5, 6, 7, 8], 0.0, 0.1, 0.4, None), Served(1, [5, 6], 0.0, 0.1, 0.2, None)]
     # The draft's request 1 diverges at token 1; both ran at once from t=0.
     draft = [Served(0, [5, 6, 7, 8], 0.0, 0.05, 0.2, [1, 0, 1], 4), Served(1, [5, 9], 0.0, 0.05, 0.15, [1, 0, 0], 2)]

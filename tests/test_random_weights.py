@@ -12,7 +12,8 @@ from transformers import LlamaConfig
 from specbench import bench, models, results
 from specbench.config import BenchConfig
 from specbench.errors import SpecbenchError
-from specbench.pair import _encoded, length_tokenizer, random_weights_dtype
+from specbench.pair import encode_turn, length_tokenizer, random_weights_dtype, uses_chat
+from specbench.prompts import load_prompts
 
 from .helpers import on_tiny_pair, one_line_error, specbench
 
@@ -103,12 +104,14 @@ def test_random_prompts_take_the_lengths_the_dataset_encodes_to(configs, prompts
     cfg = BenchConfig(
         target=configs[0], draft=configs[1], dataset=prompts_file, random_weights=True, num_prompts=3, ks=[2]
     )
-    pair, prompts, ids = bench.prepare(cfg)
+    pair, conversations = bench.prepare(cfg)
+    ids = conversations.first
     tokenizer = length_tokenizer(pair.target)  # no tokenizer beside the config: the default target's
-    expected = [len(x) for x in _encoded(tokenizer, prompts, cfg, None, CPU)]
+    prompts = load_prompts(prompts_file, 3)
+    expected = [len(encode_turn(tokenizer, p, [], uses_chat(tokenizer, cfg))) for p in prompts]
     assert [len(x) for x in ids] == expected and len(set(expected)) > 1
     assert all(int(x.max()) < pair.target_lm.width for x in ids)
-    again = bench.prepare(cfg)[2]
+    again = bench.prepare(cfg)[1].first
     assert all(torch.equal(a, b) for a, b in zip(ids, again, strict=True))  # reproducible for a seed
 
 
