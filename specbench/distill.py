@@ -18,12 +18,13 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import logging
 import math
 import random
 import sysconfig
 import textwrap
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +34,8 @@ from .files import replacing
 from .models import HEAD_TOKENS, LoadedModel, read_config
 from .prompts import humaneval_records
 from .sources import source_files
+
+log = logging.getLogger("specbench")
 
 SHARD_SEQUENCES = 64
 KINDS = {"draft": "a draft", "eagle": "an EAGLE head"}  # what --kind trains
@@ -83,6 +86,8 @@ class DistillConfig:
             )
         if self.kind not in KINDS:
             raise SpecbenchError(f"--kind {self.kind}: use draft or eagle")
+        if self.top_k < 1:
+            raise SpecbenchError("--top-k must be at least 1: the teacher's probabilities kept per position")
         if self.ttt_steps < 1 or self.head_intermediate < 0:
             raise SpecbenchError("--ttt-steps must be at least 1 and --head-intermediate at least 0")
         existing = self.out / "config.json"
@@ -570,6 +575,14 @@ def recipe(cfg: DistillConfig) -> dict:
 def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Iterator[Progress]:
     """The teacher and generate phases, then ``train`` (a draft's student phase, or distill_eagle's)."""
     cfg.validate()
+    if cfg.top_k > target.width:
+        # A k beyond the vocabulary asks for every probability, and keeping the whole vocabulary gives
+        # exactly that (transformers' top-k sampling clamps k alike); refusing would only make the user
+        # look the size up. The recipe records the k used.
+        log.info(
+            "--top-k %d is more than %s's %d ids: the teacher keeps all of them", cfg.top_k, cfg.target, target.width
+        )
+        cfg = replace(cfg, top_k=target.width)
     cfg.out.mkdir(parents=True, exist_ok=True)
     stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
     yield from teacher_shards(cfg, target, stream, cfg.teacher_tokens, cfg.out / "teacher")

@@ -231,3 +231,18 @@ def test_a_target_without_pad_or_eos_answers_in_padded_batches_as_it_answers_alo
         assert torch.equal(alone["ids"], padded["ids"]) and torch.equal(alone["top_idx"], padded["top_idx"])
         torch.testing.assert_close(alone["top_logp"], padded["top_logp"], atol=2e-3, rtol=0)
     assert target.tokenizer.pad_token is None  # the target's tokenizer is left as it was (a draft is saved with it)
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_all_of_it(tiny_pair, tmp_path, caplog):
+    target = load(tiny_pair[0], CPU, F32)
+    cfg = tiny_config(tmp_path / "head", write_sources(tmp_path), top_k=10 * target.width)
+    with caplog.at_level("INFO", logger="specbench"):
+        for p in distill_eagle(cfg, target):
+            if not p.phase.startswith("teacher"):
+                break  # the teacher's shards are written
+    assert f"--top-k {cfg.top_k} is more than" in caplog.text and f"{target.width} ids" in caplog.text
+    shard = torch.load(cfg.out / "teacher" / "0000.pt")
+    assert shard["top_idx"].shape[-1] == target.width
+    assert torch.equal(shard["top_idx"][0, 0].sort().values, torch.arange(target.width, dtype=torch.int32))
+    with pytest.raises(SpecbenchError, match="--top-k must be at least 1"):
+        next(distill_eagle(dataclasses.replace(cfg, top_k=0), target))
