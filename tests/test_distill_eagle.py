@@ -246,3 +246,15 @@ def test_a_top_k_beyond_the_vocabulary_keeps_all_of_it(tiny_pair, tmp_path, capl
     assert torch.equal(shard["top_idx"][0, 0].sort().values, torch.arange(target.width, dtype=torch.int32))
     with pytest.raises(SpecbenchError, match="--top-k must be at least 1"):
         next(distill_eagle(dataclasses.replace(cfg, top_k=0), target))
+
+
+def test_eagle_needs_a_target_of_three_layers(tiny_pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
+    for layers in (1, 2):
+        shallow = load(str(build_llama(tmp_path / f"t{layers}", tokenizer, layers=layers, hidden=64, seed=0)), CPU, F32)
+        with pytest.raises(SpecbenchError, match=f"at least 3 decoder layers and .* has {layers}: use --kind draft"):
+            next(distill_eagle(tiny_config(tmp_path / "h", tmp_path), shallow))
+    result = specbench("distill", "--kind", "eagle", "--target", str(tmp_path / "t2"), "--out", str(tmp_path / "o"))
+    one_line_error(result, "at least 3 decoder layers", "has 2", "--kind draft")
