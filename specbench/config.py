@@ -116,6 +116,9 @@ class _Run:
             )
         for option in OPTIONS.values():
             option.validate(getattr(self, option.name))
+        for name in self.methods:  # a method's rules that tie its own options to the others
+            if name in METHODS:
+                METHODS[name].check_options(self)
         heads = [name for name in self.methods if (METHODS.get(name) or SERVED[name]).needs_speculator]
         if heads and not self.speculator:  # the target's own head, where models.toml names one
             self.speculator = default_speculator(self.target)
