@@ -15,6 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 from specbench.engine import CascadeDrafter, ModelDrafter, autoregressive_decode, speculative_decode
+from specbench.errors import SpecbenchError
 from specbench.kv import EVICT_SLACK, SINKS, retrieval_positions, window_positions
 from specbench.lm import HFCausalLM, SparseView, WindowLM
 from specbench.sampling import SamplingConfig, warp
@@ -312,6 +313,22 @@ def test_chunked_prefill_equals_one_forward_and_reports_progress(target):
     torch.testing.assert_close(got, want)
     assert chunked.length == whole.length == len(PROMPT)
     assert seen == [(24, 80), (48, 80), (72, 80), (80, 80)]  # the last chunk yields the logits
+
+
+def test_prefill_chunk_0_reads_the_whole_prompt_in_one_forward(target):
+    """--prefill-chunk 0, as its help says: the benchmark sets it on both models, and a prompt of any
+    length is then read in one forward, with no progress reports."""
+    from specbench.config import OPTIONS
+
+    OPTIONS["prefill_chunk"].validate(0)  # accepted; a negative chunk is refused
+    with pytest.raises(SpecbenchError, match="0: the whole prompt in one forward"):
+        OPTIONS["prefill_chunk"].validate(-1)
+    lm, calls, seen = HFCausalLM(target, 3), [], []
+    lm.prefill_chunk, lm.progress = 0, lambda done, total: seen.append((done, total))
+    forward = lm._forward
+    lm._forward = lambda ids, *rest: calls.append(len(ids)) or forward(ids, *rest)
+    assert lm.forward(PROMPT, last=2).shape[0] == 2
+    assert calls == [len(PROMPT)] and seen == [] and lm.length == len(PROMPT)
 
 
 @pytest.mark.slow
