@@ -331,6 +331,18 @@ def test_prefill_chunk_0_reads_the_whole_prompt_in_one_forward(target):
     assert calls == [len(PROMPT)] and seen == [] and lm.length == len(PROMPT)
 
 
+def test_a_longcode_context_too_short_for_a_partial_cache_is_refused_before_any_model_loads(tmp_path):
+    from .helpers import one_line_error, specbench
+
+    missing = str(tmp_path / "no-model")  # never read: the options are refused first
+    for lengths in ("10", "64,10"):  # a sweep runs its shortest length first
+        result = specbench(
+            "run", "--target", missing, "--draft", missing, "--dataset", "longcode", "--context-tokens", lengths,
+            "--out", str(tmp_path / "run"),
+        )  # fmt: skip
+        one_line_error(result, "--context-tokens 10 is too short for --dataset longcode", f"give {2 * SINKS} or more")
+
+
 @pytest.mark.slow
 def test_a_context_sweep_runs_each_length_and_finds_the_crossovers(tiny_pair, tmp_path):
     import json
