@@ -12,6 +12,7 @@ from dataclasses import asdict, field, make_dataclass
 
 from .engine import tree_parents
 from .errors import SpecbenchError
+from .kv import SINKS
 from .method import Decoder
 from .methods import BASELINE, METHOD, METHODS, SERVED, served_names
 from .models import default_speculator
@@ -32,6 +33,11 @@ def declared() -> dict[str, Option]:
 
 
 OPTIONS = declared()
+
+# The shortest --context-tokens of a long dataset. Those datasets measure long prompts, where the
+# methods that draft over part of the cache differ from the others; every such view keeps at least
+# twice the sinks (--kv-budget's minimum), so a shorter prompt would stay whole in each of them.
+MIN_CONTEXT = 2 * SINKS
 
 
 class _Run:
@@ -116,6 +122,9 @@ class _Run:
             )
         for option in OPTIONS.values():
             option.validate(getattr(self, option.name))
+        for name in self.methods:  # a method's rules that tie its own options to the others
+            if name in METHODS:
+                METHODS[name].check_options(self)
         heads = [name for name in self.methods if (METHODS.get(name) or SERVED[name]).needs_speculator]
         if heads and not self.speculator:  # the target's own head, where models.toml names one
             self.speculator = default_speculator(self.target)
@@ -143,6 +152,12 @@ class _Run:
             (
                 bool(self.context_tokens) != long,
                 f"--dataset {' / '.join(LONG_DATASETS)} takes its prompt length from --context-tokens N, and only it",
+            ),
+            (
+                long and 0 < self.context_tokens < MIN_CONTEXT,
+                f"--context-tokens {self.context_tokens} is too short for --dataset {self.dataset}, which measures long "
+                f"prompts: every partial view of the cache keeps at least {MIN_CONTEXT} tokens, so a shorter prompt "
+                f"stays whole in each; give {MIN_CONTEXT} or more, or a dataset of short prompts such as humaneval",
             ),
             (
                 self.random_weights and self.learns,

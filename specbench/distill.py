@@ -18,12 +18,13 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import logging
 import math
 import random
 import sysconfig
 import textwrap
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -33,6 +34,8 @@ from .files import replacing
 from .models import HEAD_TOKENS, LoadedModel, read_config
 from .prompts import humaneval_records
 from .sources import source_files
+
+log = logging.getLogger("specbench")
 
 SHARD_SEQUENCES = 64
 KINDS = {"draft": "a draft", "eagle": "an EAGLE head"}  # what --kind trains
@@ -83,6 +86,8 @@ class DistillConfig:
             )
         if self.kind not in KINDS:
             raise SpecbenchError(f"--kind {self.kind}: use draft or eagle")
+        if self.top_k < 1:
+            raise SpecbenchError("--top-k must be at least 1: the teacher's probabilities kept per position")
         if self.ttt_steps < 1 or self.head_intermediate < 0:
             raise SpecbenchError("--ttt-steps must be at least 1 and --head-intermediate at least 0")
         existing = self.out / "config.json"
@@ -112,7 +117,7 @@ class Progress:
 
 
 def token_stream(tokenizer, files: list[Path], seed: int) -> Iterator[int]:
-    """Token ids of the files in a seeded random order, each file closed by EOS."""
+    """Token ids of the files in a seeded random order, each file closed by EOS (when the tokenizer has one)."""
     order = list(files)
     random.Random(seed).shuffle(order)
     for path in order:
@@ -121,7 +126,8 @@ def token_stream(tokenizer, files: list[Path], seed: int) -> Iterator[int]:
         except (UnicodeDecodeError, OSError):
             continue
         yield from tokenizer(text).input_ids
-        yield tokenizer.eos_token_id
+        if tokenizer.eos_token_id is not None:  # a tokenizer without one runs the files together
+            yield tokenizer.eos_token_id
 
 
 def is_typed(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
@@ -194,17 +200,19 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
     """
     out_dir = cfg.out / "generated"
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = copy.deepcopy(target.tokenizer)  # the draft is saved with the target's own settings
-    if tokenizer.pad_token is None:  # batched generation pads; padding is cut off below
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
+    tokenizer = target.tokenizer
     special = tokenizer.chat_template is None
     texts = chat_prompts(cfg, tokenizer)
+    prompts = tokenizer(texts, add_special_tokens=special).input_ids
     # Prompts of similar length share a batch, so little compute goes on left padding.
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=special).input_ids]
-    order = sorted(range(len(texts)), key=lambda i: (lengths[i], i))
+    order = sorted(range(len(texts)), key=lambda i: (len(prompts[i]), i))
     batches = [order[i : i + cfg.generate_batch] for i in range(0, len(order), cfg.generate_batch)]
-    stop = {tokenizer.eos_token_id, *torch.tensor(target.model.generation_config.eos_token_id or []).view(-1).tolist()}
+    stop = target.stop_ids
+    # Batches are left-padded explicitly: the attention mask keeps the pads out of every forward
+    # (generate derives the positions from it too) and they are cut off below, so any id pads: the
+    # tokenizer's pad token, else its EOS, else 0 (Llama's tokenizers have no pad token, and a
+    # tokenizer may have no EOS either).
+    pad = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     for b, rows in enumerate(batches):
         path = out_dir / f"{b:04d}.pt"
         done = min((b + 1) * cfg.generate_batch, len(texts))
@@ -212,27 +220,28 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
             yield Progress("generate", done, len(texts))
             continue
         sampled = is_sampled(cfg, b)
-        enc = tokenizer([texts[i] for i in rows], return_tensors="pt", padding=True, add_special_tokens=special)
+        ids, mask = left_padded([prompts[i] for i in rows], pad)
         torch.manual_seed(cfg.seed * 100_003 + b)
         with torch.inference_mode():
             out = target.model.generate(
-                **enc.to(target.model.device),
+                input_ids=ids.to(target.model.device),
+                attention_mask=mask.to(target.model.device),
                 max_new_tokens=cfg.generate_new_tokens,
                 do_sample=sampled,
                 temperature=1.0 if sampled else None,
                 top_k=None,
                 top_p=None,
-                pad_token_id=tokenizer.pad_token_id,
+                pad_token_id=pad,
                 output_logits=True,
                 return_dict_in_generate=True,
             )
             top = [step[:, : target.width].float().log_softmax(-1).topk(cfg.top_k, dim=-1) for step in out.logits]
         top_logp = torch.stack([t.values for t in top], 1).half().cpu()
         top_idx = torch.stack([t.indices for t in top], 1).int().cpu()
-        answers = out.sequences[:, enc.input_ids.shape[1] :].cpu()
+        answers = out.sequences[:, ids.shape[1] :].cpu()
         docs = []
-        for r in range(len(rows)):
-            prompt = enc.input_ids[r][enc.attention_mask[r].bool()].cpu()
+        for r, index in enumerate(rows):
+            prompt = torch.tensor(prompts[index])
             ends = [i for i, t in enumerate(answers[r].tolist()) if t in stop]
             n = ends[0] + 1 if ends else answers.shape[1]  # keep the first stop token, drop what follows
             docs.append(
@@ -246,6 +255,14 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
         with replacing(path) as tmp:
             torch.save(docs, tmp)
         yield Progress("generate", done, len(texts))
+
+
+def left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of token ids left-padded with ``pad`` to one length, and the attention mask that hides the pads."""
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+    return ids, mask
 
 
 def teacher_shards(
@@ -558,6 +575,14 @@ def recipe(cfg: DistillConfig) -> dict:
 def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Iterator[Progress]:
     """The teacher and generate phases, then ``train`` (a draft's student phase, or distill_eagle's)."""
     cfg.validate()
+    if cfg.top_k > target.width:
+        # A k beyond the vocabulary asks for every probability, and keeping the whole vocabulary gives
+        # exactly that (transformers' top-k sampling clamps k alike); refusing would only make the user
+        # look the size up. The recipe records the k used.
+        log.info(
+            "--top-k %d is more than %s's %d ids: the teacher keeps all of them", cfg.top_k, cfg.target, target.width
+        )
+        cfg = replace(cfg, top_k=target.width)
     cfg.out.mkdir(parents=True, exist_ok=True)
     stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
     yield from teacher_shards(cfg, target, stream, cfg.teacher_tokens, cfg.out / "teacher")

@@ -52,6 +52,11 @@ from .lm import HFCausalLM
 from .models import LoadedModel
 
 FEATURES = "features"
+# The head reads the inputs of a low, a middle and a high layer of the target: vLLM's default
+# 2, L/2 and L-3, which the saved head names for vLLM's eagle3 too. A target of fewer than 3
+# layers has no layer 2 or no layer L-3; rather than stand other layers in for them (little more
+# than the embeddings, which the head reads anyway), distill refuses it: a draft suits a target that small.
+MIN_LAYERS = 3
 STEP_WEIGHT = 0.8  # EAGLE-3's: the loss at training-time test step j counts 0.8**j
 
 
@@ -60,6 +65,12 @@ def distill_eagle(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]
     if config.model_type != "llama":
         raise SpecbenchError(
             f"--kind eagle trains a head for a Llama-architecture target; {cfg.target} is {config.model_type}"
+        )
+    layers = config.num_hidden_layers
+    if layers < MIN_LAYERS:
+        raise SpecbenchError(
+            f"--kind eagle reads the inputs of the target's layers 2, L/2 and L-3 (vLLM's default), so it needs "
+            f"a target of at least {MIN_LAYERS} decoder layers and {cfg.target} has {layers}: use --kind draft for it"
         )
     yield from distill(cfg, target, train=train_head)
 

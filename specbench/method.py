@@ -96,6 +96,9 @@ class Method:
     def check(self, pair: Pair) -> None:
         """Raise SpecbenchError when this method cannot run on ``pair``."""
 
+    def check_options(self, cfg) -> None:
+        """Raise SpecbenchError when the run's options do not fit this method (before any model loads)."""
+
     def settings(self, cfg) -> str:
         """Its own options' values, for the ``options`` column."""
         return ",".join(f"{o.name}={getattr(cfg, o.name)}" for o in self.options if o.recorded)

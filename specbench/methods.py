@@ -140,12 +140,20 @@ class Cascade(SpeculativeLoop):
         Option(
             "cascade_split",
             0,
-            "cascade: the draft model (sped up by lookup) drafts the first M positions of a round and prompt "
-            "lookup alone the rest (a horizontal cascade); 0: the draft model drafts all K.",
+            "cascade: the draft model (sped up by lookup) drafts the first M positions of a round (M at most K) and "
+            "prompt lookup alone the rest (a horizontal cascade); 0: the draft model drafts all K.",
             low=0,
             problem="--cascade-split must be >= 0 (0: the draft model drafts all K positions)",
         ),
     )
+
+    def check_options(self, cfg):
+        if cfg.cascade_split > min(cfg.ks):  # else a row would name a split that never applied
+            raise SpecbenchError(
+                f"--cascade-split {cfg.cascade_split} is more than --k {min(cfg.ks)}: the draft model drafts the first "
+                "M of a round's K positions and lookup the rest, so M must be at most K (every K of a sweep): lower it "
+                "(0: the draft model drafts all K)"
+            )
 
     def c(self, costs):
         return costs.c  # one of its draft-model forwards; it needs fewer of them than K per round

@@ -16,7 +16,7 @@ from specbench.eagle import EagleHead, HeadCache, HeadConfig, read_head, save_he
 from specbench.errors import SpecbenchError
 from specbench.models import load
 
-from .helpers import on_tiny_pair, one_line_error, specbench
+from .helpers import build_llama, build_tokenizer, on_tiny_pair, one_line_error, specbench
 
 CPU, F32 = torch.device("cpu"), torch.float32
 STEPS = 3
@@ -107,7 +107,7 @@ def write_sources(tmp_path: Path) -> Path:
 def tiny_config(out: Path, sources: Path, **more) -> DistillConfig:
     sizes = dict(seq_len=32, teacher_tokens=128, teacher_batch=4, top_k=8, epochs=1, batch=2, save_every=1)
     data = dict(generate_prompts=3, generate_new_tokens=8, generate_batch=2, ttt_steps=STEPS)
-    return DistillConfig(out=out, sources=[str(sources)], kind="eagle", **sizes, **data, **more)
+    return DistillConfig(out=out, sources=[str(sources)], kind="eagle", **{**sizes, **data, **more})
 
 
 TINY_ARGS = (
@@ -196,3 +196,65 @@ def test_eagle_needs_a_llama_target(tiny_pair, tmp_path):
         "distill", "--kind", "eagle", "--target", str(tmp_path / "mistral"), "--out", str(tmp_path / "o")
     )
     one_line_error(result, "Llama-architecture target", "mistral")
+
+
+def test_a_target_without_pad_or_eos_answers_in_padded_batches_as_it_answers_alone(tmp_path):
+    """Llama's tokenizers have no pad token, and this one has no EOS either: batched generation pads
+    explicitly, and the pads change nothing that is learned (the prompts are of different lengths)."""
+    from transformers import PreTrainedTokenizerFast
+
+    from specbench.distill import generated_shards, token_stream
+
+    bare = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(tmp_path / "tok").backend_tokenizer)
+    assert bare.pad_token is None and bare.eos_token is None
+    target = load(str(build_llama(tmp_path / "target", bare, layers=4, hidden=64, seed=0)), CPU, F32)
+    sources = tmp_path / "src"
+    sources.mkdir()
+    (sources / "lib.py").write_text(
+        "".join(
+            f'def f{i}(a: int, b: int) -> int:\n    """Return a value made{" carefully" * 3 * i} from the two numbers a and b."""\n'
+            f"    return a + b * {i}\n\n\n"
+            for i in range(4)
+        )
+    )
+    assert None not in token_stream(bare, [sources / "lib.py"], 0)  # the teacher's text: no EOS between files
+    answers = {}
+    for batch in (1, 4):
+        cfg = tiny_config(
+            tmp_path / f"out{batch}", sources, generate_prompts=4, generate_batch=batch, sampled_fraction=0
+        )
+        list(generated_shards(cfg, target))
+        docs = [doc for path in sorted((cfg.out / "generated").glob("*.pt")) for doc in torch.load(path)]
+        answers[batch] = sorted(docs, key=lambda doc: doc["prompt_len"])
+    assert len({doc["prompt_len"] for doc in answers[4]}) == 4  # one batch of four lengths: three rows padded
+    for alone, padded in zip(answers[1], answers[4], strict=True):
+        assert torch.equal(alone["ids"], padded["ids"]) and torch.equal(alone["top_idx"], padded["top_idx"])
+        torch.testing.assert_close(alone["top_logp"], padded["top_logp"], atol=2e-3, rtol=0)
+    assert target.tokenizer.pad_token is None  # the target's tokenizer is left as it was (a draft is saved with it)
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_all_of_it(tiny_pair, tmp_path, caplog):
+    target = load(tiny_pair[0], CPU, F32)
+    cfg = tiny_config(tmp_path / "head", write_sources(tmp_path), top_k=10 * target.width)
+    with caplog.at_level("INFO", logger="specbench"):
+        for p in distill_eagle(cfg, target):
+            if not p.phase.startswith("teacher"):
+                break  # the teacher's shards are written
+    assert f"--top-k {cfg.top_k} is more than" in caplog.text and f"{target.width} ids" in caplog.text
+    shard = torch.load(cfg.out / "teacher" / "0000.pt")
+    assert shard["top_idx"].shape[-1] == target.width
+    assert torch.equal(shard["top_idx"][0, 0].sort().values, torch.arange(target.width, dtype=torch.int32))
+    with pytest.raises(SpecbenchError, match="--top-k must be at least 1"):
+        next(distill_eagle(dataclasses.replace(cfg, top_k=0), target))
+
+
+def test_eagle_needs_a_target_of_three_layers(tiny_pair, tmp_path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
+    for layers in (1, 2):
+        shallow = load(str(build_llama(tmp_path / f"t{layers}", tokenizer, layers=layers, hidden=64, seed=0)), CPU, F32)
+        with pytest.raises(SpecbenchError, match=f"at least 3 decoder layers and .* has {layers}: use --kind draft"):
+            next(distill_eagle(tiny_config(tmp_path / "h", tmp_path), shallow))
+    result = specbench("distill", "--kind", "eagle", "--target", str(tmp_path / "t2"), "--out", str(tmp_path / "o"))
+    one_line_error(result, "at least 3 decoder layers", "has 2", "--kind draft")

@@ -15,6 +15,7 @@ import torch
 from scipy.stats import chisquare
 
 from specbench.engine import CascadeDrafter, ModelDrafter, autoregressive_decode, speculative_decode
+from specbench.errors import SpecbenchError
 from specbench.kv import EVICT_SLACK, SINKS, retrieval_positions, window_positions
 from specbench.lm import HFCausalLM, SparseView, WindowLM
 from specbench.sampling import SamplingConfig, warp
@@ -312,6 +313,34 @@ def test_chunked_prefill_equals_one_forward_and_reports_progress(target):
     torch.testing.assert_close(got, want)
     assert chunked.length == whole.length == len(PROMPT)
     assert seen == [(24, 80), (48, 80), (72, 80), (80, 80)]  # the last chunk yields the logits
+
+
+def test_prefill_chunk_0_reads_the_whole_prompt_in_one_forward(target):
+    """--prefill-chunk 0, as its help says: the benchmark sets it on both models, and a prompt of any
+    length is then read in one forward, with no progress reports."""
+    from specbench.config import OPTIONS
+
+    OPTIONS["prefill_chunk"].validate(0)  # accepted; a negative chunk is refused
+    with pytest.raises(SpecbenchError, match="0: the whole prompt in one forward"):
+        OPTIONS["prefill_chunk"].validate(-1)
+    lm, calls, seen = HFCausalLM(target, 3), [], []
+    lm.prefill_chunk, lm.progress = 0, lambda done, total: seen.append((done, total))
+    forward = lm._forward
+    lm._forward = lambda ids, *rest: calls.append(len(ids)) or forward(ids, *rest)
+    assert lm.forward(PROMPT, last=2).shape[0] == 2
+    assert calls == [len(PROMPT)] and seen == [] and lm.length == len(PROMPT)
+
+
+def test_a_longcode_context_too_short_for_a_partial_cache_is_refused_before_any_model_loads(tmp_path):
+    from .helpers import one_line_error, specbench
+
+    missing = str(tmp_path / "no-model")  # never read: the options are refused first
+    for lengths in ("10", "64,10"):  # a sweep runs its shortest length first
+        result = specbench(
+            "run", "--target", missing, "--draft", missing, "--dataset", "longcode", "--context-tokens", lengths,
+            "--out", str(tmp_path / "run"),
+        )  # fmt: skip
+        one_line_error(result, "--context-tokens 10 is too short for --dataset longcode", f"give {2 * SINKS} or more")
 
 
 @pytest.mark.slow
