@@ -137,3 +137,37 @@ def test_one_eagle3_head_drafts_in_both_engines(tmp_path):
     rows = set(zip(summary["engine"], summary["method"], strict=True))
     assert {("torch", "eagle"), ("vllm", "eagle3")} <= rows
     assert (summary["outputs_match"] == 2).all()  # greedy: each engine's rows equal its own baseline
+
+
+def test_conversations_go_turn_by_turn_through_vllm(vllm_pair, tmp_path):
+    """Two-turn questions at two requests in flight: each engine renders a second turn from its own
+    first answers (in waves), and the rows carry their turn and category."""
+    from transformers import AutoTokenizer
+
+    from specbench.pair import encode_turn
+    from specbench.prompts import load_prompts
+
+    questions = tmp_path / "question.jsonl"
+    rows = [{"question_id": 81 + i, "category": c, "turns": [f"def f{i}(a):", "for k in range(3):"]} for i, c in
+            enumerate(["writing", "coding", "writing"])]  # fmt: skip
+    rows.append({"question_id": 161, "category": "translation", "turns": ["print('hola')"]})
+    questions.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "run"
+    args = ["--target", vllm_pair[0], "--draft", vllm_pair[1], "--dataset", str(questions), "--max-new-tokens", "10"]
+    args += ["--k", "2", "--engine", "vllm", "--method", "draft", "--concurrency", "2"]
+    result = specbench("run", *args, *EAGER, "--out", str(out), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = pd.read_csv(out / "records.csv")
+    assert len(records) == 2 * 7 and sorted(set(records["turn"])) == [1, 2]
+    assert records["outputs_match"].all()  # greedy: the draft's every turn equals vLLM's baseline's
+    tokenizer = AutoTokenizer.from_pretrained(vllm_pair[0])
+    prompts = load_prompts(str(questions))
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    answer = {(o["method"], o["prompt_index"]): o["token_ids"] for o in outputs}
+    for row in records[records["turn"] == 2].to_dict("records"):
+        first = tokenizer.decode(answer[(row["method"], row["prompt_index"] - 1)], skip_special_tokens=True).strip()
+        conversation = prompts[row["prompt_index"] // 2]
+        assert row["prompt_tokens"] == len(encode_turn(tokenizer, conversation, [first], chat=False))
+    categories = pd.read_csv(out / "categories.csv")
+    assert set(categories["category"]) == {"writing", "coding", "translation"}
+    assert (categories["engine"] == "vllm").all() and (categories["concurrency"] == 2).all()
