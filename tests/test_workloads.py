@@ -401,3 +401,20 @@ def test_the_real_sharegpt_file_of_the_package(tiny_pair, tmp_path):
     assert result.returncode == 0, result.stderr
     records = pd.read_csv(tmp_path / "run" / "records.csv")
     assert records["outputs_match"].all() and set(records["turn"]) <= {1, 2}
+
+
+def test_resume_decodes_a_half_done_conversation_again_whole(tiny_pair, spec_bench_file, tmp_path):
+    out = tmp_path / "run"
+    cfg = config(tiny_pair, spec_bench_file, ks=[2], num_prompts=3)
+    run(cfg, out)
+    records = pd.read_csv(out / "records.csv")
+    # Interrupted during the last conversation's second turn: its first turn's rows are complete.
+    cut = records[~((records["prompt_index"] == 5) & (records["method"] == "speculative"))]
+    cut.to_csv(out / "records.csv", index=False)
+    events = list(bench.benchmark(cfg, out, resume=True))
+    decoded = [e for e in events if not isinstance(e, Results) and e.stage == "decoding"]
+    assert len(decoded) == 4  # both turns of that conversation, by the baseline and speculative
+    again = pd.read_csv(out / "records.csv")
+    assert len(again) == len(records) and again["outputs_match"].all()
+    kept = again[again["prompt_index"] < 4]
+    assert kept["method_s"].tolist() == records[records["prompt_index"] < 4]["method_s"].tolist()
