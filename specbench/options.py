@@ -185,7 +185,7 @@ RUN: tuple[Option, ...] = (
         "num_prompts",
         None,
         "How many prompts (conversations), from the start of the dataset or of what --category and --per-category "
-        "select [default: 10, or every prompt --per-category draws].",
+        "select; default 10, or every prompt that --per-category draws.",
         low=1,
         kind=int,
     ),
@@ -213,9 +213,10 @@ RUN: tuple[Option, ...] = (
     Option(
         "group_by",
         "category",
-        "What categories.csv, the category table and categories.png group the prompts by: category, sub_category "
-        "or input_length (SPEED-Bench's configured length, else the prompt's length rounded up to a power of two).",
-        choices=("category", "sub_category", "input_length"),
+        "What categories.csv, the category table and categories.png group the prompts by: category, sub_category, "
+        "turn (of a conversation) or input_length (SPEED-Bench's configured length, else the prompt's length rounded "
+        "up to a power of two).",
+        choices=("category", "sub_category", "turn", "input_length"),
     ),
     Option("max_new_tokens", 64, "Tokens to generate per prompt (decoding also stops at EOS).", low=1),
     Option(

@@ -127,9 +127,8 @@ def read_dataset(dataset: str, prompt_field: str = "prompt", path: str | None = 
         prompts = _file_prompts(located, prompt_field, specs)
     if config in SPEED_BENCH_LENGTHS:
         prompts = [replace(p, input_length=SPEED_BENCH_LENGTHS[config]) for p in prompts]
-    if (
-        "categories" in spec
-    ):  # its own file, or the one standing in for it (MT-Bench's questions are Spec-Bench's first 80)
+    # Its own file, or the one standing in for it (MT-Bench's questions are Spec-Bench's first 80).
+    if "categories" in spec:
         prompts = [p for p in prompts if p.category in spec["categories"]]
     return _kept(prompts, dataset)
 
@@ -177,8 +176,8 @@ def _located(name: str, spec: dict, config: str, path: str | None) -> Path | Non
             return stand_in
     if "hub" in spec and hub_reachable():
         return None
-    how = spec.get("get") or f"it comes from the Hugging Face hub ({spec['hub']}), which is unreachable here"
-    raise SpecbenchError(f"no {name} file at {where}: {how}, and put it there or pass --dataset-path FILE")
+    how = spec["get"] + (f"; the hub, {spec['hub']}, is unreachable here" if "hub" in spec else "")
+    raise SpecbenchError(f"no {name} file at {where} ({how}): put one there or pass --dataset-path FILE")
 
 
 def _templated(record: dict, spec: dict, prompt_id: str, name: str) -> Prompt:

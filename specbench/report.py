@@ -240,7 +240,7 @@ def category_table(rows: list[dict]) -> Table:
     """categories.csv on screen: a row per decoder (the baselines left out), a column per category,
     each cell the speedup over the baseline on that category's prompts and tau."""
     group_by = rows[0]["group_by"]
-    categories = list(dict.fromkeys(row["category"] for row in rows))
+    categories = list(dict.fromkeys(str(row["category"]) for row in rows))
     table = Table(
         "method",
         *categories,
@@ -253,7 +253,7 @@ def category_table(rows: list[dict]) -> Table:
     cells: dict[str, dict[str, str]] = {}
     for row in rows:
         if row["method"] not in (BASELINE.name, SERVED_BASELINE.name):
-            cells.setdefault(decoder_label(row), {})[row["category"]] = (
+            cells.setdefault(decoder_label(row), {})[str(row["category"])] = (
                 f"{row['speedup']:.2f}x {schema.fmt('tau', row['tau'])}"
             )
     for label, by_category in cells.items():

@@ -124,7 +124,7 @@ def prompt_columns(turn: Turn, index: int, prompt_tokens: int) -> dict:
 
 def by_group(records: list[dict], column: str, summarize) -> list[dict]:
     """categories.csv: ``summarize``'s rows over the records of each value of ``column`` (category,
-    sub_category or input_length), in the order they first appear, each with ``group_by`` and its
+    sub_category, turn or input_length), in the order they first appear, each with ``group_by`` and its
     value as ``category``; none when no record has a value there."""
     rows = []
     for value in dict.fromkeys(r[column] for r in records if r[column]):

@@ -17,6 +17,7 @@ from specbench.errors import SpecbenchError
 from specbench.methods import METHODS
 from specbench.pair import PLAIN_ASSISTANT, PLAIN_USER, encode_turn
 from specbench.prompts import PLACEHOLDER, Prompt, load_prompts, read_dataset
+from specbench.results import by_group
 from specbench.rundir import load_summary
 
 from .helpers import build_eagle3_head, on_tiny_pair, one_line_error, specbench
@@ -84,7 +85,10 @@ def test_spec_bench_questions_are_conversations_with_categories(spec_bench_file)
 
 def test_named_workloads_read_their_file_from_the_data_directory(spec_bench_file, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path))
-    with pytest.raises(SpecbenchError, match=r"no spec-bench file at .*spec-bench/question.jsonl: download"):
+    with pytest.raises(
+        SpecbenchError,
+        match=r"no spec-bench file at .*spec-bench/question.jsonl \(download .*\): put one there or pass --dataset-path",
+    ):
         read_dataset("spec-bench")
     (tmp_path / "datasets" / "spec-bench").mkdir(parents=True)
     (tmp_path / "datasets" / "spec-bench" / "question.jsonl").write_text(open(spec_bench_file).read())
@@ -326,14 +330,20 @@ def test_per_category_rows_table_heat_map_and_intervals(tiny_pair, spec_bench_fi
     low, high = writing["speedup_ci"]
     assert low <= writing["speedup"] <= high
     assert all("speedup_ci" not in r for r in document["categories"] if r["num_prompts"] == 1)
-    # Grouped by input length instead.
+    # Grouped by turn instead, and (the same rows) by input length.
     again = on_tiny_pair(
         "run", tiny_pair, "--dataset", spec_bench_file, "--num-prompts", "2", "--k", "2", "--max-new-tokens", "8",
-        "--cost-repeats", "2", "--warmup", "0", "--group-by", "input_length", "--out", str(tmp_path / "lengths"),
+        "--cost-repeats", "2", "--warmup", "0", "--group-by", "turn", "--out", str(tmp_path / "turns"),
     )  # fmt: skip
     assert again.returncode == 0, again.stderr
-    lengths = pd.read_csv(tmp_path / "lengths" / "categories.csv", dtype={"category": str})
-    assert set(lengths["group_by"]) == {"input_length"} and set(lengths["category"]) <= {"128", "256"}
+    assert "by turn: speedup over the baseline" in again.stdout
+    turns = pd.read_csv(tmp_path / "turns" / "categories.csv", dtype={"category": str})
+    assert set(turns["group_by"]) == {"turn"} and list(dict.fromkeys(turns["category"])) == ["1", "2"]
+    assert (turns["num_prompts"] == 2).all()  # each of the 2 conversations has one row per turn
+    rows = pd.read_csv(tmp_path / "turns" / "records.csv", dtype={"input_length": str}).to_dict("records")
+    lengths = by_group(rows, "input_length", lambda rs: [{"rows": len(rs)}])
+    assert {r["category"] for r in lengths} <= {"128", "256"} and sum(r["rows"] for r in lengths) == len(rows)
+    assert all(r["group_by"] == "input_length" for r in lengths)
 
 
 def test_compare_judges_the_per_category_rows(tiny_pair, spec_bench_file, tmp_path):
