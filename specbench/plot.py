@@ -358,7 +358,8 @@ def plot_categories(run_dir: Path, name: str = "categories.png") -> Path | None:
             ax.text(
                 j, i, f"{value:.2f}x" + ("" if pd.isna(t) else f"\nτ {t:.2f}"), ha="center", va="center", fontsize=8
             )
-    ax.set_xticks(range(len(categories)), labels=categories, rotation=40, ha="right")
+    shown = [f"turn {c}" for c in categories] if rows.iloc[0]["group_by"] == "turn" else categories
+    ax.set_xticks(range(len(categories)), labels=shown, rotation=40, ha="right")
     ax.set_yticks(range(len(order)), labels=order)
     first = rows.iloc[0]
     ax.set_title(
