@@ -375,6 +375,7 @@ def serve_all(pair, cfg, conversations, writer, records, blocks, engine_costs, c
     )
     base_step = cfg.served_baseline
     baselines = {load: _served_baseline(records, writer.out, base_step, load) for load in cfg.loads}
+    sent: dict[tuple, list[int]] = {}  # (concurrency, rate, prompt_index) -> the baseline's prompt ids
     for decoder in [base_step, *cfg.served_plan]:
         method = decoder.method
         todo = [load for load in cfg.loads if _key(decoder, load) not in blocks]
@@ -387,7 +388,17 @@ def serve_all(pair, cfg, conversations, writer, records, blocks, engine_costs, c
             for load in todo:
                 before = engine.counters() if engine is not None else {}
                 yield from serve_block(
-                    engine, decoder, load, conversations, sampling, writer, records, baselines[load], cfg.api, pair
+                    engine,
+                    decoder,
+                    load,
+                    conversations,
+                    sampling,
+                    writer,
+                    records,
+                    baselines[load],
+                    cfg.api,
+                    pair,
+                    sent,
                 )
                 if decoder is not base_step and engine is not None:
                     grew = serving.counter_row(method.engine, method.name, load, before, engine.counters())
@@ -404,13 +415,36 @@ def serve_all(pair, cfg, conversations, writer, records, blocks, engine_costs, c
                         "and run the same command with --resume"
                     ) from None
                 log.warning("%d baseline requests failed (%s); the others are compared", len(failed), failed[0])
+    if base_step.method.engine == "server" and cfg.temperature == 0 and cfg.api == "completions":
+        yield from label_divergences(pair, cfg, conversations, records, writer, sampling, sent)
     yield from draft_alone(pair, cfg, conversations, records, engine_costs, writer, first, sampling)
 
 
+def label_divergences(pair, cfg, conversations, records, writer, sampling, sent) -> Iterator[Step]:
+    """Greedy: each output that diverged from the baseline server's is labelled near-tie or
+    structural by the baseline's own top-two margin at the first divergent token, asked of it
+    untimed after every block (a launched baseline is started again for it). Rows whose baseline
+    prompt this run did not send (kept by --resume) stay unlabelled."""
+    todo = [
+        r for r in records
+        if r["engine"] == "server" and not r["error"] and r["first_divergence"] >= 0 and not r["divergence"]
+        and (r["concurrency"], r["request_rate"], r["prompt_index"]) in sent
+    ]  # fmt: skip
+    if not todo:
+        return
+    yield Step(f"labelling {len(todo)} divergent outputs by the baseline's logprobs")
+    with opened(pair, replace(cfg, warmup=0), conversations, cfg.served_baseline, sampling, writer.out) as engine:
+        for r in todo:
+            ids = sent[(r["concurrency"], r["request_rate"], r["prompt_index"])]
+            r["divergence"] = serving.divergence_kind(engine.margin_at(ids, int(r["first_divergence"])))
+    writer.rewrite_records(records)
+
+
 def serve_block(
-    engine, decoder, load, conversations, sampling, writer, records, baselines, api, pair
+    engine, decoder, load, conversations, sampling, writer, records, baselines, api, pair, sent
 ) -> Iterator[Step]:
-    """Every turn through ``engine`` at one load (concurrency, request rate), in waves by turn."""
+    """Every turn through ``engine`` at one load (concurrency, request rate), in waves by turn; the
+    baseline's prompt ids go into ``sent``."""
     turns, base_step = conversations.turns, decoder.method.takes_k is False
     encode = encoder(pair)
     answers: dict[int, list[str]] = {}  # conversation -> this engine's answers so far
@@ -432,6 +466,7 @@ def serve_block(
             turn, served = turns[index], replace(served, index=index)
             if base_step:
                 baselines[index] = served
+                sent[(load[0], load[1], index)] = ids[n].tolist()
             if turn.turn < len(turn.prompt.turns) and not served.error:
                 answer = served.text.strip() or conversations.answer(served.tokens)
                 answers.setdefault(turn.conversation, []).append(answer)

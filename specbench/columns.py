@@ -505,6 +505,23 @@ COLUMNS: tuple[Column, ...] = (
         "earliest token index where an output differs from the baseline's (-1: none)",
     ),
     Column(
+        "divergence",
+        DETERMINISTIC,
+        None,
+        "",
+        "servers under greedy: near-tie where the baseline's two likeliest tokens at the first divergence are "
+        "within NEAR_TIE nats (numerics can flip them), structural otherwise; empty: equal outputs, or no logprobs",
+        files="records",
+    ),
+    Column(
+        "structural",
+        DETERMINISTIC,
+        LOWER,
+        "d",
+        "servers under greedy: requests whose output diverged from the baseline's where no near-tie explains it",
+        files="summary",
+    ),
+    Column(
         "error",
         DETERMINISTIC,
         None,

@@ -72,6 +72,7 @@ def record(
         "concurrency": 1,
         "request_rate": math.inf,
         "error": "",
+        "divergence": "",
         "acceptance_source": "",
         "itl_ms": "",
         "e2e_ms": 1000 * measured.seconds,
@@ -207,6 +208,7 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
             "concurrency": 1,
             "request_rate": math.inf,
             "failed": 0,
+            "structural": math.nan,
             "acceptance_source": "",
             "c_implied": math.nan,
             "throughput": tokens / seconds,  # one request at a time: its rate

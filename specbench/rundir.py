@@ -152,6 +152,16 @@ class RunWriter:
         self._records = csv.DictWriter(self._files[RECORDS], fieldnames=schema.RECORDS)
         return list(kept_rows)
 
+    def rewrite_records(self, rows: list[dict]) -> None:
+        """Replace records.csv with ``rows`` (after a pass that labels rows already written)."""
+        self._files.pop(RECORDS).close()
+        with replacing(self.out / RECORDS) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=schema.RECORDS)
+            writer.writeheader()
+            writer.writerows(rows)
+        self._files[RECORDS] = open(self.out / RECORDS, "a", newline="", encoding="utf-8")
+        self._records = csv.DictWriter(self._files[RECORDS], fieldnames=schema.RECORDS)
+
     def append_record(self, row: dict) -> None:
         self._records.writerow(row)
         self._files[RECORDS].flush()

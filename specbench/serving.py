@@ -22,6 +22,9 @@ from .methods import BASELINE
 from .prompts import Turn
 from .results import OWN_ENGINES, prompt_columns
 
+# Log-probability gap (nats) between the baseline's two likeliest tokens under which a greedy divergence
+# counts as a near-tie: batching, kernels and precision can flip such a pair without any bug.
+NEAR_TIE = 0.05
 NOTHING = {"drafted": math.nan, "accepted": math.nan, "tested": math.nan, "accept_hist": ""}
 
 
@@ -76,6 +79,7 @@ def record(
             "k_policy": decoder.policy,
             **prompt_columns(turn, index, len(ids)),
             "error": served.error,
+            "divergence": "",
             "acceptance_source": "response" if served.reports_acceptance else "",
             "accept_hist": "",
             "itl_ms": "",
@@ -123,6 +127,13 @@ def record(
             }
         )
     return row
+
+
+def divergence_kind(margin: float | None) -> str:
+    """A greedy divergence's label from the baseline's top-two margin there ('' when unknown)."""
+    if margin is None:
+        return ""
+    return "near-tie" if margin <= NEAR_TIE else "structural"
 
 
 def block(records: list[dict], engine: str, method: str, load: tuple[int, float]) -> list[dict]:
@@ -266,7 +277,10 @@ def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, cfg, run_in
     base_tokens, base_s = sum(r["baseline_tokens"] for r in compared), sum(r["baseline_s"] for r in compared)
     same = [own_base[r["prompt_index"]] for r in done if r["prompt_index"] in own_base]
     found = acceptance(rs, counters, engine, method.name, load) if method.takes_k else {}
-    c = c_of(costs, engine) if method.needs_draft or engine == "server" else method.c(None)
+    if not method.takes_k:
+        c = math.nan  # the baseline drafts nothing
+    else:
+        c = c_of(costs, engine) if method.needs_draft or engine == "server" else method.c(None)
     divergences = [r["first_divergence"] for r in compared if r["first_divergence"] >= 0]
     speedup = (
         (sum(r["new_tokens"] for r in compared) / sum(r["method_s"] for r in compared)) / (base_tokens / base_s)
@@ -292,6 +306,9 @@ def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, cfg, run_in
             else math.nan,
             "c": c,
             "outputs_match": sum(bool(r["outputs_match"]) for r in compared),
+            "structural": sum(r["divergence"] == "structural" for r in compared)
+            if engine == "server" and cfg.temperature == 0
+            else math.nan,
             "first_divergence": min(divergences, default=-1),
         }
     )

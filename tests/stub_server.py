@@ -54,9 +54,11 @@ class Stub:
         key: str | None = None,
         die_after: int | None = None,
         model: str = "stub-model",
+        margin: float = 1.0,
     ):
         self.shape, self.k, self.interval_s, self.diverge_at = shape, k, interval_s, diverge_at
         self.fault, self.key, self.die_after, self.model = fault, key, die_after, model
+        self.margin = margin  # the gap between its two likeliest tokens, in nats, wherever logprobs are asked
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self.handled = 0
@@ -131,6 +133,10 @@ class Stub:
         tokens = answer(prompt, body["max_tokens"])
         if self.diverge_at is not None and self.diverge_at < len(tokens):
             tokens[self.diverge_at] += 1
+        if not body.get("stream"):  # asked for logprobs, untimed: its two likeliest tokens at each position
+            tops = [{f" w{t}": -0.01, " other": -0.01 - self.margin} for t in tokens]
+            choice = {"index": 0, "text": "".join(f" w{t}" for t in tokens), "logprobs": {"top_logprobs": tops}}
+            return web.json_response({"choices": [choice]})
         steps = steps_of(len(tokens), self.k) if self.k else [0] * len(tokens)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)

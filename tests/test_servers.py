@@ -79,12 +79,18 @@ def test_each_server_shape_gives_its_rows_acceptance_and_source(tiny_pair, spec_
     assert (spec["c_implied"].notna()).all() and spec["c"].isna().all()  # no --draft-url: no measured c
 
 
-def test_outputs_that_differ_are_caught_with_their_position(tiny_pair, prompts_file, tmp_path):
-    with Stub() as base, Stub(k=2, diverge_at=5) as broken:
+@pytest.mark.parametrize(("margin", "kind", "structural"), [(0.01, "near-tie", 0), (2.0, "structural", 3)])
+def test_outputs_that_differ_are_caught_and_labelled(tiny_pair, prompts_file, tmp_path, margin, kind, structural):
+    # The baseline's two likeliest tokens at the divergence are `margin` nats apart: a near-tie
+    # below serving.NEAR_TIE, a structural divergence above it.
+    with Stub(margin=margin) as base, Stub(k=2, diverge_at=5) as broken:
         result = run_servers(tiny_pair, tmp_path, base, ("broken", broken), extra=("--dataset", prompts_file))
     assert result.returncode == 0, result.stderr
     row = pd.read_csv(tmp_path / "summary.csv").set_index("method").loc["broken"]
-    assert row["outputs_match"] == 0 and row["first_divergence"] == 5
+    assert row["outputs_match"] == 0 and row["first_divergence"] == 5 and row["structural"] == structural
+    records = pd.read_csv(tmp_path / "records.csv", keep_default_na=False)
+    assert list(records[records["method"] == "broken"]["divergence"]) == [kind] * 3
+    assert set(records[records["method"] == "baseline"]["divergence"]) == {""}
 
 
 def test_the_draft_url_gives_c(tiny_pair, prompts_file, tmp_path):

@@ -167,6 +167,28 @@ class Server:
         end = time.perf_counter() - began
         return reply.served(index, start, end, self.encode)
 
+    def margin_at(self, request: list[int], position: int) -> float | None:
+        """How far apart, in log-probability, the server's two likeliest tokens were at ``position`` of
+        its greedy answer to ``request`` (token ids); None when it gives no logprobs. Untimed."""
+        return self.driver.wait(self._margin(request, position))
+
+    async def _margin(self, request: list[int], position: int) -> float | None:
+        import aiohttp
+
+        body = {"model": self.model, "prompt": request, "max_tokens": position + 1, "temperature": 0, "logprobs": 2}
+        try:
+            async with self.session.post(self.url + "/completions", json=body) as response:
+                if response.status >= 400:
+                    return None
+                reply = await response.json()
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
+            return None
+        tops = ((reply.get("choices") or [{}])[0].get("logprobs") or {}).get("top_logprobs") or []
+        if len(tops) <= position or not tops[position] or len(tops[position]) < 2:
+            return None
+        first, second = sorted(tops[position].values(), reverse=True)[:2]
+        return first - second
+
     def check(self) -> None:
         """Raise SpecbenchError (one line) when the server no longer answers."""
         self.driver.wait(self._model())
