@@ -43,6 +43,7 @@ from specbench.rundir import (
 OPTIONAL_KEYS = [
     "engine",
     "concurrency",
+    "request_rate",
     "tree",
     "k_policy",
     "options",

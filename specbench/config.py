@@ -11,20 +11,30 @@ import copy
 from dataclasses import asdict, field, make_dataclass
 
 from .engine import tree_parents
+from .engines.vllm import INSTALL, available, device_count
 from .errors import SpecbenchError
 from .kv import SINKS
 from .method import Decoder
-from .methods import BASELINE, METHOD, METHODS, SERVED, served_names
+from .methods import (
+    BASELINE,
+    METHOD,
+    METHODS,
+    SERVED,
+    SERVED_BASELINE,
+    SERVER_BASELINE,
+    SERVER_DRAFT,
+    Remote,
+    served_names,
+)
 from .models import default_speculator
-from .options import CONFIDENCE, ENGINE, FIXED, RUN, Option
+from .options import CONFIDENCE, ENGINE, ENGINE_PANEL, FIXED, RUN, SERVER, SERVER_PANEL, Option
 from .prompts import LONG_DATASETS
 from .sampling import SamplingConfig
-from .vllm_engine import INSTALL, available, device_count
 
 
 def declared() -> dict[str, Option]:
     """Every run option by name: --method, the common ones, then each method's own (a shared one once)."""
-    options = {option.name: option for option in (METHOD, *RUN, *ENGINE)}
+    options = {option.name: option for option in (METHOD, *RUN, *ENGINE, *SERVER)}
     for method in METHODS.values():
         for option in method.options:
             if options.setdefault(option.name, option) is not option:
@@ -33,6 +43,8 @@ def declared() -> dict[str, Option]:
 
 
 OPTIONS = declared()
+
+LAUNCHED = (SERVER_BASELINE, SERVER_DRAFT)  # --launch names that are not speculating servers
 
 # The shortest --context-tokens of a long dataset. Those datasets measure long prompts, where the
 # methods that draft over part of the cache differ from the others; every such view keeps at least
@@ -73,7 +85,7 @@ class _Run:
     def policy_notes(self) -> list[str]:
         """A line for each method of the run that drafts but cannot take every --k-policy asked for."""
         own = [(step.method, step.method.name) for step in self.plan]
-        served = [(step.method, f"vllm {step.method.name}") for step in self.served_plan]
+        served = [(step.method, f"{step.method.engine} {step.method.name}") for step in self.served_plan]
         lines = []
         for method, who in dict.fromkeys(own + served):
             dropped = [policy for policy in self.k_policies if policy not in method.k_policies]
@@ -85,10 +97,46 @@ class _Run:
 
     @property
     def served_plan(self) -> list[Decoder]:
-        """What each vLLM engine after vLLM's baseline decodes: a method at each K (one engine each)."""
+        """What each serving engine after its baseline decodes: under vLLM a method at each K (one
+        engine each); under --engine server each --server (its K is what it says, else a single --k)."""
+        if "server" in self.engines:
+            k = self.ks[0] if len(self.ks) == 1 else None
+            given = [Remote(name, url) for name, url in self.server_entries]
+            started = [Remote(name, "", command=cmd) for name, cmd in self.launches.items() if name not in LAUNCHED]
+            return [Decoder(server, k) for server in given + started]
         if "vllm" not in self.engines:
             return []
         return [Decoder(SERVED[name], k) for name in served_names(self.methods) for k in self.ks]
+
+    @property
+    def served_baseline(self) -> Decoder | None:
+        """The serving engine's baseline, every served method's reference (None: no serving engine)."""
+        if "server" in self.engines:
+            command = self.launches.get(SERVER_BASELINE, "")
+            return Decoder(Remote(SERVER_BASELINE, self.baseline_url or "", False, command))
+        return Decoder(SERVED_BASELINE) if "vllm" in self.engines else None
+
+    @property
+    def server_entries(self) -> list[tuple[str, str]]:
+        """--server NAME=URL as (name, url) pairs."""
+        return [tuple(part.strip() for part in entry.split("=", 1)) for entry in self.servers if "=" in entry]
+
+    @property
+    def launches(self) -> dict[str, str]:
+        """--launch NAME=COMMAND by name."""
+        return dict(tuple(part.strip() for part in entry.split("=", 1)) for entry in self.launch if "=" in entry)
+
+    @property
+    def draft_server(self) -> Remote | None:
+        """The server of the draft alone, for c: --draft-url, or the one --launch draft=... starts."""
+        if self.draft_url or SERVER_DRAFT in self.launches:
+            return Remote(SERVER_DRAFT, self.draft_url or "", False, self.launches.get(SERVER_DRAFT, ""))
+        return None
+
+    @property
+    def loads(self) -> list[tuple[int, float]]:
+        """The loads a serving engine is measured at: each --concurrency with each --request-rate."""
+        return [(n, rate) for n in self.concurrency for rate in self.request_rate]
 
     @property
     def widest(self) -> int:
@@ -178,7 +226,9 @@ class _Run:
 
     def validate_engines(self) -> None:
         """What --engine allows: every error here comes before any model loads or engine starts."""
-        vllm = "vllm" in self.engines
+        vllm, server = "vllm" in self.engines, "server" in self.engines
+        if server and len(self.engines) > 1:
+            raise SpecbenchError("--engine server runs alone: measure torch or vllm in a run of their own")
         for name in self.methods:
             if name in SERVED and name not in METHODS and not vllm:
                 own = [m.name for m in METHODS.values() if m.counterpart == name]
@@ -192,16 +242,21 @@ class _Run:
                     )
         if "torch" in self.engines and max(self.concurrency) > 1:
             raise SpecbenchError(
-                "specbench's loop decodes one request at a time: --concurrency above 1 needs --engine vllm alone"
+                "specbench's loop decodes one request at a time: --concurrency above 1 needs --engine vllm or server"
             )
-        if not vllm:
+        if "torch" in self.engines and self.request_rate != OPTIONS["request_rate"].default:
+            raise SpecbenchError("--request-rate sends requests to a serving engine: add --engine vllm or server")
+        for panel, who, needed in ((ENGINE_PANEL, "the vLLM engine", vllm), (SERVER_PANEL, "servers", server)):
             given = [
                 o.flag
                 for o in OPTIONS.values()
-                if o.panel and o.name != "engines" and getattr(self, o.name) != o.default
-            ]
-            if given:
-                raise SpecbenchError(f"{', '.join(given)} set(s) the vLLM engine: add --engine vllm")
+                if o.panel == panel and o.name not in ("engines", "concurrency", "request_rate")
+                and getattr(self, o.name) != o.default
+            ]  # fmt: skip
+            if given and not needed:
+                engine = "vllm" if panel == ENGINE_PANEL else "server"
+                raise SpecbenchError(f"{', '.join(given)} set(s) {who}: add --engine {engine}")
+        if not (vllm or server):
             return
         prompts = self.num_prompts or (None if self.per_category else 10)  # --per-category: known once read
         if prompts is not None and max(self.concurrency) > prompts:
@@ -210,7 +265,10 @@ class _Run:
                 f"raise --num-prompts to {max(self.concurrency)} or more (twice as many measure a steady state)"
             )
         if self.eta:
-            raise SpecbenchError("vLLM has no eta sampling: drop --eta or --engine vllm")
+            raise SpecbenchError(f"{'servers have' if server else 'vLLM has'} no eta sampling: drop --eta")
+        if server:
+            self.validate_servers()
+            return
         for step in self.served_plan:
             step.method.check_served(self)
         devices = self.tensor_parallel_size * self.pipeline_parallel_size
@@ -223,6 +281,38 @@ class _Run:
             )
         if not available():
             raise SpecbenchError(INSTALL)
+
+    def validate_servers(self) -> None:
+        """--engine server's own rules: a baseline, NAME=URL entries with distinct names, http(s) URLs."""
+        for flag, entries, example in (
+            ("--server", self.servers, "eagle3=http://127.0.0.1:8001/v1"),
+            (
+                "--launch",
+                self.launch,
+                "baseline='python -m vllm.entrypoints.openai.api_server --model M --port {port}'",
+            ),
+        ):
+            if bad := [entry for entry in entries if "=" not in entry or not entry.split("=", 1)[0].strip()]:
+                raise SpecbenchError(f"{flag} {bad[0]}: give NAME=..., e.g. {flag} {example}")
+        if bool(self.baseline_url) == (SERVER_BASELINE in self.launches):
+            raise SpecbenchError(
+                "--engine server needs one baseline, a server running the target alone: --baseline-url URL "
+                "(e.g. http://127.0.0.1:8000/v1) or --launch baseline=COMMAND"
+            )
+        if self.draft_url and SERVER_DRAFT in self.launches:
+            raise SpecbenchError("give the draft's server once: --draft-url or --launch draft=..., not both")
+        if not self.served_plan:
+            raise SpecbenchError(
+                "--engine server needs at least one server that speculates: --server NAME=URL or --launch NAME=COMMAND"
+            )
+        names = [server.method.name for server in self.served_plan]
+        if dupes := sorted({name for name in names if names.count(name) > 1} | ({SERVER_BASELINE} & set(names))):
+            raise SpecbenchError(f"--server {dupes[0]}: each server needs a name of its own, and not 'baseline'")
+        for flag, url in [("--baseline-url", self.baseline_url), ("--draft-url", self.draft_url)] + [
+            (f"--server {name}=", url) for name, url in self.server_entries
+        ]:
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise SpecbenchError(f"{flag}{url}: give the API's URL, e.g. http://127.0.0.1:8000/v1")
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -516,12 +516,31 @@ class ServedEagle3(ServedEagle):
     name, help, kind = "eagle3", "vLLM's EAGLE-3 drafting with the head in --speculator", "eagle3"
 
 
+# --launch's names for the servers that do not speculate: the baseline, and the draft alone (for c).
+SERVER_BASELINE, SERVER_DRAFT = "baseline", "draft"
+
+
+class Remote(Method):
+    """A running server (--engine server): it decodes whatever it was started with; specbench sends it
+    the requests. Its name is the --server NAME (the rows' method); its K is what its responses say,
+    else --k. The baseline is the --baseline-url server, which does not speculate. A server specbench
+    starts (--launch) has a ``command`` and its URL only once started."""
+
+    engine = "server"
+
+    def __init__(self, name: str, url: str, speculates: bool = True, command: str = ""):
+        self.name, self.url, self.takes_k, self.command = name, url, speculates, command
+        self.help = f"the server at {url}" if url else f"the server started by {command}"
+
+
 # vLLM's methods (--engine vllm), apart from specbench's: their baseline is another engine's.
 SERVED: dict[str, Served] = {
     m.name: m for m in (ServedBaseline(), ServedDraft(), ServedNgram(), ServedSuffix(), ServedEagle(), ServedEagle3())
 }
 SERVED_BASELINE = SERVED["baseline"]
-ENGINES = ("torch", "vllm")  # --engine: specbench's loop (with transformers' methods), vLLM
+# --engine: specbench's loop (with transformers' methods), vLLM in this process, running servers
+ENGINES = ("torch", "vllm", "server")
+SERVED_ENGINES = ("vllm", "server")  # the engines that serve requests (engines/)
 
 
 def served_names(names: list[str]) -> list[str]:

@@ -114,11 +114,33 @@ def percentile(values: Sequence[float], q: float) -> float:
     return float(np.percentile(kept, q)) if kept else float("nan")
 
 
+# The latencies a summary row gives percentiles of (metrics.latency_figures), and the percentiles.
+LATENCIES = {
+    "ttft": "time to first token",
+    "tpot": "time per output token",
+    "itl": "the gaps between chunks (pooled over the requests)",
+    "e2e": "end-to-end latency",
+}
+PERCENTILES = (50, 90, 99)
+
+
 def latency_figures(rs: list[dict]) -> dict:
-    """Time to first token and time per output token over the requests, median and 99th percentile."""
-    return {
-        f"{name}_p{q}_ms": percentile([r[f"{name}_ms"] for r in rs], q) for name in ("ttft", "tpot") for q in (50, 99)
-    }
+    """Percentiles of each latency over the requests (schema.LATENCIES); the chunk gaps pooled over
+    every request, as serving benchmarks report them."""
+    figures = {}
+    for name in LATENCIES:
+        if name == "itl":
+            values = [float(v) for r in rs for v in str(r.get("itl_ms") or "").split()]
+        else:
+            values = [r.get(f"{name}_ms", float("nan")) for r in rs]
+        figures.update({f"{name}_p{q}_ms": percentile(values, q) for q in PERCENTILES})
+    return figures
+
+
+def implied_c(tau: float, speedup: float, k: int) -> float:
+    """The cost ratio c that, with the measured tau as the tokens per round, makes the formula
+    tau / (K c + 1) give the measured speedup: (tau / speedup - 1) / K."""
+    return (tau / speedup - 1) / k if k and speedup > 0 else float("nan")
 
 
 def rate_of_sums(parts: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:

@@ -334,18 +334,18 @@ ENGINE: tuple[Option, ...] = (
     Option(
         "engines",
         ["torch"],
-        "Who decodes: torch (specbench's loop, with transformers' hf-* methods) and/or vllm, comma-separated; "
-        "each engine's methods are timed against its own baseline.",
+        "Who decodes: torch (specbench's loop, with transformers' hf-* methods) and/or vllm, comma-separated, or "
+        "server (running servers: --baseline-url, --server); each engine's methods are timed against its own baseline.",
         flags=("--engine",),
         parse=name_list,
-        choices=("torch", "vllm"),
-        metavar="[torch|vllm|torch,vllm]",
+        choices=("torch", "vllm", "server"),
+        metavar="[torch|vllm|torch,vllm|server]",
         panel=ENGINE_PANEL,
     ),
     Option(
         "concurrency",
         [1],
-        "Requests in flight (vLLM), a comma-separated list sweeps, e.g. 1,4,16; needs as many prompts.",
+        "Requests in flight (vLLM, servers), a comma-separated list sweeps, e.g. 1,4,16; needs as many prompts.",
         parse=int_list,
         low=1,
         problem="--concurrency must be at least 1 (requests in flight)",
@@ -369,5 +369,82 @@ ENGINE: tuple[Option, ...] = (
         parse=json_object,
         metavar="JSON",
         panel=ENGINE_PANEL,
+    ),
+)
+
+
+def entries_given(given: list[str]) -> list[str]:
+    """A repeatable flag of NAME=VALUE entries, in order (a URL may hold commas: no splitting)."""
+    return [value.strip() for value in given if value.strip()]
+
+
+SERVER_PANEL = "Servers: benchmark running servers over their OpenAI API (docs/servers.md)"
+SERVER: tuple[Option, ...] = (
+    Option(
+        "baseline_url",
+        None,
+        "--engine server: the API URL of a server running the target alone, e.g. http://127.0.0.1:8000/v1 "
+        "(every server's speedup is over it).",
+        metavar="URL",
+        panel=SERVER_PANEL,
+    ),
+    Option(
+        "servers",
+        [],
+        "--engine server: a speculating server, NAME=URL (repeatable); NAME is its rows' method.",
+        flags=("--server",),
+        repeat=entries_given,
+        metavar="NAME=URL",
+        panel=SERVER_PANEL,
+    ),
+    Option(
+        "launch",
+        [],
+        "--engine server: start a server for the run, NAME=COMMAND with {port} where its port goes (repeatable); "
+        "NAME baseline is the baseline, draft the draft alone, any other a speculating server. Each runs on "
+        "127.0.0.1 only for its own requests, logged to OUT/servers/NAME.log.",
+        repeat=entries_given,
+        metavar="NAME=COMMAND",
+        panel=SERVER_PANEL,
+    ),
+    Option(
+        "draft_url",
+        None,
+        "--engine server: a server running the draft model alone, for c (its one-token decode time over the baseline's).",
+        metavar="URL",
+        panel=SERVER_PANEL,
+    ),
+    Option(
+        "request_rate",
+        [float("inf")],
+        "Requests sent per second, Poisson arrivals seeded by --seed, a comma-separated list sweeps; inf sends "
+        "all at once, held to --concurrency (as vllm bench serve's --request-rate and --max-concurrency).",
+        parse=float_list,
+        check=lambda rates: all(rate > 0 for rate in rates),
+        problem="--request-rate must be above 0 requests per second (inf: all at once)",
+        panel=SERVER_PANEL,
+    ),
+    Option(
+        "api",
+        "completions",
+        "--engine server: completions (the prompt as token ids, rendered here: every server gets the same ids) "
+        "or chat (messages; each server renders them with its own template).",
+        choices=("completions", "chat"),
+        panel=SERVER_PANEL,
+    ),
+    Option(
+        "api_key_env",
+        "OPENAI_API_KEY",
+        "--engine server: the environment variable that holds the servers' API key (sent as a bearer token, "
+        "never written anywhere).",
+        metavar="NAME",
+        panel=SERVER_PANEL,
+    ),
+    Option(
+        "request_timeout",
+        600.0,
+        "--engine server: seconds a request may take before it is recorded as failed.",
+        low=1.0,
+        panel=SERVER_PANEL,
     ),
 )

@@ -172,6 +172,10 @@ class Conversations:
             )
         return ids.to(self.first[turn.conversation].device)
 
+    def messages(self, turn: Turn, answers: list[str]) -> list[dict]:
+        """``turn`` after ``answers`` as chat messages, for a server that renders its own template."""
+        return chat_messages(turn.prompt, answers)
+
     def answer(self, tokens: list[int]) -> str:
         """A decoded answer as the next turn's conversation holds it (its text without special tokens)."""
         return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
@@ -192,16 +196,21 @@ class Conversations:
 PLAIN_USER, PLAIN_ASSISTANT = "User:", "Assistant:"  # the rendering without a chat template
 
 
+def chat_messages(prompt: Prompt, answers: list[str]) -> list[dict]:
+    """Turn len(answers) + 1 of ``prompt`` after ``answers`` as chat messages."""
+    messages = []
+    for user, answer in zip(prompt.turns, answers, strict=False):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    return messages + [{"role": "user", "content": prompt.turns[len(answers)]}]
+
+
 def encode_turn(tokenizer, prompt: Prompt, answers: list[str], chat: bool) -> torch.Tensor:
     """Token ids of turn len(answers) + 1 of ``prompt`` after ``answers``: through the chat template,
     or without one the dataset's raw first prompt where it has one, else the conversation as plain
     text ("User: ...", blank line, "Assistant: ...", ending with "Assistant:")."""
     n = len(answers)
     if chat:
-        messages = []
-        for user, answer in zip(prompt.turns, answers, strict=False):
-            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
-        messages.append({"role": "user", "content": prompt.turns[n]})
+        messages = chat_messages(prompt, answers)
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
     if n == 0 and prompt.text is not None:

@@ -10,7 +10,7 @@ from . import schema
 from .errors import SpecbenchError
 from .methods import BASELINE, SERVED_BASELINE
 from .options import FIXED
-from .results import decoder_label
+from .results import OWN_ENGINES, decoder_label
 
 
 def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
@@ -39,7 +39,7 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
             f"cannot read the run's CSVs in {run_dir} ({str(e).splitlines()[0]}): pass a run directory"
         ) from None
     if "engine" in acceptance:
-        acceptance = acceptance[acceptance["engine"] != "vllm"]
+        acceptance = acceptance[acceptance["engine"].isin(OWN_ENGINES)]
     drafting = summary[summary["k"].notna()].sort_values("k")  # the rows of methods that draft
     has_tree = "tree" in drafting and drafting["tree"].notna().any()
     chains = drafting[drafting["tree"].isna()] if has_tree else drafting
@@ -156,8 +156,8 @@ def _suffix(policy: str) -> str:
 
 
 def _own(summary):
-    """The rows of specbench's loop (and transformers'): vLLM's have no phases or forward costs."""
-    return summary[summary["engine"] != "vllm"].reset_index(drop=True) if "engine" in summary else summary
+    """The rows of specbench's loop (and transformers'): a serving engine's have no phases or forward costs."""
+    return summary[summary["engine"].isin(OWN_ENGINES)].reset_index(drop=True) if "engine" in summary else summary
 
 
 def plot_concurrency(run_dir: Path, name: str = "concurrency.png") -> Path | None:
@@ -175,12 +175,15 @@ def plot_concurrency(run_dir: Path, name: str = "concurrency.png") -> Path | Non
         raise SpecbenchError(
             f"cannot read {run_dir}/summary.csv ({str(e).splitlines()[0]}): pass a run directory"
         ) from None
-    served = summary[summary["engine"] == "vllm"] if "engine" in summary else summary.iloc[0:0]
+    served = summary[~summary["engine"].isin(OWN_ENGINES)] if "engine" in summary else summary.iloc[0:0]
+    if "request_rate" in served:  # the loads of all-at-once arrivals: concurrency alone sets them
+        served = served[served["request_rate"] == float("inf")]
     if served["concurrency"].nunique() < 2:
         return None
     fig, (ax_speed, ax_tpot) = plt.subplots(1, 2, figsize=(12, 4.5))
     first = served.iloc[0]
-    fig.suptitle(f"vLLM: {first['target']} <- {first['draft']} on {first['dataset']}, T={first['temperature']}")
+    who = "vLLM" if first["engine"] == "vllm" else "servers"
+    fig.suptitle(f"{who}: {first['target']} <- {first['draft']} on {first['dataset']}, T={first['temperature']}")
     colors = itertools.cycle(plt.rcParams["axes.prop_cycle"].by_key()["color"])
     groups = served.groupby(["method", "k"], dropna=False, sort=False)
     for ((method, k), rows), color in zip(groups, colors, strict=False):

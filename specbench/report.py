@@ -9,7 +9,7 @@ from rich.table import Table
 from . import schema
 from .context import CONTENDERS
 from .methods import BASELINE, METHODS, SERVED_BASELINE
-from .results import decoder_label, missing, row_label
+from .results import OWN_ENGINES, decoder_label, missing, row_label
 
 
 def summary_table(rows: list[dict], title: str) -> Table:
@@ -37,27 +37,33 @@ def summary_table(rows: list[dict], title: str) -> Table:
 SERVING = (
     ("engine", "engine"),
     ("concurrency", "conc"),
+    ("request_rate", "req/s"),
     ("method", "method"),
     ("k", "K"),
     ("spec_tokens_per_s", "tok/s"),
     ("throughput", "all tok/s"),
     ("speedup", "speedup"),
+    ("predicted_speedup", "predicted"),
     ("throughput_speedup", "all x"),
     ("vs_specbench", "x specbench"),
     ("ttft_p50_ms", "ttft p50"),
     ("tpot_p50_ms", "tpot p50"),
     ("tpot_p99_ms", "tpot p99"),
+    ("itl_p99_ms", "itl p99"),
     ("alpha_estimate", "alpha~"),
     ("tau", "tau"),
     ("c", "c"),
+    ("c_implied", "c implied"),
+    ("acceptance_source", "from"),
     ("outputs_match", "= base"),
+    ("failed", "failed"),
 )
 
 
 def serving_table(rows: list[dict]) -> Table | None:
     """Requests in flight: per engine, method, K and concurrency, each request's tokens/s and all of
     them together, with time to first token and per output token (ms). None for a run without vLLM."""
-    if all(row["engine"] != "vllm" for row in rows):
+    if all(row["engine"] in OWN_ENGINES for row in rows):
         return None
     table = Table(*(header for _, header in SERVING), title="engines and requests in flight")
     for column in table.columns:
@@ -77,7 +83,7 @@ def k_cell(row: dict) -> str:
 def phase_table(rows: list[dict]) -> Table:
     """Where each method's time went: milliseconds per generated token, phase by phase (inner only
     when a method has a level beneath its draft model)."""
-    rows = [row for row in rows if row["engine"] != "vllm"]  # vLLM's time is not split into phases
+    rows = [row for row in rows if row["engine"] in OWN_ENGINES]  # a serving engine's time is not split into phases
     phases = [name for name in schema.PHASES if name != "inner_s" or any(row[name] for row in rows)]
     names = (f"{name.removesuffix('_s')} ms" for name in phases)
     table = Table("method", "K", "tree", *names, "total ms", "other %")

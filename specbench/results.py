@@ -70,6 +70,12 @@ def record(
     return {
         "engine": method.engine,
         "concurrency": 1,
+        "request_rate": math.inf,
+        "error": "",
+        "divergence": "",
+        "acceptance_source": "",
+        "itl_ms": "",
+        "e2e_ms": 1000 * measured.seconds,
         "method": method.name,
         "k": k,
         "tree": decoder.shape,
@@ -200,6 +206,11 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
             "engine": method.engine,
             "compile": run_info["compile"] if method.engine == "torch" else "eager",  # hf-*: transformers' own
             "concurrency": 1,
+            "request_rate": math.inf,
+            "failed": 0,
+            "structural": math.nan,
+            "acceptance_source": "",
+            "c_implied": math.nan,
             "throughput": tokens / seconds,  # one request at a time: its rate
             "throughput_speedup": speedup,
             "vs_specbench": (tokens / seconds) / specbench_rate,

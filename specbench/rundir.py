@@ -8,7 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pandas as pd
@@ -39,7 +39,14 @@ def kept(row: dict, done: set[int], blocks: set[tuple]) -> bool:
     """Whether a resumed run keeps a record or an outputs.jsonl line (older lines lack the engine)."""
     if row.get("engine", "torch") in OWN_ENGINES:
         return row["prompt_index"] in done
-    return (row["method"], row["k"], row["concurrency"]) in blocks
+    return block_key(row) in blocks
+
+
+def block_key(row: dict) -> tuple:
+    """Which served block a row belongs to: engine, method, K, concurrency and request rate. A
+    server's K is what it said, so its name alone (unique in a run) stands for it."""
+    k = row["k"] if row.get("engine") == "vllm" else None
+    return (row.get("engine", "vllm"), row["method"], k, row["concurrency"], float(row.get("request_rate", math.inf)))
 
 
 def _rows(path: Path) -> list[dict]:
@@ -55,6 +62,7 @@ class PreviousRun:
     costs: list[dict]  # verify_cost.csv rows (empty if it never got that far)
     prompts_hash: str | None
     engine_costs: list[dict]  # engine_costs.csv rows (vLLM's one-token decode times)
+    counters: list[dict] = field(default_factory=list)  # counters.csv rows (each served block's counters)
 
     def complete_prompts(self, steps: int) -> set[int]:
         """Prompts with a record for every decoder of specbench's loop's plan."""
@@ -65,11 +73,12 @@ class PreviousRun:
         return {index for index, n in counts.items() if n == steps}
 
     def complete_blocks(self, prompts: int) -> set[tuple]:
-        """The (method, K, concurrency) of vLLM blocks that finished every prompt."""
+        """The blocks (block_key) of the serving engines that finished every prompt without a failure:
+        a block with a failed request is sent again whole."""
         counts: dict[tuple, int] = {}
         for r in self.records:
-            if r["engine"] not in OWN_ENGINES:
-                key = (r["method"], r["k"], r["concurrency"])
+            if r["engine"] not in OWN_ENGINES and not r.get("error"):
+                key = block_key(r)
                 counts[key] = counts.get(key, 0) + 1
         return {key for key, n in counts.items() if n == prompts}
 
@@ -115,7 +124,14 @@ class RunWriter:
         )
         costs = _rows(self.out / "verify_cost.csv") if (self.out / "verify_cost.csv").is_file() else []
         engine_costs = _rows(self.out / "engine_costs.csv") if (self.out / "engine_costs.csv").is_file() else []
-        return PreviousRun(records, costs, meta.get("resolved", {}).get("prompts_hash"), engine_costs)
+        counters = [
+            {
+                k: v if k in ("engine", "method", "num_accepted_tokens_per_pos") else float(v or "nan")
+                for k, v in row.items()
+            }
+            for row in (_rows(self.out / "counters.csv") if (self.out / "counters.csv").is_file() else [])
+        ]
+        return PreviousRun(records, costs, meta.get("resolved", {}).get("prompts_hash"), engine_costs, counters)
 
     def start_records(self, previous: PreviousRun | None, done: set[int], blocks: set[tuple]) -> list[dict]:
         """Begin records.csv and outputs.jsonl with the rows and outputs a resumed run keeps (the
@@ -136,6 +152,16 @@ class RunWriter:
         self._records = csv.DictWriter(self._files[RECORDS], fieldnames=schema.RECORDS)
         return list(kept_rows)
 
+    def rewrite_records(self, rows: list[dict]) -> None:
+        """Replace records.csv with ``rows`` (after a pass that labels rows already written)."""
+        self._files.pop(RECORDS).close()
+        with replacing(self.out / RECORDS) as tmp, open(tmp, "w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=schema.RECORDS)
+            writer.writeheader()
+            writer.writerows(rows)
+        self._files[RECORDS] = open(self.out / RECORDS, "a", newline="", encoding="utf-8")
+        self._records = csv.DictWriter(self._files[RECORDS], fieldnames=schema.RECORDS)
+
     def append_record(self, row: dict) -> None:
         self._records.writerow(row)
         self._files[RECORDS].flush()
@@ -152,8 +178,9 @@ class RunWriter:
         engine: str = "torch",
         concurrency: int = 1,
         k_policy: str = "",
+        request_rate: float = math.inf,
     ) -> None:
-        values = (turn.prompt.id, prompt_index, turn.turn, engine, concurrency, method, k, tree, k_policy)
+        values = (turn.prompt.id, prompt_index, turn.turn, engine, concurrency, request_rate, method, k, tree, k_policy)
         obj = dict(zip(schema.OUTPUTS, (*values, token_ids, text), strict=True))
         self._files[OUTPUTS].write(json.dumps(obj) + "\n")
         self._files[OUTPUTS].flush()

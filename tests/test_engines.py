@@ -11,24 +11,29 @@ import pytest
 from specbench import metrics, schema, serving
 from specbench.cli import main
 from specbench.config import BenchConfig
+from specbench.engines import Served
+from specbench.engines.vllm import EngineSpec
 from specbench.errors import SpecbenchError
 from specbench.method import Decoder
 from specbench.methods import SERVED, SERVED_BASELINE
 from specbench.prompts import Prompt, Turn
-from specbench.vllm_engine import EngineSpec, Served
 
 
 def test_counts_map_a_hand_built_histogram_to_the_columns():
     # K=3: 2 steps accepted none, 1 accepted one, 3 accepted all three; 18 drafts proposed.
     hist = [2, 1, 0, 3]
-    found = serving.counts(hist, drafted=18, tokens=20)
+    found = serving.counts(_served(hist, drafted=18, tokens=20))
     assert found == {"drafted": 18, "accepted": 10, "tested": 13, "target_forwards": 10, "accept_hist": "2 1 0 3"}
     # Without vLLM's per-step counts every step short of K is a rejection: alpha~ = 10 / (10 + 3).
     # With them, a step that drafted fewer than K tokens and kept them all is none.
-    assert serving.counts(hist, drafted=16, tokens=20, rejected=2)["tested"] == 12
+    assert serving.counts(_served(hist, drafted=16, tokens=20, rejected=2))["tested"] == 12
     # position i accepted in the steps that accepted more than i: 4, 3, 3 of 6
     assert metrics.acceptance_by_position(hist) == pytest.approx([4 / 6, 3 / 6, 3 / 6])
-    assert serving.counts(None, 0, 7)["target_forwards"] == 7  # no speculation: a forward per token
+    assert serving.counts(_served(None, 0, 7))["target_forwards"] == 7  # no speculation: a forward per token
+
+
+def _served(histogram, drafted, tokens, rejected=None):
+    return Served(0, list(range(tokens)), 0.0, 0.0, 1.0, histogram, drafted, rejected)
 
 
 def test_alpha_estimate_recovers_the_alpha_of_independent_acceptances():
@@ -40,7 +45,7 @@ def test_alpha_estimate_recovers_the_alpha_of_independent_acceptances():
             while accepted < k and rng.random() < alpha:
                 accepted += 1
             hist[accepted] += 1
-        found = serving.counts(hist, k * sum(hist), 0)
+        found = serving.counts(_served(hist, k * sum(hist), 0))
         assert found["accepted"] / found["tested"] == pytest.approx(alpha, abs=0.01)
 
 
@@ -55,16 +60,17 @@ def test_records_and_summary_of_requests_in_flight():
     # The draft's request 1 diverges at token 1; both ran at once from t=0.
     draft = [Served(0, [5, 6, 7, 8], 0.0, 0.05, 0.2, [1, 0, 1], 4), Served(1, [5, 9], 0.0, 0.05, 0.15, [1, 0, 0], 2)]
     step = Decoder(SERVED["draft"], 2)
-    rows = [serving.record(prompts[i], i, [1], Decoder(SERVED_BASELINE), 2, base[i], base[i]) for i in range(2)]
-    rows += [serving.record(prompts[i], i, [1], step, 2, draft[i], base[i]) for i in range(2)]
+    load = (2, math.inf)
+    rows = [serving.record(prompts[i], i, [1], Decoder(SERVED_BASELINE), load, base[i], base[i]) for i in range(2)]
+    rows += [serving.record(prompts[i], i, [1], step, load, draft[i], base[i]) for i in range(2)]
     assert set(rows[0]) == set(schema.RECORDS)
     first = rows[2]
     assert first["speedup"] == pytest.approx((4 / 0.2) / (4 / 0.4))
     assert first["ttft_ms"] == pytest.approx(50) and first["tpot_ms"] == pytest.approx(1000 * 0.15 / 3)
     assert (first["accepted"], first["target_forwards"], first["tau"]) == (2, 2, 2.0)
     assert (rows[3]["outputs_match"], rows[3]["first_divergence"]) == (False, 1)
-    costs = [serving.decode_cost([10.0], "target"), serving.decode_cost([2.0], "draft")]
-    summary = serving.summarize(rows, costs, cfg, {"target": "t", "draft": "d", "dataset": "x"})
+    costs = [serving.decode_cost([10.0], "vllm", "target"), serving.decode_cost([2.0], "vllm", "draft")]
+    summary = serving.summarize(rows, costs, [], cfg, {"target": "t", "draft": "d", "dataset": "x"})
     assert [(r["method"], r["concurrency"]) for r in summary] == [("baseline", 2), ("draft", 2)]
     row = summary[1]
     assert row["throughput"] == pytest.approx(6 / 0.2) and row["throughput_speedup"] == pytest.approx(30 / (6 / 0.4))
@@ -97,7 +103,7 @@ def test_methods_map_to_their_vllm_counterparts():
         (["--engine", "vllm", "--method", "eagle", "--target", "llama-68m"], "--method eagle needs --speculator PATH"),
         (["--engine", "vllm", "--method", "eagle3", "--speculator", "/nonexistent"], "no such directory"),
         (["--engine", "vllm", "--concurrency", "0"], "--concurrency must be at least 1"),
-        (["--concurrency", "4"], "--concurrency above 1 needs --engine vllm alone"),
+        (["--concurrency", "4"], "--concurrency above 1 needs --engine vllm or server"),
         (["--engine", "vllm", "--concurrency", "4", "--num-prompts", "2"], "needs as many prompts"),
         (["--engine", "vllm", "--tensor-parallel-size", "512"], "needs 512 devices and this machine has"),
         (["--engine", "gpu"], "--engine gpu: use one of torch, vllm"),

@@ -71,7 +71,8 @@ def test_engines_side_by_side_on_the_same_prompts(vllm_pair, prompts_file, tmp_p
 
 
 def test_vllm_counters_equal_the_sum_of_its_per_request_histograms(vllm_pair):
-    from specbench.vllm_engine import Engine, EngineSpec, Sampling
+    from specbench.engines import Sampling
+    from specbench.engines.vllm import Engine, EngineSpec
 
     spec = {"method": "draft_model", "model": vllm_pair[1], "num_speculative_tokens": 3}
     requests = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [17, 18]]
@@ -171,3 +172,94 @@ def test_conversations_go_turn_by_turn_through_vllm(vllm_pair, tmp_path):
     categories = pd.read_csv(out / "categories.csv")
     assert set(categories["category"]) == {"writing", "coding", "translation"}
     assert (categories["engine"] == "vllm").all() and (categories["concurrency"] == 2).all()
+
+
+def vllm_server(model: str, *extra: str) -> str:
+    """The command of a vLLM OpenAI server on CPU for --launch (``{port}`` left for it to fill)."""
+    import shlex
+    import sys
+
+    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--port", "{port}"]
+    args += ["--host", "127.0.0.1", "--enforce-eager", "--dtype", "float32", "--seed", "0", "--max-model-len", "256"]
+    args += ["--no-enable-prefix-caching", *extra]
+    return shlex.join(args).replace("'{port}'", "{port}")
+
+
+def speculating(draft: str | None, k: int, method: str = "draft_model") -> tuple[str, ...]:
+    config = {"method": method, "num_speculative_tokens": k} | ({"model": draft} if draft else {})
+    if method == "ngram":
+        config |= {"prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    return ("--speculative-config", json.dumps(config), "--per-request-spec-decode-metrics", "detailed")
+
+
+def test_vllm_servers_side_by_side_and_a_killed_baseline_resumes(vllm_pair, tmp_path, monkeypatch):
+    """Real vLLM OpenAI servers on loopback: a baseline the test starts itself, and a draft-model and
+    an ngram server specbench launches; rows per server, concurrency and category, acceptance equal
+    to the servers' own counters, greedy outputs equal. Then the baseline is killed mid-run: the
+    finished rows stay, and --resume against it restarted finishes the run."""
+    import subprocess
+    import time
+
+    from specbench.engines.launch import free_port, launched
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    target, draft = vllm_pair
+    questions = tmp_path / "question.jsonl"
+    rows = [{"question_id": 81 + i, "category": c, "turns": [f"def f{i}(a):", "for k in range(3):"]}
+            for i, c in enumerate(["writing", "coding"])]  # fmt: skip
+    rows += [{"question_id": 161 + i, "category": "translation", "turns": [f"print('hola {i}')"]} for i in range(2)]
+    questions.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}/v1"
+    common = ["run", "--engine", "server", "--target", target, "--dataset", str(questions)]
+    common += ["--baseline-url", base_url, "--warmup", "1"]
+    out = tmp_path / "run"
+    with launched("baseline", vllm_server(target), tmp_path / "logs", port=port):
+        launch = ["--launch", f"draft2={vllm_server(target, *speculating(draft, 2))}"]
+        launch += ["--launch", f"ngram={vllm_server(target, *speculating(None, 2, 'ngram'))}"]
+        result = specbench(
+            *common, *launch, "--max-new-tokens", "16", "--concurrency", "1,2", "--out", str(out), timeout=900
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        records = pd.read_csv(out / "records.csv", keep_default_na=False)
+        summary = pd.read_csv(out / "summary.csv")
+        counters = pd.read_csv(out / "counters.csv")
+        assert len(records) == 3 * 2 * 6 and (records["error"] == "").all()
+        assert sorted(set(zip(summary["method"], summary["concurrency"], strict=True))) == [
+            (m, n) for m in ("baseline", "draft2", "ngram") for n in (1, 2)
+        ]
+        spec = records[records["method"] != "baseline"]
+        assert spec["outputs_match"].map(str).eq("True").all()  # greedy: equal to the baseline server's
+        assert (spec["acceptance_source"] == "response").all() and set(spec["k"].astype(int)) == {2}
+        for (method, n), block in spec.groupby(["method", "concurrency"]):
+            grew = counters[(counters["method"] == method) & (counters["concurrency"] == n)].iloc[0]
+            assert block["accepted"].astype(int).sum() == grew["num_accepted_tokens"]
+            assert block["drafted"].astype(int).sum() == grew["num_draft_tokens"]
+        categories = pd.read_csv(out / "categories.csv")
+        assert {"writing", "coding", "translation"} <= set(categories["category"])
+        assert (tmp_path / "run" / "servers" / "draft2.log").is_file()
+
+        # A baseline killed mid-run: the rows so far stay; --resume finishes against it restarted.
+        out = tmp_path / "killed"
+        # Long answers, so that the kill lands while the baseline's requests are still coming.
+        args = [*common, "--server", "none=http://127.0.0.1:9/v1", "--max-new-tokens", "120", "--out", str(out)]
+        running = subprocess.Popen(
+            ["python", "-m", "specbench", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not (
+            (out / "records.csv").is_file() and len((out / "records.csv").read_text().splitlines()) >= 3
+        ):
+            time.sleep(0.2)
+    _, stderr = running.communicate(timeout=300)  # the baseline is stopped when its block is left
+    assert running.returncode != 0 and "--resume" in " ".join(stderr.split()), stderr[-2000:]
+    kept = pd.read_csv(out / "records.csv", keep_default_na=False)
+    assert (kept["error"] == "").sum() >= 2
+    with launched("baseline", vllm_server(target), tmp_path / "logs2", port=port):
+        result = specbench(*args, "--resume", timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = pd.read_csv(out / "records.csv", keep_default_na=False)
+    base, none = records[records["method"] == "baseline"], records[records["method"] == "none"]
+    # Every turn that fits the window at 120 new tokens (the second turns do not) once, none failed.
+    assert len(base) == len(none) == 4 and (base["error"] == "").all() and (none["error"] != "").all()
+    assert base["prompt_index"].is_unique

@@ -1,4 +1,4 @@
-"""vLLM as a second engine (--engine vllm): one engine per method and K, N requests in flight.
+"""vLLM in this process as an engine (--engine vllm): one engine per method and K, N requests in flight.
 
 The only module that imports vllm, and only when an engine starts, so the core install never needs
 it. Like specbench's own loop, the engine sees token ids only: prompts go in as ids (the tokenizer is
@@ -10,14 +10,15 @@ client's side: submission, first token, last token.
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import queue
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .errors import SpecbenchError
+from ..errors import SpecbenchError
+from . import LoopThread, Sampling, Served, arrivals, first_line
 
 INSTALL = (
     "--engine vllm needs vLLM, which lives in an environment of its own: run `make install-vllm` "
@@ -62,35 +63,6 @@ class EngineSpec:
         }
 
 
-@dataclass
-class Sampling:
-    max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    stop_ids: tuple[int, ...]
-
-
-@dataclass
-class Served:
-    """One request as its client saw it; times are seconds from its block's start."""
-
-    index: int
-    tokens: list[int]
-    start: float
-    first: float  # when the first token arrived
-    end: float
-    histogram: list[int] | None  # verify steps that accepted 0, 1, ..., K drafts (None: no speculation)
-    drafted: int = 0
-    rejected: int | None = None  # verify steps that rejected a drafted token (None: not reported)
-
-    @property
-    def tpot_ms(self) -> float:
-        """Time per output token after the first, in ms."""
-        return 1000 * (self.end - self.first) / (len(self.tokens) - 1) if len(self.tokens) > 1 else float("nan")
-
-
 def vllm_version() -> str | None:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -109,8 +81,7 @@ def available() -> bool:
 
 
 class Engine:
-    """A started vLLM engine with its own event loop on a thread, so requests can be driven
-    asynchronously while the caller iterates over them as they finish."""
+    """A started vLLM engine, driven from an event loop on a thread of its own (LoopThread)."""
 
     def __init__(self, spec: EngineSpec):
         if not available():
@@ -118,15 +89,10 @@ class Engine:
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
         # vLLM logs every step of its start; VLLM_LOGGING_LEVEL=INFO brings that back.
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
+        self.driver = LoopThread()
         self.llm = None
-        self.llm = self._wait(self._start(spec))
+        self.llm = self.driver.wait(self._start(spec))
         self.requests = 0
-
-    def _wait(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     async def _start(self, spec: EngineSpec):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -137,7 +103,7 @@ class Engine:
         except TypeError as e:  # an --engine-args key vLLM does not have
             raise SpecbenchError(f"vLLM refused its arguments ({e}): check --engine-args") from None
         except Exception as e:
-            raise SpecbenchError(f"vLLM could not start the engine for {spec.model}: {_first_line(e)}") from None
+            raise SpecbenchError(f"vLLM could not start the engine for {spec.model}: {first_line(e)}") from None
 
     async def _stop(self) -> None:
         # The output handler goes first: it would report the engine it waits on as dead.
@@ -145,19 +111,15 @@ class Engine:
             handler.cancel()
         self.llm.shutdown()
 
-    def run(self, requests: list[list[int]], concurrency: int, sampling: Sampling) -> Iterator[Served]:
+    def run(
+        self, requests: list[list[int]], concurrency: int, sampling: Sampling, rate: float = math.inf
+    ) -> Iterator[Served]:
         """Decode every request, at most ``concurrency`` in flight; yields each as it finishes."""
-        finished: queue.Queue = queue.Queue()
         tag, self.requests = self.requests, self.requests + len(requests)
-        done = asyncio.run_coroutine_threadsafe(self._drive(requests, concurrency, sampling, tag, finished), self.loop)
-        for _ in requests:
-            item = finished.get()
-            if isinstance(item, BaseException):
-                raise SpecbenchError(f"the vLLM engine failed mid-run: {_first_line(item)}") from None
-            yield item
-        done.result()
+        drive = lambda finished: self._drive(requests, concurrency, sampling, rate, tag, finished)  # noqa: E731
+        yield from self.driver.stream(len(requests), drive, "the vLLM engine")
 
-    async def _drive(self, requests, concurrency, sampling: Sampling, tag: int, finished: queue.Queue) -> None:
+    async def _drive(self, requests, concurrency, sampling: Sampling, rate: float, tag: int, finished: queue.Queue):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
@@ -175,32 +137,39 @@ class Engine:
         gate = asyncio.Semaphore(concurrency)
         began = time.perf_counter()
 
-        async def one(index: int, ids: list[int]) -> None:
+        async def one(index: int, ids: list[int], at: float) -> None:
+            await asyncio.sleep(at)
             async with gate:
                 start = time.perf_counter() - began
                 tokens: list[int] = []
-                first, histogram, drafted, rejected = None, None, 0, None
+                first, last, itl, histogram, drafted, rejected, k = None, None, [], None, 0, None, None
                 async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), params, f"{tag + index}"):
                     completion = out.outputs[0]
-                    if completion.token_ids and first is None:
-                        first = time.perf_counter() - began
+                    if completion.token_ids:
+                        now = time.perf_counter() - began
+                        first = now if first is None else first
+                        if last is not None:
+                            itl.append(now - last)
+                        last = now
                     tokens += completion.token_ids
                     if out.finished and (spec := completion.spec_decode_metrics) is not None:
                         histogram, drafted = list(spec.histogram), spec.num_draft_tokens
+                        k = len(histogram) - 1
                         if spec.per_step_drafted:
                             steps = zip(spec.per_step_accepted, spec.per_step_drafted, strict=True)
                             rejected = sum(1 for accepted, proposed in steps if accepted < proposed)
                 end = time.perf_counter() - began
             first = end if first is None else first
-            finished.put(Served(index, tokens, start, first, end, histogram, drafted, rejected))
+            finished.put(Served(index, tokens, start, first, end, histogram, drafted, rejected, k=k, itl=itl))
 
-        async def guarded(index: int, ids: list[int]) -> None:
+        async def guarded(index: int, ids: list[int], at: float) -> None:
             try:
-                await one(index, ids)
+                await one(index, ids, at)
             except BaseException as e:  # handed to the caller, who stops at it
                 finished.put(e)
 
-        await asyncio.gather(*(guarded(i, ids) for i, ids in enumerate(requests)))
+        times = arrivals(len(requests), rate, sampling.seed)
+        await asyncio.gather(*(guarded(i, ids, at) for i, (ids, at) in enumerate(zip(requests, times, strict=True))))
 
     def counters(self) -> dict[str, float | list[float]]:
         """vLLM's own speculative-decoding counters so far in this process (Prometheus), by name
@@ -222,24 +191,15 @@ class Engine:
 
     def close(self) -> None:
         if self.llm is not None:
-            self._wait(self._stop())
+            self.driver.wait(self._stop())
             self.llm = None
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(timeout=30)
+        self.driver.close()
 
     def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _first_line(e: BaseException) -> str:
-    """The line of an exception that says what went wrong (pydantic's first line only counts errors)."""
-    lines = [line.strip() for line in str(e).strip().splitlines()]
-    said = next((line.removeprefix("Value error, ") for line in lines if line.startswith("Value error")), None)
-    said = said or (lines[0] if lines else "")
-    return f"{type(e).__name__}: {said.split(' [type=')[0]}" if said else type(e).__name__
 
 
 def device_count(device: str) -> tuple[int, str]:
