@@ -349,7 +349,8 @@ def best_ks(summary: list[dict]) -> dict:
     """Per method with K: the best K by measured speedup and by each prediction."""
     picks: dict[str, dict] = {}
     for row in summary:
-        if not _chain(row) or row["concurrency"] != 1:
+        # A server is one deployment with one K: there is no K of its to choose.
+        if not _chain(row) or row["concurrency"] != 1 or row["engine"] == "server":
             continue
         if row["engine"] not in OWN_ENGINES:
             row = {**row, "method": f"{row['engine']} {row['method']}"}

@@ -2,7 +2,7 @@
 OpenAI-compatible API (server.py). specbench's own loop and transformers' methods decode one prompt
 at a time through method.Method instead.
 
-Every engine here has the same small interface, which bench.serve_all drives:
+Every engine here has the same small interface, which serve.serve_all drives:
 
 - ``run(requests, concurrency, sampling, rate)`` decodes every request, at most ``concurrency`` in
   flight, the requests arriving at ``rate`` per second (Poisson, seeded) or all at once, and yields
