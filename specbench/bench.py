@@ -8,7 +8,6 @@ It yields what it is doing, then its Results; it never prints.
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import math
 import time
@@ -16,11 +15,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from . import serving
 from .config import BenchConfig
 from .costs import ForwardCosts, measure_costs, noisy_costs
+from .engines import Sampling
+from .engines.loop import Loop
 from .engines.vllm import vllm_version
 from .errors import SpecbenchError
 from .machine import environment
@@ -33,7 +32,6 @@ from .plot import plot_categories, plot_concurrency, plot_online, plot_phases, p
 from .prompts import load_prompts
 from .results import (
     WEIGHT_DEPENDENT,
-    Measurement,
     acceptance_rows,
     best_ks,
     by_group,
@@ -47,45 +45,9 @@ from .results import (
 )
 from .rundir import RunWriter
 from .serve import Step, serve_all
-from .timing import PhaseClock, synchronize
 
 log = logging.getLogger("specbench")
 SUMMARY_EVERY_S = 10.0  # summary.csv is rewritten at most this often while decoding, and at the end
-
-
-def generator_for(device: torch.device, seed: int, prompt_index: int, method: str) -> torch.Generator:
-    """An independent, reproducible random stream per (seed, prompt, method), from a stable hash of
-    the three: adding, removing or reordering methods changes no other method's samples."""
-    digest = hashlib.blake2b(f"{seed}/{prompt_index}/{method}".encode(), digest_size=8).digest()
-    return torch.Generator(device=device).manual_seed(int.from_bytes(digest, "little") >> 1)
-
-
-def decode(pair: Pair, cfg: BenchConfig, ids: torch.Tensor, index: int, decoder: Decoder) -> Measurement:
-    """Time one prompt's decode cfg.repeats times (each from the same seed, so identical work) and
-    keep the median run, phases and all.
-
-    A decode's wall time is its phase clock's span, from the synchronised start to the last lap,
-    so its phases add up to it exactly: nothing done outside the clock (the generator's creation, a
-    garbage collection there) is counted in the time but in no phase."""
-    clock = PhaseClock(pair.device)
-    timed = pair.timed(clock)
-    runs = []
-    for _ in range(cfg.repeats):
-        generator = generator_for(pair.device, cfg.seed, index, decoder.method.name)
-        synchronize(pair.device)
-        clock.start()
-        result = decoder.method.decode(timed, cfg, decoder, ids, generator)
-        runs.append((result, clock.stop()))  # stop waits for the device
-    result, phases = sorted(runs, key=lambda run: run[1].total)[(len(runs) - 1) // 2]
-    return Measurement(result, phases.total, phases)
-
-
-def warm_up(pair: Pair, cfg: BenchConfig, prompt_ids: list[torch.Tensor], plan: list[Decoder]) -> None:
-    """Untimed runs of every decoder, so allocation, kernel selection and caches settle first (a
-    method that learns learns nothing from them: it learns in after_prompt)."""
-    for _ in range(cfg.warmup):
-        for decoder in [Decoder(BASELINE), *plan]:
-            decode(pair, cfg, prompt_ids[0], 0, decoder)
 
 
 def prepare(cfg: BenchConfig) -> tuple[Pair, Conversations]:
@@ -186,13 +148,16 @@ def benchmark(
     plan = cfg.plan  # one plan for the run: a method that learns keeps its state in its decoder
     own = "torch" in cfg.engines
     for step in plan:
-        step.method.begin_run(pair, cfg, step)
+        step.method.begin_run(pair, cfg.settings_of(step.method), step)
     costs = None  # specbench's loop's forward costs; vLLM's are in engine_costs
     if own and previous is not None and previous.costs:
         costs = ForwardCosts.from_rows(previous.costs)
     elif own:
         yield Step("measuring forward costs (c, verify_ratio)")
-        costs = measure_costs(pair, prompt_ids, cfg, plan)
+        levels = {
+            level.name: level.build(pair, cfg.settings_of(step.method)) for step in plan for level in step.method.levels
+        }
+        costs = measure_costs(pair, prompt_ids, levels, cfg.widest, cfg.max_new_tokens, cfg.cost_repeats)
         writer.write_csv("verify_cost.csv", costs.rows())
     done = previous.complete_prompts(1 + len(plan)) if previous is not None else set()
     # A conversation is decoded again whole unless every turn of it is done: a later turn needs the answers before it.
@@ -204,7 +169,12 @@ def benchmark(
     learning: list[dict] = []  # online.csv
     try:
         if own:
-            yield from decode_all(pair, cfg, conversations, plan, writer, records, done, learning, costs, run_info)
+            loops = [
+                Loop(pair, decoder, cfg.options_of(decoder.method), cfg.repeats)
+                for decoder in [Decoder(BASELINE), *plan]
+            ]
+            sampling = cfg.requests(pair.stop_ids)
+            yield from decode_all(loops, sampling, cfg, conversations, writer, records, done, learning, costs, run_info)
         if cfg.served_baseline is not None:
             if pair.target_lm is not None:  # vLLM loads the models again: free this process's copy first
                 pair = pair.without_weights()
@@ -272,31 +242,38 @@ def forward_route(lm) -> str:
     return "eager" if lm is None or lm.fast is None else lm.fast.route
 
 
-def decode_all(pair, cfg, conversations, plan, writer, records, done, learning, costs, run_info) -> Iterator[Step]:
-    """specbench's loop: every turn not yet done, by the baseline and each decoder of the plan. A
-    later turn of a conversation is rendered after the decoder's own answers to the turns before it
-    (under greedy, the baseline's: the exact methods give the same)."""
-    turns = conversations.turns
+def decode_all(
+    loops, sampling: Sampling, cfg, conversations, writer, records, done, learning, costs, run_info
+) -> Iterator[Step]:
+    """specbench's loop: every turn not yet done, by the baseline (``loops[0]``) and each decoder of
+    the plan, each a Loop engine of its own. A later turn of a conversation is rendered after the
+    decoder's own answers to the turns before it (under greedy, the baseline's: the exact methods
+    give the same)."""
+    turns, tokenizer = conversations.turns, loops[0].pair.target.tokenizer
     todo = [i for i in range(len(turns)) if i not in done]
     if todo:  # a resumed run with nothing left to decode only writes its summary again
         yield Step("warming up")
-        warm_up(pair, cfg, conversations.first, plan)
-    total, finished, written = len(todo) * (1 + len(plan)), 0, time.monotonic()
+        for _ in range(cfg.warmup):  # untimed, so allocation, kernel choice and caches settle first
+            for loop in loops:  # a method that learns learns nothing here: it learns in after_prompt
+                list(loop.run(conversations.first[:1], 1, sampling, indices=[0]))
+    plan = [loop.decoder for loop in loops[1:]]
+    total, finished, written = len(todo) * len(loops), 0, time.monotonic()
     answers: dict[tuple[int, str], list[str]] = {}  # (conversation, decoder) -> its answers so far
     for index in todo:
         turn = turns[index]
-        base_ids = conversations.ids(turn, answers.get((turn.conversation, BASELINE.name), []))
-        baseline = decode(pair, cfg, base_ids, index, Decoder(BASELINE))
+        baseline = None
         references = {}  # an engine's own baseline (hf-generate), for the methods it is the reference of
-        for decoder in [Decoder(BASELINE), *plan]:
+        for loop in loops:
+            decoder = loop.decoder
             before = answers.setdefault((turn.conversation, decoder.label), [])
-            ids = base_ids if decoder.method is BASELINE else conversations.ids(turn, before)
-            measured = baseline if decoder.method is BASELINE else decode(pair, cfg, ids, index, decoder)
+            ids = conversations.ids(turn, before)
+            measured = next(loop.run([ids], 1, sampling, indices=[index])).measured
+            baseline = baseline or measured
             references[decoder.method.name] = measured
             reference = references.get(decoder.method.reference, baseline)
             learned = decoder.method.after_prompt(decoder, ids, measured.result)
             tokens = measured.result.tokens
-            text = pair.target.tokenizer.decode(tokens) if pair.target.tokenizer else ""
+            text = tokenizer.decode(tokens) if tokenizer else ""
             if turn.turn < len(turn.prompt.turns):
                 before.append(conversations.answer(tokens))
             writer.output(

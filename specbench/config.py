@@ -11,6 +11,8 @@ import copy
 from dataclasses import asdict, field, make_dataclass
 
 from .engine import tree_parents
+from .engines import Sampling
+from .engines.loop import Settings
 from .engines.vllm import INSTALL, available, device_count
 from .errors import SpecbenchError
 from .kv import SINKS
@@ -161,6 +163,22 @@ class _Run:
     @property
     def sampling(self) -> SamplingConfig:
         return SamplingConfig(self.temperature, self.top_k, self.top_p, self.eta)
+
+    def requests(self, stop_ids) -> Sampling:
+        """What every engine samples with: the tokens to generate, the warp, the seed and the ids that
+        end an answer (``stop_ids``, the target's)."""
+        return Sampling(
+            self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed, tuple(sorted(stop_ids)), self.eta
+        )
+
+    def options_of(self, method) -> dict:
+        """The options ``method`` decodes with in specbench's loop: its own, and --draft-p-min (where
+        the confidence policy stops a round)."""
+        return {name: getattr(self, name) for name in [o.name for o in method.options] + ["draft_p_min"]}
+
+    def settings_of(self, method) -> Settings:
+        """engines/loop.Settings of ``method`` in this run (what begin_run and the cost levels take)."""
+        return Settings(self.max_new_tokens, self.sampling, self.options_of(method))
 
     def validate(self) -> None:
         if unknown := [name for name in self.methods if name not in METHODS and name not in SERVED]:

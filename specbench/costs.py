@@ -15,7 +15,6 @@ import torch
 
 from . import metrics
 from .lm import HFCausalLM, SparseView
-from .method import Decoder
 from .pair import Pair
 from .timing import synchronize
 
@@ -112,22 +111,24 @@ def _forward_seconds(
     return times[2:]
 
 
-def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg, plan: list[Decoder]) -> ForwardCosts:
-    """Single-token forward times of both models and target forward times for 1..max(K+1, COST_SIZES) tokens.
+def measure_costs(
+    pair: Pair, prompt_ids: list[torch.Tensor], levels: dict[str, HFCausalLM], widest: int, generated: int, repeats: int
+) -> ForwardCosts:
+    """Single-token forward times of both models and of each drafting ``levels`` model (by name, built
+    as its method builds it), and target forward times for 1..max(``widest``, COST_SIZES) tokens.
 
     Measured at the context length decoding actually runs at: the median prompt plus half the
-    generated tokens, built from real prompt tokens.
+    ``generated`` tokens, built from real prompt tokens; ``repeats`` timed rounds.
     """
     lengths = sorted(len(ids) for ids in prompt_ids)
-    length = lengths[len(lengths) // 2] + cfg.max_new_tokens // 2
+    length = lengths[len(lengths) // 2] + generated // 2
     windows = [m.context_window for m in (pair.target, pair.draft) if m is not None and m.context_window]
     room = min(windows, default=length + COST_SIZES) - length  # K + 1 always fits (encode_prompts made sure)
-    sizes = range(1, max(cfg.widest, min(COST_SIZES, room)) + 1)
+    sizes = range(1, max(widest, min(COST_SIZES, room)) + 1)
     tokens = torch.cat(prompt_ids)
     context = tokens.repeat(length // len(tokens) + 2)[: length + sizes[-1]]
     prefix, probe = context[:length], context[length:]
     models = [pair.target_lm] + ([pair.draft_lm] if pair.draft_lm else [])
-    levels = {level.name: level.build(pair, cfg) for step in plan for level in step.method.levels}
     with torch.inference_mode():
         for view in levels.values():
             if isinstance(view, SparseView):
@@ -137,7 +138,7 @@ def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg, plan: list[De
         for view in levels.values():
             view.prefill(prefix)  # a sparse view is built from the target's cache; a window reads the prefix
         probes = [(pair.target_lm, n) for n in sizes] + [(lm, 1) for lm in [*models[1:], *levels.values()]]
-        times = _forward_seconds(probes, probe, cfg.cost_repeats, pair.device)
+        times = _forward_seconds(probes, probe, repeats, pair.device)
     costs = []
     for column in zip(*times, strict=True):
         ratios = [t / repeat[0] for t, repeat in zip(column, times, strict=True)]
@@ -147,7 +148,7 @@ def measure_costs(pair: Pair, prompt_ids: list[torch.Tensor], cfg, plan: list[De
         length,
         dict(zip(sizes, costs, strict=False)),
         draft,
-        cfg.cost_repeats,
+        repeats,
         dict(zip(levels, costs[len(costs) - len(levels) :], strict=True)),
     )
 

@@ -2,8 +2,9 @@
 and lookahead policy), SpeculativeLoop (the base of every method that runs specbench's own loop)
 and the drafting Levels the cost measurement times. The methods themselves are in methods.py.
 
-``cfg`` below is the run's configuration (config.BenchConfig) and ``costs`` its forward costs
-(costs.ForwardCosts).
+A method decodes with ``settings`` (engines/loop.Settings: the tokens to generate, the sampling and
+its own options); ``cfg``, where a method checks the run's options or describes them, is the run's
+configuration (config.BenchConfig); ``costs`` its forward costs (costs.ForwardCosts).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from .engine import DecodeResult, Drafter, heuristic_k, speculative_decode
+from .engines.loop import Settings
 from .lm import HFCausalLM
 from .online import Learned
 from .options import CONFIDENCE, FIXED, HEURISTIC, Option
@@ -61,9 +63,9 @@ class Decoder:
         """What sets K round by round (engine.speculative_decode's ``schedule``): None keeps it."""
         return heuristic_k if self.k_policy == HEURISTIC else None
 
-    def p_min(self, cfg) -> float | None:
+    def p_min(self, settings: Settings) -> float | None:
         """Where a ModelDrafter stops a round (--draft-p-min) under the confidence policy; None: it drafts K."""
-        return cfg.draft_p_min if self.k_policy == CONFIDENCE else None
+        return settings.draft_p_min if self.k_policy == CONFIDENCE else None
 
 
 class Method:
@@ -107,10 +109,12 @@ class Method:
         """Cost of one drafting step in one-token target forwards (NaN: the method does not draft)."""
         return math.nan
 
-    def begin_run(self, pair: Pair, cfg, step: Decoder) -> None:
-        """Set up ``step.state`` before the first prompt (methods that learn)."""
+    def begin_run(self, pair: Pair, settings: Settings, step: Decoder) -> None:
+        """Set up ``step.state`` before the first prompt (methods that learn, or keep a view of the cache)."""
 
-    def decode(self, pair: Pair, cfg, step: Decoder, ids: torch.Tensor, generator: torch.Generator) -> DecodeResult:
+    def decode(
+        self, pair: Pair, settings: Settings, step: Decoder, ids: torch.Tensor, generator: torch.Generator
+    ) -> DecodeResult:
         """Decode one prompt; ``pair`` is timed (pair.clock is lapped around every model forward)."""
         raise NotImplementedError
 
@@ -129,18 +133,18 @@ class SpeculativeLoop(Method):
 
     k_policies = (FIXED, HEURISTIC)
 
-    def drafter(self, pair: Pair, cfg, step: Decoder, generator: torch.Generator) -> Drafter:
+    def drafter(self, pair: Pair, settings: Settings, step: Decoder, generator: torch.Generator) -> Drafter:
         raise NotImplementedError
 
-    def decode(self, pair, cfg, step, ids, generator, on_round=None):
-        drafter = self.drafter(pair, cfg, step, generator)
+    def decode(self, pair, settings, step, ids, generator, on_round=None):
+        drafter = self.drafter(pair, settings, step, generator)
         return speculative_decode(
             pair.target_lm,
             drafter,
             ids,
             step.k,
-            cfg.max_new_tokens,
-            cfg.sampling,
+            settings.max_new_tokens,
+            settings.sampling,
             generator,
             pair.stop_ids,
             on_round,
@@ -151,7 +155,8 @@ class SpeculativeLoop(Method):
 @dataclass(frozen=True)
 class Level:
     """A drafting model other than the draft model, built the way its method builds it, so the cost
-    measurement times the forward the method runs; ``name`` is its verify_cost.csv row."""
+    measurement times the forward the method runs; ``name`` is its verify_cost.csv row. ``build``
+    takes the pair and the method's Settings."""
 
     name: str
-    build: Callable[[Pair, object], HFCausalLM]
+    build: Callable[[Pair, Settings], HFCausalLM]

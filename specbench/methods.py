@@ -4,8 +4,10 @@ A method (method.Method) says whether it takes a lookahead K, whether it needs t
 options it owns, what its cost ratio c is, and how it decodes one prompt. Nothing outside this module
 names a method: adding one is a class here and an entry in METHODS.
 
-``cfg`` below is the run's configuration (config.BenchConfig, which is built from these methods'
-options, so this module cannot import it) and ``costs`` its forward costs (costs.ForwardCosts).
+A method decodes with ``settings`` (engines/loop.Settings): the tokens to generate, the sampling,
+and its own options by name. ``cfg``, where a method checks or describes the run's options, is the
+run's configuration (config.BenchConfig, which is built from these methods' options, so this module
+cannot import it); ``costs`` its forward costs (costs.ForwardCosts).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from .engine import (
     autoregressive_decode,
     tree_parents,
 )
+from .engines.hf import hf_generate
 from .errors import SpecbenchError
 from .kv import SINKS
-from .lm import SparseView, WindowLM, hf_generate
+from .lm import SparseView, WindowLM
 from .method import Decoder, Level, Method, SpeculativeLoop
 from .models import speculator_dir
 from .online import OnlineConfig, OnlineLearner, rejection
@@ -38,8 +41,10 @@ from .timing import TimedDrafter, TimedLM
 class Baseline(Method):
     name, help, takes_k = "baseline", "the target alone, one token per forward with a KV cache (always runs)", False
 
-    def decode(self, pair, cfg, step, ids, generator):
-        return autoregressive_decode(pair.target_lm, ids, cfg.max_new_tokens, cfg.sampling, generator, pair.stop_ids)
+    def decode(self, pair, settings, step, ids, generator):
+        return autoregressive_decode(
+            pair.target_lm, ids, settings.max_new_tokens, settings.sampling, generator, pair.stop_ids
+        )
 
 
 class Speculative(SpeculativeLoop):
@@ -54,8 +59,8 @@ class Speculative(SpeculativeLoop):
     def c(self, costs):
         return costs.c
 
-    def drafter(self, pair, cfg, step, generator):
-        return ModelDrafter(pair.draft_lm, cfg.sampling, generator, step.p_min(cfg))
+    def drafter(self, pair, settings, step, generator):
+        return ModelDrafter(pair.draft_lm, settings.sampling, generator, step.p_min(settings))
 
 
 KV_BUDGET = Option(
@@ -80,13 +85,20 @@ DRAFT_WINDOW = Option(
 )
 
 
-def draft_window(pair: Pair, cfg) -> WindowLM:
+def timed_draft(lm, pair: Pair, settings, step: Decoder, generator) -> ModelDrafter:
+    """A ModelDrafter of ``lm`` (a method's own drafting model) whose forwards are laps of the draft phase."""
+    return ModelDrafter(TimedLM(lm, pair.clock, "draft"), settings.sampling, generator, step.p_min(settings))
+
+
+def draft_window(pair: Pair, settings) -> WindowLM:
     """The draft model over a streaming window of --draft-window positions (speculative-window, triforce)."""
     lm = pair.draft_lm
-    return WindowLM(lm.model, lm.width, pair.draft.head_tokens, cfg.draft_window, lm.fast)
+    return WindowLM(lm.model, lm.width, pair.draft.head_tokens, settings.draft_window, lm.fast)
 
 
-SELF_SPARSE_LEVEL = Level("self-sparse", lambda pair, cfg: SparseView(pair.target_lm, cfg.kv_budget, cfg.kv_policy))
+SELF_SPARSE_LEVEL = Level(
+    "self-sparse", lambda pair, settings: SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy)
+)
 DRAFT_WINDOW_LEVEL = Level("draft-window", draft_window)
 
 
@@ -106,11 +118,11 @@ class SpeculativeWindow(SpeculativeLoop):
     def c(self, costs):
         return costs.level_c(DRAFT_WINDOW_LEVEL.name)
 
-    def begin_run(self, pair, cfg, step):
-        step.state = draft_window(pair, cfg)
+    def begin_run(self, pair, settings, step):
+        step.state = draft_window(pair, settings)
 
-    def drafter(self, pair, cfg, step, generator):
-        return ModelDrafter(TimedLM(step.state, pair.clock, "draft"), cfg.sampling, generator, step.p_min(cfg))
+    def drafter(self, pair, settings, step, generator):
+        return timed_draft(step.state, pair, settings, step, generator)
 
 
 class PromptLookup(SpeculativeLoop):
@@ -123,7 +135,7 @@ class PromptLookup(SpeculativeLoop):
     def c(self, costs):
         return 0.0  # no draft model runs; its lookups are host-side bookkeeping
 
-    def drafter(self, pair, cfg, step, generator):
+    def drafter(self, pair, settings, step, generator):
         return PromptLookupDrafter()
 
 
@@ -158,9 +170,9 @@ class Cascade(SpeculativeLoop):
     def c(self, costs):
         return costs.c  # one of its draft-model forwards; it needs fewer of them than K per round
 
-    def drafter(self, pair, cfg, step, generator):
+    def drafter(self, pair, settings, step, generator):
         lookup = TimedDrafter(PromptLookupDrafter(), pair.clock, "inner")
-        return CascadeDrafter(pair.draft_lm, cfg.sampling, generator, cfg.cascade_split or None, lower=lookup)
+        return CascadeDrafter(pair.draft_lm, settings.sampling, generator, settings.cascade_split or None, lower=lookup)
 
 
 TREES = Option(
@@ -191,8 +203,8 @@ class Tree(SpeculativeLoop):
     def c(self, costs):
         return costs.c
 
-    def drafter(self, pair, cfg, step, generator):
-        return TreeDrafter(pair.draft_lm, cfg.sampling, generator, step.tree)
+    def drafter(self, pair, settings, step, generator):
+        return TreeDrafter(pair.draft_lm, settings.sampling, generator, step.tree)
 
 
 class LookupTree(SpeculativeLoop):
@@ -209,7 +221,7 @@ class LookupTree(SpeculativeLoop):
     def c(self, costs):
         return 0.0
 
-    def drafter(self, pair, cfg, step, generator):
+    def drafter(self, pair, settings, step, generator):
         return LookupTreeDrafter(nodes=len(tree_parents(step.tree)), depth=len(step.tree))
 
 
@@ -244,21 +256,21 @@ class Online(Speculative):
         ),
     )
 
-    def begin_run(self, pair, cfg, step):
-        online = OnlineConfig(cfg.online_every, cfg.online_steps, cfg.online_lr)
+    def begin_run(self, pair, settings, step):
+        online = OnlineConfig(settings.online_every, settings.online_steps, settings.online_lr)
         step.state = OnlineLearner(pair.draft, pair.draft_lm.width, online, pair.device, pair.draft_lm.fast is not None)
 
-    def drafter(self, pair, cfg, step, generator):
-        return ModelDrafter(TimedLM(step.state.lm, pair.clock, "draft"), cfg.sampling, generator, step.p_min(cfg))
+    def drafter(self, pair, settings, step, generator):
+        return timed_draft(step.state.lm, pair, settings, step, generator)
 
-    def decode(self, pair, cfg, step, ids, generator):
+    def decode(self, pair, settings, step, ids, generator):
         lessons = []
 
         def keep(round_, at):
             if (lesson := rejection(round_, at)) is not None:
                 lessons.append(lesson)
 
-        result = super().decode(pair, cfg, step, ids, generator, on_round=keep)
+        result = super().decode(pair, settings, step, ids, generator, on_round=keep)
         result.lessons = lessons
         return result
 
@@ -284,12 +296,12 @@ class SelfSparse(SpeculativeLoop):
     def c(self, costs):
         return costs.level_c(SELF_SPARSE_LEVEL.name)
 
-    def begin_run(self, pair, cfg, step):
-        step.state = SparseView(pair.target_lm, cfg.kv_budget, cfg.kv_policy)
+    def begin_run(self, pair, settings, step):
+        step.state = SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy)
 
-    def drafter(self, pair, cfg, step, generator):
+    def drafter(self, pair, settings, step, generator):
         step.state.watch()  # before the target's prefill, which comes next
-        return ModelDrafter(TimedLM(step.state, pair.clock, "draft"), cfg.sampling, generator, step.p_min(cfg))
+        return timed_draft(step.state, pair, settings, step, generator)
 
 
 class TriForce(SpeculativeLoop):
@@ -313,16 +325,16 @@ class TriForce(SpeculativeLoop):
     def c(self, costs):
         return costs.level_c(SELF_SPARSE_LEVEL.name)  # a drafting step of the level the target verifies
 
-    def begin_run(self, pair, cfg, step):
-        window = draft_window(pair, cfg)
-        step.state = SparseView(pair.target_lm, cfg.kv_budget, cfg.kv_policy), window
+    def begin_run(self, pair, settings, step):
+        window = draft_window(pair, settings)
+        step.state = SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy), window
 
-    def drafter(self, pair, cfg, step, generator):
+    def drafter(self, pair, settings, step, generator):
         view, window = step.state
         view.watch()
-        lower = ModelDrafter(TimedLM(window, pair.clock, "inner"), cfg.sampling, generator)
+        lower = ModelDrafter(TimedLM(window, pair.clock, "inner"), settings.sampling, generator)
         middle = TimedLM(view, pair.clock, "draft")
-        return CascadeDrafter(middle, cfg.sampling, generator, lower=lower, inner_k=cfg.inner_k)
+        return CascadeDrafter(middle, settings.sampling, generator, lower=lower, inner_k=settings.inner_k)
 
 
 def _seed(generator: torch.Generator) -> int:
@@ -337,7 +349,7 @@ SPECULATOR = Option(
     "trains one) or a shipped head's alias: the head of --method eagle, eagle-tree and eagle-dynamic, and of "
     "vLLM's eagle3 / eagle1. Default: the target's own head where specbench ships one (smollm2-135m-eagle).",
 )
-EAGLE_LEVEL = Level("eagle", lambda pair, cfg: HeadLM(pair.head))
+EAGLE_LEVEL = Level("eagle", lambda pair, settings: HeadLM(pair.head))
 
 
 class Eagle(SpeculativeLoop):
@@ -356,21 +368,21 @@ class Eagle(SpeculativeLoop):
     def c(self, costs):
         return costs.level_c(EAGLE_LEVEL.name)
 
-    def shape(self, cfg, step: Decoder) -> dict:
+    def shape(self, settings, step: Decoder) -> dict:
         """How its drafter drafts: a chain (here, stopping where unsure under the confidence policy),
         a fixed tree or a dynamic one."""
-        return {"p_min": step.p_min(cfg)}
+        return {"p_min": step.p_min(settings)}
 
-    def drafter(self, pair, cfg, step, generator):
+    def drafter(self, pair, settings, step, generator):
         drafter = EagleDrafter(
-            pair.head, pair.target_lm, pair.target_lm.width, cfg.sampling, generator, **self.shape(cfg, step)
+            pair.head, pair.target_lm, pair.target_lm.width, settings.sampling, generator, **self.shape(settings, step)
         )
         return TimedDrafter(drafter, pair.clock, "draft")
 
-    def decode(self, pair, cfg, step, ids, generator, on_round=None):
+    def decode(self, pair, settings, step, ids, generator, on_round=None):
         pair.target_lm.record_features(pair.head.config.taps)
         try:
-            return super().decode(pair, cfg, step, ids, generator, on_round)
+            return super().decode(pair, settings, step, ids, generator, on_round)
         finally:
             pair.target_lm.record_features(None)
 
@@ -387,7 +399,7 @@ class EagleTree(Eagle):
     options = (SPECULATOR, TREES)
     k_policies = (FIXED,)  # its shape is its lookahead
 
-    def shape(self, cfg, step):
+    def shape(self, settings, step):
         return {"shape": step.tree}
 
 
@@ -405,8 +417,8 @@ class EagleDynamic(Eagle):
         Option("dynamic_width", 2, "eagle-dynamic: nodes expanded per level, and children offered by each.", low=1),
     )
 
-    def shape(self, cfg, step):
-        return {"dynamic": (cfg.dynamic_nodes, cfg.dynamic_width)}
+    def shape(self, settings, step):
+        return {"dynamic": (settings.dynamic_nodes, settings.dynamic_width)}
 
 
 class HFAssisted(Method):
@@ -428,21 +440,17 @@ class HFAssisted(Method):
     def c(self, costs):
         return costs.c
 
-    def decode(self, pair, cfg, step, ids, generator):
+    def decode(self, pair, settings, step, ids, generator):
         seed = _seed(generator)
-        return hf_generate(
-            pair.target, ids, cfg.max_new_tokens, cfg.sampling, seed, pair.stop_ids, pair.draft, step.k, pair.clock
-        )
+        return hf_generate(pair.target, ids, settings, seed, pair.stop_ids, pair.draft, step.k, pair.clock)
 
 
 class HFGenerate(Method):
     name, help, takes_k = "hf-generate", "transformers' plain generate (checks that the baseline is as fast)", False
     engine = "hf"
 
-    def decode(self, pair, cfg, step, ids, generator):
-        return hf_generate(
-            pair.target, ids, cfg.max_new_tokens, cfg.sampling, _seed(generator), pair.stop_ids, clock=pair.clock
-        )
+    def decode(self, pair, settings, step, ids, generator):
+        return hf_generate(pair.target, ids, settings, _seed(generator), pair.stop_ids, clock=pair.clock)
 
 
 class Served(Method):

@@ -8,7 +8,6 @@ holds the summary with its intervals for scripts.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,6 +15,7 @@ import torch
 from . import metrics, schema
 from .costs import ForwardCosts
 from .engine import DecodeResult
+from .engines.loop import Measurement
 from .method import Decoder
 from .methods import BASELINE
 from .online import Learned
@@ -26,15 +26,6 @@ from .timing import Phases
 OWN_ENGINES = ("torch", "hf")  # the engines of specbench's process: its loop, and transformers' generate
 # What random weights make meaningless: how often random models agree, and what follows from it.
 WEIGHT_DEPENDENT = ("alpha", "acceptance_rate", "tau", "predicted_speedup", "predicted_speedup_verify")
-
-
-@dataclass
-class Measurement:
-    """One prompt decoded by one method: the median run of the repeats and its phases."""
-
-    result: DecodeResult
-    seconds: float
-    phases: Phases
 
 
 def _totals(m: Measurement) -> dict:

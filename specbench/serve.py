@@ -75,9 +75,7 @@ def serve_all(pair, cfg, conversations, writer, records, blocks, engine_costs, c
     resumed run skips the blocks it finished. The draft model alone runs last, one request at a time,
     for c (vLLM: an engine of it; servers: --draft-url)."""
     first = [ids.tolist() for ids in conversations.first]
-    sampling = Sampling(
-        cfg.max_new_tokens, cfg.temperature, cfg.top_k, cfg.top_p, cfg.seed, tuple(sorted(pair.stop_ids))
-    )
+    sampling = cfg.requests(pair.stop_ids)
     base_step = cfg.served_baseline
     baselines = {load: _served_baseline(records, writer.out, base_step, load) for load in cfg.loads}
     sent: dict[tuple, list[int]] = {}  # (concurrency, rate, prompt_index) -> the baseline's prompt ids
@@ -164,7 +162,7 @@ def serve_block(
         if engine is None:  # a server that could not be reached: each of its requests failed, for that reason
             outcomes = (Served(n, [], 0.0, 0.0, 0.0, None, error=decoder.state) for n in range(len(indices)))
         else:
-            outcomes = engine.run(requests, load[0], sampling, load[1])
+            outcomes = engine.run(requests, load[0], sampling, load[1], indices)
         for served in outcomes:
             n = served.index  # its place in this wave's requests
             index = indices[n]

@@ -13,6 +13,7 @@ from transformers import AutoTokenizer
 from specbench import bench, schema
 from specbench.bench import Results
 from specbench.config import BenchConfig
+from specbench.engines.loop import Loop
 from specbench.errors import SpecbenchError
 from specbench.methods import METHODS
 from specbench.pair import PLAIN_ASSISTANT, PLAIN_USER, encode_turn
@@ -272,13 +273,13 @@ def test_a_second_turn_continues_the_same_methods_own_answer(
 ):
     """Under sampling the methods answer differently: each second turn must hold its own method's answer."""
     seen = []
-    real = bench.decode
+    real = Loop.decode
 
-    def spy(pair, cfg, ids, index, decoder):
-        seen.append((decoder.label, index, ids.tolist()))
-        return real(pair, cfg, ids, index, decoder)
+    def spy(loop, ids, index, settings, seed):
+        seen.append((loop.decoder.label, index, ids.tolist()))
+        return real(loop, ids, index, settings, seed)
 
-    monkeypatch.setattr(bench, "decode", spy)
+    monkeypatch.setattr(Loop, "decode", spy)
     cfg = config(
         tiny_pair,
         spec_bench_file,

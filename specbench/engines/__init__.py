@@ -1,23 +1,30 @@
-"""The engines that serve requests: vLLM in this process (vllm.py) and any running server over its
-OpenAI-compatible API (server.py). specbench's own loop and transformers' methods decode one prompt
-at a time through method.Method instead.
+"""Every engine specbench drives, side by side behind one small interface:
 
-Every engine here has the same small interface, which serve.serve_all drives:
+- loop.py: specbench's own process, one request at a time: specbench's loop, and transformers'
+  generate and assisted generation (hf.py), timed phase by phase;
+- vllm.py: vLLM in this process, N requests in flight;
+- server.py: any running server over its OpenAI-compatible API (launch.py starts one on loopback).
 
-- ``run(requests, concurrency, sampling, rate)`` decodes every request, at most ``concurrency`` in
-  flight, the requests arriving at ``rate`` per second (Poisson, seeded) or all at once, and yields
-  each one's Served as it finishes;
+The interface, which the benchmark (bench.py, serve.py) and the audit drive:
+
+- ``run(requests, concurrency, sampling, rate, indices)`` decodes every request, at most
+  ``concurrency`` in flight, the requests arriving at ``rate`` per second (Poisson, seeded) or all at
+  once, and yields each one's Served as it finishes. ``indices`` name the requests in the run (their
+  prompt indices; default their positions): request i samples from a random stream of its own,
+  seeded from (sampling.seed, indices[i]), so that N requests of one prompt are N independent
+  samples and a request's sample does not depend on what else is sent with it;
 - ``counters()`` reads the engine's own speculative-decoding counters (cumulative; a block's are the
   difference over it);
 - it is a context manager: stopped (or disconnected) on exit.
 
-A request is a prompt's token ids, or for a chat endpoint its messages; the engines never see the
-run's configuration.
+A request is a prompt's token ids, or for a chat endpoint its messages. An engine is built from what
+it needs (its models, its method and K, a URL), never from the run's configuration.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import queue
 import random
@@ -36,6 +43,19 @@ class Sampling:
     top_p: float
     seed: int
     stop_ids: tuple[int, ...]
+    eta: float = 0.0  # eta-sampling epsilon: specbench's loop and transformers only
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def request_seed(seed: int, index: int, salt: str = "") -> int:
+    """The seed of request ``index``'s random stream: a stable hash of the run's seed, the index and
+    ``salt`` (specbench's loop adds the method, so that adding or reordering methods changes no
+    other method's samples), below 2**31, which every server's seed field takes."""
+    digest = hashlib.blake2b(f"{seed}/{index}/{salt}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
 
 
 @dataclass
@@ -57,6 +77,7 @@ class Served:
     error: str = ""  # why the request failed ("" when it did not)
     reported: int | None = None  # the server's count of answer tokens, where it gave no ids
     encoded: bool = False  # tokens are the client's encoding of the text (the server gave no ids)
+    measured: object = None  # specbench's loop: its loop.Measurement (the decode, its time and phases)
 
     @property
     def reports_acceptance(self) -> bool:

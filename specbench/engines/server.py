@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 from ..errors import SpecbenchError
-from . import LoopThread, Sampling, Served, arrivals
+from . import LoopThread, Sampling, Served, arrivals, request_seed
 
 API_KEY_ENV = "OPENAI_API_KEY"  # where --api-key-env looks by default, as the OpenAI client does
 STREAM_LINE_BYTES = 1 << 24  # a chunk that echoes a long prompt's ids is one long line
@@ -104,14 +104,14 @@ class Server:
             raise SpecbenchError(f"the server {self.name} at {self.url} lists no model at /models")
         return models[0]
 
-    def body(self, request: list[int] | list[dict], sampling: Sampling) -> dict:
-        """The request's JSON: the prompt (ids) or messages, with the run's sampling."""
+    def body(self, request: list[int] | list[dict], sampling: Sampling, seed: int) -> dict:
+        """The request's JSON: the prompt (ids) or messages, with the run's sampling and its own seed."""
         body = {
             "model": self.model,
             "max_tokens": sampling.max_new_tokens,
             "temperature": sampling.temperature,
             "top_p": sampling.top_p,
-            "seed": sampling.seed,
+            "seed": seed,
             "stream": True,
             "stream_options": {"include_usage": True},
             "return_token_ids": True,  # vLLM: the answer's ids, for exact comparison; others ignore it
@@ -123,20 +123,28 @@ class Server:
             body["stop_token_ids"] = list(sampling.stop_ids)
         return body
 
-    def run(self, requests: list, concurrency: int, sampling: Sampling, rate: float = math.inf) -> Iterator[Served]:
+    def run(
+        self,
+        requests: list,
+        concurrency: int,
+        sampling: Sampling,
+        rate: float = math.inf,
+        indices: list[int] | None = None,
+    ) -> Iterator[Served]:
         """Send every request, at most ``concurrency`` in flight, arriving at ``rate`` per second;
         yields each as it finishes (or fails)."""
-        drive = lambda finished: self._drive(requests, concurrency, sampling, rate, finished)  # noqa: E731
+        seeds = [request_seed(sampling.seed, i) for i in (range(len(requests)) if indices is None else indices)]
+        drive = lambda finished: self._drive(requests, concurrency, sampling, rate, seeds, finished)  # noqa: E731
         yield from self.driver.stream(len(requests), drive, f"the client of {self.name}")
 
-    async def _drive(self, requests, concurrency: int, sampling: Sampling, rate: float, finished: queue.Queue):
+    async def _drive(self, requests, concurrency: int, sampling: Sampling, rate: float, seeds, finished: queue.Queue):
         gate = asyncio.Semaphore(concurrency)
         began = time.perf_counter()
 
         async def one(index: int, request, at: float) -> None:
             await asyncio.sleep(at)
             async with gate:
-                finished.put(await self._request(index, self.body(request, sampling), began))
+                finished.put(await self._request(index, self.body(request, sampling, seeds[index]), began))
 
         times = arrivals(len(requests), rate, sampling.seed)
         await asyncio.gather(*(one(i, r, at) for i, (r, at) in enumerate(zip(requests, times, strict=True))))

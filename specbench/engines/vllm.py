@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..errors import SpecbenchError
-from . import LoopThread, Sampling, Served, arrivals, first_line
+from . import LoopThread, Sampling, Served, arrivals, first_line, request_seed
 
 INSTALL = (
     "--engine vllm needs vLLM, which lives in an environment of its own: run `make install-vllm` "
@@ -112,28 +112,36 @@ class Engine:
         self.llm.shutdown()
 
     def run(
-        self, requests: list[list[int]], concurrency: int, sampling: Sampling, rate: float = math.inf
+        self,
+        requests: list[list[int]],
+        concurrency: int,
+        sampling: Sampling,
+        rate: float = math.inf,
+        indices: list[int] | None = None,
     ) -> Iterator[Served]:
         """Decode every request, at most ``concurrency`` in flight; yields each as it finishes."""
         tag, self.requests = self.requests, self.requests + len(requests)
-        drive = lambda finished: self._drive(requests, concurrency, sampling, rate, tag, finished)  # noqa: E731
+        indices = list(range(len(requests))) if indices is None else list(indices)
+        drive = lambda finished: self._drive(requests, concurrency, sampling, rate, tag, indices, finished)  # noqa: E731
         yield from self.driver.stream(len(requests), drive, "the vLLM engine")
 
-    async def _drive(self, requests, concurrency, sampling: Sampling, rate: float, tag: int, finished: queue.Queue):
+    async def _drive(self, requests, concurrency, sampling: Sampling, rate, tag, indices, finished: queue.Queue):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind
 
-        params = SamplingParams(
-            max_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
-            stop_token_ids=list(sampling.stop_ids),
-            detokenize=False,
-            output_kind=RequestOutputKind.DELTA,
-        )
+        def params(index: int) -> SamplingParams:
+            return SamplingParams(
+                max_tokens=sampling.max_new_tokens,
+                temperature=sampling.temperature,
+                top_k=sampling.top_k,
+                top_p=sampling.top_p,
+                seed=request_seed(sampling.seed, indices[index]),
+                stop_token_ids=list(sampling.stop_ids),
+                detokenize=False,
+                output_kind=RequestOutputKind.DELTA,
+            )
+
         gate = asyncio.Semaphore(concurrency)
         began = time.perf_counter()
 
@@ -143,7 +151,8 @@ class Engine:
                 start = time.perf_counter() - began
                 tokens: list[int] = []
                 first, last, itl, histogram, drafted, rejected, k = None, None, [], None, 0, None, None
-                async for out in self.llm.generate(TokensPrompt(prompt_token_ids=ids), params, f"{tag + index}"):
+                request = TokensPrompt(prompt_token_ids=ids)
+                async for out in self.llm.generate(request, params(index), f"{tag + index}"):
                     completion = out.outputs[0]
                     if completion.token_ids:
                         now = time.perf_counter() - began

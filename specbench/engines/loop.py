@@ -1,0 +1,113 @@
+"""specbench's own process as an engine: one request at a time, timed phase by phase.
+
+Every method whose engine is specbench's loop (torch) or transformers' generate (hf, hf.py) decodes
+here: a Loop is one decoder (a method with its K, tree shape and lookahead policy) over the loaded
+pair. The method decodes with what it is given here (method.Settings: the tokens to generate, the
+sampling and its own options), never with the run's configuration.
+
+A request is decoded ``repeats`` times, each from the same random stream (so identical work), and
+the median run is kept, phases and all. Its wall time is the phase clock's span, from the
+synchronised start to the last lap, so the phases add up to it exactly: nothing done outside the
+clock (creating the generator, a garbage collection there) is counted in the time but in no phase.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..engine import DecodeResult
+from ..errors import SpecbenchError
+from ..sampling import SamplingConfig
+from ..timing import PhaseClock, Phases, synchronize
+from . import Sampling, Served, request_seed
+
+
+@dataclass
+class Measurement:
+    """One prompt decoded by one method: the median run of the repeats and its phases."""
+
+    result: DecodeResult
+    seconds: float
+    phases: Phases
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What a method decodes with: the tokens to generate, the sampling, and its own options by name
+    (only those it declares, and --draft-p-min, where the confidence policy stops a round).
+    ``settings.kv_budget`` reads an option; one the method did not declare is an AttributeError."""
+
+    max_new_tokens: int
+    sampling: SamplingConfig
+    options: Mapping[str, object] = field(default_factory=dict)
+
+    def __getattr__(self, name: str):
+        if name != "options" and name in self.options:
+            return self.options[name]
+        raise AttributeError(f"{name} is not an option of this method")
+
+
+def generator_for(device: torch.device, seed: int, prompt_index: int, method: str) -> torch.Generator:
+    """An independent, reproducible random stream per (seed, prompt, method): adding, removing or
+    reordering methods changes no other method's samples."""
+    return torch.Generator(device=device).manual_seed(request_seed(seed, prompt_index, method))
+
+
+class Loop:
+    """``decoder`` over ``pair`` (a pair.Pair, loaded), its method given ``options`` (its own, by name)."""
+
+    def __init__(self, pair, decoder, options: Mapping[str, object] | None = None, repeats: int = 1):
+        self.pair, self.decoder, self.options, self.repeats = pair, decoder, dict(options or {}), repeats
+        self.clock = PhaseClock(pair.device)
+        self.timed = pair.timed(self.clock)
+
+    def settings(self, sampling: Sampling) -> Settings:
+        warp = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, sampling.eta)
+        return Settings(sampling.max_new_tokens, warp, self.options)
+
+    def run(
+        self,
+        requests: Sequence,
+        concurrency: int,
+        sampling: Sampling,
+        rate: float = math.inf,
+        indices: Sequence[int] | None = None,
+    ) -> Iterator[Served]:
+        """Decode every request (token ids) in turn; each Served carries its Measurement. Times are
+        seconds from the first request's start, with no gaps: the decodes' own wall times."""
+        if concurrency != 1 or not math.isinf(rate):
+            raise SpecbenchError("specbench's loop decodes one request at a time: --concurrency 1, no --request-rate")
+        settings, now = self.settings(sampling), 0.0
+        for n, ids in enumerate(requests):
+            ids = torch.as_tensor(ids, device=self.pair.device)
+            measured = self.decode(ids, indices[n] if indices is not None else n, settings, sampling.seed)
+            tokens, start = measured.result.tokens, now
+            now += measured.seconds
+            first = start + measured.phases.prefill
+            yield Served(n, tokens, start, first, now, None, text="", measured=measured)
+
+    def decode(self, ids: torch.Tensor, index: int, settings: Settings, seed: int) -> Measurement:
+        """Time one prompt's decode ``repeats`` times and keep the median run, phases and all."""
+        method, runs = self.decoder.method, []
+        for _ in range(self.repeats):
+            generator = generator_for(self.pair.device, seed, index, method.name)
+            synchronize(self.pair.device)
+            self.clock.start()
+            result = method.decode(self.timed, settings, self.decoder, ids, generator)
+            runs.append((result, self.clock.stop()))  # stop waits for the device
+        result, phases = sorted(runs, key=lambda run: run[1].total)[(len(runs) - 1) // 2]
+        return Measurement(result, phases.total, phases)
+
+    def counters(self) -> dict:
+        """None of its own: a Measurement's DecodeResult counts what was drafted and accepted."""
+        return {}
+
+    def __enter__(self) -> Loop:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
