@@ -64,10 +64,10 @@ def prepare(cfg: BenchConfig) -> tuple[Pair, Conversations]:
         per_category=cfg.per_category,
         max_turns=cfg.max_turns,
     )
-    pair = load_pair(cfg)
+    pair = load_pair(cfg.wanted, cfg.speculator if cfg.needs_speculator else None, cfg.compile, cfg.threads)
     for step in cfg.plan:
         step.method.check(pair)
-    return pair, encode_prompts(pair, prompts, cfg)
+    return pair, encode_prompts(pair, prompts, cfg.rendering)
 
 
 @dataclass

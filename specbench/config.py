@@ -28,8 +28,9 @@ from .methods import (
     Remote,
     served_names,
 )
-from .models import default_speculator
+from .models import Wanted, default_speculator
 from .options import CONFIDENCE, ENGINE, ENGINE_PANEL, FIXED, RUN, SERVER, SERVER_PANEL, Option
+from .pair import Rendering
 from .prompts import LONG_DATASETS
 from .sampling import SamplingConfig
 
@@ -150,6 +151,30 @@ class _Run:
     @property
     def needs_draft(self) -> bool:
         return any(step.method.needs_draft for step in self.plan + self.served_plan)
+
+    @property
+    def wanted(self) -> Wanted:
+        """The models this run loads: the draft only when a method needs it, the weights only when
+        specbench's loop decodes (vLLM loads its own)."""
+        draft = self.draft if self.needs_draft else None
+        return Wanted(
+            self.target,
+            draft,
+            self.device,
+            self.dtype,
+            self.device_map,
+            self.random_weights,
+            self.seed,
+            bool(self.plan),
+        )
+
+    @property
+    def rendering(self) -> Rendering:
+        """How this run's prompts become token ids."""
+        context = self.context_tokens if self.dataset in LONG_DATASETS else 0
+        return Rendering(
+            self.max_new_tokens, self.widest, self.chat, context, self.random_weights, self.prompt_tokens, self.seed
+        )
 
     @property
     def needs_speculator(self) -> bool:

@@ -414,6 +414,74 @@ def shared_width(target: LoadedModel, draft: LoadedModel) -> int:
     return width
 
 
+@dataclass(frozen=True)
+class Wanted:
+    """What a run loads: the models as given (alias, hub id, directory or .gguf), where and how."""
+
+    target: str
+    draft: str | None  # None when no method needs the draft model
+    device: str = "auto"
+    dtype: str = "auto"
+    device_map: str | None = None  # accelerate's placement over several devices
+    random_weights: bool = False
+    seed: int = 0  # of random weights
+    weights: bool = True  # False: shapes, configs and tokenizers only (another engine loads the weights)
+
+
+@dataclass
+class Loaded:
+    """The loaded models: the target, the draft (or None), the logit width they share, and where."""
+
+    target: LoadedModel
+    draft: LoadedModel | None
+    width: int
+    device: torch.device
+    dtype: torch.dtype
+
+
+def load_models(wanted: Wanted) -> Loaded:
+    """Load what ``wanted`` says, each model checked (a draft shares the target's vocabulary)."""
+    device = resolve_device(wanted.device)
+    dtype = random_weights_dtype(wanted, device) if wanted.random_weights else resolve_dtype(wanted.dtype, device)
+    if not wanted.weights:
+        target = skeleton(wanted.target, wanted.random_weights)
+        draft = skeleton(wanted.draft, wanted.random_weights) if wanted.draft else None
+        return Loaded(target, draft, target.width, torch.device("cpu"), dtype)
+    if wanted.random_weights:
+        target = random_model(wanted.target, device, dtype, wanted.seed)
+    else:
+        target = load(wanted.target, device, dtype, wanted.device_map)
+        if wanted.device_map and (warning := offload_warning(placement(target.model))):
+            log.warning(warning)
+    if not wanted.draft:
+        return Loaded(target, None, target.width, device, dtype)
+    if wanted.random_weights:
+        draft = random_model(wanted.draft, device, dtype, wanted.seed + 1)
+    else:
+        draft = load(wanted.draft, device, dtype)
+    return Loaded(target, draft, shared_width(target, draft), device, dtype)
+
+
+def random_weights_dtype(wanted: Wanted, device: torch.device) -> torch.dtype:
+    """The dtype for random weights: as --dtype says, except that auto on the CPU falls back to
+    bfloat16 when float32 weights would not fit in memory; a dtype that cannot fit is refused."""
+    dtype = resolve_dtype(wanted.dtype, device)
+    free = available_memory() if device.type == "cpu" else None
+    if free is None:
+        return dtype
+    specs = [wanted.target] + ([wanted.draft] if wanted.draft else [])
+    need = sum(weight_bytes(spec, dtype) for spec in specs)
+    if need > 0.9 * free and wanted.dtype == "auto" and dtype.itemsize > 2:
+        log.info("float32 weights need %.1f GB of the %.1f GB free: using bfloat16", need / 1e9, free / 1e9)
+        dtype, need = torch.bfloat16, need // 2
+    if need > 0.9 * free:
+        raise SpecbenchError(
+            f"the weights need {need / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')} and {free / 1e9:.1f} GB "
+            "of memory are free: use --dtype bfloat16 or a smaller model"
+        )
+    return dtype
+
+
 def tokenizer_in(directory: Path):
     """The tokenizer saved in ``directory``, or None when it holds none."""
     from transformers import AutoTokenizer

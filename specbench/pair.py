@@ -1,7 +1,7 @@
 """The loaded pair and the prompts' token ids: what every method decodes with, and on.
 
 The one place a run's models are loaded (through models.py) and its prompts encoded; methods,
-cost measurement and the benchmark take the Pair from here. ``cfg`` is the run's configuration.
+cost measurement and the benchmark take the Pair from here.
 """
 
 from __future__ import annotations
@@ -20,23 +20,16 @@ from .files import write_text
 from .lm import HFCausalLM
 from .models import (
     LoadedModel,
-    available_memory,
+    Wanted,
     cache_dir,
-    load,
-    offload_warning,
-    placement,
-    random_model,
+    load_models,
     resolve,
-    resolve_device,
-    resolve_dtype,
     shared_width,
-    skeleton,
     speculator_dir,
     tokenizer_in,
-    weight_bytes,
 )
 from .options import DEFAULT_DRAFT, DEFAULT_TARGET
-from .prompts import LONG_DATASETS, Prompt, Turn, some, turns_of
+from .prompts import Prompt, Turn, some, turns_of
 from .timing import PhaseClock, TimedLM
 
 log = logging.getLogger("specbench")
@@ -75,71 +68,41 @@ class Pair:
         return replace(self, target_lm=TimedLM(self.target_lm, clock, "verify"), draft_lm=draft_lm, clock=clock)
 
 
-def random_weights_dtype(cfg, device: torch.device) -> torch.dtype:
-    """The dtype for random weights: as --dtype says, except that auto on the CPU falls back to
-    bfloat16 when float32 weights would not fit in memory; a dtype that cannot fit is refused."""
-    dtype = resolve_dtype(cfg.dtype, device)
-    free = available_memory() if device.type == "cpu" else None
-    if free is None:
-        return dtype
-    specs = [cfg.target] + ([cfg.draft] if cfg.needs_draft else [])
-    need = sum(weight_bytes(spec, dtype) for spec in specs)
-    if need > 0.9 * free and cfg.dtype == "auto" and dtype.itemsize > 2:
-        log.info("float32 weights need %.1f GB of the %.1f GB free: using bfloat16", need / 1e9, free / 1e9)
-        dtype, need = torch.bfloat16, need // 2
-    if need > 0.9 * free:
-        raise SpecbenchError(
-            f"the weights need {need / 1e9:.1f} GB in {str(dtype).removeprefix('torch.')} and {free / 1e9:.1f} GB "
-            "of memory are free: use --dtype bfloat16 or a smaller model"
-        )
-    return dtype
+def load_pair(wanted: Wanted, speculator: str | None = None, compile: bool = True, threads: int = 0) -> Pair:
+    """The models ``wanted`` says, loaded once (models.load_models), wrapped for specbench's loop: its
+    own forward where ``compile`` allows (fast.py), and the EAGLE head ``speculator`` when an EAGLE
+    method decodes here. ``threads``: torch's CPU threads (0 leaves torch's choice)."""
+    if threads:
+        torch.set_num_threads(threads)
+    loaded = load_models(wanted)
+    target, draft = loaded.target, loaded.draft
+    if not wanted.weights:  # only vLLM decodes: it loads the weights, this process needs their shapes
+        return Pair(target, None, draft, None, loaded.device, loaded.dtype)
+    head = read_speculator(speculator, target, compile) if speculator else None
+    target_lm = HFCausalLM(target.model, loaded.width, fast=fast_forward(target, compile))
+    draft_lm = HFCausalLM(draft.model, loaded.width, draft.head_tokens, fast_forward(draft, compile)) if draft else None
+    return Pair(target, target_lm, draft, draft_lm, loaded.device, loaded.dtype, head=head)
 
 
-def load_pair(cfg) -> Pair:
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
-    device = resolve_device(cfg.device)
-    if not cfg.plan:  # only vLLM decodes: it loads the weights, this process needs their shapes
-        dtype = random_weights_dtype(cfg, device) if cfg.random_weights else resolve_dtype(cfg.dtype, device)
-        target = skeleton(cfg.target, cfg.random_weights)
-        draft = skeleton(cfg.draft, cfg.random_weights) if cfg.needs_draft else None
-        return Pair(target, None, draft, None, torch.device("cpu"), dtype)
-    if cfg.random_weights:
-        dtype = random_weights_dtype(cfg, device)
-        target = random_model(cfg.target, device, dtype, cfg.seed)
-    else:
-        dtype = resolve_dtype(cfg.dtype, device)
-        target = load(cfg.target, device, dtype, cfg.device_map)
-        if cfg.device_map and (warning := offload_warning(placement(target.model))):
-            log.warning(warning)
-    head = speculator(cfg, target, device, dtype) if cfg.needs_speculator else None
-    if not cfg.needs_draft:
-        target_lm = HFCausalLM(target.model, target.width, fast=fast_forward(target, cfg))
-        return Pair(target, target_lm, None, None, device, dtype, head=head)
-    draft = (
-        random_model(cfg.draft, device, dtype, cfg.seed + 1) if cfg.random_weights else load(cfg.draft, device, dtype)
-    )
-    width = shared_width(target, draft)
-    target_lm = HFCausalLM(target.model, width, fast=fast_forward(target, cfg))
-    draft_lm = HFCausalLM(draft.model, width, draft.head_tokens, fast_forward(draft, cfg))
-    return Pair(target, target_lm, draft, draft_lm, device, dtype, head=head)
-
-
-def speculator(cfg, target: LoadedModel, device: torch.device, dtype: torch.dtype) -> EagleHead:
-    """The --speculator head, checked against ``target``, on its device and in its dtype."""
-    path = speculator_dir(cfg.speculator)
+def read_speculator(spec: str, target: LoadedModel, compile: bool) -> EagleHead:
+    """The --speculator head ``spec`` (an alias or a directory), checked against ``target``, on its
+    device and in its dtype."""
+    path = speculator_dir(spec)
     config = target.model.config
     embed = target.model.get_input_embeddings().weight
-    head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size).to(device, dtype)
-    head.embed = head.embed.to(device, dtype)  # a plain tensor (the target's, or the head's own): .to() skips it
-    if cfg.compile and can_pack(head):  # as the target's fast forward runs its products
+    head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
+    head = head.to(embed.device, embed.dtype)
+    head.embed = head.embed.to(
+        embed.device, embed.dtype
+    )  # a plain tensor (the target's, or the head's own): .to() skips it
+    if compile and can_pack(head):  # as the target's fast forward runs its products
         head.pack()
     return head
 
 
-def fast_forward(model: LoadedModel, cfg) -> FastLlama | None:
+def fast_forward(model: LoadedModel, compile: bool) -> FastLlama | None:
     """specbench's own forward for ``model`` (--compile), or None for transformers' eager one."""
-    if not cfg.compile:
+    if not compile:
         return None
     if reason := unsupported(model.model):
         log.info("%s runs transformers' eager forward: %s", model.name, reason)
@@ -223,7 +186,20 @@ def encode_turn(tokenizer, prompt: Prompt, answers: list[str], chat: bool) -> to
     return tokenizer(text, return_tensors="pt").input_ids[0]
 
 
-def encode_prompts(pair: Pair, prompts: list[Prompt], cfg) -> Conversations:
+@dataclass(frozen=True)
+class Rendering:
+    """How a run's prompts become token ids, and how much room their answers need."""
+
+    max_new_tokens: int
+    widest: int  # the most tokens of one target forward (K + 1, or a tree's nodes + 1)
+    chat: str = "auto"  # --chat: on, off, or auto (the target's template when it has one)
+    context_tokens: int = 0  # a long dataset's prompt length: code to continue as it is (0: not one)
+    random_weights: bool = False  # random ids, as many as each prompt encodes to (or prompt_tokens)
+    prompt_tokens: int = 0
+    seed: int = 0  # of the random ids
+
+
+def encode_prompts(pair: Pair, prompts: list[Prompt], how: Rendering) -> Conversations:
     """The run's conversations: each first turn encoded, and the turns that fit the context window.
 
     A rendered prompt whose first turn leaves no room for --max-new-tokens and a full draft is left out
@@ -236,30 +212,29 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], cfg) -> Conversations:
     """
     models = [pair.target] + ([pair.draft] if pair.draft else [])
     windows = [m.context_window for m in models if m.context_window]
-    room = min(windows) - cfg.max_new_tokens - cfg.widest if windows else None
+    room = min(windows) - how.max_new_tokens - how.widest if windows else None
     if room is not None and room < 1:
         raise SpecbenchError(
-            f"--max-new-tokens {cfg.max_new_tokens} plus K does not fit the context window of {min(windows)} tokens: "
+            f"--max-new-tokens {how.max_new_tokens} plus K does not fit the context window of {min(windows)} tokens: "
             "lower --max-new-tokens"
         )
-    long = cfg.dataset in LONG_DATASETS
-    if long and room is not None and cfg.context_tokens > room:
+    if how.context_tokens and room is not None and how.context_tokens > room:
         raise SpecbenchError(
-            f"--context-tokens {cfg.context_tokens} with --max-new-tokens {cfg.max_new_tokens} and K does not fit the "
+            f"--context-tokens {how.context_tokens} with --max-new-tokens {how.max_new_tokens} and K does not fit the "
             f"context window of the models ({room} tokens of prompt fit): lower --context-tokens"
         )
-    if cfg.random_weights and cfg.prompt_tokens:  # random prompts of one length: no tokenizer needed
-        length = min(cfg.prompt_tokens, room or cfg.prompt_tokens)
+    if how.random_weights and how.prompt_tokens:  # random prompts of one length: no tokenizer needed
+        length = min(how.prompt_tokens, room or how.prompt_tokens)
         tokenizer, chat, first = None, False, [torch.zeros(length, dtype=torch.long)] * len(prompts)
     else:
-        tokenizer = length_tokenizer(pair.target) if cfg.random_weights else pair.target.tokenizer
-        chat = uses_chat(tokenizer, cfg)
-        first = [_first_ids(tokenizer, prompt, cfg, chat, room) for prompt in prompts]
+        tokenizer = length_tokenizer(pair.target) if how.random_weights else pair.target.tokenizer
+        chat = uses_chat(tokenizer, how.chat, how.context_tokens > 0, pair.target.name)
+        first = [_first_ids(tokenizer, prompt, how.context_tokens, chat, room) for prompt in prompts]
     fits = [room is None or len(ids) <= room for ids in first]
     if not any(fits):
         raise SpecbenchError(
             f"every prompt is longer than the {room} tokens the context window leaves beside --max-new-tokens "
-            f"{cfg.max_new_tokens} and K: lower --max-new-tokens"
+            f"{how.max_new_tokens} and K: lower --max-new-tokens"
         )
     if not all(fits):
         too_long = [p.id for p, fit in zip(prompts, fits, strict=True) if not fit]
@@ -271,9 +246,9 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], cfg) -> Conversations:
         )
     prompts = [p for p, fit in zip(prompts, fits, strict=True) if fit]
     first = [ids for ids, fit in zip(first, fits, strict=True) if fit]
-    if cfg.random_weights:
+    if how.random_weights:
         prompts = [replace(p, turns=p.turns[:1]) for p in prompts]
-        generator = torch.Generator().manual_seed(cfg.seed)
+        generator = torch.Generator().manual_seed(how.seed)
         width = shared_width(pair.target, pair.draft) if pair.draft else pair.target.width
         first = [torch.randint(width, (len(ids),), generator=generator) for ids in first]
     longest = max(map(len, first))
@@ -281,7 +256,7 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], cfg) -> Conversations:
     for i, prompt in enumerate(prompts):
         for n in range(2, len(prompt.turns) + 1):
             # Each earlier answer adds at most --max-new-tokens (its text re-encodes to about as many).
-            bound = len(encode_turn(tokenizer, prompt, [""] * (n - 1), chat)) + (n - 1) * cfg.max_new_tokens
+            bound = len(encode_turn(tokenizer, prompt, [""] * (n - 1), chat)) + (n - 1) * how.max_new_tokens
             if room is not None and bound > room:
                 prompts[i] = replace(prompt, turns=prompt.turns[: n - 1])
                 capped += 1
@@ -303,24 +278,24 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], cfg) -> Conversations:
     )
 
 
-def uses_chat(tokenizer, cfg) -> bool:
-    """Whether prompts go through the target's chat template (--chat), which --chat on requires."""
-    long = cfg.dataset in LONG_DATASETS  # code to continue as it is
-    chat = cfg.chat == "on" or (cfg.chat == "auto" and tokenizer.chat_template is not None and not long)
-    if chat and tokenizer.chat_template is None:
-        raise SpecbenchError(f"--chat on, but {cfg.target}'s tokenizer has no chat template: use --chat off")
-    return chat
+def uses_chat(tokenizer, chat: str, long: bool, target: str) -> bool:
+    """Whether prompts go through the target's chat template: --chat ``chat`` (on requires one); auto
+    uses it when there is one, but not for a ``long`` dataset's code, continued as it is."""
+    used = chat == "on" or (chat == "auto" and tokenizer.chat_template is not None and not long)
+    if used and tokenizer.chat_template is None:
+        raise SpecbenchError(f"--chat on, but {target}'s tokenizer has no chat template: use --chat off")
+    return used
 
 
-def _first_ids(tokenizer, prompt: Prompt, cfg, chat: bool, room: int | None) -> torch.Tensor:
+def _first_ids(tokenizer, prompt: Prompt, context_tokens: int, chat: bool, room: int | None) -> torch.Tensor:
     """A prompt's first turn. A raw prompt (text to continue) is cut from the left to what fits, as
     its continuation depends on its end, and a long dataset's to --context-tokens; a rendered
     conversation is kept whole (cutting it would cut its template)."""
     ids = encode_turn(tokenizer, prompt, [], chat)
     if not chat and prompt.text is not None and room is not None:
         ids = ids[-room:]
-    if cfg.dataset in LONG_DATASETS:
-        ids = ids[-cfg.context_tokens :]
+    if context_tokens:
+        ids = ids[-context_tokens:]
     if len(ids) == 0:
         raise SpecbenchError(f"prompt {prompt.id} encodes to no tokens: remove it from the dataset")
     return ids

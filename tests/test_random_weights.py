@@ -12,7 +12,8 @@ from transformers import LlamaConfig
 from specbench import bench, models, results
 from specbench.config import BenchConfig
 from specbench.errors import SpecbenchError
-from specbench.pair import encode_turn, length_tokenizer, random_weights_dtype, uses_chat
+from specbench.models import random_weights_dtype
+from specbench.pair import encode_turn, length_tokenizer, uses_chat
 from specbench.prompts import load_prompts
 
 from .helpers import on_tiny_pair, one_line_error, specbench
@@ -108,7 +109,7 @@ def test_random_prompts_take_the_lengths_the_dataset_encodes_to(configs, prompts
     ids = conversations.first
     tokenizer = length_tokenizer(pair.target)  # no tokenizer beside the config: the default target's
     prompts = load_prompts(prompts_file, 3)
-    expected = [len(encode_turn(tokenizer, p, [], uses_chat(tokenizer, cfg))) for p in prompts]
+    expected = [len(encode_turn(tokenizer, p, [], uses_chat(tokenizer, cfg.chat, False, cfg.target))) for p in prompts]
     assert [len(x) for x in ids] == expected and len(set(expected)) > 1
     assert all(int(x.max()) < pair.target_lm.width for x in ids)
     again = bench.prepare(cfg)[1].first
@@ -126,13 +127,13 @@ def test_shipped_architectures_have_their_models_parameter_counts(alias, billion
 def test_random_weights_fall_back_to_bfloat16_when_float32_does_not_fit(configs, monkeypatch):
     cfg = BenchConfig(target=configs[0], draft=configs[1], random_weights=True)
     need = sum(models.weight_bytes(spec, torch.float32) for spec in configs)
-    monkeypatch.setattr("specbench.pair.available_memory", lambda: need)  # fits only at half the size
-    assert random_weights_dtype(cfg, CPU) == torch.bfloat16
+    monkeypatch.setattr("specbench.models.available_memory", lambda: need)  # fits only at half the size
+    assert random_weights_dtype(cfg.wanted, CPU) == torch.bfloat16
     cfg.dtype = "float32"
     with pytest.raises(SpecbenchError, match="--dtype bfloat16"):
-        random_weights_dtype(cfg, CPU)
-    monkeypatch.setattr("specbench.pair.available_memory", lambda: 10 * need)
-    assert random_weights_dtype(cfg, CPU) == torch.float32
+        random_weights_dtype(cfg.wanted, CPU)
+    monkeypatch.setattr("specbench.models.available_memory", lambda: 10 * need)
+    assert random_weights_dtype(cfg.wanted, CPU) == torch.float32
 
 
 def test_random_models_are_built_on_the_device_in_the_dtype(configs):
