@@ -19,9 +19,11 @@ import torch
 from .sampling import (
     SamplingConfig,
     Verdict,
+    adjust,
     argmax,
     children,
     confident,
+    context_mask,
     next_token,
     sample,
     verify_chain_greedy,
@@ -30,6 +32,7 @@ from .sampling import (
     verify_tree_sampled,
     warp,
 )
+from .sampling import seen_rows as _seen_rows
 from .tree import tree_inputs
 
 
@@ -153,9 +156,12 @@ def autoregressive_decode(
     """The baseline: the target alone, one token per forward with a KV cache."""
     model.reset()
     logits = model.forward(prompt_ids, last=1)[-1]
+    seen = context_mask(prompt_ids, logits.shape[-1], cfg)  # the context, for a repetition penalty
     result = DecodeResult(tokens=[], target_forwards=1)
     while True:
-        token = next_token(logits, cfg, generator)
+        token = next_token(adjust(logits, cfg, seen), cfg, generator)
+        if seen is not None:
+            seen[token] = True
         result.tokens.append(int(token))
         if _end(result.tokens, len(result.tokens) - 1, max_new_tokens, stop_ids) is not None:
             return result
@@ -177,13 +183,22 @@ class ModelDrafter:
     def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
         self.model.prefill(prompt_ids)
         self.pending = first  # tokens the draft has not read yet
+        # Under a repetition penalty, the context's tokens (adjust reads them); the mask is made at the
+        # first forward, which gives the vocabulary's width.
+        self.context, self.seen = torch.cat([prompt_ids, first]), None
 
     def propose(self, k: int) -> Draft:
         if k == 0:  # a cascade may ask for nothing; what it has not read stays unread
             return Draft.chain(self.pending[:0], None)
         drafted, q_rows, forwards = [], [], 0
+        seen = None  # each row's context: the drafts so far too
         for _ in range(k):
             logits = self.model.forward(self.pending, last=1)[-1]
+            if self.seen is None and self.cfg.repetition_penalty != 1.0:
+                self.seen = context_mask(self.context, logits.shape[-1], self.cfg)
+            if seen is None and self.seen is not None:
+                seen = self.seen.clone()
+            logits = adjust(logits, self.cfg, seen)
             forwards += 1
             q = None if self.cfg.greedy else warp(logits, self.cfg)
             if self.p_min is not None and not confident(logits.float().softmax(-1) if q is None else q, self.p_min):
@@ -195,11 +210,16 @@ class ModelDrafter:
                 q_rows.append(q)
                 self.pending = sample(q, self.generator)
             drafted.append(self.pending)
+            if seen is not None:
+                seen[self.pending] = True
         tokens = torch.cat(drafted) if drafted else self.pending
         return Draft.chain(tokens, torch.stack(q_rows) if q_rows else None, forwards=forwards)
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         n, k = verdict.accepted, len(draft.tokens)
+        if self.seen is not None:
+            self.seen[draft.tokens[:n]] = True
+            self.seen[verdict.next_token] = True
         if n < k:
             # Its cache holds the drafts it read: all but the last, or all when it stopped early.
             self.model.keep(range(n), k - len(self.pending))
@@ -448,9 +468,18 @@ class Round:
 
 
 def verify(
-    draft: Draft, target_logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator
+    draft: Draft,
+    target_logits: torch.Tensor,
+    cfg: SamplingConfig,
+    generator: torch.Generator,
+    seen: torch.Tensor | None = None,
 ) -> tuple[Verdict, torch.Tensor | None]:
-    """The verdict on ``draft`` from the target's logits at the root and every draft token."""
+    """The verdict on ``draft`` from the target's logits at the root and every draft token; ``seen``
+    masks the context before the root (a repetition penalty's; a chain's rows add its drafts)."""
+    if cfg.adjusts:
+        if not draft.is_chain:
+            raise ValueError("a tree's rows take no repetition penalty or logit bias")
+        target_logits = adjust(target_logits, cfg, _seen_rows(seen, draft.tokens))
     if cfg.greedy:
         if draft.is_chain:
             return verify_chain_greedy(draft.tokens, target_logits), None
@@ -462,11 +491,19 @@ def verify(
 
 
 def speculative_round(
-    target: CausalLM, drafter: Drafter, last: torch.Tensor, k: int, cfg: SamplingConfig, generator: torch.Generator
+    target: CausalLM,
+    drafter: Drafter,
+    last: torch.Tensor,
+    k: int,
+    cfg: SamplingConfig,
+    generator: torch.Generator,
+    seen: torch.Tensor | None = None,
+    rule: Callable = verify,
 ) -> Round:
     """Draft up to ``k`` tokens after ``last`` (the tokens the target has not read: one, or for a
     chain several), verify them in one target forward, and leave both caches holding exactly the
-    accepted path."""
+    accepted path. ``seen`` masks the context (a repetition penalty's); ``rule`` is the verification
+    (verify; the audit's deliberately broken subjects pass their own)."""
     draft = drafter.propose(k)
     n, read = len(draft.tokens), len(last)
     ids = torch.cat([last, draft.tokens])
@@ -477,7 +514,7 @@ def speculative_round(
         target_logits = target.forward(ids, last=n + 1, positions=positions, mask=mask)
     else:
         raise ValueError("a tree is verified after exactly one unread token")
-    verdict, p = verify(draft, target_logits, cfg, generator)
+    verdict, p = rule(draft, target_logits, cfg, generator, seen)
     target.keep(list(range(read)) + [read + i for i in verdict.path], read + n)
     drafter.accepted(draft, verdict)
     return Round(draft, verdict, target_logits, p)
@@ -504,6 +541,7 @@ def speculative_decode(
     stop_ids: frozenset[int] = frozenset(),
     on_round: Callable[[Round, int], None] | None = None,
     schedule: Callable[[int, int, int], int] | None = None,
+    rule: Callable = verify,
 ) -> DecodeResult:
     """Speculative decoding with lookahead ``k``; output law equals the target's (exactly).
 
@@ -515,11 +553,17 @@ def speculative_decode(
     accepted); None keeps ``k``. A scheduled round drafts no more than the tokens still to generate
     (transformers caps its drafts so too), so a growing K never widens a forward beyond what the
     cache was sized for. Both read only what earlier rounds emitted, so the output law is kept.
+
+    ``rule`` verifies each round (verify; the audit's deliberately broken subjects pass their own).
     """
     if k < 1:
         raise ValueError("k must be >= 1")
     target.reset()
-    last = next_token(target.forward(prompt_ids, last=1)[-1], cfg, generator)
+    logits = target.forward(prompt_ids, last=1)[-1]
+    seen = context_mask(prompt_ids, logits.shape[-1], cfg)  # the context, for a repetition penalty
+    last = next_token(adjust(logits, cfg, seen), cfg, generator)
+    if seen is not None:
+        seen[last] = True
     drafter.start(prompt_ids, last)
     result = DecodeResult(tokens=[int(last)], target_forwards=1)
     if _end(result.tokens, 0, max_new_tokens, stop_ids) is not None:
@@ -527,8 +571,10 @@ def speculative_decode(
     beta_sum = 0.0  # becomes a device tensor under sampling: summed there, read once at the end
     while True:
         ask = k if schedule is None else min(k, max_new_tokens - len(result.tokens))
-        step = speculative_round(target, drafter, last, ask, cfg, generator)
+        step = speculative_round(target, drafter, last, ask, cfg, generator, seen, rule)
         verdict, last = step.verdict, step.verdict.next_token
+        if seen is not None:
+            seen[step.emitted] = True
         if schedule is not None:
             k = schedule(k, len(step.draft.tokens), verdict.accepted)
         result.target_forwards += 1

@@ -18,15 +18,63 @@ class SamplingConfig:
     top_k: int = 0
     top_p: float = 1.0
     eta: float = 0.0  # eta sampling's epsilon (0 = off)
+    min_p: float = 0.0  # drop tokens below min_p times the likeliest one's probability (0 = off)
+    # Context-dependent adjustments of the logits, before the warp and before greedy's argmax (adjust):
+    repetition_penalty: float = 1.0  # a token already in the context: logit / penalty (x penalty below 0)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     @property
     def greedy(self) -> bool:
         # Temperature 0 is argmax decoding, never approximated by a tiny temperature.
         return self.temperature == 0
 
+    @property
+    def adjusts(self) -> bool:
+        """Whether rows need adjust(): a repetition penalty or a logit bias."""
+        return self.repetition_penalty != 1.0 or bool(self.logit_bias)
+
+
+def adjust(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor | None) -> torch.Tensor:
+    """The logits after the logit bias and the repetition penalty (transformers' and vLLM's rule: a
+    token in the context has its logit divided by the penalty, or multiplied when negative); ``seen``
+    is a boolean mask of the tokens in each row's context (prompt and output so far), shaped like
+    ``logits``. Both the target's rows and the draft's go through it, at the same contexts, before
+    the warp or greedy's argmax: that is what keeps speculative decoding exact under them."""
+    if not cfg.adjusts:
+        return logits
+    logits = logits.float().clone()
+    if cfg.repetition_penalty != 1.0 and seen is not None:
+        penalized = torch.where(logits < 0, logits * cfg.repetition_penalty, logits / cfg.repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
+    for token, bias in cfg.logit_bias:
+        if token < logits.shape[-1]:
+            logits[..., token] += bias
+    return logits
+
+
+def context_mask(ids: torch.Tensor, width: int, cfg: SamplingConfig) -> torch.Tensor | None:
+    """The mask of the tokens in ``ids`` over a vocabulary of ``width`` (ids beyond it are left out),
+    for adjust(); None when ``cfg`` has no repetition penalty (nothing reads it)."""
+    if cfg.repetition_penalty == 1.0:
+        return None
+    mask = torch.zeros(width, dtype=torch.bool, device=ids.device)
+    mask[ids[ids < width]] = True
+    return mask
+
+
+def seen_rows(seen: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Context masks of the rows after each prefix of ``tokens``: row i has seen ``seen`` and tokens[:i]
+    ([len(tokens) + 1, V]); None stays None."""
+    if seen is None:
+        return None
+    rows = seen.expand(len(tokens) + 1, -1).clone()
+    for i, token in enumerate(tokens.tolist()):
+        rows[i + 1 :, token] = True
+    return rows
+
 
 def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
-    """Probabilities after temperature, top-k, top-p and eta, over the last dimension (float32)."""
+    """Probabilities after temperature, top-k, top-p, min-p and eta, over the last dimension (float32)."""
     if cfg.greedy:
         raise ValueError("warp() is for sampling; greedy decoding uses argmax")
     logits = logits.float() / cfg.temperature
@@ -50,6 +98,10 @@ def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
         cutoff = torch.clamp(math.sqrt(cfg.eta) * torch.exp(-entropy), max=cfg.eta)
         drop = (probs < cutoff) & (logits < logits.max(-1, keepdim=True).values)
         logits = logits.masked_fill(drop, float("-inf"))
+    if cfg.min_p > 0:
+        # As vLLM's and transformers' min-p: relative to the likeliest token after the other cuts.
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < cfg.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits.softmax(-1)
 
 

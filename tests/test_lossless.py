@@ -93,17 +93,48 @@ def test_identical_draft_accepts_everything_and_earns_the_bonus():
     assert result.beta_sum == pytest.approx(result.tested)
 
 
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SamplingConfig(temperature=1.0, repetition_penalty=2.0),  # the fast suite's: rows see their drafts
+        pytest.param(SamplingConfig(temperature=0.8, min_p=0.3), marks=pytest.mark.slow),
+        pytest.param(SamplingConfig(temperature=1.0, logit_bias=((1, 1.5), (2, -1.0))), marks=pytest.mark.slow),
+    ],
+)
+def test_repetition_penalty_min_p_and_logit_bias_keep_the_target_law(cfg):
+    """Both the baseline and speculative decoding sample the adjusted law: the draft's rows and the
+    target's are adjusted at the same contexts (each row's context includes the drafts before it)."""
+    target, g = ToyLM(VOCAB, seed=1), torch.Generator().manual_seed(4)
+    alone = Counter(
+        tuple(autoregressive_decode(target, torch.tensor(PROMPT), LENGTH, cfg, g).tokens) for _ in range(SAMPLES)
+    )
+    assert law_p(target, cfg, alone) > P_FLOOR
+    assert chi_square_p(target, ToyLM(VOCAB, seed=2), 3, cfg) > P_FLOOR
+
+
+def test_the_test_catches_a_penalty_blind_to_the_rounds_drafts(monkeypatch):
+    """A verifier whose rows are penalised for the context before the round only, not for the drafts
+    before them in the round: the law moves."""
+    cfg = SamplingConfig(temperature=1.0, repetition_penalty=3.0)
+    assert chi_square_p(ToyLM(VOCAB, seed=5), ToyLM(VOCAB, seed=1), 3, cfg) > P_FLOOR
+    monkeypatch.setattr(engine, "_seen_rows", lambda seen, tokens: seen.expand(len(tokens) + 1, -1))
+    assert chi_square_p(ToyLM(VOCAB, seed=5), ToyLM(VOCAB, seed=1), 3, cfg) < P_FLOOR
+
+
 @pytest.mark.parametrize("k", [1, 2, 5])
 @pytest.mark.parametrize("drafter", ["model", "prompt-lookup"])
-def test_greedy_speculative_equals_greedy_baseline_on_toy(k, drafter):
+@pytest.mark.parametrize(
+    "adjusted", [SamplingConfig(0.0), SamplingConfig(0.0, repetition_penalty=1.6, logit_bias=((2, 0.5),))]
+)
+def test_greedy_speculative_equals_greedy_baseline_on_toy(k, drafter, adjusted):
     target, prompt = ToyLM(5, seed=3), torch.tensor([1, 4])
     if drafter == "model":  # the target plus noise: agrees often, not always
         draft = ToyLM(5, seed=3)
         draft.table = draft.table + 1.5 * torch.randn(draft.table.shape, generator=torch.Generator().manual_seed(9))
-        draft = ModelDrafter(draft, SamplingConfig(0.0), torch.Generator())
+        draft = ModelDrafter(draft, adjusted, torch.Generator())
     else:
         draft = PromptLookupDrafter()
-    greedy, g = SamplingConfig(0.0), torch.Generator()
+    greedy, g = adjusted, torch.Generator()
     want = autoregressive_decode(target, prompt, 30, greedy, g).tokens
     got = speculative_decode(target, draft, prompt, k, 30, greedy, g)
     assert got.tokens == want

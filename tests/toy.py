@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from specbench.engine import ModelDrafter, speculative_decode
-from specbench.sampling import SamplingConfig, warp
+from specbench.sampling import SamplingConfig, adjust, context_mask, warp
 
 VOCAB, LENGTH, PROMPT = 3, 4, [0, 2]
 SAMPLES = 6000
@@ -66,7 +66,8 @@ def exact_distribution(model: ToyLM, prompt: list[int], length: int, cfg: Sampli
     for seq in itertools.product(range(model.vocab), repeat=length):
         prob, context = 1.0, list(prompt)
         for t in seq:
-            prob *= float(warp(model.logits_after(context), cfg)[t])
+            seen = context_mask(torch.tensor(context), model.vocab, cfg)  # the repetition penalty's context
+            prob *= float(warp(adjust(model.logits_after(context), cfg, seen), cfg)[t])
             context.append(t)
         law[seq] = prob
     return law
