@@ -23,17 +23,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from . import __version__, metrics
+from .audit import FAIL, PASS, AuditPlan, audit, parse_setting, subjects_of
 from .bench import Results, benchmark
+from .broken import BROKEN
 from .config import OPTIONS, BenchConfig
 from .context import write_context
 from .costs import ForwardCosts
 from .errors import SpecbenchError
 from .methods import LONG_CONTEXT, METHODS, SERVED
 from .models import read_config
-from .options import Option
+from .options import AUDIT, Option
 from .plot import plot_categories, plot_concurrency, plot_context, plot_online, plot_phases, plot_run
 from .prompts import dataset_sources
 from .report import (
+    audit_table,
     category_table,
     context_table,
     levels_table,
@@ -285,6 +288,78 @@ app.command(
         }
     )
 )
+
+
+def audit_command(out: Path | None = None, **given) -> None:
+    """Audit speculative decoding from outside: whether each subject (the speculative --method of any
+    --engine, --server, or a --broken one) returns what its engine's target alone returns: equal greedy
+    answers, and, at each sampling --setting, samples of the same law (a two-sample test against the
+    reference, with a control arm and the TV it could detect). Exit 0 when every subject passes, 1 when
+    one fails, 2 on bad input, 3 when one could not be judged (not exercised, inconclusive, underpowered)."""
+    _setup_logging()
+    values = {name: OPTIONS[name].value(text) for name, text in given.items() if name in OPTIONS}
+    cfg = BenchConfig(**values)
+    cfg.validate()
+    mine = {}
+    for option in AUDIT:
+        mine[option.name] = option.value(given[option.name])
+        option.validate(mine[option.name])
+    if unknown := [name for name in mine["broken"] if name not in BROKEN and name != "all"]:
+        raise SpecbenchError(f"--broken {unknown[0]}: choose from {', '.join(BROKEN)}, or all")
+    broken = list(BROKEN.values()) if "all" in mine["broken"] else [BROKEN[name] for name in mine["broken"]]
+    subjects = subjects_of(cfg, broken)
+    k = max([s.decoder.k or max(cfg.ks) for s in subjects], default=max(cfg.ks))
+    plan = AuditPlan(
+        subjects,
+        [parse_setting(text) for text in mine["settings"]],
+        mine["samples"],
+        mine["length"] or k + 2,
+        mine["prompts"],
+        mine["greedy_tokens"],
+        mine["level"],
+        mine["power_tv"],
+    )
+    out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-audit-{_slug(cfg.target)}"
+    report, progress, task = None, _progress(), None
+    with progress:
+        for event in audit(cfg, plan, out):
+            if isinstance(event, dict):
+                report = event
+            elif task is None:
+                task = progress.add_task(event.stage, total=None)
+            else:
+                progress.update(
+                    task, description=event.label or event.stage, completed=event.done, total=event.total or None
+                )
+    rows = report["rows"]
+    console.print(audit_table(rows, f"audit of {cfg.target}: {plan.samples} samples of {plan.length} tokens per arm"))
+    console.print(f"results in {out}/ (audit.json, samples.jsonl)")
+    subjects_rows = [r for r in rows if r["test"] != "control"]
+    if any(r["verdict"] == FAIL for r in subjects_rows):
+        raise typer.Exit(1)
+    if any(r["verdict"] not in (PASS, "n/a") for r in rows):
+        raise typer.Exit(3)
+
+
+def _audit_signature():
+    @functools.wraps(audit_command)
+    def command(**options):
+        return audit_command(**options)
+
+    params = [_parameter(o) for o in OPTIONS.values()] + [_parameter(o) for o in AUDIT]
+    out = inspect.Parameter(
+        "out",
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[
+            Path | None, typer.Option(help="Audit directory (default results/<time>-audit-<target>/).")
+        ],
+    )
+    command.__signature__ = inspect.Signature([*params, out])
+    return command
+
+
+app.command("audit")(_audit_signature())
 
 
 @app.command()

@@ -207,13 +207,18 @@ class ModelDrafter:
             if q is None:
                 self.pending = argmax(logits)
             else:
+                self.pending, q = self.draw(logits, q)
                 q_rows.append(q)
-                self.pending = sample(q, self.generator)
             drafted.append(self.pending)
             if seen is not None:
                 seen[self.pending] = True
         tokens = torch.cat(drafted) if drafted else self.pending
         return Draft.chain(tokens, torch.stack(q_rows) if q_rows else None, forwards=forwards)
+
+    def draw(self, logits: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafted token, and the row it is verified against: a sample of ``q``, and ``q``. (The
+        audit's deliberately broken drafters draw from one row and report another.)"""
+        return sample(q, self.generator), q
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         n, k = verdict.accepted, len(draft.tokens)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import DecodeResult, Drafter, heuristic_k, speculative_decode
+from .engine import DecodeResult, Drafter, heuristic_k, speculative_decode, verify
 from .engines.loop import Settings
 from .lm import HFCausalLM
 from .online import Learned
@@ -82,6 +82,9 @@ class Method:
     levels: tuple[Level, ...] = ()  # drafting models whose one-token forward the cost measurement times
     options: tuple[Option, ...] = ()  # the run options it owns (a flag each, a configuration field each)
     k_policies: tuple[str, ...] = (FIXED,)  # how it can choose K round by round (--k-policy; one row each)
+    # Whether it honours a repetition penalty and a logit bias: every row it samples or verifies goes
+    # through sampling.adjust at its own context (vLLM, transformers and servers apply their own).
+    adjusts_logits = False
     engine = "torch"  # whose implementation decodes: specbench's loop, transformers' (hf) or vLLM's
     counterpart = ""  # the vLLM method that does the same, run in its place under --engine vllm
     reference = ""  # the method its speedup is over when not specbench's baseline (its engine's own)
@@ -132,6 +135,7 @@ class SpeculativeLoop(Method):
     the decoder's p_min opts in to the confidence policy too (k_policies = K_POLICIES)."""
 
     k_policies = (FIXED, HEURISTIC)
+    rule = staticmethod(verify)  # the verification (engine.verify; the audit's broken subjects have their own)
 
     def drafter(self, pair: Pair, settings: Settings, step: Decoder, generator: torch.Generator) -> Drafter:
         raise NotImplementedError
@@ -149,6 +153,7 @@ class SpeculativeLoop(Method):
             pair.stop_ids,
             on_round,
             step.schedule,
+            self.rule,
         )
 
 

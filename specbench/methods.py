@@ -26,7 +26,7 @@ from .engine import (
     autoregressive_decode,
     tree_parents,
 )
-from .engines.hf import hf_generate
+from .engines.hf import hf_generate, hf_samples
 from .errors import SpecbenchError
 from .kv import SINKS
 from .lm import SparseView, WindowLM
@@ -40,6 +40,7 @@ from .timing import TimedDrafter, TimedLM
 
 class Baseline(Method):
     name, help, takes_k = "baseline", "the target alone, one token per forward with a KV cache (always runs)", False
+    adjusts_logits = True
 
     def decode(self, pair, settings, step, ids, generator):
         return autoregressive_decode(
@@ -55,6 +56,7 @@ class Speculative(SpeculativeLoop):
     )
     counterpart = "draft"
     k_policies = K_POLICIES  # a ModelDrafter given step.p_min: it can stop where unsure
+    adjusts_logits = True  # a chain of its own model's rows
 
     def c(self, costs):
         return costs.c
@@ -131,6 +133,7 @@ class PromptLookup(SpeculativeLoop):
         "K tokens copied from the latest match of the last n-gram in prompt and output; no draft model",
     )
     counterpart = "ngram"
+    adjusts_logits = True  # its candidates have no q; the target's rows are adjusted in verify
 
     def c(self, costs):
         return 0.0  # no draft model runs; its lookups are host-side bookkeeping
@@ -427,7 +430,7 @@ class HFAssisted(Method):
         "transformers' generate(assistant_model=draft) with exactly K draft tokens per round",
         True,
     )
-    engine = "hf"
+    engine, adjusts_logits = "hf", True
     reference = "hf-generate"  # transformers' own plain decoding, which runs whenever this does
 
     def check(self, pair):
@@ -447,17 +450,21 @@ class HFAssisted(Method):
 
 class HFGenerate(Method):
     name, help, takes_k = "hf-generate", "transformers' plain generate (checks that the baseline is as fast)", False
-    engine = "hf"
+    engine, adjusts_logits = "hf", True
 
     def decode(self, pair, settings, step, ids, generator):
         return hf_generate(pair.target, ids, settings, _seed(generator), pair.stop_ids, clock=pair.clock)
+
+    def decode_many(self, pair, settings, ids, count, seed):
+        """``count`` untimed samples of one prompt, in batches (the audit's reference arms)."""
+        return hf_samples(pair.target, ids, settings, seed, pair.stop_ids, count)
 
 
 class Served(Method):
     """A method of vLLM's (--engine vllm): vLLM decodes, specbench starts the engine, drives the
     requests and reads vLLM's counters. ``speculative_config`` is what vLLM is started with."""
 
-    engine = "vllm"
+    engine, adjusts_logits = "vllm", True
 
     def speculative_config(self, cfg, k: int | None, draft: str | None) -> dict | None:
         return None
@@ -534,7 +541,7 @@ class Remote(Method):
     else --k. The baseline is the --baseline-url server, which does not speculate. A server specbench
     starts (--launch) has a ``command`` and its URL only once started."""
 
-    engine = "server"
+    engine, adjusts_logits = "server", True  # what the server honours is its own affair
 
     def __init__(self, name: str, url: str, speculates: bool = True, command: str = ""):
         self.name, self.url, self.takes_k, self.command = name, url, speculates, command

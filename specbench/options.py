@@ -448,3 +448,80 @@ SERVER: tuple[Option, ...] = (
         panel=SERVER_PANEL,
     ),
 )
+
+
+def each_given(given: list[str]) -> list[str]:
+    """A repeatable flag whose values hold commas themselves (--setting temperature=0.7,top_p=0.9)."""
+    return list(dict.fromkeys(value.strip() for value in given if value.strip()))
+
+
+AUDIT_PANEL = "Audit: the sampling settings, sample sizes and levels of `specbench audit` (docs/audit.md)"
+# `specbench audit`'s own options, beside the run's (which choose the models, engines and methods).
+AUDIT: tuple[Option, ...] = (
+    Option(
+        "settings",
+        ["greedy", "temperature=1", "temperature=0.7,top_p=0.9", "temperature=0.8,top_k=20,repetition_penalty=1.2"],
+        "A sampling setting to audit (repeatable): greedy, or KEY=VALUE,... of temperature, top_k, top_p, min_p, "
+        "repetition_penalty, presence_penalty, frequency_penalty.",
+        flags=("--setting",),
+        repeat=each_given,
+        metavar="SETTING",
+        panel=AUDIT_PANEL,
+    ),
+    Option(
+        "samples",
+        1000,
+        "Samples per arm, prompt and sampling setting (the reference, its control and each subject).",
+        low=50,
+        panel=AUDIT_PANEL,
+    ),
+    Option(
+        "length",
+        0,
+        "Tokens of each sample, whose law is tested (0: K + 2, so that rejections, resampling and bonus tokens occur).",
+        low=0,
+        panel=AUDIT_PANEL,
+    ),
+    Option(
+        "prompts",
+        3,
+        "Prompts per setting: the sampling tests take those of the --num-prompts candidates whose pilot sample "
+        "is most moderately varied; greedy takes the first.",
+        low=1,
+        panel=AUDIT_PANEL,
+    ),
+    Option(
+        "greedy_tokens",
+        [128, 512],
+        "Greedy answers are compared up to each of these lengths (the longest is decoded).",
+        parse=int_list,
+        low=1,
+        panel=AUDIT_PANEL,
+    ),
+    Option(
+        "level",
+        0.01,
+        "Family-wise error rate of the sampling tests (Holm's correction over subjects, settings and prompts).",
+        check=lambda level: 0 < level < 1,
+        problem="--level must be in (0, 1), e.g. 0.01",
+        panel=AUDIT_PANEL,
+    ),
+    Option(
+        "power_tv",
+        0.25,
+        "The total-variation distance every sampling test must detect with 80% power; a --samples too small to "
+        "promise it is refused, and a pass whose test cannot is shown as underpowered.",
+        check=lambda tv: 0 < tv <= 1,
+        problem="--power-tv must be in (0, 1]",
+        panel=AUDIT_PANEL,
+    ),
+    Option(
+        "broken",
+        [],
+        "A known-broken subject to add (repeatable, or all): a bug an engine shipped, rebuilt in specbench's loop "
+        "to show the audit catches it (`specbench list` names them).",
+        repeat=names_given,
+        metavar="NAME",
+        panel=AUDIT_PANEL,
+    ),
+)

@@ -265,3 +265,37 @@ def category_table(rows: list[dict]) -> Table:
     for label, by_category in cells.items():
         table.add_row(label, *(by_category.get(category, "-") for category in categories))
     return table
+
+
+def audit_table(rows: list[dict], title: str) -> Table:
+    """`specbench audit`'s verdicts: a row per subject (and control) and setting, then the probes."""
+
+    def number(value, digits: int = 3) -> str:
+        return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}g}"
+
+    table = Table(title=title, caption="TV: the plug-in distance [95% interval] / what two samples of one law show")
+    for header in ("subject", "setting", "verdict", "p (Holm)", "TV", "detectable TV", "N", "s", "evidence"):
+        table.add_column(header, justify="left" if header in ("subject", "setting", "evidence") else "right")
+    for row in rows:
+        verdict = row["verdict"]
+        style = "bold red" if verdict == "FAIL" else "green" if verdict == "pass" else "yellow"
+        setting = row["setting"] if row["test"] in ("greedy", "sampling", "control") else f"probe: {row['test']}"
+        tv = (
+            f"{row['tv']:.3f} [{row['tv_low']:.3f}, {row['tv_high']:.3f}] / {row['tv_noise']:.3f}"
+            if "tv" in row
+            else ""
+        )
+        size = f"{row['samples']} x {row['prompts']}" if "samples" in row else str(row.get("prompts", ""))
+        evidence = "; ".join(part for part in (row.get("equal", ""), row["evidence"]) if part)
+        table.add_row(
+            row["subject"] + (f" [{row['broken']}]" if row.get("broken") else ""),
+            setting,
+            f"[{style}]{verdict}[/]",
+            number(row.get("p"), 2),
+            tv,
+            number(row.get("detectable_tv")),
+            size,
+            "" if "seconds" not in row else f"{row['seconds']:.0f}",
+            evidence,
+        )
+    return table

@@ -44,10 +44,24 @@ class Sampling:
     seed: int
     stop_ids: tuple[int, ...]
     eta: float = 0.0  # eta-sampling epsilon: specbench's loop and transformers only
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # vLLM and servers only
+    frequency_penalty: float = 0.0  # vLLM and servers only
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int = 0  # how many of the likeliest tokens' log-probabilities to return per position
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def margin(top: list[float] | None) -> float | None:
+    """How far apart, in log-probability, the two likeliest tokens at a position were (None: not given)."""
+    if not top or len(top) < 2:
+        return None
+    first, second = sorted(top, reverse=True)[:2]
+    return first - second
 
 
 def request_seed(seed: int, index: int, salt: str = "") -> int:
@@ -78,6 +92,9 @@ class Served:
     reported: int | None = None  # the server's count of answer tokens, where it gave no ids
     encoded: bool = False  # tokens are the client's encoding of the text (the server gave no ids)
     measured: object = None  # specbench's loop: its loop.Measurement (the decode, its time and phases)
+    logprobs: list[list[float]] | None = (
+        None  # per position, the likeliest tokens' log-probabilities (Sampling.logprobs)
+    )
 
     @property
     def reports_acceptance(self) -> bool:

@@ -11,6 +11,8 @@ import torch
 from ..engine import DecodeResult
 from ..timing import ForwardLaps
 
+BATCH = 256  # rows of one generate call in hf_samples
+
 
 class _HookedLaps:
     """timing.ForwardLaps driven by a module's forward hooks, so transformers' generate is split into
@@ -26,6 +28,50 @@ class _HookedLaps:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def generate_kwargs(target, settings, stop_ids: frozenset[int]) -> dict:
+    """``generate``'s arguments for ``settings`` (loop.Settings): the tokens to generate, the warp, the
+    logit bias and the repetition penalty, the ids that stop an answer."""
+    sampling = settings.sampling
+    kwargs = {
+        "max_new_tokens": settings.max_new_tokens,
+        "do_sample": not sampling.greedy,
+        "eos_token_id": sorted(stop_ids) or None,
+        "pad_token_id": getattr(target.tokenizer, "pad_token_id", None)
+        if getattr(target.tokenizer, "pad_token_id", None) is not None
+        else min(stop_ids, default=0),
+    }
+    if not sampling.greedy:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+        if sampling.eta > 0:
+            kwargs["eta_cutoff"] = sampling.eta
+        if sampling.min_p > 0:
+            kwargs["min_p"] = sampling.min_p
+    else:
+        kwargs.update(temperature=None, top_k=None, top_p=None)
+    if sampling.repetition_penalty != 1.0:
+        kwargs["repetition_penalty"] = sampling.repetition_penalty
+    if sampling.logit_bias:
+        kwargs["sequence_bias"] = {(token,): bias for token, bias in sampling.logit_bias}
+    return kwargs
+
+
+def hf_samples(target, prompt_ids: torch.Tensor, settings, seed: int, stop_ids: frozenset[int], count: int) -> list:
+    """``count`` independent answers of transformers' plain sampling to one prompt, drawn as rows of
+    batches of at most BATCH (generate's num_return_sequences): each answer cut after its first stop
+    token. For the audit's reference arms, whose thousands of samples would take hours one by one."""
+    kwargs = generate_kwargs(target, settings, stop_ids)
+    torch.manual_seed(seed)  # generate() samples from the global generator
+    answers = []
+    ids = prompt_ids.view(1, -1)
+    while len(answers) < count:
+        rows = min(BATCH, count - len(answers))
+        out = target.model.generate(ids, attention_mask=torch.ones_like(ids), num_return_sequences=rows, **kwargs)
+        for row in out[:, prompt_ids.shape[0] :].tolist():
+            end = next((i + 1 for i, token in enumerate(row) if token in stop_ids), len(row))
+            answers.append(row[:end])
+    return answers
 
 
 def hf_generate(
@@ -46,21 +92,7 @@ def hf_generate(
 
     transformers' first target call also verifies the first drafts, so its prefill holds a round.
     """
-    sampling = settings.sampling
-    kwargs = {
-        "max_new_tokens": settings.max_new_tokens,
-        "do_sample": not sampling.greedy,
-        "eos_token_id": sorted(stop_ids) or None,
-        "pad_token_id": getattr(target.tokenizer, "pad_token_id", None)
-        if getattr(target.tokenizer, "pad_token_id", None) is not None
-        else min(stop_ids, default=0),
-    }
-    if not sampling.greedy:
-        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
-        if sampling.eta > 0:
-            kwargs["eta_cutoff"] = sampling.eta
-    else:
-        kwargs.update(temperature=None, top_k=None, top_p=None)
+    kwargs = generate_kwargs(target, settings, stop_ids)
     if assistant is not None:
         config = assistant.model.generation_config
         config.num_assistant_tokens = k

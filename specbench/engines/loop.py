@@ -23,7 +23,7 @@ from ..engine import DecodeResult
 from ..errors import SpecbenchError
 from ..sampling import SamplingConfig
 from ..timing import PhaseClock, Phases, synchronize
-from . import Sampling, Served, request_seed
+from . import Sampling, Served, margin, request_seed
 
 
 @dataclass
@@ -66,7 +66,15 @@ class Loop:
         self.timed = pair.timed(self.clock)
 
     def settings(self, sampling: Sampling) -> Settings:
-        warp = SamplingConfig(sampling.temperature, sampling.top_k, sampling.top_p, sampling.eta)
+        warp = SamplingConfig(
+            sampling.temperature,
+            sampling.top_k,
+            sampling.top_p,
+            sampling.eta,
+            sampling.min_p,
+            sampling.repetition_penalty,
+            sampling.logit_bias,
+        )
         return Settings(sampling.max_new_tokens, warp, self.options)
 
     def run(
@@ -78,10 +86,16 @@ class Loop:
         indices: Sequence[int] | None = None,
     ) -> Iterator[Served]:
         """Decode every request (token ids) in turn; each Served carries its Measurement. Times are
-        seconds from the first request's start, with no gaps: the decodes' own wall times."""
+        seconds from the first request's start, with no gaps: the decodes' own wall times.
+
+        A method with ``decode_many`` (transformers' plain sampling) takes ``concurrency`` > 1 for
+        requests of one prompt: untimed samples in batches, each a random draw of its own."""
+        settings, now = self.settings(sampling), 0.0
+        if concurrency > 1 and hasattr(self.decoder.method, "decode_many") and math.isinf(rate):
+            yield from self.batched(requests, settings, sampling.seed, indices)
+            return
         if concurrency != 1 or not math.isinf(rate):
             raise SpecbenchError("specbench's loop decodes one request at a time: --concurrency 1, no --request-rate")
-        settings, now = self.settings(sampling), 0.0
         for n, ids in enumerate(requests):
             ids = torch.as_tensor(ids, device=self.pair.device)
             measured = self.decode(ids, indices[n] if indices is not None else n, settings, sampling.seed)
@@ -89,6 +103,15 @@ class Loop:
             now += measured.seconds
             first = start + measured.phases.prefill
             yield Served(n, tokens, start, first, now, None, text="", measured=measured)
+
+    def batched(self, requests: Sequence, settings: Settings, seed: int, indices) -> Iterator[Served]:
+        first = torch.as_tensor(requests[0], device=self.pair.device)
+        if any(not torch.equal(torch.as_tensor(r, device=self.pair.device), first) for r in requests[1:]):
+            raise SpecbenchError("specbench's loop samples in batches only many requests of one prompt")
+        salt = request_seed(seed, indices[0] if indices is not None else 0, self.decoder.method.name)
+        answers = self.decoder.method.decode_many(self.pair, settings, first, len(requests), salt)
+        for n, tokens in enumerate(answers):
+            yield Served(n, tokens, 0.0, 0.0, 0.0, None)
 
     def decode(self, ids: torch.Tensor, index: int, settings: Settings, seed: int) -> Measurement:
         """Time one prompt's decode ``repeats`` times and keep the median run, phases and all."""
@@ -101,6 +124,18 @@ class Loop:
             runs.append((result, self.clock.stop()))  # stop waits for the device
         result, phases = sorted(runs, key=lambda run: run[1].total)[(len(runs) - 1) // 2]
         return Measurement(result, phases.total, phases)
+
+    @torch.inference_mode()
+    def margin_at(self, request, position: int) -> float | None:
+        """How far apart, in log-probability, the target's two likeliest tokens were at ``position`` of
+        its greedy answer to ``request`` (token ids), untimed."""
+        lm = self.pair.target_lm
+        lm.reset()
+        logits = lm.forward(torch.as_tensor(request, device=self.pair.device), last=1)[-1]
+        for _ in range(position):
+            logits = lm.forward(logits.argmax().view(1), last=1)[-1]
+        top = logits.float().log_softmax(-1).topk(2).values.tolist()
+        return margin(top)
 
     def counters(self) -> dict:
         """None of its own: a Measurement's DecodeResult counts what was drafted and accepted."""

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 from ..errors import SpecbenchError
-from . import LoopThread, Sampling, Served, arrivals, request_seed
+from . import LoopThread, Sampling, Served, arrivals, margin, request_seed
 
 API_KEY_ENV = "OPENAI_API_KEY"  # where --api-key-env looks by default, as the OpenAI client does
 STREAM_LINE_BYTES = 1 << 24  # a chunk that echoes a long prompt's ids is one long line
@@ -119,6 +119,17 @@ class Server:
         body["messages" if self.api == "chat" else "prompt"] = request
         if sampling.top_k > 0:
             body["top_k"] = sampling.top_k
+        # The settings beyond OpenAI's own go only where set: vLLM, SGLang and llama.cpp take them.
+        extra = {"min_p": (sampling.min_p, 0.0), "repetition_penalty": (sampling.repetition_penalty, 1.0)}
+        extra |= {"presence_penalty": (sampling.presence_penalty, 0.0)}
+        extra |= {"frequency_penalty": (sampling.frequency_penalty, 0.0)}
+        body |= {name: value for name, (value, off) in extra.items() if value != off}
+        if sampling.logit_bias:
+            body["logit_bias"] = {str(token): bias for token, bias in sampling.logit_bias}
+        if sampling.logprobs:
+            body["logprobs"] = sampling.logprobs if self.api == "completions" else True
+            if self.api == "chat":
+                body["top_logprobs"] = sampling.logprobs
         if sampling.stop_ids:
             body["stop_token_ids"] = list(sampling.stop_ids)
         return body
@@ -142,9 +153,12 @@ class Server:
         began = time.perf_counter()
 
         async def one(index: int, request, at: float) -> None:
-            await asyncio.sleep(at)
-            async with gate:
-                finished.put(await self._request(index, self.body(request, sampling, seeds[index]), began))
+            try:
+                await asyncio.sleep(at)
+                async with gate:
+                    finished.put(await self._request(index, self.body(request, sampling, seeds[index]), began))
+            except BaseException as e:  # not a failed request but a fault of ours: the caller stops at it
+                finished.put(e)
 
         times = arrivals(len(requests), rate, sampling.seed)
         await asyncio.gather(*(one(i, r, at) for i, (r, at) in enumerate(zip(requests, times, strict=True))))
@@ -191,11 +205,8 @@ class Server:
                 reply = await response.json()
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError):
             return None
-        tops = ((reply.get("choices") or [{}])[0].get("logprobs") or {}).get("top_logprobs") or []
-        if len(tops) <= position or not tops[position] or len(tops[position]) < 2:
-            return None
-        first, second = sorted(tops[position].values(), reverse=True)[:2]
-        return first - second
+        tops = top_logprobs((reply.get("choices") or [{}])[0].get("logprobs"))
+        return margin(tops[position]) if len(tops) > position else None
 
     def check(self) -> None:
         """Raise SpecbenchError (one line) when the server no longer answers."""
@@ -230,6 +241,7 @@ class Reply:
         self.text, self.ids, self.times = "", [], []  # times: when each chunk with answer text came
         self.usage, self.spec, self.timings, self.meta = None, None, None, None
         self.ended, self.error = False, ""
+        self.logprobs: list[list[float]] = []  # per position, the likeliest tokens' log-probabilities
 
     def take(self, line: bytes, now: float) -> bool:
         """Read one line of the event stream; True when the stream is done."""
@@ -252,6 +264,7 @@ class Reply:
                 self.times.append(now)
             self.text += piece
             self.ids += ids
+            self.logprobs += top_logprobs(choice.get("logprobs"))
             self.ended = self.ended or bool(choice.get("finish_reason"))
         self.usage = chunk.get("usage") or self.usage
         self.spec = (chunk.get("metrics") or {}).get("speculative_decoding") or self.spec  # vLLM
@@ -265,6 +278,7 @@ class Reply:
         itl = [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
         served = Served(index, tokens, start, first, end, None, itl=itl, text=self.text, error=self.error)
         served.encoded = not self.ids
+        served.logprobs = self.logprobs or None
         count = (self.usage or {}).get("completion_tokens")
         if count is not None and not self.ids:  # the server's count, when its ids were not given
             served.reported = count
@@ -279,6 +293,19 @@ class Reply:
         elif self.meta and "spec_verify_ct" in self.meta:  # SGLang: a target forward per verify
             served.accepted = (count or len(tokens)) - self.meta["spec_verify_ct"]
         return served
+
+
+def top_logprobs(logprobs: dict | None) -> list[list[float]]:
+    """Per position of a chunk, the likeliest tokens' log-probabilities, best first: from a completion's
+    ``top_logprobs`` (a dict per position) or a chat answer's ``content`` (a list per position)."""
+    if not logprobs:
+        return []
+    if "content" in logprobs:  # chat
+        return [
+            sorted((t["logprob"] for t in pos.get("top_logprobs") or [pos]), reverse=True)
+            for pos in logprobs["content"] or []
+        ]
+    return [sorted((pos or {}).values(), reverse=True) for pos in logprobs.get("top_logprobs") or []]
 
 
 def parse_counters(text: str) -> dict[str, float | list[float]]:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from ..errors import SpecbenchError
-from . import LoopThread, Sampling, Served, arrivals, first_line, request_seed
+from . import LoopThread, Sampling, Served, arrivals, first_line, margin, request_seed
 
 INSTALL = (
     "--engine vllm needs vLLM, which lives in an environment of its own: run `make install-vllm` "
@@ -136,6 +136,12 @@ class Engine:
                 temperature=sampling.temperature,
                 top_k=sampling.top_k,
                 top_p=sampling.top_p,
+                min_p=sampling.min_p,
+                repetition_penalty=sampling.repetition_penalty,
+                presence_penalty=sampling.presence_penalty,
+                frequency_penalty=sampling.frequency_penalty,
+                logit_bias=dict(sampling.logit_bias) or None,
+                logprobs=sampling.logprobs or None,
                 seed=request_seed(sampling.seed, indices[index]),
                 stop_token_ids=list(sampling.stop_ids),
                 detokenize=False,
@@ -151,6 +157,7 @@ class Engine:
                 start = time.perf_counter() - began
                 tokens: list[int] = []
                 first, last, itl, histogram, drafted, rejected, k = None, None, [], None, 0, None, None
+                logprobs = [] if sampling.logprobs else None
                 request = TokensPrompt(prompt_token_ids=ids)
                 async for out in self.llm.generate(request, params(index), f"{tag + index}"):
                     completion = out.outputs[0]
@@ -161,6 +168,10 @@ class Engine:
                             itl.append(now - last)
                         last = now
                     tokens += completion.token_ids
+                    if logprobs is not None and completion.logprobs:
+                        logprobs += [
+                            sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in completion.logprobs
+                        ]
                     if out.finished and (spec := completion.spec_decode_metrics) is not None:
                         histogram, drafted = list(spec.histogram), spec.num_draft_tokens
                         k = len(histogram) - 1
@@ -169,7 +180,9 @@ class Engine:
                             rejected = sum(1 for accepted, proposed in steps if accepted < proposed)
                 end = time.perf_counter() - began
             first = end if first is None else first
-            finished.put(Served(index, tokens, start, first, end, histogram, drafted, rejected, k=k, itl=itl))
+            served = Served(index, tokens, start, first, end, histogram, drafted, rejected, k=k, itl=itl)
+            served.logprobs = logprobs
+            finished.put(served)
 
         async def guarded(index: int, ids: list[int], at: float) -> None:
             try:
@@ -179,6 +192,13 @@ class Engine:
 
         times = arrivals(len(requests), rate, sampling.seed)
         await asyncio.gather(*(guarded(i, ids, at) for i, (ids, at) in enumerate(zip(requests, times, strict=True))))
+
+    def margin_at(self, request: list[int], position: int) -> float | None:
+        """How far apart, in log-probability, the two likeliest tokens were at ``position`` of the
+        engine's greedy answer to ``request``, untimed."""
+        greedy = Sampling(position + 1, 0.0, 0, 1.0, 0, (), logprobs=2)
+        served = next(self.run([request], 1, greedy))
+        return margin(served.logprobs[position]) if served.logprobs and len(served.logprobs) > position else None
 
     def counters(self) -> dict[str, float | list[float]]:
         """vLLM's own speculative-decoding counters so far in this process (Prometheus), by name
