@@ -1,4 +1,4 @@
-"""--engine server against stub servers on 127.0.0.1 (tests/stub_server.py), started and stopped by
+"""--engine server against stub servers on 127.0.0.1 (benchmarks/stub_server.py), started and stopped by
 each test: the response shapes of vLLM, llama.cpp, SGLang and TensorRT-LLM, every fault a server can
 have, and an API key that must not leak. The tests against real vLLM servers are in test_vllm.py."""
 
@@ -8,11 +8,11 @@ import random
 import pandas as pd
 import pytest
 
+from benchmarks.stub_server import Stub, answer, steps_of
 from specbench.engines import arrivals
 from specbench.engines.server import parse_counters
 
 from .helpers import one_line_error, specbench
-from .stub_server import Stub, answer, steps_of
 from .test_workloads import spec_bench_file as spec_bench_file  # a fixture
 
 
