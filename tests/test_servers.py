@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 from benchmarks.stub_server import Stub, answer, steps_of
-from specbench.engines import arrivals
-from specbench.engines.server import parse_counters
+from specbench.engines import Sampling, arrivals
+from specbench.engines.server import Server, parse_counters
 
 from .helpers import one_line_error, specbench
 from .test_workloads import spec_bench_file as spec_bench_file  # a fixture
@@ -208,6 +208,15 @@ def test_request_rate_sends_poisson_arrivals_and_labels_its_rows(tiny_pair, prom
     assert result.returncode == 0, result.stderr
     summary = pd.read_csv(tmp_path / "summary.csv")
     assert sorted(set(summary["request_rate"])) == [20.0, math.inf]
+
+
+def test_a_load_over_a_hundred_has_every_request_in_flight():
+    """aiohttp's session holds 100 connections at most unless told otherwise: 120 in flight must be 120."""
+    sampling = Sampling(max_new_tokens=3, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=())
+    with Stub(gather=120) as stub, Server("stub", stub.url) as server:
+        served = list(server.run([[1, 2, 3]] * 120, 120, sampling))
+    assert [s.error for s in served] == [""] * 120
+    assert stub.peak == 120
 
 
 def test_counters_sum_over_engines_and_positions():

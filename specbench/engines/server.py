@@ -73,7 +73,10 @@ class Server:
     async def _open(self):
         import aiohttp
 
+        # No cap on connections (aiohttp's default is 100): _drive's semaphore holds the load at the
+        # run's concurrency, and a cap below it would quietly hold it lower.
         return aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0),
             headers=self.headers,
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             read_bufsize=STREAM_LINE_BYTES,
