@@ -2,6 +2,7 @@
 each test: the response shapes of vLLM, llama.cpp, SGLang and TensorRT-LLM, every fault a server can
 have, and an API key that must not leak. The tests against real vLLM servers are in test_vllm.py."""
 
+import gc
 import math
 import random
 
@@ -217,6 +218,20 @@ def test_a_load_over_a_hundred_has_every_request_in_flight():
         served = list(server.run([[1, 2, 3]] * 120, 120, sampling))
     assert [s.error for s in served] == [""] * 120
     assert stub.peak == 120
+
+
+def test_the_heap_is_frozen_while_the_client_times_a_block_and_only_then():
+    """A full collection of what existed before (torch, transformers) must not stop the thread that
+    times the chunks: those objects are frozen for the block, and given back to the collector after."""
+    sampling = Sampling(max_new_tokens=3, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=())
+    frozen = []
+    with Stub() as stub, Server("stub", stub.url) as server:
+        before = gc.get_freeze_count()
+        for served in server.run([[1, 2, 3]] * 3, 2, sampling):
+            frozen.append(gc.get_freeze_count())
+            assert not served.error
+        assert gc.get_freeze_count() == before
+    assert len(frozen) == 3 and min(frozen) > before
 
 
 def test_counters_sum_over_engines_and_positions():
