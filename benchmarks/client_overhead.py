@@ -6,11 +6,11 @@ number of requests in flight grows.
     python benchmarks/client_overhead.py --concurrency 1,4,16,64,128,256 --interval-ms 10 --tokens 128
 
 The stub runs in a process of its own (benchmarks/stub_server.py --record), and so does each client
-at each load, one after the other (CLIENTS): `specbench run --engine server` as a user runs it, its
-client class (specbench.engines.server.Server) alone, and vLLM's (vllm.benchmarks.serve, what `vllm
-bench serve` runs) under --vllm-python. The truth is the stub's own send times, so a stub that falls
-behind at a high load is not counted as the client's error. Writes OUT/client_overhead.csv,
-OUT/table.md and OUT/meta.json, and each client's raw record and the stub's under OUT/raw/.
+at each load, one after the other (CLIENTS): `specbench run --engine server` as a user runs it, and
+vLLM's (vllm.benchmarks.serve, what `vllm bench serve` runs) under --vllm-python. The truth is the
+stub's own send times, so a stub that falls behind at a high load is not counted as the client's
+error. Writes OUT/client_overhead.csv, OUT/table.md and OUT/meta.json, and each client's raw record
+and the stub's under OUT/raw/.
 """
 
 from __future__ import annotations
@@ -146,9 +146,14 @@ def serial_of(text: str) -> int | None:
 
 CLIENTS = {
     "specbench": "specbench run --engine server: its client (Server) with the run's own work on each finished request",
-    "specbench-server": "specbench.engines.server.Server alone: the client, with nothing done on a finished request",
     "vllm": "vllm bench serve's client (vllm.benchmarks.serve), --backend openai",
+    # Not by default: in a process that imports nothing big, glibc's malloc keeps its default mmap
+    # and trim thresholds, and asyncio's 256 KiB socket reads page-fault on every read, which a user
+    # never sees: specbench run imports transformers (and vLLM's client vLLM) first, which raises them
+    # (docs/servers.md).
+    "specbench-server": "specbench.engines.server.Server alone, in a bare process (not run unless named)",
 }
+DEFAULT_CLIENTS = ("specbench", "vllm")
 
 
 def server_client(url: str, concurrency: int, count: int, tokens: int, input_len: int, out: str) -> None:
@@ -343,7 +348,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--min-requests", type=int, default=16, help="the fewest requests in a block")
     parser.add_argument(
         "--clients",
-        default=",".join(CLIENTS),
+        default=",".join(DEFAULT_CLIENTS),
         help="which clients, in this order at each load: " + "; ".join(f"{k}: {v}" for k, v in CLIENTS.items()),
     )
     parser.add_argument(
