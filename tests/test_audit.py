@@ -7,11 +7,11 @@ import json
 
 import pytest
 
+from benchmarks.stub_server import Stub
 from specbench.audit import parse_setting
 from specbench.errors import SpecbenchError
 
 from .helpers import one_line_error, specbench
-from .stub_server import Stub
 
 
 def test_settings_are_read_or_refused():

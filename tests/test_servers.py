@@ -1,18 +1,19 @@
-"""--engine server against stub servers on 127.0.0.1 (tests/stub_server.py), started and stopped by
+"""--engine server against stub servers on 127.0.0.1 (benchmarks/stub_server.py), started and stopped by
 each test: the response shapes of vLLM, llama.cpp, SGLang and TensorRT-LLM, every fault a server can
 have, and an API key that must not leak. The tests against real vLLM servers are in test_vllm.py."""
 
+import gc
 import math
 import random
 
 import pandas as pd
 import pytest
 
-from specbench.engines import arrivals
-from specbench.engines.server import parse_counters
+from benchmarks.stub_server import Stub, answer, steps_of
+from specbench.engines import Sampling, arrivals
+from specbench.engines.server import Server, parse_counters
 
 from .helpers import one_line_error, specbench
-from .stub_server import Stub, answer, steps_of
 from .test_workloads import spec_bench_file as spec_bench_file  # a fixture
 
 
@@ -208,6 +209,29 @@ def test_request_rate_sends_poisson_arrivals_and_labels_its_rows(tiny_pair, prom
     assert result.returncode == 0, result.stderr
     summary = pd.read_csv(tmp_path / "summary.csv")
     assert sorted(set(summary["request_rate"])) == [20.0, math.inf]
+
+
+def test_a_load_over_a_hundred_has_every_request_in_flight():
+    """aiohttp's session holds 100 connections at most unless told otherwise: 120 in flight must be 120."""
+    sampling = Sampling(max_new_tokens=3, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=())
+    with Stub(gather=120) as stub, Server("stub", stub.url) as server:
+        served = list(server.run([[1, 2, 3]] * 120, 120, sampling))
+    assert [s.error for s in served] == [""] * 120
+    assert stub.peak == 120
+
+
+def test_the_heap_is_frozen_while_the_client_times_a_block_and_only_then():
+    """A full collection of what existed before (torch, transformers) must not stop the thread that
+    times the chunks: those objects are frozen for the block, and given back to the collector after."""
+    sampling = Sampling(max_new_tokens=3, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=())
+    frozen = []
+    with Stub() as stub, Server("stub", stub.url) as server:
+        before = gc.get_freeze_count()
+        for served in server.run([[1, 2, 3]] * 3, 2, sampling):
+            frozen.append(gc.get_freeze_count())
+            assert not served.error
+        assert gc.get_freeze_count() == before
+    assert len(frozen) == 3 and min(frozen) > before
 
 
 def test_counters_sum_over_engines_and_positions():
