@@ -28,7 +28,8 @@ from dataclasses import replace
 
 import torch
 
-from .engine import ModelDrafter, verify
+from .drafters import ModelDrafter
+from .engine import verify
 from .methods import Speculative
 from .sampling import SamplingConfig, Verdict, argmax, sample, warp
 

@@ -8,8 +8,6 @@ through config.OPTIONS.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import logging
 import sys
 import time
@@ -22,8 +20,8 @@ from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
-from . import __version__, metrics
-from .audit import FAIL, PASS, AuditPlan, audit, parse_setting, subjects_of
+from . import __version__, flags, metrics
+from .audit import audit, plan_of
 from .bench import Results, benchmark
 from .broken import BROKEN
 from .config import OPTIONS, BenchConfig
@@ -32,7 +30,7 @@ from .costs import ForwardCosts
 from .errors import SpecbenchError
 from .methods import LONG_CONTEXT, METHODS, SERVED
 from .models import read_config
-from .options import AUDIT, Option
+from .options import AUDIT
 from .plot import plot_categories, plot_concurrency, plot_context, plot_online, plot_phases, plot_run
 from .prompts import dataset_sources
 from .report import (
@@ -46,6 +44,7 @@ from .report import (
     summary_table,
 )
 from .results import predicted_rows, row_label
+from .verdicts import FAIL, NOT_APPLICABLE, PASS
 
 
 def _version(show: bool) -> None:
@@ -74,33 +73,6 @@ def _root(
 # Logs and CI output are not terminals: give tables room instead of rich's 80-column default.
 console = Console() if sys.stdout.isatty() else Console(width=150)
 err_console = Console(stderr=True)
-
-
-def _owners(option: Option) -> list[str]:
-    return [m.name for m in METHODS.values() if option in m.options]
-
-
-def _parameter(option: Option, default=inspect.Parameter.empty) -> inspect.Parameter:
-    """A Typer option built from a declaration: its flags, type, help, choices and default."""
-    if option.repeat is not None:
-        kind = list[str] | None
-    elif option.parse is not None:
-        kind = str
-    else:
-        kind = option.type
-    owners = _owners(option)
-    metavar = option.metavar or ("[" + "|".join(option.choices) + "]" if option.choices else None)
-    shown = f"{option.help} [default: {', '.join(option.default)}]" if option.repeat else option.help
-    declared = typer.Option(
-        *option.flags,
-        help=shown,
-        metavar=metavar,
-        rich_help_panel=option.panel or (f"Options of {', '.join(owners)}" if owners else None),
-    )
-    default = option.text_default if default is inspect.Parameter.empty else default
-    return inspect.Parameter(
-        option.name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, declared]
-    )
 
 
 def _setup_logging() -> None:
@@ -211,42 +183,6 @@ def run(out: Path | None = None, resume: bool = False, **given) -> None:
     _sweep_context(cfg, lengths, out, resume)
 
 
-_RUN_ONLY = [
-    inspect.Parameter(
-        "out",
-        inspect.Parameter.KEYWORD_ONLY,
-        default=None,
-        annotation=Annotated[
-            Path | None, typer.Option(help="Run directory (default results/<time>-<target>-<draft>/).")
-        ],
-    ),
-    inspect.Parameter(
-        "resume",
-        inspect.Parameter.KEYWORD_ONLY,
-        default=False,
-        annotation=Annotated[
-            bool,
-            typer.Option(
-                help="Continue an interrupted run in --out with the same configuration: finished prompts are kept."
-            ),
-        ],
-    ),
-]
-
-
-def _command(defaults: dict | None = None):
-    """`run` with its Typer signature built from the declarations (and other ``defaults``)."""
-    defaults = defaults or {}
-
-    @functools.wraps(run)
-    def command(**options):
-        return run(**options)
-
-    params = [_parameter(o, defaults.get(o.name, inspect.Parameter.empty)) for o in OPTIONS.values()]
-    command.__signature__ = inspect.Signature(params + _RUN_ONLY)
-    return command
-
-
 def _sweep_context(cfg: BenchConfig, lengths: list[int], out: Path, resume: bool) -> None:
     """One run per context length, each in its own directory, then what they show together."""
     runs = {}
@@ -266,6 +202,11 @@ def _sweep_context(cfg: BenchConfig, lengths: list[int], out: Path, resume: bool
     console.print(context_table(rows, wins))
     console.print(f"plot: {plot_context(out)}")
     console.print(f"results in {out}/ (context.csv, crossover.json, context.png; a directory per length)")
+
+
+def _command(defaults: dict | None = None):
+    """`run` with its flags built from the declarations (and other ``defaults``)."""
+    return flags.command(run, OPTIONS.values(), defaults, (flags.RUN_OUT, flags.RESUME))
 
 
 app.command("run")(_command())
@@ -297,28 +238,9 @@ def audit_command(out: Path | None = None, **given) -> None:
     reference, with a control arm and the TV it could detect). Exit 0 when every subject passes, 1 when
     one fails, 2 on bad input, 3 when one could not be judged (not exercised, inconclusive, underpowered)."""
     _setup_logging()
-    values = {name: OPTIONS[name].value(text) for name, text in given.items() if name in OPTIONS}
-    cfg = BenchConfig(**values)
+    cfg = BenchConfig(**{name: OPTIONS[name].value(text) for name, text in given.items() if name in OPTIONS})
     cfg.validate()
-    mine = {}
-    for option in AUDIT:
-        mine[option.name] = option.value(given[option.name])
-        option.validate(mine[option.name])
-    if unknown := [name for name in mine["broken"] if name not in BROKEN and name != "all"]:
-        raise SpecbenchError(f"--broken {unknown[0]}: choose from {', '.join(BROKEN)}, or all")
-    broken = list(BROKEN.values()) if "all" in mine["broken"] else [BROKEN[name] for name in mine["broken"]]
-    subjects = subjects_of(cfg, broken)
-    k = max([s.decoder.k or max(cfg.ks) for s in subjects], default=max(cfg.ks))
-    plan = AuditPlan(
-        subjects,
-        [parse_setting(text) for text in mine["settings"]],
-        mine["samples"],
-        mine["length"] or k + 2,
-        mine["prompts"],
-        mine["greedy_tokens"],
-        mine["level"],
-        mine["power_tv"],
-    )
+    plan = plan_of(cfg, {option.name: option.value(given[option.name]) for option in AUDIT})
     out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-audit-{_slug(cfg.target)}"
     report, progress, task = None, _progress(), None
     with progress:
@@ -337,29 +259,11 @@ def audit_command(out: Path | None = None, **given) -> None:
     subjects_rows = [r for r in rows if r["test"] != "control"]
     if any(r["verdict"] == FAIL for r in subjects_rows):
         raise typer.Exit(1)
-    if any(r["verdict"] not in (PASS, "n/a") for r in rows):
+    if any(r["verdict"] not in (PASS, NOT_APPLICABLE) for r in rows):
         raise typer.Exit(3)
 
 
-def _audit_signature():
-    @functools.wraps(audit_command)
-    def command(**options):
-        return audit_command(**options)
-
-    params = [_parameter(o) for o in OPTIONS.values()] + [_parameter(o) for o in AUDIT]
-    out = inspect.Parameter(
-        "out",
-        inspect.Parameter.KEYWORD_ONLY,
-        default=None,
-        annotation=Annotated[
-            Path | None, typer.Option(help="Audit directory (default results/<time>-audit-<target>/).")
-        ],
-    )
-    command.__signature__ = inspect.Signature([*params, out])
-    return command
-
-
-app.command("audit")(_audit_signature())
+app.command("audit")(flags.command(audit_command, [*OPTIONS.values(), *AUDIT], extra=(flags.AUDIT_OUT,)))
 
 
 @app.command()
@@ -437,12 +341,16 @@ def _theory_from_costs(alphas: list[float], path: Path, c: float | None, format:
 @app.command("list")
 def list_(
     what: Annotated[
-        str, typer.Argument(help="methods, models, datasets or all.", metavar="[methods|models|datasets|all]")
+        str,
+        typer.Argument(
+            help="methods, models, datasets, broken or all.", metavar="[methods|models|datasets|broken|all]"
+        ),
     ] = "all",
 ) -> None:
-    """What specbench can run: the methods (with the options each owns), the model aliases, the datasets."""
-    if what not in ("methods", "models", "datasets", "all"):
-        raise SpecbenchError(f"specbench list {what}: use methods, models, datasets or all")
+    """What specbench can run: the methods (with the options each owns), the model aliases, the datasets,
+    and the audit's known-broken subjects."""
+    if what not in ("methods", "models", "datasets", "broken", "all"):
+        raise SpecbenchError(f"specbench list {what}: use methods, models, datasets, broken or all")
     if what in ("methods", "all"):
         table = Table("method", "engine", "K", "draft model", "what it does", "its options", title="methods (--method)")
         for m in [*METHODS.values(), *SERVED.values()]:
@@ -464,6 +372,11 @@ def list_(
         table = Table("dataset", "source", title="datasets (--dataset)")
         for name, source in dataset_sources():
             table.add_row(name, source)
+        console.print(table)
+    if what in ("broken", "all"):
+        table = Table("subject", "its bug", "seen in", title="known-broken subjects (specbench audit --broken)")
+        for subject in BROKEN.values():
+            table.add_row(subject.name, subject.help, subject.where)
         console.print(table)
 
 
@@ -515,7 +428,7 @@ def compare(
 
 
 # distill shares these options with run: the same declarations.
-Target, Seed, Device = (_parameter(OPTIONS[name]).annotation for name in ("target", "seed", "device"))
+Target, Seed, Device = (flags.parameter(OPTIONS[name]).annotation for name in ("target", "seed", "device"))
 
 
 @app.command()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from dataclasses import asdict, field, make_dataclass
 
-from .engine import tree_parents
+from .drafters import tree_parents
 from .engines import Sampling
 from .engines.loop import Settings
 from .engines.vllm import INSTALL, available, device_count

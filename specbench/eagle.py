@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .engine import Draft, tree_level, tree_parents
+from .drafters import tree_level, tree_parents
+from .engine import Draft
 from .errors import SpecbenchError
 from .fast import Linear, rms_norm, rope, swiglu
 from .sampling import SamplingConfig, Verdict, argmax, confident, sample, warp
@@ -333,7 +334,7 @@ class EagleDrafter:
 
     Between rounds it holds the pairs it has not read: the accepted tokens and the next one, each
     with the target's feature of the position before it. ``shape`` drafts a tree of that shape
-    (as engine.TreeDrafter: top-b children under greedy, b draws from q under sampling);
+    (as drafters.TreeDrafter: top-b children under greedy, b draws from q under sampling);
     ``dynamic`` = (nodes, width) drafts EAGLE-2's dynamic tree (see ``_dynamic``); with ``p_min`` a
     chain stops before the first token the head is not confident of (sampling.confident)."""
 

@@ -16,16 +16,9 @@ import re
 
 import torch
 
+from .drafters import CascadeDrafter, LookupTreeDrafter, ModelDrafter, PromptLookupDrafter, TreeDrafter, tree_parents
 from .eagle import EagleDrafter, HeadLM
-from .engine import (
-    CascadeDrafter,
-    LookupTreeDrafter,
-    ModelDrafter,
-    PromptLookupDrafter,
-    TreeDrafter,
-    autoregressive_decode,
-    tree_parents,
-)
+from .engine import autoregressive_decode
 from .engines.hf import hf_generate, hf_samples
 from .errors import SpecbenchError
 from .kv import SINKS
@@ -491,7 +484,7 @@ class ServedNgram(Served):
         return 0.0  # no model drafts
 
     def speculative_config(self, cfg, k, draft):
-        # The n-gram lengths of specbench's prompt lookup (engine.PromptLookupDrafter), so the two compare.
+        # The n-gram lengths of specbench's prompt lookup (drafters.PromptLookupDrafter), so the two compare.
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
 

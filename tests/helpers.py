@@ -92,6 +92,33 @@ def build_llama(
     return path
 
 
+def build_audit_pair(root: Path, hidden: int = 64, offset: float = 1000.0) -> tuple[str, str]:
+    """(target dir, draft dir) for the audit's tests: a target of moderate entropy (its samples of a few
+    tokens repeat, so a test of their law has power) and a draft that is a noisy, flatter copy of it
+    (accepted about a third of the time), whose every logit at a position carries one common offset
+    of about ``offset`` (its law is unchanged, but its logits are as large as a big model's, so that
+    rounding them to bfloat16 moves its law, as the draft-bf16 bug needs)."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer(root / "tok")
+    build_llama(root / "target", tokenizer, layers=2, hidden=hidden, seed=0, tie=False)
+    model = AutoModelForCausalLM.from_pretrained(root / "target")
+    noise = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1.5)
+        model.save_pretrained(root / "target")
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=noise) * 0.5 * param.std())
+        model.lm_head.weight.mul_(0.5)
+        # The offset: each logit gains offset * (u . h), u the mean direction of the final hidden states.
+        ids = tokenizer("".join(CORPUS[:4]), return_tensors="pt").input_ids
+        states = model(ids, output_hidden_states=True).hidden_states[-1][0]
+        model.lm_head.weight.add_(offset * states.mean(0) / states.mean(0).norm())
+    model.save_pretrained(root / "draft")
+    tokenizer.save_pretrained(root / "draft")
+    return str(root / "target"), str(root / "draft")
+
+
 class LawLM(HFCausalLM):
     """A tiny Llama of VOCAB tokens on the fast forward, whose exact law transformers computes: the
     logits after a context are its eager forward over the whole context, without a cache."""

@@ -6,12 +6,13 @@ arm (it rejects at its nominal rate)."""
 import json
 
 import pytest
+from scipy.stats import binom
 
 from benchmarks.stub_server import Stub
 from specbench.audit import parse_setting
 from specbench.errors import SpecbenchError
 
-from .helpers import one_line_error, specbench
+from .helpers import build_audit_pair, one_line_error, specbench
 
 
 def test_settings_are_read_or_refused():
@@ -74,3 +75,110 @@ def test_a_servers_greedy_divergence_is_a_near_tie_or_structural(tiny_pair, tmp_
     assert row["drafted"] > 0  # the vLLM-shaped stub says what it drafted
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert {(s["arm"], s["prompt"]) for s in samples} >= {("reference", 0), ("reference", 1), ("server spec", 1)}
+
+
+@pytest.fixture(scope="module")
+def audit_pair(tmp_path_factory):
+    """build_audit_pair's target and draft, and prompts the target continues with tokens it has already
+    seen (its own greedy continuations), so that a repetition penalty changes its law."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = tmp_path_factory.mktemp("audit")
+    target, draft = build_audit_pair(root)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(target), AutoTokenizer.from_pretrained(target)
+    rows = []
+    for text in ["def square(x):\n", "class Stack:\n", "for k in range(3):\n", "def add(a, b):\n"]:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        rows.append({"prompt": tokenizer.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0])})
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return target, draft, str(prompts)
+
+
+# Where every bug bites: truncation that cuts much of the draft's mass, a temperature, a penalty the
+# target's answers run into. The default N must see each bug here.
+STRONG = "temperature=1,top_k=3,repetition_penalty=2"
+BUG_SETTINGS = ["--setting", "greedy", "--setting", STRONG]
+
+
+def audit_rows(audit_pair, out, *args) -> tuple[int, dict]:
+    target, draft, prompts = audit_pair
+    result = specbench(
+        "audit", "--target", target, "--draft", draft, "--dataset", prompts, "--num-prompts", "4", "--k", "3",
+        "--prompts", "1", "--greedy-tokens", "32", "--threads", "1", *BUG_SETTINGS, *args, "--out", str(out),
+        timeout=1500,
+    )  # fmt: skip
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    report = json.loads((out / "audit.json").read_text())
+    return result.returncode, report
+
+
+def verdicts(report: dict, subject: str) -> dict:
+    return {(r["test"], r["setting"]): r["verdict"] for r in report["rows"] if r["subject"] == subject}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "broken",
+    [
+        ["draft-argmax", "q-temperature-1", "q-untruncated", "draft-bf16"],
+        ["greedy-verify", "accept-miscount", "penalty-ignored"],
+    ],
+)
+def test_the_audit_passes_specbench_and_flags_every_known_broken_subject(audit_pair, tmp_path, broken):
+    """At the default sample size: specbench's loop passes every test (and its control agrees with
+    itself), and each known-broken subject fails at least one; a subject that drafts nothing (the
+    confidence policy at --draft-p-min 1) is not exercised, never a pass."""
+    flags = [a for name in broken for a in ("--broken", name)]
+    code, report = audit_rows(audit_pair, tmp_path, *flags, "--k-policy", "fixed,confidence", "--draft-p-min", "1")
+    assert code == 1  # a failure
+    assert report["plan"]["samples"] == 1000  # the default N
+    own = verdicts(report, "speculative K=3")
+    logprobs = own.pop(("logprobs", "greedy"))
+    assert set(own.values()) == {"pass"} and len(own) == 2 + 2  # greedy, sampling, the EOS and logit-bias probes
+    assert logprobs == "n/a"  # specbench's loop returns no logprobs
+    control = verdicts(report, "torch baseline (control)")
+    assert set(control.values()) == {"pass"}
+    unsure = verdicts(report, "speculative K=3 confidence")
+    assert unsure[("sampling", STRONG)] == "not exercised" and unsure[("greedy", "greedy")] == "pass"
+    for name in broken:
+        found = verdicts(report, f"{name} K=3")
+        assert "FAIL" in found.values(), (name, found)
+        if name == "accept-miscount":
+            assert found[("greedy", "greedy")] == "FAIL"  # greedy answers diverge too, structurally
+    samples = (tmp_path / "samples.jsonl").read_text().splitlines()
+    arms = {json.loads(line)["arm"] for line in samples}
+    assert {"reference", "control", "pilot", "speculative K=3", *(f"{name} K=3" for name in broken)} <= arms
+    test = report["tests"][0]
+    assert {"p", "p_holm", "df", "tv", "tv_low", "tv_high", "tv_noise", "detectable_tv", "positions"} <= set(test)
+
+
+@pytest.mark.slow
+def test_the_control_rejects_at_its_nominal_rate(audit_pair, tmp_path, one_thread):
+    """The reference against an independent second sample of itself, drawn by the audit's own sampler
+    (each arm's requests with random streams of their own) under 40 seeds: the share of p below 0.05
+    lies in the 99% binomial interval around 0.05."""
+    from specbench import twosample
+    from specbench.audit import CONTROL, REFERENCE, Sampler, first_index
+    from specbench.engines.loop import Loop
+    from specbench.method import Decoder
+    from specbench.methods import BASELINE
+    from specbench.models import Wanted
+    from specbench.pair import load_pair
+
+    target, _, prompts = audit_pair
+    pair = load_pair(Wanted(target, None, device="cpu"))
+    loop = Loop(pair, Decoder(BASELINE), {"draft_p_min": 0.0})
+    ids = pair.target.tokenizer(json.loads(open(prompts).readline())["prompt"], return_tensors="pt").input_ids[0]
+    setting, seeds, n = parse_setting("temperature=0.7,top_p=0.9"), 40, 300
+    ps = []
+    for seed in range(seeds):
+        sampler = Sampler(tmp_path, seed, tuple(sorted(pair.stop_ids)))
+        arms = [
+            sampler.draw(loop, str(arm), setting, 0, ids, n, first_index(arm, 0, 0, n), 5)
+            for arm in (REFERENCE, CONTROL)
+        ]
+        sampler.close()
+        ps.append(twosample.sequence_law_test(*([s.tokens for s in arm] for arm in arms), 5, resamples=0).p)
+    low, high = binom.interval(0.99, seeds, 0.05)
+    assert low <= sum(p < 0.05 for p in ps) <= high, ps

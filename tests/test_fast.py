@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specbench.engine import ModelDrafter, speculative_decode
+from specbench.drafters import ModelDrafter
+from specbench.engine import speculative_decode
 from specbench.fast import PADDED_UP_TO, FastLlama, fastest_rows, padded_rows, unsupported
 from specbench.lm import CacheView, HFCausalLM
 from specbench.models import load

@@ -14,7 +14,8 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specbench.engine import CascadeDrafter, ModelDrafter, autoregressive_decode, speculative_decode
+from specbench.drafters import CascadeDrafter, ModelDrafter
+from specbench.engine import autoregressive_decode, speculative_decode
 from specbench.errors import SpecbenchError
 from specbench.kv import EVICT_SLACK, SINKS, retrieval_positions, window_positions
 from specbench.lm import HFCausalLM, SparseView, WindowLM

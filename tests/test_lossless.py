@@ -5,18 +5,16 @@ from collections import Counter
 import pytest
 import torch
 
-from specbench import engine, sampling
-from specbench.engine import (
+from specbench import drafters, engine, sampling
+from specbench.drafters import (
     CascadeDrafter,
-    Draft,
     LookupTreeDrafter,
     ModelDrafter,
     PromptLookupDrafter,
     TreeDrafter,
-    autoregressive_decode,
-    speculative_decode,
     tree_parents,
 )
+from specbench.engine import Draft, autoregressive_decode, speculative_decode
 from specbench.online import rejection
 from specbench.sampling import SamplingConfig, warp
 
@@ -280,7 +278,7 @@ def test_the_test_catches_a_cascade_whose_inner_check_is_not_exact(monkeypatch):
     def rounds(target, *args):  # only the inner level, where the draft model is the verifier, is broken
         return (_unchecked_round if target is draft else exact)(target, *args)
 
-    monkeypatch.setattr(engine, "speculative_round", rounds)
+    monkeypatch.setattr(drafters, "speculative_round", rounds)  # the cascade's own rounds
     assert chi_square_p(ToyLM(VOCAB, seed=1), cascade(cfg, draft=draft), 3, cfg) < P_FLOOR
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from specbench import metrics, schema
-from specbench.engine import ModelDrafter, autoregressive_decode, heuristic_k, speculative_decode
+from specbench.drafters import ModelDrafter
+from specbench.engine import autoregressive_decode, heuristic_k, speculative_decode
 from specbench.lm import HFCausalLM
 from specbench.models import load, shared_width
 from specbench.sampling import SamplingConfig

@@ -5,7 +5,8 @@ import importlib.util
 import pytest
 import torch
 
-from specbench.engine import ModelDrafter, autoregressive_decode, speculative_decode
+from specbench.drafters import ModelDrafter
+from specbench.engine import autoregressive_decode, speculative_decode
 from specbench.lm import HFCausalLM
 from specbench.models import load, local_dir, resolve, shared_width
 from specbench.prompts import load_prompts
@@ -54,7 +55,7 @@ def test_greedy_self_speculation_equals_greedy_target_at_2k_tokens(target):
     # TriForce's levels on the real target at a context where --kv-budget 1024 drops half the cache:
     # the target over its budget drafts, the bundled draft over a 256-token window drafts for it;
     # and that windowed draft alone (speculative-window).
-    from specbench.engine import CascadeDrafter
+    from specbench.drafters import CascadeDrafter
     from specbench.kv import EVICT_SLACK
     from specbench.lm import SparseView, WindowLM
 

@@ -10,7 +10,8 @@ from collections import Counter
 import torch
 from scipy.stats import chisquare
 
-from specbench.engine import ModelDrafter, speculative_decode
+from specbench.drafters import ModelDrafter
+from specbench.engine import speculative_decode
 from specbench.sampling import SamplingConfig, adjust, context_mask, warp
 
 VOCAB, LENGTH, PROMPT = 3, 4, [0, 2]

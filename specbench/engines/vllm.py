@@ -128,7 +128,14 @@ class Engine:
     async def _drive(self, requests, concurrency, sampling: Sampling, rate, tag, indices, finished: queue.Queue):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.platforms import current_platform
         from vllm.sampling_params import RequestOutputKind
+
+        # A request with a seed of its own gets a generator of its own, which vLLM's CPU worker cannot
+        # rewind when it discards a token sampled mid-prefill ("CPU Generator does not use offset":
+        # the engine dies). On the CPU, requests sample from the engine's generator, seeded by
+        # EngineSpec.seed: independent draws still, reproducible only as a whole block.
+        seeded = not current_platform.is_cpu()
 
         def params(index: int) -> SamplingParams:
             return SamplingParams(
@@ -142,7 +149,7 @@ class Engine:
                 frequency_penalty=sampling.frequency_penalty,
                 logit_bias=dict(sampling.logit_bias) or None,
                 logprobs=sampling.logprobs or None,
-                seed=request_seed(sampling.seed, indices[index]),
+                seed=request_seed(sampling.seed, indices[index]) if seeded else None,
                 stop_token_ids=list(sampling.stop_ids),
                 detokenize=False,
                 output_kind=RequestOutputKind.DELTA,
