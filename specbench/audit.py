@@ -162,6 +162,7 @@ class Arm:
     seconds: dict[str, float] = field(default_factory=dict)  # by setting
     banned: list[list[int]] | None = None  # answers under the logit-bias ban (None: not probed)
     logprobs: list[list[float]] | None = None  # its first greedy answer's top logprobs (None: not given)
+    refused: dict[str, str] = field(default_factory=dict)  # setting or probe -> why the engine did not answer
 
 
 def check(plan: AuditPlan) -> None:
@@ -306,33 +307,40 @@ def answer(sampler: Sampler, engine, name: str, arm: int, plan: AuditPlan, promp
     for s, setting in enumerate(plan.settings):
         began, served = time.perf_counter(), []
         todo = greedy_ids if setting.greedy else prompts
-        for p, ids in enumerate(todo):
-            yield Step(f"{name}: {setting.text}", p, len(todo))
-            if setting.greedy:
-                got = sampler.draw(engine, name, setting, p, ids, 1, first_index(arm, s, p, 1), longest)
-                answers.greedy.setdefault(setting.text, []).append(got[0].tokens)
-            else:
-                got = sampler.draw(
-                    engine, name, setting, p, ids, plan.samples, first_index(arm, s, p, plan.samples), plan.length
-                )
-                answers.samples[(setting.text, p)] = [x.tokens for x in got]
-            served += got
+        try:
+            for p, ids in enumerate(todo):
+                yield Step(f"{name}: {setting.text}", p, len(todo))
+                if setting.greedy:
+                    got = sampler.draw(engine, name, setting, p, ids, 1, first_index(arm, s, p, 1), longest)
+                    answers.greedy.setdefault(setting.text, []).append(got[0].tokens)
+                else:
+                    first = first_index(arm, s, p, plan.samples)
+                    got = sampler.draw(engine, name, setting, p, ids, plan.samples, first, plan.length)
+                    answers.samples[(setting.text, p)] = [x.tokens for x in got]
+                served += got
+        except SpecbenchError as e:  # the engine refuses the setting (or no longer answers): said, not judged
+            answers.refused[setting.text] = str(e)
+            continue
         answers.drafted[setting.text] = drafted(served)
         answers.seconds[setting.text] = time.perf_counter() - began
     if ban and prompts and plan.sampled:
         yield Step(f"{name}: logit-bias probe")
-        first = first_index(arm, 999, 0, plan.samples)
-        biased = tuple(ban.items())
-        got = sampler.draw(
-            engine, name, plan.sampled[0], 0, prompts[0], plan.samples // 4, first, plan.length, logit_bias=biased
-        )
-        answers.banned = [x.tokens for x in got]
+        first, biased = first_index(arm, 999, 0, plan.samples), tuple(ban.items())
+        try:
+            got = sampler.draw(
+                engine, name, plan.sampled[0], 0, prompts[0], plan.samples // 4, first, plan.length, logit_bias=biased
+            )
+            answers.banned = [x.tokens for x in got]
+        except SpecbenchError as e:
+            answers.refused["logit-bias"] = str(e)
     if not isinstance(engine, Loop) and greedy_ids:
         yield Step(f"{name}: greedy logprobs")
-        greedy = parse_setting("greedy")
-        first = first_index(arm, 998, 0, 1)
-        got = sampler.draw(engine, name, greedy, 0, greedy_ids[0], 1, first, min(plan.greedy_tokens), logprobs=1)
-        answers.logprobs = got[0].logprobs
+        greedy, first = parse_setting("greedy"), first_index(arm, 998, 0, 1)
+        try:
+            got = sampler.draw(engine, name, greedy, 0, greedy_ids[0], 1, first, min(plan.greedy_tokens), logprobs=1)
+            answers.logprobs = got[0].logprobs
+        except SpecbenchError as e:
+            answers.refused["logprobs"] = str(e)
     return answers
 
 

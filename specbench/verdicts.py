@@ -17,13 +17,14 @@ from .serving import divergence_kind
 
 BAN = -100.0  # the logit bias that bans a token
 LOGPROB_TOLERANCE = 0.01  # nats between a logprob returned with speculation and the reference's
-PASS, FAIL, NOT_EXERCISED, INCONCLUSIVE, UNDERPOWERED, NOT_APPLICABLE = (
+PASS, FAIL, NOT_EXERCISED, INCONCLUSIVE, UNDERPOWERED, NOT_APPLICABLE, REFUSED = (
     "pass",
     "FAIL",
     "not exercised",
     "inconclusive",
     "pass (underpowered)",
     "n/a",
+    "refused",  # the engine would not answer at the setting (its reason in the evidence): not judged
 )
 
 
@@ -48,8 +49,10 @@ def judge(groups, plan) -> tuple[list[dict], list[dict]]:
     for g in groups:
         for setting in plan.sampled:
             for p in range(len(g.picked)):
-                ref = g.ref.samples[(setting.text, p)]
+                ref = g.ref.samples.get((setting.text, p))
                 for arm, tests in [(g.control, control_tests), *((arm, subject_tests) for arm in g.arms)]:
+                    if ref is None or setting.text in arm.refused:  # nothing to compare
+                        continue
                     law = twosample.sequence_law_test(
                         ref, arm.samples[(setting.text, p)], plan.length, level=strictest, seed=p
                     )
@@ -66,6 +69,11 @@ def judge(groups, plan) -> tuple[list[dict], list[dict]]:
             for setting in plan.settings:
                 row = {**who, "setting": setting.text, "seconds": round(arm.seconds.get(setting.text, 0.0), 1)}
                 row["drafted"] = arm.drafted.get(setting.text)
+                test = "greedy" if setting.greedy else "control" if subject is None else "sampling"
+                if why := g.ref.refused.get(setting.text) or arm.refused.get(setting.text):
+                    who_refused = "the reference" if setting.text in g.ref.refused else "it"
+                    rows.append(row | {"test": test, "verdict": REFUSED, "evidence": f"{who_refused} refused: {why}"})
+                    continue
                 if setting.greedy:
                     rows.append(row | greedy_verdict(g, arm, setting, plan))
                     continue
@@ -174,7 +182,9 @@ def probe_rows(g, arm, who: dict) -> list[dict]:
              "evidence": f"{len(late)} answers go on after a stop token" if late else ""}]  # fmt: skip
     if arm is g.control:
         return rows
-    if arm.banned is None:
+    if "logit-bias" in arm.refused:
+        verdict, evidence = NOT_APPLICABLE, f"the engine refused the logit bias: {arm.refused['logit-bias']}"
+    elif arm.banned is None:
         verdict, evidence = NOT_APPLICABLE, "not probed (the method takes no logit bias, or nothing was sampled)"
     elif any(g.banned in a for a in g.ref.banned or []):
         verdict, evidence = NOT_APPLICABLE, f"the reference itself produced the banned token {g.banned}"
@@ -184,9 +194,8 @@ def probe_rows(g, arm, who: dict) -> list[dict]:
         evidence = f"token {g.banned} banned by logit bias {BAN:g}: in {hits} of {len(arm.banned)} answers"
     rows.append({**who, "test": "logit-bias", "setting": "", "verdict": verdict, "evidence": evidence})
     if arm.logprobs is None or g.ref.logprobs is None:
-        rows.append(
-            {**who, "test": "logprobs", "setting": "greedy", "verdict": NOT_APPLICABLE, "evidence": "not returned"}
-        )
+        why = arm.refused.get("logprobs") or g.ref.refused.get("logprobs") or "not returned"
+        rows.append({**who, "test": "logprobs", "setting": "greedy", "verdict": NOT_APPLICABLE, "evidence": why})
         return rows
     gaps = [abs(a[0] - b[0]) for a, b in zip(g.ref.logprobs, arm.logprobs, strict=False) if a and b]
     worst = max(gaps, default=0.0)

@@ -516,8 +516,8 @@ def _round_cut_at_the_new_k(exact):
     """Broken: a schedule that caps what a round emits at the lookahead it sets for the next round,
     dropping the verdict's last tokens (the correction, after a rejection at the last position)."""
 
-    def cut(target, drafter, last, k, cfg, generator):
-        step = exact(target, drafter, last, k, cfg, generator)
+    def cut(target, drafter, last, k, cfg, generator, *rest):
+        step = exact(target, drafter, last, k, cfg, generator, *rest)
         emitted, n = step.emitted, step.verdict.accepted
         keep = min(len(emitted), engine.heuristic_k(k, len(step.draft.tokens), n))
         if keep == len(emitted):
