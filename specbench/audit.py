@@ -142,6 +142,10 @@ class AuditPlan:
     power_tv: float  # the TV each sampling test must detect with 80% power
 
     @property
+    def greedy(self) -> bool:
+        return any(s.greedy for s in self.settings)
+
+    @property
     def sampled(self) -> list[Setting]:
         return [s for s in self.settings if not s.greedy]
 
@@ -162,6 +166,8 @@ class Arm:
     seconds: dict[str, float] = field(default_factory=dict)  # by setting
     banned: list[list[int]] | None = None  # answers under the logit-bias ban (None: not probed)
     logprobs: list[list[float]] | None = None  # its first greedy answer's top logprobs (None: not given)
+    # Per answer under the stop string: tokens it went on after the string appeared (None: never appeared).
+    overruns: list[int | None] | None = None  # None: not probed
     refused: dict[str, str] = field(default_factory=dict)  # setting or probe -> why the engine did not answer
 
 
@@ -289,6 +295,7 @@ class Sampler:
                 f"{arm}: {len(failed)} of {n} requests failed ({failed[0]}): the audit needs every answer"
             )
         extra = {"logit_bias": dict(more["logit_bias"])} if more.get("logit_bias") else {}
+        extra |= {"stop": list(more["stop"])} if more.get("stop") else {}
         for s in served:
             row = {"arm": arm, "setting": setting.text, "prompt": prompt, "index": indices[s.index], "tokens": s.tokens}
             self.file.write(json.dumps(row | extra) + "\n")
@@ -299,10 +306,21 @@ class Sampler:
         self.file.close()
 
 
-def answer(sampler: Sampler, engine, name: str, arm: int, plan: AuditPlan, prompts, greedy_ids, ban) -> Iterator[Step]:
+def overrun(tokens: list[int], stop: str, decode) -> int | None:
+    """Tokens an answer goes on after its text first holds ``stop`` (None: it never does)."""
+    for i in range(1, len(tokens) + 1):
+        if stop in decode(tokens[:i]):
+            return len(tokens) - i
+    return None
+
+
+def answer(
+    sampler: Sampler, engine, name: str, arm: int, plan: AuditPlan, prompts, greedy_ids, ban, stop=None
+) -> Iterator[Step]:
     """Everything one arm answers: the greedy answers to ``greedy_ids``, N samples of each of ``prompts``
     at each sampling setting, then, with a ``ban`` ({token: bias}), the logit-bias probe, and from a
-    serving engine its first greedy answer's logprobs. Yields progress; returns the Arm."""
+    serving engine its first greedy answer's logprobs and, with ``stop`` ((text, decode)), the
+    stop-string probe. Yields progress; returns the Arm."""
     answers, longest = Arm(name), max(plan.greedy_tokens)
     for s, setting in enumerate(plan.settings):
         began, served = time.perf_counter(), []
@@ -341,6 +359,22 @@ def answer(sampler: Sampler, engine, name: str, arm: int, plan: AuditPlan, promp
             answers.logprobs = got[0].logprobs
         except SpecbenchError as e:
             answers.refused["logprobs"] = str(e)
+    if stop and not isinstance(engine, Loop) and (greedy_ids if plan.greedy else prompts):
+        yield Step(f"{name}: stop-string probe")
+        answers.overruns = []
+        text, decode = stop
+        # Greedy where the plan has it: deterministic answers, and speculation's longest accepted runs.
+        if plan.greedy:
+            asked = [(parse_setting("greedy"), p, ids, 1, min(plan.greedy_tokens)) for p, ids in enumerate(greedy_ids)]
+        else:
+            asked = [(plan.sampled[0], 0, prompts[0], plan.samples // 4, plan.length)]
+        try:
+            for setting, p, ids, n, tokens in asked:
+                got = sampler.draw(engine, name, setting, p, ids, n, first_index(arm, 997, p, n), tokens, stop=(text,))
+                answers.overruns += [overrun(x.tokens, text, decode) for x in got]
+        except SpecbenchError as e:
+            answers.overruns = None
+            answers.refused["stop-string"] = str(e)
     return answers
 
 
@@ -382,6 +416,7 @@ class Group:
     arms: list[Arm]
     subjects: list[Subject]
     margins: dict[tuple[str, int, int], float | None]  # (setting, prompt, position) -> the reference's margin
+    stop_string: str | None = None  # the stop-string probe's string (None: not probed)
 
 
 def audit(cfg: BenchConfig, plan: AuditPlan, out: Path) -> Iterator[Step | dict]:
@@ -433,7 +468,8 @@ def audit_group(sampler, pair, cfg, conversations, plan, reference, subjects, ou
             picked, shares, frequent = yield from pick_prompts(sampler, engine, plan, candidates)
         prompts = [candidates[c] for c in picked]
         ban = {frequent: BAN} if frequent is not None else {}
-        ref = yield from answer(sampler, engine, "reference", REFERENCE, plan, prompts, greedy_ids, ban)
+        stop = stop_probe(pair, frequent)
+        ref = yield from answer(sampler, engine, "reference", REFERENCE, plan, prompts, greedy_ids, ban, stop)
         control = yield from answer(sampler, engine, "control", CONTROL, plan, prompts, greedy_ids, {})
     arms = []
     for j, subject in enumerate(subjects):
@@ -441,15 +477,29 @@ def audit_group(sampler, pair, cfg, conversations, plan, reference, subjects, ou
         with engine_of(pair, cfg, conversations, subject.decoder, out) as engine:
             probe = ban if subject.decoder.method.adjusts_logits else {}
             arms.append(
-                (yield from answer(sampler, engine, subject.name, FIRST_SUBJECT + j, plan, prompts, greedy_ids, probe))
+                (
+                    yield from answer(
+                        sampler, engine, subject.name, FIRST_SUBJECT + j, plan, prompts, greedy_ids, probe, stop
+                    )
+                )
             )
-    group = Group(name, picked, shares, frequent, sampler.stop_ids, ref, control, arms, subjects, {})
+    group = Group(name, picked, shares, frequent, sampler.stop_ids, ref, control, arms, subjects, {}, stop and stop[0])
     wanted = {key for arm in [control, *arms] for key in divergences(ref, arm)}
     if wanted:
         yield Step(f"labelling {len(wanted)} greedy divergences by the reference's margins")
         with engine_of(pair, cfg, conversations, reference, out) as engine:
             group.margins = {key: engine.margin_at(greedy_ids[key[1]].tolist(), key[2]) for key in sorted(wanted)}
     return group
+
+
+def stop_probe(pair: Pair, frequent: int | None):
+    """(stop string, decode) for the stop-string probe: the text of the pilot's most frequent token,
+    so that answers reach it; None without a token or a tokenizer, or when its text is blank."""
+    tokenizer = pair.target.tokenizer
+    if frequent is None or tokenizer is None:
+        return None
+    text = tokenizer.decode([frequent]).strip()
+    return (text, tokenizer.decode) if text else None
 
 
 def group_dict(g: Group) -> dict:
@@ -459,6 +509,7 @@ def group_dict(g: Group) -> dict:
         "pilot_distinct_share": g.shares,
         "picked_prompts": g.picked,
         "banned_token": g.banned,
+        "stop_string": g.stop_string,
         "margins": [{"setting": k[0], "prompt": k[1], "position": k[2], "margin": m} for k, m in g.margins.items()],
         "drafted": {arm.name: arm.drafted for arm in g.arms},
     }

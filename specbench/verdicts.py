@@ -175,7 +175,7 @@ def greedy_verdict(g, arm, setting, plan) -> dict:
 
 def probe_rows(g, arm, who: dict) -> list[dict]:
     """The probes of one arm: answers end at their first stop token; the banned token never appears;
-    logprobs equal the reference's."""
+    a serving engine's answers end where a stop string appears; logprobs equal the reference's."""
     answers = [a for answers in arm.greedy.values() for a in answers] + [a for s in arm.samples.values() for a in s]
     late = [a for a in answers if any(t in g.stop_ids for t in a[:-1])]
     rows = [{**who, "test": "eos", "setting": "all", "verdict": FAIL if late else PASS,
@@ -193,6 +193,7 @@ def probe_rows(g, arm, who: dict) -> list[dict]:
         verdict = FAIL if hits else PASS
         evidence = f"token {g.banned} banned by logit bias {BAN:g}: in {hits} of {len(arm.banned)} answers"
     rows.append({**who, "test": "logit-bias", "setting": "", "verdict": verdict, "evidence": evidence})
+    rows += stop_string_rows(g, arm, who)
     if arm.logprobs is None or g.ref.logprobs is None:
         why = arm.refused.get("logprobs") or g.ref.refused.get("logprobs") or "not returned"
         rows.append({**who, "test": "logprobs", "setting": "greedy", "verdict": NOT_APPLICABLE, "evidence": why})
@@ -203,3 +204,24 @@ def probe_rows(g, arm, who: dict) -> list[dict]:
     evidence = f"largest gap {worst:.2g} nats over {len(gaps)} tokens (tolerance {LOGPROB_TOLERANCE:g})"
     rows.append({**who, "test": "logprobs", "setting": "greedy", "verdict": verdict, "evidence": evidence})
     return rows
+
+
+def stop_string_rows(g, arm, who: dict) -> list[dict]:
+    """The stop-string probe of a serving engine (none for specbench's loop, which stops on ids): no
+    answer goes on after its text holds the stop string. Several tokens accepted in one round must
+    be cut there, as one token at a time would be."""
+    row = {**who, "test": "stop-string", "setting": ""}
+    if "stop-string" in arm.refused:
+        return [row | {"verdict": NOT_APPLICABLE, "evidence": f"the engine refused it: {arm.refused['stop-string']}"}]
+    if arm.overruns is None:
+        return []
+    if g.ref.overruns is None or any(n for n in g.ref.overruns if n):
+        return [row | {"verdict": NOT_APPLICABLE, "evidence": "the reference itself does not stop there"}]
+    reached = [n for n in arm.overruns if n is not None]
+    if not reached:
+        return [row | {"verdict": NOT_APPLICABLE, "evidence": f"no answer of {len(arm.overruns)} reached it"}]
+    late = [n for n in reached if n > 0]
+    evidence = f"{len(reached)} of {len(arm.overruns)} answers reached the stop string"
+    if late:
+        evidence += f"; {len(late)} went on after it (up to {max(late)} tokens)"
+    return [row | {"verdict": FAIL if late else PASS, "evidence": evidence}]

@@ -119,6 +119,24 @@ def build_audit_pair(root: Path, hidden: int = 64, offset: float = 1000.0) -> tu
     return str(root / "target"), str(root / "draft")
 
 
+def audit_workload(root: Path) -> tuple[str, str, str]:
+    """build_audit_pair's target and draft, and a prompt file (prompts.jsonl) of texts the target
+    continues with tokens it has already seen (its own greedy continuations), so that a repetition
+    penalty changes its law. The audit's tests and `make ci-audit` run on these."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    root = Path(root)
+    target, draft = build_audit_pair(root)
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(target), AutoTokenizer.from_pretrained(target)
+    rows = []
+    for text in ["def square(x):\n", "class Stack:\n", "for k in range(3):\n", "def add(a, b):\n"]:
+        ids = tokenizer(text, return_tensors="pt").input_ids
+        rows.append({"prompt": tokenizer.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0])})
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return target, draft, str(prompts)
+
+
 class LawLM(HFCausalLM):
     """A tiny Llama of VOCAB tokens on the fast forward, whose exact law transformers computes: the
     logits after a context are its eager forward over the whole context, without a cache."""

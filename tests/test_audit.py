@@ -9,10 +9,35 @@ import pytest
 from scipy.stats import binom
 
 from benchmarks.stub_server import Stub
-from specbench.audit import parse_setting
+from specbench.audit import Arm, Group, overrun, parse_setting
 from specbench.errors import SpecbenchError
+from specbench.verdicts import stop_string_rows
 
-from .helpers import build_audit_pair, one_line_error, specbench
+from .helpers import audit_workload, one_line_error, specbench
+
+
+def test_the_stop_string_probe_fails_an_answer_that_goes_on_after_the_string():
+    """A round that accepts several tokens at once must still end at the token whose text completes
+    the stop string: tokens after it fail the probe; an answer that never reaches it says nothing."""
+    words = {1: "a", 2: "b", 3: "END", 4: "c"}
+
+    def decode(ids):
+        return " ".join(words[i] for i in ids)
+
+    assert overrun([1, 2, 3], "END", decode) == 0
+    assert overrun([1, 3, 4, 4], "END", decode) == 2
+    assert overrun([1, 2], "END", decode) is None
+
+    def rows(ref, subject):
+        group = Group("ref", [], [], None, (), Arm("reference", overruns=ref), Arm("control"), [], [], {}, "END")
+        return stop_string_rows(group, Arm("subject", overruns=subject), {"subject": "s"})
+
+    assert rows([0, None], [0, 0, None])[0]["verdict"] == "pass"
+    failed = rows([0, None], [0, 2, None])[0]
+    assert failed["verdict"] == "FAIL" and "1 went on after it (up to 2 tokens)" in failed["evidence"]
+    assert rows([0], [None, None])[0]["verdict"] == "n/a"  # never reached: no evidence either way
+    assert rows([1], [0])[0]["verdict"] == "n/a"  # the reference itself goes on: not speculation's fault
+    assert rows([0], None) == []  # not probed: specbench's loop stops on ids
 
 
 def test_settings_are_read_or_refused():
@@ -79,20 +104,7 @@ def test_a_servers_greedy_divergence_is_a_near_tie_or_structural(tiny_pair, tmp_
 
 @pytest.fixture(scope="module")
 def audit_pair(tmp_path_factory):
-    """build_audit_pair's target and draft, and prompts the target continues with tokens it has already
-    seen (its own greedy continuations), so that a repetition penalty changes its law."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    root = tmp_path_factory.mktemp("audit")
-    target, draft = build_audit_pair(root)
-    model, tokenizer = AutoModelForCausalLM.from_pretrained(target), AutoTokenizer.from_pretrained(target)
-    rows = []
-    for text in ["def square(x):\n", "class Stack:\n", "for k in range(3):\n", "def add(a, b):\n"]:
-        ids = tokenizer(text, return_tensors="pt").input_ids
-        rows.append({"prompt": tokenizer.decode(model.generate(ids, max_new_tokens=12, do_sample=False)[0])})
-    prompts = root / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return target, draft, str(prompts)
+    return audit_workload(tmp_path_factory.mktemp("audit"))
 
 
 # Where every bug bites: truncation that cuts much of the draft's mass, a temperature, a penalty the

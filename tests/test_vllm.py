@@ -263,3 +263,25 @@ def test_vllm_servers_side_by_side_and_a_killed_baseline_resumes(vllm_pair, tmp_
     # Every turn that fits the window at 120 new tokens (the second turns do not) once, none failed.
     assert len(base) == len(none) == 4 and (base["error"] == "").all() and (none["error"] != "").all()
     assert base["prompt_index"].is_unique
+
+
+def test_the_audit_of_vllm_passes_greedy_and_records_what_it_refuses(vllm_pair, prompts_file, tmp_path):
+    """specbench audit of vLLM's draft-model and n-gram speculation against vLLM without it: greedy
+    answers equal (or near-ties), logprobs equal, and greedy answers that end where a stop string
+    appears; min-p, which vLLM refuses with speculation, is recorded as refused with vLLM's reason
+    (not a crash, not a pass), so the exit code is 3."""
+    args = ["--target", vllm_pair[0], "--draft", vllm_pair[1], "--dataset", prompts_file, "--num-prompts", "3"]
+    args += ["--engine", "vllm", "--method", "draft,ngram", "--k", "2", "--prompts", "1", "--greedy-tokens", "48"]
+    args += ["--setting", "greedy", "--setting", "temperature=1,min_p=0.05", "--samples", "200", "--power-tv", "0.5"]
+    result = specbench("audit", *args, *EAGER, "--out", str(tmp_path), timeout=900)
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert result.returncode == 3, result.stderr[-3000:]
+    report = json.loads((tmp_path / "audit.json").read_text())
+    for subject in ("vllm draft K=2", "vllm ngram K=2"):
+        rows = {(r["test"], r["setting"]): r for r in report["rows"] if r["subject"] == subject}
+        assert rows[("greedy", "greedy")]["verdict"] == "pass"
+        assert rows[("logprobs", "greedy")]["verdict"] == "pass"
+        assert rows[("stop-string", "")]["verdict"] in ("pass", "n/a"), rows[("stop-string", "")]
+        refused = rows[("sampling", "temperature=1,min_p=0.05")]
+        assert refused["verdict"] == "refused" and "min_p" in refused["evidence"]
+    assert report["groups"][0]["stop_string"]  # the probe ran, with the pilot's most frequent token

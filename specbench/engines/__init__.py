@@ -50,6 +50,7 @@ class Sampling:
     frequency_penalty: float = 0.0  # vLLM and servers only
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int = 0  # how many of the likeliest tokens' log-probabilities to return per position
+    stop: tuple[str, ...] = ()  # stop strings: vLLM and servers only (specbench's loop stops on ids)
 
     @property
     def greedy(self) -> bool:

@@ -90,6 +90,8 @@ class Loop:
 
         A method with ``decode_many`` (transformers' plain sampling) takes ``concurrency`` > 1 for
         requests of one prompt: untimed samples in batches, each a random draw of its own."""
+        if sampling.stop:
+            raise SpecbenchError("specbench's loop stops on token ids, not on stop strings")
         settings, now = self.settings(sampling), 0.0
         if concurrency > 1 and hasattr(self.decoder.method, "decode_many") and math.isinf(rate):
             yield from self.batched(requests, settings, sampling.seed, indices)

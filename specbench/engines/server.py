@@ -136,6 +136,8 @@ class Server:
                 body["top_logprobs"] = sampling.logprobs
         if sampling.stop_ids:
             body["stop_token_ids"] = list(sampling.stop_ids)
+        if sampling.stop:
+            body["stop"] = list(sampling.stop)
         return body
 
     def run(

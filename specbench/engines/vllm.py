@@ -151,7 +151,8 @@ class Engine:
                 logprobs=sampling.logprobs or None,
                 seed=request_seed(sampling.seed, indices[index]) if seeded else None,
                 stop_token_ids=list(sampling.stop_ids),
-                detokenize=False,
+                stop=list(sampling.stop) or None,
+                detokenize=bool(sampling.stop),  # stop strings are matched in text; ids are all we read
                 output_kind=RequestOutputKind.DELTA,
             )
 
