@@ -430,7 +430,9 @@ def audit(cfg: BenchConfig, plan: AuditPlan, out: Path) -> Iterator[Step | dict]
     yield Step("loading models and prompts")
     pair, conversations = prepare(cfg)
     # Many requests in flight to a serving engine, which answers each prompt N times from its cache.
-    cfg.concurrency, cfg.engine_args = [CONCURRENCY], {"enable_prefix_caching": True, **cfg.engine_args}
+    # vLLM loads its tokenizer, for the stop-string probe (it matches stop strings in text).
+    audited = {"enable_prefix_caching": True, "skip_tokenizer_init": False}
+    cfg.concurrency, cfg.engine_args = [CONCURRENCY], audited | cfg.engine_args
     sampler = Sampler(out, cfg.seed, tuple(sorted(pair.stop_ids)))
     report = {"meta": environment(pair.device), "config": cfg.as_dict(), "plan": plan_dict(plan), "groups": []}
     groups = []

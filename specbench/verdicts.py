@@ -24,7 +24,7 @@ PASS, FAIL, NOT_EXERCISED, INCONCLUSIVE, UNDERPOWERED, NOT_APPLICABLE, REFUSED =
     "inconclusive",
     "pass (underpowered)",
     "n/a",
-    "refused",  # the engine would not answer at the setting (its reason in the evidence): not judged
+    "no answer",  # the engine refused the setting or failed at it (its error is the evidence): not judged
 )
 
 
@@ -71,8 +71,8 @@ def judge(groups, plan) -> tuple[list[dict], list[dict]]:
                 row["drafted"] = arm.drafted.get(setting.text)
                 test = "greedy" if setting.greedy else "control" if subject is None else "sampling"
                 if why := g.ref.refused.get(setting.text) or arm.refused.get(setting.text):
-                    who_refused = "the reference" if setting.text in g.ref.refused else "it"
-                    rows.append(row | {"test": test, "verdict": REFUSED, "evidence": f"{who_refused} refused: {why}"})
+                    silent = "the reference" if setting.text in g.ref.refused else "it"
+                    rows.append(row | {"test": test, "verdict": REFUSED, "evidence": f"{silent} did not answer: {why}"})
                     continue
                 if setting.greedy:
                     rows.append(row | greedy_verdict(g, arm, setting, plan))
@@ -183,7 +183,7 @@ def probe_rows(g, arm, who: dict) -> list[dict]:
     if arm is g.control:
         return rows
     if "logit-bias" in arm.refused:
-        verdict, evidence = NOT_APPLICABLE, f"the engine refused the logit bias: {arm.refused['logit-bias']}"
+        verdict, evidence = NOT_APPLICABLE, f"no answer under the logit bias: {arm.refused['logit-bias']}"
     elif arm.banned is None:
         verdict, evidence = NOT_APPLICABLE, "not probed (the method takes no logit bias, or nothing was sampled)"
     elif any(g.banned in a for a in g.ref.banned or []):
@@ -212,7 +212,10 @@ def stop_string_rows(g, arm, who: dict) -> list[dict]:
     be cut there, as one token at a time would be."""
     row = {**who, "test": "stop-string", "setting": ""}
     if "stop-string" in arm.refused:
-        return [row | {"verdict": NOT_APPLICABLE, "evidence": f"the engine refused it: {arm.refused['stop-string']}"}]
+        return [
+            row
+            | {"verdict": NOT_APPLICABLE, "evidence": f"no answer with the stop string: {arm.refused['stop-string']}"}
+        ]
     if arm.overruns is None:
         return []
     if g.ref.overruns is None or any(n for n in g.ref.overruns if n):

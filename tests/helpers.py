@@ -119,14 +119,14 @@ def build_audit_pair(root: Path, hidden: int = 64, offset: float = 1000.0) -> tu
     return str(root / "target"), str(root / "draft")
 
 
-def audit_workload(root: Path) -> tuple[str, str, str]:
+def audit_workload(root: Path, hidden: int = 64) -> tuple[str, str, str]:
     """build_audit_pair's target and draft, and a prompt file (prompts.jsonl) of texts the target
     continues with tokens it has already seen (its own greedy continuations), so that a repetition
     penalty changes its law. The audit's tests and `make ci-audit` run on these."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     root = Path(root)
-    target, draft = build_audit_pair(root)
+    target, draft = build_audit_pair(root, hidden=hidden)
     model, tokenizer = AutoModelForCausalLM.from_pretrained(target), AutoTokenizer.from_pretrained(target)
     rows = []
     for text in ["def square(x):\n", "class Stack:\n", "for k in range(3):\n", "def add(a, b):\n"]:

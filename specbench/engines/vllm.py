@@ -93,6 +93,7 @@ class Engine:
         self.llm = None
         self.llm = self.driver.wait(self._start(spec))
         self.requests = 0
+        self.detokenizes = not spec.kwargs()["skip_tokenizer_init"]
 
     async def _start(self, spec: EngineSpec):
         from vllm.engine.arg_utils import AsyncEngineArgs
@@ -120,6 +121,8 @@ class Engine:
         indices: list[int] | None = None,
     ) -> Iterator[Served]:
         """Decode every request, at most ``concurrency`` in flight; yields each as it finishes."""
+        if sampling.stop and not self.detokenizes:  # vLLM would ignore them without a word
+            raise SpecbenchError("stop strings need vLLM's tokenizer: --engine-args '{\"skip_tokenizer_init\": false}'")
         tag, self.requests = self.requests, self.requests + len(requests)
         indices = list(range(len(requests))) if indices is None else list(indices)
         drive = lambda finished: self._drive(requests, concurrency, sampling, rate, tag, indices, finished)  # noqa: E731
