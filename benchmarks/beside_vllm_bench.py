@@ -71,14 +71,16 @@ def workload(out: Path, target: Path, per_category: int, seed: int) -> Path:
     return path
 
 
-def specbench_block(urls: dict[str, str], workload_path: Path, concurrency: int, args, raw: Path) -> list[dict]:
+def specbench_block(
+    urls: dict[str, str], workload_path: Path, concurrency: int, count: int, args, raw: Path
+) -> list[dict]:
     """One `specbench run --engine server` over every server at this load: its summary rows."""
     out = raw / f"specbench-c{concurrency}"
     servers = [f"--server={name}={url}" for name, url in urls.items() if name != "baseline"]
     command = [
         sys.executable, "-m", "specbench", "run", "--engine", "server", "--target", str(args.target),
         "--baseline-url", urls["baseline"], *servers, "--dataset", str(workload_path), "--chat", "off",
-        "--concurrency", str(concurrency), "--max-new-tokens", str(args.max_new_tokens), "--out", str(out),
+        "--num-prompts", str(count), "--concurrency", str(concurrency), "--max-new-tokens", str(args.max_new_tokens), "--out", str(out),
     ]  # fmt: skip
     with (raw / f"specbench-c{concurrency}.log").open("w") as log:
         subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT, check=True)
@@ -165,7 +167,7 @@ def main() -> None:
     with ExitStack() as servers:
         urls = {name: servers.enter_context(launched(name, command, raw)) for name, command in commands.items()}
         for concurrency in [int(c) for c in args.concurrency.split(",")]:
-            rows += specbench_block(urls, workload_path, concurrency, args, raw)
+            rows += specbench_block(urls, workload_path, concurrency, count, args, raw)
             for name, url in urls.items():
                 rows.append(vllm_block(name, url, workload_path, concurrency, count, args, raw))
             rows.sort(key=lambda r: (r["concurrency"], list(urls).index(r["server"]), r["tool"]))
