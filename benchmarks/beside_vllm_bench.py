@@ -9,7 +9,8 @@ one is sent requests at a time, so they do not share the cores while measured. A
 `specbench run --engine server` measures all four, then vLLM's own client (vllm.benchmarks.serve,
 what `vllm bench serve` runs) measures each of them, on the same prompts: Spec-Bench's first turns,
 --per-category of each category, rendered once with the target's chat template and sent as text to
-/v1/completions by both, greedy, at most --max-new-tokens each.
+/v1/completions by both in the file's order (vLLM's client shuffles unless told not to, and at a
+load above one the order decides which requests share a batch), greedy, at most --max-new-tokens each.
 
 Writes OUT/beside.csv and OUT/table.md (each tool's acceptance rate, acceptance length, mean and
 median TPOT, output throughput, per server and load), OUT/prompts.jsonl, and each tool's raw output
@@ -49,8 +50,10 @@ COLUMNS = {
     "tool": "whose client and report",
     "requests": "requests that completed",
     "output_tokens": "output tokens over the block",
+    "accepted": "accepted draft tokens over the block",
+    "divisor": "what acceptance_length divides by: vLLM's drafts (steps that proposed tokens); specbench's target forwards",
     "acceptance_rate": "accepted / drafted tokens over the block",
-    "acceptance_length": "tokens per verification: 1 + accepted / drafts (specbench: tau, the same quantity)",
+    "acceptance_length": "vLLM: 1 + accepted / drafts; specbench (tau): output tokens / target forwards",
     "tpot_mean_ms": "mean over requests of (end-to-end - TTFT) / (output tokens - 1)",
     "tpot_p50_ms": "median over requests of the same",
     "output_tok_s": "output tokens per second over the block",
@@ -92,7 +95,8 @@ def specbench_block(
         ]
         rows.append({
             "server": row["method"], "concurrency": concurrency, "tool": "specbench", "requests": row["num_prompts"],
-            "output_tokens": row["new_tokens"], "acceptance_rate": row["acceptance_rate"],
+            "output_tokens": row["new_tokens"],
+            "accepted": row["accepted"], "divisor": row["target_forwards"], "acceptance_rate": row["acceptance_rate"],
             "acceptance_length": row["tau"], "tpot_mean_ms": sum(tpots) / len(tpots) if tpots else "",
             "tpot_p50_ms": row["tpot_p50_ms"], "output_tok_s": row["throughput"],
             "acceptance_source": row["acceptance_source"],
@@ -105,7 +109,7 @@ def vllm_block(name: str, url: str, workload_path: Path, concurrency: int, count
     result = f"vllm-{name}-c{concurrency}.json"
     command = [
         args.vllm_python, "-c", VLLM_CLIENT, "--backend", "openai", "--base-url", url.removesuffix("/v1"),
-        "--endpoint", "/v1/completions", "--dataset-name", "custom", "--dataset-path", str(workload_path),
+        "--endpoint", "/v1/completions", "--dataset-name", "custom", "--dataset-path", str(workload_path), "--disable-shuffle",
         "--skip-chat-template", "--custom-output-len", str(args.max_new_tokens), "--num-prompts", str(count),
         "--max-concurrency", str(concurrency), "--temperature", "0", "--seed", "0", "--tokenizer", str(args.target),
         "--disable-tqdm", "--save-result", "--result-dir", str(raw), "--result-filename", result,
@@ -116,7 +120,8 @@ def vllm_block(name: str, url: str, workload_path: Path, concurrency: int, count
     rate = said.get("spec_decode_acceptance_rate")
     return {
         "server": name, "concurrency": concurrency, "tool": "vllm bench serve", "requests": said.get("completed"),
-        "output_tokens": said.get("total_output_tokens"),
+        "output_tokens": said.get("total_output_tokens"), "accepted": said.get("spec_decode_accepted_tokens", ""),
+        "divisor": said.get("spec_decode_num_drafts", ""),
         "acceptance_rate": "" if rate is None else rate / 100, "acceptance_length": said.get("spec_decode_acceptance_length", ""),
         "tpot_mean_ms": said.get("mean_tpot_ms"), "tpot_p50_ms": said.get("median_tpot_ms"),
         "output_tok_s": said.get("output_throughput"), "acceptance_source": "counters" if rate is not None else "",
@@ -125,7 +130,10 @@ def vllm_block(name: str, url: str, workload_path: Path, concurrency: int, count
 
 def rounded(value, places: int = 3) -> str:
     try:
-        return f"{float(value):.{places}g}" if value not in ("", None) else ""
+        if value in ("", None):
+            return ""
+        number = float(value)
+        return str(int(number)) if number.is_integer() else f"{number:.{places}g}"
     except ValueError:
         return str(value)
 
