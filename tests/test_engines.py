@@ -32,6 +32,17 @@ def test_counts_map_a_hand_built_histogram_to_the_columns():
     assert serving.counts(_served(None, 0, 7))["target_forwards"] == 7  # no speculation: a forward per token
 
 
+def test_forwards_of_a_request_cut_at_the_token_limit():
+    # Seen on vLLM (draft model, K=4, 64 tokens at most): 50 verify steps accepted 16 drafts, 3 of
+    # them past the cut. The tokens less the accepted (48) miss 3 forwards; the steps and the prefill
+    # (51) count them.
+    hist = [40, 6, 3, 0, 1]
+    assert (sum(hist), sum(n * c for n, c in enumerate(hist))) == (50, 16)
+    assert serving.counts(_served(hist, drafted=200, tokens=64))["target_forwards"] == 51
+    # n-grams draft only where they find a match: 5 steps drafted and 20 forwards did not.
+    assert serving.counts(_served([3, 0, 2], drafted=10, tokens=30))["target_forwards"] == 26
+
+
 def _served(histogram, drafted, tokens, rejected=None):
     return Served(0, list(range(tokens)), 0.0, 0.0, 1.0, histogram, drafted, rejected)
 
@@ -67,7 +78,8 @@ def test_records_and_summary_of_requests_in_flight():
     first = rows[2]
     assert first["speedup"] == pytest.approx((4 / 0.2) / (4 / 0.4))
     assert first["ttft_ms"] == pytest.approx(50) and first["tpot_ms"] == pytest.approx(1000 * 0.15 / 3)
-    assert (first["accepted"], first["target_forwards"], first["tau"]) == (2, 2, 2.0)
+    # two verify steps and the prefill: 3 forwards for 4 tokens (the second step was cut at the limit)
+    assert (first["accepted"], first["target_forwards"], first["tau"]) == (2, 3, 4 / 3)
     assert (rows[3]["outputs_match"], rows[3]["first_divergence"]) == (False, 1)
     costs = [serving.decode_cost([10.0], "vllm", "target"), serving.decode_cost([2.0], "vllm", "draft")]
     summary = serving.summarize(rows, costs, [], cfg, {"target": "t", "draft": "d", "dataset": "x"})
