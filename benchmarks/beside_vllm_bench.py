@@ -1,6 +1,6 @@
 """specbench's report beside `vllm bench serve`'s, on the same vLLM servers and the same prompts.
 
-    .venv-vllm/bin/python benchmarks/beside_vllm_bench.py --concurrency 1,16 --per-category 2
+    .venv-vllm/bin/python benchmarks/beside_vllm_bench.py --concurrency 1,4,16 --per-category 2
 
 Starts vLLM's OpenAI server (python -m vllm.entrypoints.openai.api_server; the `vllm` command fails
 on the CPU package) four times on loopback: the default target alone (the baseline), with the shipped
@@ -150,7 +150,7 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrency", default="1,16", help="requests in flight, comma-separated")
+    parser.add_argument("--concurrency", default="1,4,16", help="requests in flight, comma-separated")
     parser.add_argument("--per-category", type=int, default=2, help="Spec-Bench questions of each category")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0, help="of the per-category pick")
