@@ -34,13 +34,12 @@ def counts(served: Served) -> dict:
     ``histogram[n]`` counts verify steps that accepted n drafts, ``rejected`` the steps that rejected
     a drafted token (when not reported: the steps that accepted fewer than K). Every target forward
     yields one token that was not an accepted draft (the prefill's first token, a bonus or a
-    correction), so the forwards are at least the tokens less the accepted drafts; exactly that
-    unless the last round was cut at the token limit (vLLM still counts the drafts it accepted past
-    the cut). The forwards are also at least the verify steps and the prefill; exactly that when
-    every step drafted (a draft model; n-grams draft only where they find a match). With a histogram
-    the count is the larger bound: exact in both cases, short by the cut tokens only for a cut
-    request with steps that drafted nothing. ``tested`` counts the draft positions
-    verification decided on: the accepted ones and the first rejected one of each step."""
+    correction), so the forwards are at least the tokens less the accepted drafts: exactly that
+    unless the last step was cut at the token limit (vLLM counts the drafts it accepted past the
+    cut). They are also at least the verify steps plus the prefill: exactly that when every step
+    drafted (n-grams draft only where they find a match). The larger bound is the count. ``tested``
+    counts the draft positions verification decided on: the accepted ones and the first rejected
+    one of each step."""
     tokens = served.count
     if served.histogram is not None:
         accepted = sum(n * count for n, count in enumerate(served.histogram))

@@ -17,7 +17,7 @@ from .serving import divergence_kind
 
 BAN = -100.0  # the logit bias that bans a token
 LOGPROB_TOLERANCE = 0.01  # nats between a logprob returned with speculation and the reference's
-PASS, FAIL, NOT_EXERCISED, INCONCLUSIVE, UNDERPOWERED, NOT_APPLICABLE, REFUSED = (
+PASS, FAIL, NOT_EXERCISED, INCONCLUSIVE, UNDERPOWERED, NOT_APPLICABLE, NO_ANSWER = (
     "pass",
     "FAIL",
     "not exercised",
@@ -72,7 +72,9 @@ def judge(groups, plan) -> tuple[list[dict], list[dict]]:
                 test = "greedy" if setting.greedy else "control" if subject is None else "sampling"
                 if why := g.ref.refused.get(setting.text) or arm.refused.get(setting.text):
                     silent = "the reference" if setting.text in g.ref.refused else "it"
-                    rows.append(row | {"test": test, "verdict": REFUSED, "evidence": f"{silent} did not answer: {why}"})
+                    rows.append(
+                        row | {"test": test, "verdict": NO_ANSWER, "evidence": f"{silent} did not answer: {why}"}
+                    )
                     continue
                 if setting.greedy:
                     rows.append(row | greedy_verdict(g, arm, setting, plan))
