@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import twosample
-from .bench import prepare
+from .bench import prepare, serving_run
 from .broken import BROKEN
 from .config import BenchConfig
 from .engines import Sampling, Served
@@ -256,7 +256,7 @@ def engine_of(pair: Pair, cfg: BenchConfig, conversations: Conversations, decode
         with nullcontext(Loop(pair, decoder, cfg.options_of(decoder.method))) as engine:
             yield engine
         return
-    with opened(pair, cfg, conversations, decoder, cfg.requests(pair.stop_ids), out) as engine:
+    with opened(serving_run(cfg, pair, conversations, out), conversations, decoder) as engine:
         if engine is None:
             raise SpecbenchError(
                 f"{decoder.method.name} cannot be reached ({decoder.state}): start it, or check its URL"

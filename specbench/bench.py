@@ -1,8 +1,12 @@
 """The benchmark: prompts x methods x K, timed, read top to bottom in ``benchmark``.
 
-It loads the pair and the prompts, measures the forward costs, warms up, then decodes every
-prompt with the baseline and each method, writing each row as it completes (rundir.RunWriter).
-It yields what it is doing, then its Results; it never prints.
+It is the one module that reads the run's configuration (config.BenchConfig) and the one that
+writes the run directory (rundir.RunWriter): each stage below it is handed only what it needs
+(results.RunColumns, serve.ServingRun, engines.Sampling, the prompts). It loads the pair and the
+prompts, measures the forward costs, warms up, decodes every prompt with the baseline and each
+method in specbench's loop (decode_all), then sends every turn to the serving engines (serve.py,
+whose answers serve_rows turns into rows), writing each row as it completes. It yields what it is
+doing, then its Results; it never prints.
 """
 
 from __future__ import annotations
@@ -10,9 +14,10 @@ from __future__ import annotations
 import gc
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import serving
@@ -20,18 +25,19 @@ from .config import BenchConfig
 from .costs import ForwardCosts, measure_costs, noisy_costs
 from .engines import Sampling
 from .engines.loop import Loop
-from .engines.vllm import vllm_version
+from .engines.vllm import EngineSpec, vllm_version
 from .errors import SpecbenchError
 from .machine import environment
 from .method import Decoder
 from .methods import BASELINE
 from .models import placement
 from .options import FIXED
-from .pair import Conversations, Pair, encode_prompts, load_pair
+from .pair import Conversations, Pair, encode_prompts, load_pair, model_dir
 from .plot import plot_categories, plot_concurrency, plot_online, plot_phases, plot_run
 from .prompts import load_prompts
 from .results import (
     WEIGHT_DEPENDENT,
+    RunColumns,
     acceptance_rows,
     best_ks,
     by_group,
@@ -44,7 +50,7 @@ from .results import (
     summarize,
 )
 from .rundir import RunWriter
-from .serve import Step, serve_all
+from .serve import Answer, Counters, ServingRun, Step, draft_alone, margins, serve_all
 
 log = logging.getLogger("specbench")
 SUMMARY_EVERY_S = 10.0  # summary.csv is rewritten at most this often while decoding, and at the end
@@ -147,6 +153,9 @@ def benchmark(
 
     plan = cfg.plan  # one plan for the run: a method that learns keeps its state in its decoder
     own = "torch" in cfg.engines
+    run = serving_run(cfg, pair, conversations, out) if cfg.served_baseline is not None else None
+    served = [run.baseline, *run.plan] if run is not None else []
+    columns = run_columns(cfg, run_info)
     for step in plan:
         step.method.begin_run(pair, cfg.settings_of(step.method), step)
     costs = None  # specbench's loop's forward costs; vLLM's are in engine_costs
@@ -167,6 +176,12 @@ def benchmark(
     engine_costs = list(previous.engine_costs) if previous is not None else []
     counters = list(previous.counters) if previous is not None else []
     learning: list[dict] = []  # online.csv
+
+    def over(rows: list[dict]) -> list[dict]:
+        """The summary rows of ``rows``: specbench's loop's, then the serving engines'."""
+        mine = summarize(rows, costs, plan, columns) if own else []
+        return mine + serving.summarize(rows, engine_costs, counters, served, cfg.loads, columns)
+
     try:
         if own:
             loops = [
@@ -174,14 +189,18 @@ def benchmark(
                 for decoder in [Decoder(BASELINE), *plan]
             ]
             sampling = cfg.requests(pair.stop_ids)
-            yield from decode_all(loops, sampling, cfg, conversations, writer, records, done, learning, costs, run_info)
-        if cfg.served_baseline is not None:
+            yield from decode_all(
+                loops, sampling, cfg.warmup, cfg.random_weights, conversations, writer, records, learning, done,
+                lambda: write_summaries(writer, records, over, cfg.group_by),
+            )  # fmt: skip
+        if run is not None:
+            text_of = decoded_text(pair)
             if pair.target_lm is not None:  # vLLM loads the models again: free this process's copy first
                 pair = pair.without_weights()
                 gc.collect()
-            yield from serve_all(pair, cfg, conversations, writer, records, blocks, engine_costs, counters)
+            yield from serve_rows(run, conversations, writer, records, blocks, engine_costs, counters, text_of)
     finally:
-        summary, categories = write_summaries(writer, records, costs, cfg, run_info, plan, engine_costs, counters)
+        summary, categories = write_summaries(writer, records, over, cfg.group_by)
         writer.write_csv("acceptance.csv", acceptance_rows(records))
         writer.write_csv("draft_lengths.csv", draft_length_rows(records))
         writer.write_csv("engine_costs.csv", engine_costs)
@@ -222,19 +241,83 @@ def benchmark(
 
 
 def write_summaries(
-    writer, records, costs, cfg, run_info, plan, engine_costs, counters
+    writer: RunWriter, records: list[dict], over: Callable[[list[dict]], list[dict]], group_by: str
 ) -> tuple[list[dict], list[dict]]:
-    """summary.csv over every prompt, and categories.csv: the same rows over each category's prompts
-    (or sub-category's, or input length's: --group-by). Returns both."""
-
-    def over(rows: list[dict]) -> list[dict]:
-        own = summarize(rows, costs, cfg, run_info, plan) if "torch" in cfg.engines else []
-        return own + serving.summarize(rows, engine_costs, counters, cfg, run_info)
-
-    summary, categories = over(records), by_group(records, cfg.group_by, over)
+    """summary.csv (``over`` every record) and categories.csv (``over`` each category's records, or
+    sub-category's, or input length's: --group-by). Returns both."""
+    summary, categories = over(records), by_group(records, group_by, over)
     writer.write_csv("summary.csv", summary)
     writer.write_csv("categories.csv", categories)
     return summary, categories
+
+
+def run_columns(cfg: BenchConfig, run_info: dict) -> RunColumns:
+    """What every summary row of ``cfg``'s run repeats (results.RunColumns)."""
+    parallel = f"tp={cfg.tensor_parallel_size},pp={cfg.pipeline_parallel_size}"
+    extra = ",".join(f"{key}={value}" for key, value in sorted(cfg.engine_args.items()))
+
+    def options(decoder: Decoder) -> str:
+        """The options column: the settings a row depends on beyond its method, K and sampling."""
+        if decoder.method.engine == "server":
+            return f"url={decoder.method.url},api={cfg.api}"
+        if decoder.method.engine == "vllm":
+            return ",".join(part for part in (parallel, extra) if part)
+        return decoder.settings(cfg)
+
+    sampling = {name: getattr(cfg, name) for name in ("temperature", "top_k", "top_p", "eta", "seed", "max_new_tokens")}
+    return RunColumns(run_info, sampling, options, cfg.random_weights)
+
+
+def serving_run(cfg: BenchConfig, pair: Pair, conversations: Conversations, out: Path) -> ServingRun:
+    """What the serving engines of ``cfg``'s run are opened and driven with (serve.ServingRun)."""
+    baseline, plan = cfg.served_baseline, cfg.served_plan
+    common = {
+        "engine": baseline.method.engine,
+        "baseline": baseline,
+        "plan": plan,
+        "loads": cfg.loads,
+        "sampling": cfg.requests(pair.stop_ids),
+        "warmup": cfg.warmup,
+        "out": out,
+    }
+    if baseline.method.engine == "server":
+        tokenizer = pair.target.tokenizer
+        return ServingRun(
+            **common,
+            draft_server=cfg.draft_server,
+            api=cfg.api,
+            api_key=os.environ.get(cfg.api_key_env),
+            timeout_s=cfg.request_timeout,
+            encode=(lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else None,
+        )
+    windows = [m.context_window for m in (pair.target, pair.draft) if m is not None and m.context_window]
+    needed = conversations.longest + cfg.max_new_tokens + cfg.widest
+    backend = (
+        {"distributed_executor_backend": cfg.distributed_executor_backend} if cfg.distributed_executor_backend else {}
+    )
+    target = EngineSpec(
+        model=model_dir(pair.target),
+        dtype=str(pair.dtype).removeprefix("torch."),
+        seed=cfg.seed,
+        max_model_len=min([needed, *windows]),
+        max_num_seqs=max(cfg.concurrency),
+        dummy=cfg.random_weights,
+        parallel={
+            "tensor_parallel_size": cfg.tensor_parallel_size,
+            "pipeline_parallel_size": cfg.pipeline_parallel_size,
+            **backend,
+        },
+        extra=cfg.engine_args,
+    )
+    draft = model_dir(pair.draft) if pair.draft is not None else None
+    alone = replace(target, model=draft) if draft and any(d.method.needs_draft for d in plan) else None
+    return ServingRun(**common, target=target, draft_alone=alone, draft=draft, speculator=cfg.speculator)
+
+
+def decoded_text(pair: Pair) -> Callable[[list[int]], str]:
+    """An answer's text from its ids, by the target's tokenizer ("" without one)."""
+    tokenizer = pair.target.tokenizer
+    return tokenizer.decode if tokenizer is not None else (lambda ids: "")
 
 
 def forward_route(lm) -> str:
@@ -243,20 +326,29 @@ def forward_route(lm) -> str:
 
 
 def decode_all(
-    loops, sampling: Sampling, cfg, conversations, writer, records, done, learning, costs, run_info
+    loops: list[Loop],
+    sampling: Sampling,
+    warmup: int,
+    random_weights: bool,
+    conversations: Conversations,
+    writer: RunWriter,
+    records: list[dict],
+    learning: list[dict],
+    done: set[int],
+    summaries: Callable[[], object],
 ) -> Iterator[Step]:
-    """specbench's loop: every turn not yet done, by the baseline (``loops[0]``) and each decoder of
-    the plan, each a Loop engine of its own. A later turn of a conversation is rendered after the
-    decoder's own answers to the turns before it (under greedy, the baseline's: the exact methods
-    give the same)."""
-    turns, tokenizer = conversations.turns, loops[0].pair.target.tokenizer
+    """specbench's loop: every turn not in ``done``, by the baseline (``loops[0]``) and each decoder of
+    the plan, each a Loop engine of its own, after ``warmup`` untimed decodes of the first prompt.
+    A later turn of a conversation is rendered after the decoder's own answers to the turns before it
+    (under greedy, the baseline's: the exact methods give the same). Each row is written as it
+    completes, and ``summaries()`` rewrites the summary files every SUMMARY_EVERY_S."""
+    turns, text_of = conversations.turns, decoded_text(loops[0].pair)
     todo = [i for i in range(len(turns)) if i not in done]
     if todo:  # a resumed run with nothing left to decode only writes its summary again
         yield Step("warming up")
-        for _ in range(cfg.warmup):  # untimed, so allocation, kernel choice and caches settle first
+        for _ in range(warmup):  # untimed, so allocation, kernel choice and caches settle first
             for loop in loops:  # a method that learns learns nothing here: it learns in after_prompt
                 list(loop.run(conversations.first[:1], 1, sampling, indices=[0]))
-    plan = [loop.decoder for loop in loops[1:]]
     total, finished, written = len(todo) * len(loops), 0, time.monotonic()
     answers: dict[tuple[int, str], list[str]] = {}  # (conversation, decoder) -> its answers so far
     for index in todo:
@@ -273,15 +365,14 @@ def decode_all(
             reference = references.get(decoder.method.reference, baseline)
             learned = decoder.method.after_prompt(decoder, ids, measured.result)
             tokens = measured.result.tokens
-            text = tokenizer.decode(tokens) if tokenizer else ""
             if turn.turn < len(turn.prompt.turns):
                 before.append(conversations.answer(tokens))
             writer.output(
-                turn, index, decoder.k, decoder.method.name, tokens, text, decoder.shape, decoder.method.engine,
-                k_policy=decoder.policy,
+                turn, index, decoder.k, decoder.method.name, tokens, text_of(tokens), decoder.shape,
+                decoder.method.engine, k_policy=decoder.policy,
             )  # fmt: skip
             records.append(record(turn, index, ids, reference, decoder, measured, learned))
-            if cfg.random_weights:
+            if random_weights:
                 records[-1].update((name, math.nan) for name in WEIGHT_DEPENDENT if name in records[-1])
             writer.append_record(records[-1])
             writer.write_csv("draft_lengths.csv", draft_length_rows(records))
@@ -291,5 +382,86 @@ def decode_all(
             finished += 1
             yield Step("decoding", finished, total, decoder.label)
             if time.monotonic() - written > SUMMARY_EVERY_S:
-                write_summaries(writer, records, costs, cfg, run_info, plan, [], [])
+                summaries()
                 written = time.monotonic()
+
+
+def serve_rows(
+    run: ServingRun,
+    conversations: Conversations,
+    writer: RunWriter,
+    records: list[dict],
+    blocks: set[tuple],
+    engine_costs: list[dict],
+    counters: list[dict],
+    text_of: Callable[[list[int]], str],
+) -> Iterator[Step]:
+    """The serving engines' part (serve.serve_all): each answer becomes a records.csv row and an
+    outputs.jsonl line as it comes, each block's counters a counters.csv row; a resumed run skips
+    the finished ``blocks``. Then, for servers under greedy, each divergent output is labelled
+    near-tie or structural by the baseline's own margin there; and c: the target's and the draft's
+    time per output token alone, at one request in flight."""
+    name = run.baseline.method.name
+    kept_rows = any(r["engine"] == run.engine and r["method"] == name for r in records)
+    outputs = writer.outputs() if kept_rows else []
+    kept = {load: serving.kept_baseline(records, outputs, run.baseline, load) for load in run.loads}
+    sent: dict[tuple, list[int]] = {}  # (concurrency, rate, prompt_index) -> the baseline's prompt ids
+    for event in serve_all(run, conversations, blocks, kept):
+        if isinstance(event, Answer):
+            decoder, load, served = event.decoder, event.load, event.served
+            row = serving.record(event.turn, event.index, event.ids, decoder, load, served, event.base, run.encode)
+            if decoder is run.baseline:
+                sent[(load[0], load[1], event.index)] = event.ids
+            if not served.error:
+                writer.output(
+                    event.turn, event.index, decoder.k, decoder.method.name, served.tokens,
+                    served.text or text_of(served.tokens), "", run.engine, load[0], decoder.policy, load[1],
+                )  # fmt: skip
+            records.append(row)
+            writer.append_record(row)
+        elif isinstance(event, Counters):
+            grew = serving.counter_row(run.engine, event.decoder.method.name, event.load, event.before, event.after)
+            if grew is not None:
+                counters.append(grew)
+                writer.write_csv("counters.csv", counters)
+        else:
+            yield event
+    if run.engine == "server" and run.sampling.greedy and run.api == "completions":
+        # Rows whose baseline prompt this run did not send (kept by --resume) stay unlabelled.
+        todo = [
+            r for r in records
+            if r["engine"] == "server" and not r["error"] and r["first_divergence"] >= 0 and not r["divergence"]
+            and (r["concurrency"], r["request_rate"], r["prompt_index"]) in sent
+        ]  # fmt: skip
+        if todo:
+            asked = [
+                (sent[(r["concurrency"], r["request_rate"], r["prompt_index"])], int(r["first_divergence"]))
+                for r in todo
+            ]
+            found = []
+            for event in margins(run, conversations, asked):
+                if isinstance(event, Step):
+                    yield event
+                else:
+                    found.append(event)
+            for r, margin in zip(todo, found, strict=True):
+                r["divergence"] = serving.divergence_kind(margin)
+            writer.rewrite_records(records)
+    single = [load for load in run.loads if load[0] == 1 and math.isinf(load[1])]
+    timed = {row["model"] for row in engine_costs if row["engine"] == run.engine}
+    if not single:
+        return
+    if "target" not in timed:
+        rows = serving.block(records, run.engine, name, single[0])
+        engine_costs.append(serving.decode_cost([r["tpot_ms"] for r in rows], run.engine, "target"))
+        writer.write_csv("engine_costs.csv", engine_costs)
+    wanted = run.draft_server is not None if run.engine == "server" else run.draft_alone is not None
+    if wanted and "draft" not in timed:
+        alone = []
+        for event in draft_alone(run, conversations):
+            if isinstance(event, Step):
+                yield event
+            elif not event.error:
+                alone.append(event.tpot_ms)
+        engine_costs.append(serving.decode_cost(alone, run.engine, "draft"))
+        writer.write_csv("engine_costs.csv", engine_costs)

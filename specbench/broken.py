@@ -54,13 +54,13 @@ class Bfloat16Drafter(ModelDrafter):
         return sample(warp(logits.to(torch.bfloat16).float(), self.cfg), self.generator), q
 
 
-def greedy_verify(draft, target_logits, cfg, generator, seen=None):
+def greedy_verify(draft, target_logits, cfg: SamplingConfig, generator, seen=None):
     """verify(), as if the temperature were 0."""
     verdict, _ = verify(draft, target_logits, replace(cfg, temperature=0.0), generator, seen)
     return verdict, None
 
 
-def miscounted_verify(draft, target_logits, cfg, generator, seen=None):
+def miscounted_verify(draft, target_logits, cfg: SamplingConfig, generator, seen=None):
     """verify(), but a rejected draft is counted as accepted: it stays, and the next token comes from
     the target's row after it (the bonus row when it was the last)."""
     verdict, p = verify(draft, target_logits, cfg, generator, seen)

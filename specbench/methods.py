@@ -459,7 +459,9 @@ class Served(Method):
 
     engine, adjusts_logits = "vllm", True
 
-    def speculative_config(self, cfg, k: int | None, draft: str | None) -> dict | None:
+    def speculative_config(self, k: int | None, draft: str | None, speculator: str | None) -> dict | None:
+        """vLLM's speculative_config at lookahead ``k``, with the draft model's directory ``draft``
+        and the EAGLE head's ``speculator`` (--speculator) for the methods that use them."""
         return None
 
     def check_served(self, cfg) -> None:
@@ -473,7 +475,7 @@ class ServedBaseline(Served):
 class ServedDraft(Served):
     name, help, needs_draft = "draft", "vLLM's draft-model speculation with --draft (specbench's: speculative)", True
 
-    def speculative_config(self, cfg, k, draft):
+    def speculative_config(self, k, draft, speculator):
         return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
 
 
@@ -483,7 +485,7 @@ class ServedNgram(Served):
     def c(self, costs):
         return 0.0  # no model drafts
 
-    def speculative_config(self, cfg, k, draft):
+    def speculative_config(self, k, draft, speculator):
         # The n-gram lengths of specbench's prompt lookup (drafters.PromptLookupDrafter), so the two compare.
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 
@@ -494,7 +496,7 @@ class ServedSuffix(Served):
     def c(self, costs):
         return 0.0
 
-    def speculative_config(self, cfg, k, draft):
+    def speculative_config(self, k, draft, speculator):
         return {"method": "suffix", "num_speculative_tokens": k}
 
     def check_served(self, cfg):
@@ -513,8 +515,8 @@ class ServedEagle(Served):
     kind = "eagle"
     needs_speculator = True
 
-    def speculative_config(self, cfg, k, draft):
-        return {"method": self.kind, "model": str(speculator_dir(cfg.speculator)), "num_speculative_tokens": k}
+    def speculative_config(self, k, draft, speculator):
+        return {"method": self.kind, "model": str(speculator_dir(speculator)), "num_speculative_tokens": k}
 
     def check_served(self, cfg):
         speculator_dir(cfg.speculator)

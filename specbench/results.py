@@ -8,6 +8,8 @@ holds the summary with its intervals for scripts.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -40,6 +42,22 @@ def _totals(m: Measurement) -> dict:
 
 
 TOTALS = list(_totals(Measurement(DecodeResult([]), 0.0, Phases())))
+
+
+@dataclass(frozen=True)
+class RunColumns:
+    """What every summary row repeats of its run: the models and device (``run_info``), the sampling
+    options, each decoder's ``options`` column, and whether the weights were random (the columns
+    that depend on the weights are then left empty)."""
+
+    run_info: dict
+    sampling: dict  # temperature, top_k, top_p, eta, seed, max_new_tokens
+    options: Callable[[Decoder], str]
+    random_weights: bool
+
+    @property
+    def greedy(self) -> bool:
+        return self.sampling["temperature"] == 0
 
 
 def record(
@@ -146,7 +164,7 @@ def _inner(result: DecodeResult) -> dict:
 INNER = ("inner_drafted", "inner_accepted", "from_inner", "inner_forwards")
 
 
-def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, plan: list[Decoder]) -> list[dict]:
+def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], columns: RunColumns) -> list[dict]:
     """One summary row per (method, K) over the prompts measured so far, the baseline's first.
 
     Each row sums its prompts' totals and compares them with the baseline's on the same prompts.
@@ -191,11 +209,11 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
         trained = sum(r["train_s"] for r in rs) if method.learns else math.nan
         speedup = (tokens / seconds) / (base_tokens / base_s)
         values = {
-            **run_info,
+            **columns.run_info,
             **run,
             **metrics.latency_figures(rs),
             "engine": method.engine,
-            "compile": run_info["compile"] if method.engine == "torch" else "eager",  # hf-*: transformers' own
+            "compile": columns.run_info["compile"] if method.engine == "torch" else "eager",  # hf-*: transformers' own
             "concurrency": 1,
             "request_rate": math.inf,
             "failed": 0,
@@ -212,13 +230,8 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
             "k": k,
             "tree": tree,
             "k_policy": policy,
-            "options": decoder.settings(cfg),
-            "eta": cfg.eta,
-            "temperature": cfg.temperature,
-            "top_k": cfg.top_k,
-            "top_p": cfg.top_p,
-            "seed": cfg.seed,
-            "max_new_tokens": cfg.max_new_tokens,
+            "options": columns.options(decoder),
+            **columns.sampling,
             "num_prompts": len(rs),
             "baseline_tokens_per_s": base_tokens / base_s,
             "spec_tokens_per_s": tokens / seconds,
@@ -240,7 +253,7 @@ def summarize(records: list[dict], costs: ForwardCosts, cfg, run_info: dict, pla
             "outputs_match": sum(r["outputs_match"] for r in rs),
             "first_divergence": min(divergences, default=-1),
         }
-        if cfg.random_weights:
+        if columns.random_weights:
             values.update(dict.fromkeys(WEIGHT_DEPENDENT, math.nan))
         rows.append({name: values[name] for name in schema.SUMMARY})
     return rows

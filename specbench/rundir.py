@@ -185,6 +185,11 @@ class RunWriter:
         self._files[OUTPUTS].write(json.dumps(obj) + "\n")
         self._files[OUTPUTS].flush()
 
+    def outputs(self) -> list[dict]:
+        """The outputs.jsonl lines written so far (a resumed run's kept ones first)."""
+        self._files[OUTPUTS].flush()
+        return [json.loads(line) for line in (self.out / OUTPUTS).read_text(encoding="utf-8").splitlines()]
+
     def write_csv(self, name: str, rows: list[dict]) -> None:
         """Replace ``name`` with ``rows`` (for files rewritten whole, like summary.csv)."""
         if not rows:

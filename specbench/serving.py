@@ -20,7 +20,7 @@ from .engines import Served
 from .method import Decoder
 from .methods import BASELINE
 from .prompts import Turn
-from .results import OWN_ENGINES, prompt_columns
+from .results import OWN_ENGINES, RunColumns, prompt_columns
 
 # Log-probability gap (nats) between the baseline's two likeliest tokens under which a greedy divergence
 # counts as a near-tie: batching, kernels and precision can flip such a pair without any bug.
@@ -151,6 +151,33 @@ def block(records: list[dict], engine: str, method: str, load: tuple[int, float]
     ]  # fmt: skip
 
 
+def kept_baseline(
+    records: list[dict], outputs: list[dict], baseline: Decoder, load: tuple[int, float]
+) -> dict[int, Served]:
+    """The baseline's requests at ``load`` that a resumed run kept, rebuilt from their rows and their
+    outputs.jsonl lines (``outputs``), by prompt index; empty for a fresh run."""
+    engine, name = baseline.method.engine, baseline.method.name
+    rows = [r for r in block(records, engine, name, load) if not r["error"]]
+    tokens = {
+        o["prompt_index"]: o["token_ids"]
+        for o in outputs
+        if o.get("engine") == engine and o["concurrency"] == load[0]
+        and float(o.get("request_rate", math.inf)) == load[1] and o["method"] == name
+    }  # fmt: skip
+    return {
+        r["prompt_index"]: Served(
+            r["prompt_index"],
+            tokens[r["prompt_index"]],
+            r["start_s"],
+            r["start_s"] + r["ttft_ms"] / 1000,
+            r["end_s"],
+            None,
+            reported=int(r["new_tokens"]),
+        )
+        for r in rows
+    }
+
+
 def decode_cost(tpots_ms: list[float], engine: str, model: str) -> dict:
     """engine_costs.csv: a model's one-token decode time alone in an engine, one request at a time."""
     tpots = [t for t in tpots_ms if not math.isnan(t)]
@@ -230,25 +257,32 @@ def acceptance(rs: list[dict], counters: list[dict], engine: str, method: str, l
     )}  # fmt: skip
 
 
-def summarize(records: list[dict], costs: list[dict], counters: list[dict], cfg, run_info: dict) -> list[dict]:
-    """One summary row per served method, K and load, its engine's baseline first at each load.
+def summarize(
+    records: list[dict],
+    costs: list[dict],
+    counters: list[dict],
+    decoders: list[Decoder],
+    loads: list[tuple[int, float]],
+    columns: RunColumns,
+) -> list[dict]:
+    """One summary row per served method, K and load, its engine's baseline (``decoders[0]``) first
+    at each load.
 
     speedup is the per-request rate over the baseline's on the same prompts (as for specbench's loop,
     so compare's intervals apply); throughput counts every request over the block's wall time."""
     own_base = {r["prompt_index"]: r for r in records if r["engine"] in OWN_ENGINES and r["method"] == BASELINE.name}
     rows = []
-    steps = [cfg.served_baseline, *cfg.served_plan] if cfg.served_plan or cfg.served_baseline else []
-    for load in cfg.loads:
-        for decoder in steps:
+    for load in loads:
+        for decoder in decoders:
             method, engine = decoder.method, decoder.method.engine
             rs = block(records, engine, method.name, load)
-            base_rows = [r for r in block(records, engine, cfg.served_baseline.method.name, load) if not r["error"]]
+            base_rows = [r for r in block(records, engine, decoders[0].method.name, load) if not r["error"]]
             for k in sorted({r["k"] for r in rs if not _missing(r["k"])}) or [decoder.k]:
-                rows.append(_row(rs, base_rows, own_base, decoder, k, load, costs, counters, cfg, run_info))
+                rows.append(_row(rs, base_rows, own_base, decoder, k, load, costs, counters, columns))
     return [row for row in rows if row is not None]
 
 
-def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, cfg, run_info) -> dict | None:
+def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, columns: RunColumns) -> dict | None:
     method, engine = decoder.method, decoder.method.engine
     rs = [r for r in rs if _missing(k) or r["k"] == k]
     done = [r for r in rs if not r["error"]]
@@ -257,7 +291,8 @@ def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, cfg, run_in
     values = dict.fromkeys(schema.SUMMARY, math.nan)
     values.update(
         {
-            **run_info,
+            **columns.run_info,
+            **columns.sampling,
             "engine": engine,
             "compile": engine,
             "concurrency": load[0],
@@ -266,9 +301,7 @@ def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, cfg, run_in
             "k": k,
             "tree": "",
             "k_policy": decoder.policy,
-            "options": _options(decoder, cfg),
-            **{name: getattr(cfg, name) for name in ("temperature", "top_k", "top_p", "eta", "seed")},
-            "max_new_tokens": cfg.max_new_tokens,
+            "options": columns.options(decoder),
             "num_prompts": len(done),
             "failed": len(rs) - len(done),
             "acceptance_source": "",
@@ -311,7 +344,7 @@ def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, cfg, run_in
             "c": c,
             "outputs_match": sum(bool(r["outputs_match"]) for r in compared),
             "structural": sum(r["divergence"] == "structural" for r in compared)
-            if engine == "server" and cfg.temperature == 0
+            if engine == "server" and columns.greedy
             else math.nan,
             "first_divergence": min(divergences, default=-1),
         }
@@ -321,7 +354,7 @@ def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, cfg, run_in
         # The classic formula with the estimated alpha (no server exposes the distributions).
         values["predicted_speedup"] = metrics.predicted_speedup(alpha, c, k) if not math.isnan(c) else math.nan
         values["c_implied"] = metrics.implied_c(tau, speedup, k) if not math.isnan(tau) else math.nan
-    if cfg.random_weights:
+    if columns.random_weights:
         values.update({name: math.nan for name in ("alpha_estimate", "acceptance_rate", "tau", "predicted_speedup")})
     return {name: values[name] for name in schema.SUMMARY}
 
@@ -337,12 +370,3 @@ def _missing(value) -> bool:
 def _span(rs: list[dict]) -> float:
     """Wall seconds from the first request's submission to the last one's last token."""
     return max(r["end_s"] for r in rs) - min(r["start_s"] for r in rs)
-
-
-def _options(decoder: Decoder, cfg) -> str:
-    """The engine settings a served row depends on beyond its method and K."""
-    if decoder.method.engine == "server":
-        return f"url={decoder.method.url},api={cfg.api}"
-    parallel = f"tp={cfg.tensor_parallel_size},pp={cfg.pipeline_parallel_size}"
-    extra = ",".join(f"{key}={value}" for key, value in sorted(cfg.engine_args.items()))
-    return ",".join(part for part in (parallel, extra) if part)

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from specbench import metrics, schema, serving
+from specbench.bench import run_columns
 from specbench.cli import main
 from specbench.config import BenchConfig
 from specbench.engines import Served
@@ -82,7 +83,8 @@ def test_records_and_summary_of_requests_in_flight():
     assert (first["accepted"], first["target_forwards"], first["tau"]) == (2, 3, 4 / 3)
     assert (rows[3]["outputs_match"], rows[3]["first_divergence"]) == (False, 1)
     costs = [serving.decode_cost([10.0], "vllm", "target"), serving.decode_cost([2.0], "vllm", "draft")]
-    summary = serving.summarize(rows, costs, [], cfg, {"target": "t", "draft": "d", "dataset": "x"})
+    columns = run_columns(cfg, {"target": "t", "draft": "d", "dataset": "x"})
+    summary = serving.summarize(rows, costs, [], [cfg.served_baseline, *cfg.served_plan], cfg.loads, columns)
     assert [(r["method"], r["concurrency"]) for r in summary] == [("baseline", 2), ("draft", 2)]
     row = summary[1]
     assert row["throughput"] == pytest.approx(6 / 0.2) and row["throughput_speedup"] == pytest.approx(30 / (6 / 0.4))

@@ -1,5 +1,6 @@
 """The package's shape: no import cycle, imports that follow the layout in docs/contributing.md,
-no function-local import of specbench modules outside cli.py, no module over 600 lines."""
+no function-local import of specbench modules outside cli.py, no module over 600 lines, and the
+run's configuration read only by the orchestrators."""
 
 import ast
 import re
@@ -105,5 +106,28 @@ def test_only_methods_names_a_method():
         tree = ast.parse(path.read_text())
         hits = [m for node in ast.walk(tree) if isinstance(node, ast.Compare) for m in named(node)]
         if hits and name != "methods":
+            found[name] = hits
+    assert found == {}
+
+
+# The modules that take the run's configuration (config.BenchConfig): the command line, the
+# configuration itself, the two orchestrators, and the method classes, which read their own options
+# from it by name. Every other module is handed what it needs (its models, prompts, sampling, load).
+READ_THE_RUN = {"cli", "config", "bench", "audit", "method", "methods"}
+
+
+def test_only_the_orchestrators_take_the_run_configuration():
+    found = {}
+    for name, path in FILES.items():
+        if name in READ_THE_RUN:
+            continue
+        text = path.read_text()
+        hits = ["BenchConfig"] if "BenchConfig" in text else []
+        for function in ast.walk(ast.parse(text)):
+            if isinstance(function, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                arguments = function.args.posonlyargs + function.args.args + function.args.kwonlyargs
+                # An unannotated cfg is the run's by this package's naming; another config is annotated.
+                hits += [function.name for a in arguments if a.arg == "cfg" and a.annotation is None]
+        if hits:
             found[name] = hits
     assert found == {}
