@@ -186,8 +186,7 @@ class RunWriter:
         self._files[OUTPUTS].flush()
 
     def outputs(self) -> list[dict]:
-        """The outputs.jsonl lines written so far (a resumed run's kept ones first)."""
-        self._files[OUTPUTS].flush()
+        """The outputs.jsonl lines written so far (a resumed run's kept ones first; each is flushed as written)."""
         return [json.loads(line) for line in (self.out / OUTPUTS).read_text(encoding="utf-8").splitlines()]
 
     def write_csv(self, name: str, rows: list[dict]) -> None:

@@ -114,8 +114,7 @@ def serve_all(
         todo = [load for load in run.loads if block_key(decoder, load) not in finished]
         if not todo:
             continue
-        engine_name = run.engine
-        yield Step(f"starting {engine_name}: {decoder.label}" + (" (a minute or two)" if engine_name == "vllm" else ""))
+        yield Step(f"starting {run.engine}: {decoder.label}" + (" (a minute or two)" if run.engine == "vllm" else ""))
         failed = []
         with opened(run, conversations, decoder) as engine:
             for load in todo:
