@@ -10,7 +10,8 @@ from . import schema
 from .errors import SpecbenchError
 from .methods import BASELINE, SERVED_BASELINE
 from .options import FIXED
-from .results import OWN_ENGINES, decoder_label
+from .results import decoder_label
+from .schema import OWN_ENGINES
 
 
 def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:

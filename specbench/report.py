@@ -9,7 +9,8 @@ from rich.table import Table
 from . import schema
 from .context import CONTENDERS
 from .methods import BASELINE, METHODS, SERVED_BASELINE
-from .results import OWN_ENGINES, decoder_label, missing, row_label
+from .results import decoder_label, missing, row_label
+from .schema import OWN_ENGINES
 
 
 def summary_table(rows: list[dict], title: str) -> Table:

@@ -25,7 +25,6 @@ from .options import FIXED
 from .prompts import Turn
 from .timing import Phases
 
-OWN_ENGINES = ("torch", "hf")  # the engines of specbench's process: its loop, and transformers' generate
 # What random weights make meaningless: how often random models agree, and what follows from it.
 WEIGHT_DEPENDENT = ("alpha", "acceptance_rate", "tau", "predicted_speedup", "predicted_speedup_verify")
 
@@ -170,7 +169,7 @@ def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], col
     Each row sums its prompts' totals and compares them with the baseline's on the same prompts.
     Only specbench's loop's rows (engines torch and hf): serving.summarize has vLLM's.
     """
-    records = [r for r in records if r["engine"] in OWN_ENGINES]
+    records = [r for r in records if r["engine"] in schema.OWN_ENGINES]
     by_method: dict[str, dict[int, dict]] = {}
     for r in records:
         by_method.setdefault(r["method"], {})[r["prompt_index"]] = r
@@ -356,7 +355,7 @@ def best_ks(summary: list[dict]) -> dict:
         # A server is one deployment with one K: there is no K of its to choose.
         if not _chain(row) or row["concurrency"] != 1 or row["engine"] == "server":
             continue
-        if row["engine"] not in OWN_ENGINES:
+        if row["engine"] not in schema.OWN_ENGINES:
             row = {**row, "method": f"{row['engine']} {row['method']}"}
         if row["k_policy"] != FIXED:  # each policy has a best K of its own (heuristic: the first round's)
             row = {**row, "method": f"{row['method']} {row['k_policy']}"}
@@ -408,7 +407,7 @@ def decoder_label(row: dict) -> str:
     """A summary row's decoder in one label: the engine when not specbench's own, the method with
     its K, tree and policy, and the requests in flight when more than one."""
     label = row_label(row)
-    if row.get("engine") not in (None, *OWN_ENGINES):
+    if row.get("engine") not in (None, *schema.OWN_ENGINES):
         label = f"{row['engine']} {label}"
     return f"{label} x{int(row['concurrency'])}" if (row.get("concurrency") or 1) > 1 else label
 

@@ -17,7 +17,6 @@ from . import schema
 from .errors import SpecbenchError
 from .files import replacing
 from .prompts import Turn
-from .results import OWN_ENGINES
 
 RECORDS, OUTPUTS = "records.csv", "outputs.jsonl"
 
@@ -37,7 +36,7 @@ def _parse(name: str, text: str):
 
 def kept(row: dict, done: set[int], blocks: set[tuple]) -> bool:
     """Whether a resumed run keeps a record or an outputs.jsonl line (older lines lack the engine)."""
-    if row.get("engine", "torch") in OWN_ENGINES:
+    if row.get("engine", "torch") in schema.OWN_ENGINES:
         return row["prompt_index"] in done
     return block_key(row) in blocks
 
@@ -68,7 +67,7 @@ class PreviousRun:
         """Prompts with a record for every decoder of specbench's loop's plan."""
         counts: dict[int, int] = {}
         for r in self.records:
-            if r["engine"] in OWN_ENGINES:
+            if r["engine"] in schema.OWN_ENGINES:
                 counts[r["prompt_index"]] = counts.get(r["prompt_index"], 0) + 1
         return {index for index, n in counts.items() if n == steps}
 
@@ -77,7 +76,7 @@ class PreviousRun:
         a block with a failed request is sent again whole."""
         counts: dict[tuple, int] = {}
         for r in self.records:
-            if r["engine"] not in OWN_ENGINES and not r.get("error"):
+            if r["engine"] not in schema.OWN_ENGINES and not r.get("error"):
                 key = block_key(r)
                 counts[key] = counts.get(key, 0) + 1
         return {key for key, n in counts.items() if n == prompts}

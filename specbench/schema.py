@@ -26,6 +26,7 @@ RATES = {
     "baseline_tokens_per_s": ["baseline_tokens", "baseline_s"],
     "speedup": ["new_tokens", "method_s", "baseline_tokens", "baseline_s"],
 }
+OWN_ENGINES = ("torch", "hf")  # the engines of specbench's process: its loop, and transformers' generate
 # Where a decode's time went; they add up to its wall time (timing.Phases has one field for each).
 PHASES = ("prefill_s", "draft_s", "inner_s", "verify_s", "other_s")
 

@@ -20,7 +20,7 @@ from .engines import Served
 from .method import Decoder
 from .methods import BASELINE
 from .prompts import Turn
-from .results import OWN_ENGINES, RunColumns, prompt_columns
+from .results import RunColumns, prompt_columns
 
 # Log-probability gap (nats) between the baseline's two likeliest tokens under which a greedy divergence
 # counts as a near-tie: batching, kernels and precision can flip such a pair without any bug.
@@ -270,7 +270,9 @@ def summarize(
 
     speedup is the per-request rate over the baseline's on the same prompts (as for specbench's loop,
     so compare's intervals apply); throughput counts every request over the block's wall time."""
-    own_base = {r["prompt_index"]: r for r in records if r["engine"] in OWN_ENGINES and r["method"] == BASELINE.name}
+    own_base = {
+        r["prompt_index"]: r for r in records if r["engine"] in schema.OWN_ENGINES and r["method"] == BASELINE.name
+    }
     rows = []
     for load in loads:
         for decoder in decoders:
