@@ -30,9 +30,9 @@ from .errors import SpecbenchError
 from .machine import environment
 from .method import Decoder
 from .methods import BASELINE
-from .models import placement
+from .models import model_dir, placement
 from .options import FIXED
-from .pair import Conversations, Pair, encode_prompts, load_pair, model_dir
+from .pair import Conversations, Pair, encode_prompts, load_pair
 from .plot import plot_categories, plot_concurrency, plot_online, plot_phases, plot_run
 from .prompts import load_prompts
 from .results import (
@@ -70,7 +70,7 @@ def prepare(cfg: BenchConfig) -> tuple[Pair, Conversations]:
         per_category=cfg.per_category,
         max_turns=cfg.max_turns,
     )
-    pair = load_pair(cfg.wanted, cfg.speculator if cfg.needs_speculator else None, cfg.compile, cfg.threads)
+    pair = load_pair(cfg.wanted, cfg.compile, cfg.threads)
     for step in cfg.plan:
         step.method.check(pair)
     return pair, encode_prompts(pair, prompts, cfg.rendering)

@@ -166,6 +166,7 @@ class _Run:
             self.random_weights,
             self.seed,
             bool(self.plan),
+            self.speculator if self.needs_speculator else None,
         )
 
     @property

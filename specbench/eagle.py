@@ -30,7 +30,7 @@ from torch import nn
 from .drafters import tree_level, tree_parents
 from .engine import Draft
 from .errors import SpecbenchError
-from .fast import Linear, rms_norm, rope, swiglu
+from .fast import Linear, can_pack, rms_norm, rope, swiglu
 from .sampling import SamplingConfig, Verdict, argmax, confident, sample, warp
 from .tree import tree_inputs
 
@@ -315,6 +315,21 @@ def read_head(path: Path, embed: torch.Tensor, target_layers: int, target_hidden
     if d2t is not None:
         head.draft_ids.copy_(torch.arange(config.draft_vocab) + d2t.long())
     return head.eval()
+
+
+def load_head(path: Path, target, pack: bool) -> EagleHead:
+    """The head in ``path`` checked against ``target`` (a transformers model), on its device and in
+    its dtype, its products packed (``pack``, where the CPU can) as the target's fast forward runs its own."""
+    config = target.config
+    embed = target.get_input_embeddings().weight
+    head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
+    head = head.to(embed.device, embed.dtype)
+    head.embed = head.embed.to(
+        embed.device, embed.dtype
+    )  # a plain tensor (the target's, or the head's own): .to() skips it
+    if pack and can_pack(head):
+        head.pack()
+    return head
 
 
 def save_head(head: EagleHead, path: Path, target_layers: int) -> None:

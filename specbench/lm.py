@@ -3,13 +3,16 @@ the cache. (transformers' own generate, as an engine, is engines/hf.py.)"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from functools import cache
 
 import torch
 
-from .fast import FastLlama
+from .fast import FastLlama, unsupported
 from .kv import Window, retrieval_positions
+
+log = logging.getLogger("specbench")
 
 
 @cache
@@ -77,6 +80,17 @@ class HFCausalLM:
             self.shortlist_mask[self.head_tokens] = True
             self.shortlist_head = self.model.get_output_embeddings().weight[self.head_tokens]
         self.reset()
+
+    @classmethod
+    def loaded(cls, model, width: int, head_tokens: torch.Tensor | None, compile: bool, name: str) -> HFCausalLM:
+        """``model`` (called ``name`` in the log) on specbench's own forward where ``compile`` asks
+        for it and fast.py covers the model, else on transformers' eager one."""
+        fast = None
+        if compile and (reason := unsupported(model)):
+            log.info("%s runs transformers' eager forward: %s", name, reason)
+        elif compile:
+            fast = FastLlama(model)
+        return cls(model, width, head_tokens, fast)
 
     def refresh(self, more_tokens: torch.Tensor) -> None:
         """After the weights changed (online updates): gather the shortlisted head again from them,

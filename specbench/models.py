@@ -20,6 +20,8 @@ from urllib.parse import urlparse
 import torch
 
 from .errors import SpecbenchError
+from .files import write_text
+from .options import DEFAULT_DRAFT, DEFAULT_TARGET
 
 log = logging.getLogger("specbench")
 
@@ -386,6 +388,19 @@ def skeleton(spec: str, random_weights: bool) -> LoadedModel:
     return LoadedModel(spec, path, model, tokenizer_in(path))
 
 
+def model_dir(model: LoadedModel) -> str:
+    """The directory another engine loads ``model`` from. For random weights, a directory holding
+    only its architecture's config.json (in specbench's cache), which vLLM fills with dummy weights."""
+    if model.path.suffix != ".json":
+        return str(model.path)
+    text = model.path.read_text(encoding="utf-8")
+    directory = cache_dir() / "architectures" / hashlib.sha256(text.encode()).hexdigest()[:12]
+    if not (directory / "config.json").is_file():
+        directory.mkdir(parents=True, exist_ok=True)
+        write_text(directory / "config.json", text)
+    return str(directory)
+
+
 def shared_width(target: LoadedModel, draft: LoadedModel) -> int:
     """Logit width both models share, after checking that their vocabularies agree.
 
@@ -426,40 +441,58 @@ class Wanted:
     random_weights: bool = False
     seed: int = 0  # of random weights
     weights: bool = True  # False: shapes, configs and tokenizers only (another engine loads the weights)
+    speculator: str | None = None  # the --speculator head (alias or directory) when an EAGLE method decodes here
 
 
 @dataclass
 class Loaded:
-    """The loaded models: the target, the draft (or None), the logit width they share, and where."""
+    """The loaded models: the target, the draft (or None), the logit width they share, and where;
+    the --speculator head's checkpoint directory; the tokenizer that encodes the prompts."""
 
     target: LoadedModel
     draft: LoadedModel | None
     width: int
     device: torch.device
     dtype: torch.dtype
+    speculator: Path | None = None
+    # The target's tokenizer; for random weights the one that measures prompt lengths (length_tokenizer),
+    # None when there is none (then --prompt-tokens must give the lengths).
+    prompt_tokenizer: object | None = None
 
 
 def load_models(wanted: Wanted) -> Loaded:
-    """Load what ``wanted`` says, each model checked (a draft shares the target's vocabulary)."""
+    """Load what ``wanted`` says, each model checked (a draft shares the target's vocabulary), and
+    find the --speculator head's directory."""
     device = resolve_device(wanted.device)
     dtype = random_weights_dtype(wanted, device) if wanted.random_weights else resolve_dtype(wanted.dtype, device)
+    speculator = speculator_dir(wanted.speculator) if wanted.speculator else None
     if not wanted.weights:
+        device = torch.device("cpu")
         target = skeleton(wanted.target, wanted.random_weights)
         draft = skeleton(wanted.draft, wanted.random_weights) if wanted.draft else None
-        return Loaded(target, draft, target.width, torch.device("cpu"), dtype)
-    if wanted.random_weights:
+    elif wanted.random_weights:
         target = random_model(wanted.target, device, dtype, wanted.seed)
+        draft = random_model(wanted.draft, device, dtype, wanted.seed + 1) if wanted.draft else None
     else:
         target = load(wanted.target, device, dtype, wanted.device_map)
         if wanted.device_map and (warning := offload_warning(placement(target.model))):
             log.warning(warning)
-    if not wanted.draft:
-        return Loaded(target, None, target.width, device, dtype)
-    if wanted.random_weights:
-        draft = random_model(wanted.draft, device, dtype, wanted.seed + 1)
-    else:
-        draft = load(wanted.draft, device, dtype)
-    return Loaded(target, draft, shared_width(target, draft), device, dtype)
+        draft = load(wanted.draft, device, dtype) if wanted.draft else None
+    width = shared_width(target, draft) if draft else target.width
+    tokenizer = length_tokenizer(target) if wanted.random_weights else target.tokenizer
+    return Loaded(target, draft, width, device, dtype, speculator, tokenizer)
+
+
+def length_tokenizer(target: LoadedModel):
+    """The tokenizer that measures prompt lengths for a random-weights target: its own when one lies
+    beside its architecture config, else the default target's (shipped with the bundled draft), else None."""
+    for directory in (target.path.parent, Path(resolve(DEFAULT_DRAFT).location)):
+        if (tokenizer := tokenizer_in(directory)) is None:
+            continue
+        if directory != target.path.parent:
+            log.info("prompt lengths measured with %s's tokenizer (%s has none here)", DEFAULT_TARGET, target.name)
+        return tokenizer
+    return None
 
 
 def random_weights_dtype(wanted: Wanted, device: torch.device) -> torch.dtype:

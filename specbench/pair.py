@@ -1,7 +1,9 @@
 """The loaded pair and the prompts' token ids: what every method decodes with, and on.
 
-The one place a run's models are loaded (through models.py) and its prompts encoded; methods,
-cost measurement and the benchmark take the Pair from here.
+The one place a run's models are loaded and its prompts encoded; methods, cost measurement and the
+benchmark take the Pair from here. Loading runs one way: models.load_models resolves and loads
+everything model-side in one call, then the EAGLE head and each model's forward are built on it;
+encoding reads only the Pair.
 """
 
 from __future__ import annotations
@@ -9,26 +11,13 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, replace
-from pathlib import Path
 
 import torch
 
-from .eagle import EagleHead, read_head
+from .eagle import EagleHead, load_head
 from .errors import SpecbenchError
-from .fast import FastLlama, can_pack, unsupported
-from .files import write_text
 from .lm import HFCausalLM
-from .models import (
-    LoadedModel,
-    Wanted,
-    cache_dir,
-    load_models,
-    resolve,
-    shared_width,
-    speculator_dir,
-    tokenizer_in,
-)
-from .options import DEFAULT_DRAFT, DEFAULT_TARGET
+from .models import LoadedModel, Wanted, load_models
 from .prompts import Prompt, Turn, some, turns_of
 from .timing import PhaseClock, TimedLM
 
@@ -45,6 +34,8 @@ class Pair:
     draft_lm: HFCausalLM | None
     device: torch.device
     dtype: torch.dtype
+    width: int  # the logit width target and draft share
+    prompt_tokenizer: object | None  # what encodes the prompts (models.Loaded.prompt_tokenizer)
     clock: PhaseClock | None = None  # set on a timed pair: what methods lap their own timed parts on
     head: EagleHead | None = None  # the --speculator head, when an EAGLE method decodes here
 
@@ -68,46 +59,21 @@ class Pair:
         return replace(self, target_lm=TimedLM(self.target_lm, clock, "verify"), draft_lm=draft_lm, clock=clock)
 
 
-def load_pair(wanted: Wanted, speculator: str | None = None, compile: bool = True, threads: int = 0) -> Pair:
+def load_pair(wanted: Wanted, compile: bool = True, threads: int = 0) -> Pair:
     """The models ``wanted`` says, loaded once (models.load_models), wrapped for specbench's loop: its
-    own forward where ``compile`` allows (fast.py), and the EAGLE head ``speculator`` when an EAGLE
-    method decodes here. ``threads``: torch's CPU threads (0 leaves torch's choice)."""
+    own forward where ``compile`` allows (lm.HFCausalLM.loaded), and the EAGLE head of
+    ``wanted.speculator``. ``threads``: torch's CPU threads (0 leaves torch's choice)."""
     if threads:
         torch.set_num_threads(threads)
     loaded = load_models(wanted)
-    target, draft = loaded.target, loaded.draft
+    target, draft, width = loaded.target, loaded.draft, loaded.width
+    pair = Pair(target, None, draft, None, loaded.device, loaded.dtype, width, loaded.prompt_tokenizer)
     if not wanted.weights:  # only vLLM decodes: it loads the weights, this process needs their shapes
-        return Pair(target, None, draft, None, loaded.device, loaded.dtype)
-    head = read_speculator(speculator, target, compile) if speculator else None
-    target_lm = HFCausalLM(target.model, loaded.width, fast=fast_forward(target, compile))
-    draft_lm = HFCausalLM(draft.model, loaded.width, draft.head_tokens, fast_forward(draft, compile)) if draft else None
-    return Pair(target, target_lm, draft, draft_lm, loaded.device, loaded.dtype, head=head)
-
-
-def read_speculator(spec: str, target: LoadedModel, compile: bool) -> EagleHead:
-    """The --speculator head ``spec`` (an alias or a directory), checked against ``target``, on its
-    device and in its dtype."""
-    path = speculator_dir(spec)
-    config = target.model.config
-    embed = target.model.get_input_embeddings().weight
-    head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
-    head = head.to(embed.device, embed.dtype)
-    head.embed = head.embed.to(
-        embed.device, embed.dtype
-    )  # a plain tensor (the target's, or the head's own): .to() skips it
-    if compile and can_pack(head):  # as the target's fast forward runs its products
-        head.pack()
-    return head
-
-
-def fast_forward(model: LoadedModel, compile: bool) -> FastLlama | None:
-    """specbench's own forward for ``model`` (--compile), or None for transformers' eager one."""
-    if not compile:
-        return None
-    if reason := unsupported(model.model):
-        log.info("%s runs transformers' eager forward: %s", model.name, reason)
-        return None
-    return FastLlama(model.model)
+        return pair
+    head = load_head(loaded.speculator, target.model, compile) if loaded.speculator else None
+    target_lm = HFCausalLM.loaded(target.model, width, None, compile, target.name)
+    draft_lm = HFCausalLM.loaded(draft.model, width, draft.head_tokens, compile, draft.name) if draft else None
+    return replace(pair, target_lm=target_lm, draft_lm=draft_lm, head=head)
 
 
 @dataclass
@@ -227,7 +193,11 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], how: Rendering) -> Convers
         length = min(how.prompt_tokens, room or how.prompt_tokens)
         tokenizer, chat, first = None, False, [torch.zeros(length, dtype=torch.long)] * len(prompts)
     else:
-        tokenizer = length_tokenizer(pair.target) if how.random_weights else pair.target.tokenizer
+        tokenizer = pair.prompt_tokenizer
+        if tokenizer is None:
+            raise SpecbenchError(
+                f"no tokenizer to measure prompt lengths for {pair.target.name}: pass --prompt-tokens N"
+            )
         chat = uses_chat(tokenizer, how.chat, how.context_tokens > 0, pair.target.name)
         first = [_first_ids(tokenizer, prompt, how.context_tokens, chat, room) for prompt in prompts]
     fits = [room is None or len(ids) <= room for ids in first]
@@ -249,8 +219,7 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], how: Rendering) -> Convers
     if how.random_weights:
         prompts = [replace(p, turns=p.turns[:1]) for p in prompts]
         generator = torch.Generator().manual_seed(how.seed)
-        width = shared_width(pair.target, pair.draft) if pair.draft else pair.target.width
-        first = [torch.randint(width, (len(ids),), generator=generator) for ids in first]
+        first = [torch.randint(pair.width, (len(ids),), generator=generator) for ids in first]
     longest = max(map(len, first))
     capped = 0
     for i, prompt in enumerate(prompts):
@@ -299,31 +268,6 @@ def _first_ids(tokenizer, prompt: Prompt, context_tokens: int, chat: bool, room:
     if len(ids) == 0:
         raise SpecbenchError(f"prompt {prompt.id} encodes to no tokens: remove it from the dataset")
     return ids
-
-
-def model_dir(model: LoadedModel) -> str:
-    """The directory another engine loads ``model`` from. For random weights, a directory holding
-    only its architecture's config.json (in specbench's cache), which vLLM fills with dummy weights."""
-    if model.path.suffix != ".json":
-        return str(model.path)
-    text = model.path.read_text(encoding="utf-8")
-    directory = cache_dir() / "architectures" / hashlib.sha256(text.encode()).hexdigest()[:12]
-    if not (directory / "config.json").is_file():
-        directory.mkdir(parents=True, exist_ok=True)
-        write_text(directory / "config.json", text)
-    return str(directory)
-
-
-def length_tokenizer(target: LoadedModel):
-    """The tokenizer that measures prompt lengths for a random-weights target: its own when one lies
-    beside its architecture config, else the default target's (shipped with the bundled draft)."""
-    for directory in (target.path.parent, Path(resolve(DEFAULT_DRAFT).location)):
-        if (tokenizer := tokenizer_in(directory)) is None:
-            continue
-        if directory != target.path.parent:
-            log.info("prompt lengths measured with %s's tokenizer (%s has none here)", DEFAULT_TARGET, target.name)
-        return tokenizer
-    raise SpecbenchError(f"no tokenizer to measure prompt lengths for {target.name}: pass --prompt-tokens N")
 
 
 def prompts_hash(prompt_ids: list[torch.Tensor]) -> str:

@@ -12,8 +12,8 @@ from transformers import LlamaConfig
 from specbench import bench, models, results
 from specbench.config import BenchConfig
 from specbench.errors import SpecbenchError
-from specbench.models import random_weights_dtype
-from specbench.pair import encode_turn, length_tokenizer, uses_chat
+from specbench.models import length_tokenizer, random_weights_dtype
+from specbench.pair import encode_turn, uses_chat
 from specbench.prompts import load_prompts
 
 from .helpers import on_tiny_pair, one_line_error, specbench
