@@ -324,9 +324,8 @@ def load_head(path: Path, target, pack: bool) -> EagleHead:
     embed = target.get_input_embeddings().weight
     head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
     head = head.to(embed.device, embed.dtype)
-    head.embed = head.embed.to(
-        embed.device, embed.dtype
-    )  # a plain tensor (the target's, or the head's own): .to() skips it
+    # The embedding is a plain tensor (the target's, or the head's own): .to() skips it.
+    head.embed = head.embed.to(embed.device, embed.dtype)
     if pack and can_pack(head):
         head.pack()
     return head
