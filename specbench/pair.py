@@ -194,10 +194,9 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], how: Rendering) -> Convers
         tokenizer, chat, first = None, False, [torch.zeros(length, dtype=torch.long)] * len(prompts)
     else:
         tokenizer = pair.prompt_tokenizer
-        if tokenizer is None:
-            raise SpecbenchError(
-                f"no tokenizer to measure prompt lengths for {pair.target.name}: pass --prompt-tokens N"
-            )
+        if tokenizer is None:  # random weights with no tokenizer at hand, or a checkpoint saved without one
+            fix = "pass --prompt-tokens N" if how.random_weights else "save its tokenizer beside the weights"
+            raise SpecbenchError(f"no tokenizer to encode the prompts for {pair.target.name}: {fix}")
         chat = uses_chat(tokenizer, how.chat, how.context_tokens > 0, pair.target.name)
         first = [_first_ids(tokenizer, prompt, how.context_tokens, chat, room) for prompt in prompts]
     fits = [room is None or len(ids) <= room for ids in first]

@@ -4,6 +4,7 @@
 import csv
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -114,6 +115,17 @@ def test_random_prompts_take_the_lengths_the_dataset_encodes_to(configs, prompts
     assert all(int(x.max()) < pair.target_lm.width for x in ids)
     again = bench.prepare(cfg)[1].first
     assert all(torch.equal(a, b) for a, b in zip(ids, again, strict=True))  # reproducible for a seed
+
+
+def test_random_prompts_without_a_tokenizer_need_their_lengths_given(configs, prompts_file, monkeypatch):
+    monkeypatch.setattr(models, "tokenizer_in", lambda directory: None)  # none beside the config, none bundled
+    cfg = BenchConfig(
+        target=configs[0], draft=configs[1], dataset=prompts_file, random_weights=True, num_prompts=3, ks=[2]
+    )
+    with pytest.raises(SpecbenchError, match="no tokenizer to encode the prompts .*: pass --prompt-tokens N"):
+        bench.prepare(cfg)
+    _, conversations = bench.prepare(replace(cfg, prompt_tokens=8))  # lengths given: no tokenizer needed
+    assert [len(ids) for ids in conversations.first] == [8, 8, 8]
 
 
 @pytest.mark.parametrize(
