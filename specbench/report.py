@@ -274,7 +274,10 @@ def audit_table(rows: list[dict], title: str) -> Table:
     def number(value, digits: int = 3) -> str:
         return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}g}"
 
-    table = Table(title=title, caption="TV: the plug-in distance [95% interval] / what two samples of one law show")
+    table = Table(
+        title=title,
+        caption="TV: the bias-corrected distance [95% interval] (the plug-in; what two samples of one law show)",
+    )
     for header in ("subject", "setting", "verdict", "p (Holm)", "TV", "detectable TV", "N", "s", "evidence"):
         table.add_column(header, justify="left" if header in ("subject", "setting", "evidence") else "right")
     for row in rows:
@@ -282,7 +285,8 @@ def audit_table(rows: list[dict], title: str) -> Table:
         style = "bold red" if verdict == "FAIL" else "green" if verdict == "pass" else "yellow"
         setting = row["setting"] if row["test"] in ("greedy", "sampling", "control") else f"probe: {row['test']}"
         tv = (
-            f"{row['tv']:.3f} [{row['tv_low']:.3f}, {row['tv_high']:.3f}] / {row['tv_noise']:.3f}"
+            f"{row['tv_corrected']:.3f} [{row['tv_low']:.3f}, {row['tv_high']:.3f}] "
+            f"({row['tv']:.3f}; {row['tv_noise']:.3f})"
             if "tv" in row
             else ""
         )

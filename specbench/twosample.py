@@ -52,7 +52,10 @@ class LawTest:
     coarsening, so its TV is at most the sequence law's; but sampling noise alone makes the plug-in
     positive, and with many small cells large: ``tv_noise`` is its mean for two samples of these
     sizes from one law (the pooled one), what identical laws would read. ``tv_low`` and ``tv_high``
-    are a 95% basic bootstrap interval for the partition's TV; it corrects the noise bias only to
+    are a 95% basic bootstrap interval for the partition's TV, and ``tv_corrected`` the bootstrap's
+    bias-corrected estimate (2 ``tv`` minus the resamples' mean), which lies inside it: near the noise
+    floor the interval lies below the plug-in, so it is the corrected estimate that is reported beside
+    it, never the plug-in alone. The interval corrects the noise bias only to
     first order, so it covers less than 95% near the noise floor (in simulation about 90% at a TV
     of twice ``tv_noise``, 70% at 0.7 times it, and at a TV of 0 from 60% with 10 cells to almost
     never with 50 or more). There ``tv`` says little, and the reading that holds is
@@ -70,6 +73,7 @@ class LawTest:
     tv: float
     tv_low: float
     tv_high: float
+    tv_corrected: float
     tv_noise: float
     level: float
     power: float
@@ -196,7 +200,7 @@ def sequence_law_test(
     cells = int(leaf.max()) + 1
     r_counts, s_counts = np.bincount(leaf[~arm], minlength=cells), np.bincount(leaf[arm], minlength=cells)
     tv = float(plugin_tv(r_counts, s_counts))
-    tv_low = tv_high = tv_noise = math.nan
+    tv_low = tv_high = tv_corrected = tv_noise = math.nan
     if resamples:
         rng = np.random.default_rng(seed)
         boot = plugin_tv(
@@ -208,6 +212,9 @@ def sequence_law_test(
         # bias to first order.
         low, high = np.quantile(boot, [0.025, 0.975])
         tv_low, tv_high = max(0.0, 2 * tv - high), min(1.0, 2 * tv - low)
+        # The same correction for the point estimate. The resamples' mean lies between their 2.5% and
+        # 97.5% quantiles except for a skewed few, so the clip only guards the interval's promise.
+        tv_corrected = min(max(2 * tv - float(boot.mean()), tv_low), tv_high)
         pooled = (r_counts + s_counts) / (n_r + n_s)
         tv_noise = float(
             plugin_tv(rng.multinomial(n_r, pooled, resamples), rng.multinomial(n_s, pooled, resamples)).mean()
@@ -224,6 +231,7 @@ def sequence_law_test(
         tv=tv,
         tv_low=tv_low,
         tv_high=tv_high,
+        tv_corrected=tv_corrected,
         tv_noise=tv_noise,
         level=level,
         power=power,
