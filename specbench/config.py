@@ -352,11 +352,13 @@ class _Run:
         names = [server.method.name for server in self.served_plan]
         if dupes := sorted({name for name in names if names.count(name) > 1} | ({SERVER_BASELINE} & set(names))):
             raise SpecbenchError(f"--server {dupes[0]}: each server needs a name of its own, and not 'baseline'")
-        for flag, url in [("--baseline-url", self.baseline_url), ("--draft-url", self.draft_url)] + [
-            (f"--server {name}=", url) for name, url in self.server_entries
-        ]:
+        for given, url in (
+            [(f"--baseline-url {self.baseline_url}", self.baseline_url)]
+            + [(f"--draft-url {self.draft_url}", self.draft_url)]
+            + [(f"--server {name}={url}", url) for name, url in self.server_entries]
+        ):
             if url is not None and not url.startswith(("http://", "https://")):
-                raise SpecbenchError(f"{flag}{url}: give the API's URL, e.g. http://127.0.0.1:8000/v1")
+                raise SpecbenchError(f"{given}: give the API's URL, e.g. http://127.0.0.1:8000/v1")
 
     def as_dict(self) -> dict:
         return asdict(self)

@@ -259,7 +259,15 @@ def test_counters_sum_over_engines_and_positions():
         (["--engine", "server", "--server", "a=http://127.0.0.1:1/v1"], "--baseline-url"),
         (["--engine", "server", "--baseline-url", "http://127.0.0.1:1/v1"], "at least one server that speculates"),
         (["--engine", "server", "--baseline-url", "http://x/v1", "--server", "noequals"], "NAME=..."),
-        (["--engine", "server", "--baseline-url", "http://x/v1", "--server", "a=ftp://x"], "API's URL"),
+        (["--engine", "server", "--baseline-url", "http://x/v1", "--server", "a=ftp://x"], "--server a=ftp://x: give"),
+        (
+            ["--engine", "server", "--baseline-url", "notaurl", "--server", "a=http://y/v1"],
+            "--baseline-url notaurl: give",
+        ),
+        (
+            ["--engine", "server", "--baseline-url", "http://x/v1", "--draft-url", "x", "--server", "a=http://y/v1"],
+            "--draft-url x: give",
+        ),
         (["--engine", "server", "--baseline-url", "http://x/v1", "--server", "baseline=http://y/v1"], "not 'baseline'"),
         (["--engine", "torch,server"], "runs alone"),
         (["--server", "a=http://x/v1"], "add --engine server"),
