@@ -31,11 +31,11 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import twosample
-from .bench import prepare, serving_run
+from .bench import load_inputs, serving_run
 from .broken import BROKEN
 from .config import BenchConfig
 from .engines import Sampling, Served
@@ -46,7 +46,7 @@ from .machine import environment
 from .method import Decoder
 from .methods import BASELINE, METHODS
 from .options import AUDIT
-from .pair import Conversations, Pair
+from .pair import Conversations, Pair, Rendering, encode_prompts
 from .serve import Step, opened
 from .verdicts import BAN, divergences, judge
 
@@ -128,6 +128,9 @@ class Subject:
         return self.decoder.label if engine == "torch" else f"{engine} {self.decoder.label}"
 
 
+GREEDY_TOKENS = next(option for option in AUDIT if option.name == "greedy_tokens")
+
+
 @dataclass
 class AuditPlan:
     """What an audit does beside the run's configuration: subjects, settings, sample sizes, levels."""
@@ -140,6 +143,7 @@ class AuditPlan:
     greedy_tokens: list[int]  # the lengths up to which greedy answers are compared
     level: float  # the family-wise error rate of the subjects' tests (and, apart, of the controls')
     power_tv: float  # the TV each sampling test must detect with 80% power
+    fit_greedy: bool = False  # --greedy-tokens not given: its default lengths are fitted to the context window
 
     @property
     def greedy(self) -> bool:
@@ -239,7 +243,28 @@ def plan_of(cfg: BenchConfig, given: dict) -> AuditPlan:
         given["greedy_tokens"],
         given["level"],
         given["power_tv"],
+        fit_greedy=given["greedy_tokens"] == GREEDY_TOKENS.default,
     )
+
+
+def fitted(lengths: list[int], window: int | None, widest: int) -> list[int]:
+    """The default greedy lengths on a model whose context window is ``window``: each capped at half
+    of what a forward of ``widest`` tokens leaves, so that prompts keep the other half."""
+    if window is None:
+        return lengths
+    cap = max(1, (window - widest) // 2)
+    return sorted({min(n, cap) for n in lengths})
+
+
+def new_tokens(cfg: BenchConfig, plan: AuditPlan, pair) -> Rendering:
+    """How the audit encodes its prompts: room for the longest greedy answer or sample, and the flag
+    that set it, named by the error when it does not fit."""
+    if plan.fit_greedy:
+        windows = [m.context_window for m in (pair.target, pair.draft) if m is not None and m.context_window]
+        plan.greedy_tokens = fitted(plan.greedy_tokens, min(windows, default=None), cfg.widest)
+    cfg.max_new_tokens = max(max(plan.greedy_tokens), plan.length)
+    flag = "--greedy-tokens" if max(plan.greedy_tokens) >= plan.length else "--length"
+    return replace(cfg.rendering, new_tokens_flag=flag)
 
 
 def first_index(arm: int, setting: int, prompt: int, samples: int) -> int:
@@ -425,10 +450,11 @@ def audit(cfg: BenchConfig, plan: AuditPlan, out: Path) -> Iterator[Step | dict]
     check(plan)
     out.mkdir(parents=True, exist_ok=True)
     (out / "samples.jsonl").unlink(missing_ok=True)
-    # The longest greedy answer sets the room prompts need; a warm-up would only take time.
-    cfg.max_new_tokens, cfg.warmup = max(max(plan.greedy_tokens), plan.length), 0
+    cfg.warmup = 0  # a warm-up would only take time
     yield Step("loading models and prompts")
-    pair, conversations = prepare(cfg)
+    pair, prompts = load_inputs(cfg)
+    # The longest greedy answer sets the room prompts need.
+    conversations = encode_prompts(pair, prompts, new_tokens(cfg, plan, pair))
     # Many requests in flight to a serving engine, which answers each prompt N times from its cache.
     # vLLM loads its tokenizer, for the stop-string probe (it matches stop strings in text).
     audited = {"enable_prefix_caching": True, "skip_tokenizer_init": False}

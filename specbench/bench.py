@@ -58,6 +58,13 @@ SUMMARY_EVERY_S = 10.0  # summary.csv is rewritten at most this often while deco
 
 def prepare(cfg: BenchConfig) -> tuple[Pair, Conversations]:
     """Validate, load the pair and the prompts; every input error surfaces here, before timing."""
+    pair, prompts = load_inputs(cfg)
+    return pair, encode_prompts(pair, prompts, cfg.rendering)
+
+
+def load_inputs(cfg: BenchConfig) -> tuple[Pair, list]:
+    """Validate, load the prompts and the pair, and check each method against it; the prompts are
+    not yet encoded (the audit fits its answers' length to the pair's context window first)."""
     cfg.validate()
     prompts = load_prompts(
         cfg.dataset,
@@ -73,7 +80,7 @@ def prepare(cfg: BenchConfig) -> tuple[Pair, Conversations]:
     pair = load_pair(cfg.wanted, cfg.compile, cfg.threads)
     for step in cfg.plan:
         step.method.check(pair)
-    return pair, encode_prompts(pair, prompts, cfg.rendering)
+    return pair, prompts
 
 
 @dataclass

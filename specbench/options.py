@@ -493,7 +493,8 @@ AUDIT: tuple[Option, ...] = (
     Option(
         "greedy_tokens",
         [128, 512],
-        "Greedy answers are compared up to each of these lengths (the longest is decoded).",
+        "Greedy answers are compared up to each of these lengths (the longest is decoded). Not given, each "
+        "default is capped at half of the context window that a round's forward leaves, so prompts keep the rest.",
         parse=int_list,
         low=1,
         panel=AUDIT_PANEL,

@@ -163,6 +163,7 @@ class Rendering:
     random_weights: bool = False  # random ids, as many as each prompt encodes to (or prompt_tokens)
     prompt_tokens: int = 0
     seed: int = 0  # of the random ids
+    new_tokens_flag: str = "--max-new-tokens"  # the option that set max_new_tokens, for the error that names it
 
 
 def encode_prompts(pair: Pair, prompts: list[Prompt], how: Rendering) -> Conversations:
@@ -181,8 +182,8 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], how: Rendering) -> Convers
     room = min(windows) - how.max_new_tokens - how.widest if windows else None
     if room is not None and room < 1:
         raise SpecbenchError(
-            f"--max-new-tokens {how.max_new_tokens} plus K does not fit the context window of {min(windows)} tokens: "
-            "lower --max-new-tokens"
+            f"{how.new_tokens_flag} {how.max_new_tokens} plus K does not fit the context window of {min(windows)} "
+            f"tokens: lower {how.new_tokens_flag}"
         )
     if how.context_tokens and room is not None and how.context_tokens > room:
         raise SpecbenchError(

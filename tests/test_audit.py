@@ -78,6 +78,20 @@ def test_bad_audit_input_is_one_line_before_anything_loads(tiny_pair, tmp_path, 
     assert result.returncode == 2 and not (tmp_path / "samples.jsonl").exists()
 
 
+def test_the_default_greedy_lengths_fit_the_context_and_given_ones_are_named(tiny_pair, tmp_path):
+    """The tiny pair's window is 256 tokens: the default --greedy-tokens (128, 512) is fitted to half of
+    what a round leaves, while lengths the user gives that do not fit are refused naming --greedy-tokens
+    (the error once named --max-new-tokens, an option of `run` the user never gave)."""
+    args = ["--target", tiny_pair[0], "--draft", tiny_pair[1], "--setting", "greedy", "--num-prompts", "1"]
+    result = specbench("audit", *args, "--prompts", "1", "--out", str(tmp_path / "fitted"))
+    assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-2000:]
+    plan = json.loads((tmp_path / "fitted" / "audit.json").read_text())["plan"]
+    assert plan["greedy_tokens"] == [125]  # (256 - (K=4 + 1)) // 2: both defaults become that one length
+    refused = specbench("audit", *args, "--greedy-tokens", "512", "--out", str(tmp_path / "given"))
+    one_line_error(refused, "--greedy-tokens 512 plus K does not fit the context window of 256 tokens")
+    assert "lower --greedy-tokens" in refused.stderr
+
+
 @pytest.mark.parametrize("margin,verdict,code", [(0.01, "pass", 0), (1.0, "FAIL", 1)])
 def test_a_servers_greedy_divergence_is_a_near_tie_or_structural(tiny_pair, tmp_path, margin, verdict, code):
     """A speculating server whose answer differs from the baseline server's at token 3: a near-tie where
