@@ -4,9 +4,10 @@ It is the one module that reads the run's configuration (config.BenchConfig) and
 writes the run directory (rundir.RunWriter): each stage below it is handed only what it needs
 (results.RunColumns, serve.ServingRun, engines.Sampling, the prompts). It loads the pair and the
 prompts, measures the forward costs, warms up, decodes every prompt with the baseline and each
-method in specbench's loop (decode_all), then sends every turn to the serving engines (serve.py,
-whose answers serve_rows turns into rows), writing each row as it completes. It yields what it is
-doing, then its Results; it never prints.
+method in specbench's loop (decode_all) and, untimed, labels each greedy output that parted from the
+baseline's (label_divergences), then sends every turn to the serving engines (serve.py, whose
+answers serve_rows turns into rows), writing each row as it completes. It yields what it is doing,
+then its Results; it never prints.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from .results import (
     summarize,
 )
 from .rundir import RunWriter
+from .schema import OWN_ENGINES
 from .serve import Answer, Counters, ServingRun, Step, draft_alone, margins, serve_all
 
 log = logging.getLogger("specbench")
@@ -200,6 +202,9 @@ def benchmark(
                 loops, sampling, cfg.warmup, cfg.random_weights, conversations, writer, records, learning, done,
                 lambda: write_summaries(writer, records, over, cfg.group_by),
             )  # fmt: skip
+            # A margin of the plain logits says nothing of a penalised or biased argmax: those stay unlabelled.
+            if sampling.greedy and sampling.repetition_penalty == 1.0 and not sampling.logit_bias:
+                yield from label_divergences(loops, conversations, records, writer)
         if run is not None:
             text_of = decoded_text(pair)
             if pair.target_lm is not None:  # vLLM loads the models again: free this process's copy first
@@ -391,6 +396,44 @@ def decode_all(
             if time.monotonic() - written > SUMMARY_EVERY_S:
                 summaries()
                 written = time.monotonic()
+
+
+def label_divergences(
+    loops: list[Loop], conversations: Conversations, records: list[dict], writer: RunWriter
+) -> Iterator[Step]:
+    """specbench's loop under plain greedy, after every timed decode: each output that parted from its
+    reference's (the baseline's, or its engine's own: method.reference) is labelled near-tie or
+    structural by the target's two likeliest tokens where they part, read along the reference's
+    answer to the same turn (serving.near_tie_bound), and records.csv is written again. Outputs
+    that agree token for token but not in length are structural: one went on past a stop. A row a
+    resumed run kept with its label keeps it."""
+    todo = [r for r in records if r["engine"] in OWN_ENGINES and r["first_divergence"] >= 0 and not r["divergence"]]
+    if not todo:
+        return
+    yield Step(f"labelling {len(todo)} greedy divergences by the target's margins")
+    methods = {loop.decoder.method.name: loop.decoder.method for loop in loops}
+    answers = {
+        (o["prompt_index"], o["method"]): o["token_ids"]
+        for o in writer.outputs()
+        if o.get("engine", "torch") in OWN_ENGINES
+    }
+    turns, labels = conversations.turns, []
+    for r in todo:  # labelled all at once below, so that an interruption leaves no row half done
+        reference, index, at = methods[r["method"]].reference or BASELINE.name, r["prompt_index"], r["first_divergence"]
+        if at >= min(r["new_tokens"], r["baseline_tokens"]):
+            labels.append("structural")
+            continue
+        turn = turns[index]
+        before = [
+            conversations.answer(answers[(j, reference)])
+            for j, earlier in enumerate(turns)
+            if earlier.conversation == turn.conversation and earlier.turn < turn.turn
+        ]
+        first, second, step = loops[0].top_two(conversations.ids(turn, before), at, answers[(index, reference)])
+        labels.append(serving.divergence_kind(first - second, serving.near_tie_bound(step)))
+    for r, label in zip(todo, labels, strict=True):
+        r["divergence"] = label
+    writer.rewrite_records(records)
 
 
 def serve_rows(

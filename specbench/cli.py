@@ -37,13 +37,14 @@ from .report import (
     audit_table,
     category_table,
     context_table,
+    greedy_lines,
     levels_table,
     phase_table,
     predicted_table,
     serving_table,
     summary_table,
 )
-from .results import predicted_rows, row_label
+from .results import predicted_rows
 from .verdicts import FAIL, NOT_APPLICABLE, PASS
 
 
@@ -152,12 +153,8 @@ def _show(events, progress: Progress) -> None:
     for line in results.suggestions:
         console.print(line)
     if results.greedy:
-        mismatched = [row_label(r) for r in results.summary if r["outputs_match"] < r["num_prompts"]]
-        console.print(
-            f"greedy outputs differing from the baseline: {', '.join(mismatched)}"
-            if mismatched
-            else "greedy outputs: every method equals the baseline"
-        )
+        for line in greedy_lines(results.summary):
+            console.print(line)
     console.print(f"results in {results.out}/ (results.json, summary.csv, records.csv, ...)")
 
 

@@ -494,7 +494,7 @@ COLUMNS: tuple[Column, ...] = (
         DETERMINISTIC,
         HIGHER,
         "d",
-        "prompts whose output equals the baseline's token for token (greedy: must be all)",
+        "prompts whose output equals the baseline's token for token (greedy: all but near-ties, see structural)",
         header="= base",
     ),
     Column(
@@ -509,8 +509,10 @@ COLUMNS: tuple[Column, ...] = (
         DETERMINISTIC,
         None,
         "",
-        "servers under greedy: near-tie where the baseline's two likeliest tokens at the first divergence are "
-        "within NEAR_TIE nats (numerics can flip them), structural otherwise; empty: equal outputs, or no logprobs",
+        "greedy: near-tie where the baseline's two likeliest tokens at the first divergence are within NEAR_TIE "
+        "nats (specbench's loop: or TIE_STEPS rounding steps of its logits' dtype), which numerics can flip, "
+        "structural otherwise; empty: equal outputs, or no margin (vLLM, a server without logprobs, a repetition "
+        "penalty or logit bias)",
         files="records",
     ),
     Column(
@@ -518,7 +520,9 @@ COLUMNS: tuple[Column, ...] = (
         DETERMINISTIC,
         LOWER,
         "d",
-        "servers under greedy: requests whose output diverged from the baseline's where no near-tie explains it",
+        "greedy: outputs that diverged from the baseline's where no near-tie explains it (0: lossless); "
+        "empty when a divergence has no label",
+        header="struct.",
         files="summary",
     ),
     Column(

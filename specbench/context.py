@@ -46,6 +46,7 @@ def context_rows(runs: dict[int, Path]) -> list[dict]:
                     "speedup": row["speedup"],
                     "decode_speedup": row["decode_speedup"],
                     "outputs_match": row["outputs_match"],
+                    "structural": row["structural"],
                 }
             )
     for row in rows:  # the method's decode speedup over the rival's at the same length and K

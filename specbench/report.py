@@ -57,6 +57,7 @@ SERVING = (
     ("c_implied", "c implied"),
     ("acceptance_source", "from"),
     ("outputs_match", "= base"),
+    ("structural", "structural"),
     ("failed", "failed"),
 )
 
@@ -72,6 +73,47 @@ def serving_table(rows: list[dict]) -> Table | None:
     for row in rows:
         table.add_row(*(schema.fmt(name, row.get(name)) for name, _ in SERVING))
     return table
+
+
+def greedy_lines(rows: list[dict]) -> list[str]:
+    """What a greedy run's summary rows say of exactness, a line each: the decoders whose outputs part
+    from their baseline's where no near-tie explains it (a losslessness bug), those whose divergences
+    have no label, and the near-ties (the target's two likeliest tokens within what rounding flips)."""
+    structural, unlabelled, ties = [], [], []
+    for row in rows:
+        parted = row["num_prompts"] - row["outputs_match"]
+        if not parted > 0:  # equal outputs, or none compared (NaN)
+            continue
+        label = decoder_label(row)
+        if missing(row["structural"]):
+            unlabelled.append(f"{label} ({int(parted)})")
+            continue
+        if row["structural"]:
+            structural.append(f"{label} ({int(row['structural'])} of {int(row['num_prompts'])})")
+        if near := int(parted - row["structural"]):
+            ties.append((label, near))
+    lines = []
+    if structural:
+        lines.append(
+            f"greedy outputs with structural divergences from the baseline (not lossless): {', '.join(structural)}"
+        )
+    if unlabelled:
+        lines.append(
+            f"greedy outputs differing from the baseline with no label (no margin was taken): {', '.join(unlabelled)}"
+        )
+    if not structural and not unlabelled:
+        lines.append(
+            "greedy outputs: no structural divergence from the baseline"
+            if ties
+            else "greedy outputs: every method equals the baseline"
+        )
+    if ties:
+        lines.append(
+            f"near-ties, not failures: {sum(n for _, n in ties)} greedy outputs parted from the baseline where the "
+            "target's two likeliest tokens were within what rounding flips (a K+1-token forward rounds differently "
+            f"from a one-token one): {', '.join(f'{label} ({n})' for label, n in ties)}"
+        )
+    return lines
 
 
 def k_cell(row: dict) -> str:

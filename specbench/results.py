@@ -216,7 +216,7 @@ def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], col
             "concurrency": 1,
             "request_rate": math.inf,
             "failed": 0,
-            "structural": math.nan,
+            "structural": structural(rs) if columns.greedy else math.nan,
             "acceptance_source": "",
             "c_implied": math.nan,
             "throughput": tokens / seconds,  # one request at a time: its rate
@@ -256,6 +256,15 @@ def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], col
             values.update(dict.fromkeys(WEIGHT_DEPENDENT, math.nan))
         rows.append({name: values[name] for name in schema.SUMMARY})
     return rows
+
+
+def structural(records: list[dict]) -> float:
+    """How many of ``records`` diverged from their baseline where no near-tie explains it (their
+    divergence column says structural); NaN when a divergence has no label (no margin was taken)."""
+    diverged = [r for r in records if r["first_divergence"] >= 0]
+    if any(not r["divergence"] for r in diverged):
+        return math.nan
+    return sum(r["divergence"] == "structural" for r in diverged)
 
 
 def online_row(rec: dict, learned: Learned) -> dict:

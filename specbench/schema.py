@@ -80,6 +80,7 @@ CONTEXT = (
     "speedup",
     "decode_speedup",
     "outputs_match",
+    "structural",
     "vs_speculative",
 )
 # categories.csv: summary.csv's columns over the prompts of one category (or sub-category or input

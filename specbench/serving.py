@@ -20,11 +20,15 @@ from .engines import Served
 from .method import Decoder
 from .methods import BASELINE
 from .prompts import Turn
-from .results import RunColumns, prompt_columns
+from .results import RunColumns, prompt_columns, structural
 
 # Log-probability gap (nats) between the baseline's two likeliest tokens under which a greedy divergence
 # counts as a near-tie: batching, kernels and precision can flip such a pair without any bug.
 NEAR_TIE = 0.05
+# Below float32 a logit keeps few bits (bfloat16: 8, so steps of 0.125 from 16 to 32), and a K+1-token
+# forward rounds differently from a one-token one: on SmolLM2 in bfloat16 (CPU, 450 positions) the
+# top-two gap moved by up to 4 steps between the two. A gap within twice that is a near-tie too.
+TIE_STEPS = 8
 NOTHING = {"drafted": math.nan, "accepted": math.nan, "tested": math.nan, "accept_hist": ""}
 
 
@@ -133,11 +137,18 @@ def record(
     return row
 
 
-def divergence_kind(margin: float | None) -> str:
-    """A greedy divergence's label from the baseline's top-two margin there ('' when unknown)."""
+def divergence_kind(margin: float | None, bound: float = NEAR_TIE) -> str:
+    """A greedy divergence's label from the baseline's top-two margin there ('' when unknown): a
+    near-tie within ``bound`` nats (near_tie_bound), structural beyond."""
     if margin is None:
         return ""
-    return "near-tie" if margin <= NEAR_TIE else "structural"
+    return "near-tie" if margin <= bound else "structural"
+
+
+def near_tie_bound(step: float) -> float:
+    """The largest top-two margin (nats) of a near-tie where the logits' dtype rounds in steps of
+    ``step``: NEAR_TIE, or TIE_STEPS steps where that is more (bfloat16 above a logit of 1)."""
+    return max(NEAR_TIE, TIE_STEPS * step)
 
 
 def block(records: list[dict], engine: str, method: str, load: tuple[int, float]) -> list[dict]:
@@ -345,9 +356,7 @@ def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, columns: Ru
             else math.nan,
             "c": c,
             "outputs_match": sum(bool(r["outputs_match"]) for r in compared),
-            "structural": sum(r["divergence"] == "structural" for r in compared)
-            if engine == "server" and columns.greedy
-            else math.nan,
+            "structural": structural(compared) if engine == "server" and columns.greedy else math.nan,
             "first_divergence": min(divergences, default=-1),
         }
     )

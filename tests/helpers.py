@@ -65,7 +65,15 @@ def build_tokenizer(path: Path, vocab_size: int = 320, seed_text: list[str] = CO
 
 
 def build_llama(
-    path: Path, tokenizer, layers: int, hidden: int, seed: int, vocab_pad: int = 0, window: int = 256, tie: bool = True
+    path: Path,
+    tokenizer,
+    layers: int,
+    hidden: int,
+    seed: int,
+    vocab_pad: int = 0,
+    window: int = 256,
+    tie: bool = True,
+    scale: float = 20.0,
 ):
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -82,11 +90,11 @@ def build_llama(
         tie_word_embeddings=tie,
     )
     model = LlamaForCausalLM(config)
-    # Larger logits than the default init, so greedy ties are unlikely and sampling is not uniform.
+    # Larger logits than the default init (``scale`` 1), so greedy ties are unlikely and sampling is not uniform.
     with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(20)
+        model.get_input_embeddings().weight.mul_(scale)
         if not tie:
-            model.get_output_embeddings().weight.mul_(20)
+            model.get_output_embeddings().weight.mul_(scale)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

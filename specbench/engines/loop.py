@@ -127,17 +127,25 @@ class Loop:
         result, phases = sorted(runs, key=lambda run: run[1].total)[(len(runs) - 1) // 2]
         return Measurement(result, phases.total, phases)
 
-    @torch.inference_mode()
     def margin_at(self, request, position: int) -> float | None:
         """How far apart, in log-probability, the target's two likeliest tokens were at ``position`` of
         its greedy answer to ``request`` (token ids), untimed."""
+        return margin(self.top_two(request, position)[:2])
+
+    @torch.inference_mode()
+    def top_two(self, request, position: int, answer: Sequence[int] | None = None) -> tuple[float, float, float]:
+        """The target's two largest logits at ``position`` of a greedy answer to ``request`` (token ids),
+        untimed, and the rounding step of the logits' dtype at the larger one (bfloat16: 0.125 from 16
+        to 32). The answer is the target's own (its argmax, one token per forward, as the baseline
+        decodes), or ``answer``'s tokens where given (another engine's reference, read the same way)."""
         lm = self.pair.target_lm
         lm.reset()
         logits = lm.forward(torch.as_tensor(request, device=self.pair.device), last=1)[-1]
-        for _ in range(position):
-            logits = lm.forward(logits.argmax().view(1), last=1)[-1]
-        top = logits.float().log_softmax(-1).topk(2).values.tolist()
-        return margin(top)
+        for n in range(position):
+            token = logits.argmax().view(1) if answer is None else torch.tensor([answer[n]], device=self.pair.device)
+            logits = lm.forward(token, last=1)[-1]
+        first, second = logits.float().topk(2).values.tolist()
+        return first, second, torch.finfo(logits.dtype).eps * 2.0 ** (math.frexp(first)[1] - 1)
 
     def counters(self) -> dict:
         """None of its own: a Measurement's DecodeResult counts what was drafted and accepted."""
