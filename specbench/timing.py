@@ -50,8 +50,10 @@ class PhaseClock:
 
     def _now(self):
         if self.events:
+            # On the model's device's stream: the current device's (cuda:0 by default) would time
+            # another GPU's queue when the run's is cuda:N.
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             return event
         if self.device.type == "mps":
             synchronize(self.device)  # the only way to know a phase has ended there
