@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
@@ -576,11 +577,25 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written b
             console.print(f"wrote {path}")
 
 
+def out_of_memory(error: torch.OutOfMemoryError) -> str:
+    """The one line a device's out-of-memory error becomes: what torch said of the allocation, and the
+    options under which a run holds less."""
+    said = ". ".join(str(error).split(". ")[:3]).strip().rstrip(".")
+    return (
+        f"out of memory ({said}): hold less with --dtype bfloat16 or float16, a smaller --max-new-tokens or "
+        "--prefill-chunk, --device-map auto (the target spread over the GPUs), a smaller --k or fewer --method; "
+        "rows measured so far are in the run directory"
+    )
+
+
 def main() -> None:
     try:
         app()
     except SpecbenchError as e:
         err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except torch.OutOfMemoryError as e:  # from any forward, at any stage: the run's finally kept its rows
+        err_console.print(f"[red]error:[/] {out_of_memory(e)}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted: rows measured so far are in the run directory")
