@@ -263,11 +263,11 @@ def load(spec: str, device: torch.device, dtype: torch.dtype, device_map: str | 
     path = local_dir(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+        # Without a placement strategy, every weight is read straight onto the device: never the whole
+        # model in host memory first (a 7B model in bfloat16 is 14 GB of RAM that a GPU box may not have).
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map or {"": device})
     except (OSError, ValueError) as e:
         raise SpecbenchError(f"cannot load model '{spec}' from {path}: {str(e).splitlines()[0]}") from e
-    if device_map is None:
-        model.to(device)
     model.eval()
     shortlist = path / HEAD_TOKENS
     head_tokens = torch.tensor(json.loads(shortlist.read_text())) if shortlist.is_file() else None

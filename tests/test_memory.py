@@ -1,5 +1,5 @@
 """Memory: each decode's peak (records.csv, the summary's most per method), read on the model's device;
-an out-of-memory error as one line that keeps the rows measured."""
+an out-of-memory error as one line that keeps the rows measured; models loaded straight onto the device."""
 
 import json
 import subprocess
@@ -9,7 +9,7 @@ import pandas as pd
 import pytest
 import torch
 
-from specbench import timing
+from specbench import models, timing
 from specbench.timing import PeakMemory
 
 from .helpers import one_line_error
@@ -131,3 +131,27 @@ def test_out_of_memory_is_one_line_naming_the_options_and_keeps_the_rows(tiny_pa
     records = pd.read_csv(out / "records.csv")
     assert records[["prompt_index", "method"]].values.tolist() == [[0, "baseline"], [0, "speculative"]]
     assert pd.read_csv(out / "summary.csv")["num_prompts"].tolist() == [1, 1]
+
+
+# ---------------------------------------------------------------- loading onto the device
+
+
+def test_a_checkpoint_is_loaded_straight_onto_the_device(tiny_pair, monkeypatch):
+    """from_pretrained is given the device, so the weights are read onto it, never first into host
+    memory whole; on the CPU the model works as before, its RoPE frequencies float32 in bfloat16 too."""
+    from transformers import AutoModelForCausalLM
+
+    asked, real = [], AutoModelForCausalLM.from_pretrained
+
+    def from_pretrained(*args, **kwargs):
+        asked.append(kwargs.get("device_map"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
+    loaded = models.load(tiny_pair[0], CPU, torch.bfloat16)
+    assert asked == [{"": CPU}]
+    assert {p.device for p in loaded.model.parameters()} == {CPU} and loaded.model.dtype == torch.bfloat16
+    assert models.placement(loaded.model) == {"": "cpu"}  # what meta.json records with --device-map
+    assert loaded.model.model.rotary_emb.inv_freq.dtype == torch.float32  # transformers keeps its own in float32
+    models.load(tiny_pair[0], CPU, torch.float32, device_map="auto")
+    assert asked[-1] == "auto"  # accelerate's placement is passed as it was given
