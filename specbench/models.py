@@ -203,10 +203,25 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
+        if device.type == "cuda" and not native_bfloat16(device):
+            log.info(
+                "%s computes bfloat16 only by emulation (compute capability %d.%d, native from 8.0): --dtype auto "
+                "uses float16",
+                device,
+                *torch.cuda.get_device_capability(device),
+            )
+            return torch.float16
         return {"cuda": torch.bfloat16, "mps": torch.float16}.get(device.type, torch.float32)
     if dtype not in DTYPES:
         raise SpecbenchError(f"unknown --dtype {dtype}: use auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether the CUDA ``device`` computes in bfloat16 natively: compute capability 8.0 (Ampere) and
+    later, and every ROCm GPU. torch.cuda.is_bf16_supported() asks about the current device only, and
+    counts the slow emulation on T4 and V100 as support."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
 
 
 @dataclass
