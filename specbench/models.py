@@ -134,7 +134,7 @@ def local_dir(source: ModelSource) -> Path:
     if source.kind == "gguf":
         return _converted_gguf(Path(source.location))
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
         return Path(snapshot_download(source.location, local_files_only=True))
@@ -148,7 +148,24 @@ def local_dir(source: ModelSource) -> Path:
             "--random-weights times the architecture without the weights"
         )
     log.info("downloading %s from the hub", source.location)
-    return Path(snapshot_download(source.location, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    try:
+        return Path(snapshot_download(source.location, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except GatedRepoError:  # before its parent class: the hub answers a gated repo without access with both
+        raise SpecbenchError(
+            f"model {source.location} is gated on the Hugging Face hub: accept its terms on "
+            f"https://huggingface.co/{source.location} with your account, then log in (`hf auth login`) or set "
+            "HF_TOKEN; or pass a local directory"
+        ) from None
+    except RepositoryNotFoundError:
+        raise SpecbenchError(
+            f"model {source.location} is not on the Hugging Face hub, or is private: check the name, log in "
+            "(`hf auth login`) or set HF_TOKEN for a private one, or pass a local directory"
+        ) from None
+    except OSError as e:  # the hub's other HTTP errors, a dropped connection, a full disk
+        raise SpecbenchError(
+            f"downloading model {source.location} from the hub failed ({str(e).splitlines()[0]}): try again, or "
+            "pass a local directory"
+        ) from None
 
 
 def _converted_gguf(gguf: Path) -> Path:
