@@ -28,7 +28,7 @@ from .broken import BROKEN
 from .config import OPTIONS, BenchConfig
 from .context import write_context
 from .costs import ForwardCosts
-from .errors import SpecbenchError
+from .errors import SpecbenchError, out_of_memory
 from .methods import LONG_CONTEXT, METHODS, SERVED
 from .models import read_config
 from .options import AUDIT
@@ -577,25 +577,12 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written b
             console.print(f"wrote {path}")
 
 
-def out_of_memory(error: torch.OutOfMemoryError) -> str:
-    """The one line a device's out-of-memory error becomes: what torch said of the allocation, and the
-    options under which a run holds less."""
-    said = ". ".join(str(error).split(". ")[:3]).strip().rstrip(".")
-    return (
-        f"out of memory ({said}): hold less with --dtype bfloat16 or float16, a smaller --max-new-tokens or "
-        "--prefill-chunk, --device-map auto (the target spread over the GPUs), a smaller --k or fewer --method; "
-        "rows measured so far are in the run directory"
-    )
-
-
 def main() -> None:
     try:
         app()
-    except SpecbenchError as e:
-        err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except torch.OutOfMemoryError as e:  # from any forward, at any stage: the run's finally kept its rows
-        err_console.print(f"[red]error:[/] {out_of_memory(e)}", highlight=False, soft_wrap=True)
+    except (SpecbenchError, torch.OutOfMemoryError) as e:  # out of memory in any forward: the run kept its rows
+        said = out_of_memory(str(e)) if isinstance(e, torch.OutOfMemoryError) else e
+        err_console.print(f"[red]error:[/] {said}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted: rows measured so far are in the run directory")
