@@ -53,6 +53,7 @@ from .results import (
 from .rundir import RunWriter
 from .schema import OWN_ENGINES
 from .serve import Answer, Counters, ServingRun, Step, draft_alone, margins, serve_all
+from .timing import MEMORY_SOURCES, PeakMemory
 
 log = logging.getLogger("specbench")
 SUMMARY_EVERY_S = 10.0  # summary.csv is rewritten at most this often while decoding, and at the end
@@ -147,6 +148,7 @@ def benchmark(
         "weights": "random" if cfg.random_weights else "checkpoint",
         # Where accelerate put each module of the target (None: all on the device above).
         "device_map": placement(pair.target.model) if cfg.device_map else None,
+        "peak_memory": MEMORY_SOURCES.get(PeakMemory(pair.device).source),  # how peak_memory_mb was read
         # What runs each model's forward in specbench's loop, and what building it took (packing, padding choice).
         "forward": {
             role: {"route": forward_route(lm), "build_s": lm.fast.build_seconds if lm.fast else 0.0}

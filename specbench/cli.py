@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Annotated
 
+import torch
 import typer
 from rich.console import Console
 from rich.logging import RichHandler
@@ -27,7 +28,7 @@ from .broken import BROKEN
 from .config import OPTIONS, BenchConfig
 from .context import write_context
 from .costs import ForwardCosts
-from .errors import SpecbenchError
+from .errors import SpecbenchError, out_of_memory
 from .methods import LONG_CONTEXT, METHODS, SERVED
 from .models import read_config
 from .options import AUDIT
@@ -576,8 +577,9 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written b
 def main() -> None:
     try:
         app()
-    except SpecbenchError as e:
-        err_console.print(f"[red]error:[/] {e}", highlight=False, soft_wrap=True)
+    except (SpecbenchError, torch.OutOfMemoryError) as e:  # out of memory in any forward: the run kept its rows
+        said = out_of_memory(str(e)) if isinstance(e, torch.OutOfMemoryError) else e
+        err_console.print(f"[red]error:[/] {said}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:
         err_console.print("interrupted: rows measured so far are in the run directory")

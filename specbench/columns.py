@@ -447,6 +447,17 @@ COLUMNS: tuple[Column, ...] = (
         "decode_speedup / predicted_speedup_run (1.0: the loop loses nothing beyond its forwards)",
         header="eff",
     ),
+    Column(
+        "peak_memory_mb",
+        TIMING,  # measured, not counted: it moves with the allocator and the machine, so compare allows a tolerance
+        LOWER,
+        ".0f",
+        "the most memory a decode held, MB: on CUDA torch.cuda.max_memory_allocated on the model's device, on a CPU "
+        "the process's peak resident set (weights included), each reset before the decode (meta.json's "
+        "resolved.peak_memory says how it was read); in the summary the most over the method's prompts",
+        header="peak MB",
+        absolute=True,
+    ),
     Column("drafted", DETERMINISTIC, None, "d", "draft tokens proposed"),
     Column(
         "drafted_per_round",

@@ -199,6 +199,15 @@ class EagleHead(nn.Module):
             "fc": self.fc,
         }
 
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.half()``, ``.cuda()``: the rotary frequencies follow the weights' device but stay
+        float32 (as transformers keeps its own). A position times a bfloat16 frequency is off by whole
+        radians past a few thousand positions, and the head's acceptance with it."""
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
     @property
     def device(self) -> torch.device:
         return self.lm_head.weight.device

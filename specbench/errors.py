@@ -1,2 +1,13 @@
 class SpecbenchError(Exception):
     """Bad input or environment: the message is one line naming the problem and the fix."""
+
+
+def out_of_memory(said: str) -> SpecbenchError:
+    """A device's out-of-memory error (``said``: torch's message) as one line: what torch said of the
+    allocation, and the options under which a run holds less."""
+    said = ". ".join(said.split(". ")[:3]).strip().rstrip(".")
+    return SpecbenchError(
+        f"out of memory ({said}): hold less with --dtype bfloat16 or float16, a smaller --max-new-tokens or "
+        "--prefill-chunk, --device-map auto (the target spread over the GPUs), a smaller --k or fewer --method; "
+        "rows measured so far are in the run directory"
+    )

@@ -16,7 +16,9 @@ from . import __version__
 
 def machine(gpu: str | None) -> dict:
     """What an absolute throughput depends on besides the code: compare judges tokens/s only between
-    runs whose fingerprints are equal."""
+    runs whose fingerprints are equal. A run on a GPU (``gpu``, its name) adds the CUDA version torch
+    was built with and the driver's; a CPU run's keys stay those of the committed baselines, or none
+    of them would be judged again."""
     cpu = platform.processor()
     try:
         cpu = next(
@@ -26,7 +28,7 @@ def machine(gpu: str | None) -> dict:
         )
     except (OSError, StopIteration):  # not Linux, or an architecture whose cpuinfo names no model
         pass
-    return {
+    fingerprint = {
         "cpu": cpu,
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
@@ -34,6 +36,38 @@ def machine(gpu: str | None) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
+    if gpu is not None:
+        fingerprint |= {"cuda": torch.version.cuda, "driver": driver_version()}
+    return fingerprint
+
+
+def driver_version() -> str | None:
+    """The NVIDIA driver's version: from pynvml where it is installed, else from nvidia-smi, else None."""
+    try:
+        import pynvml
+    except ImportError:
+        pynvml = None
+    if pynvml is not None:
+        try:
+            pynvml.nvmlInit()
+            try:
+                version = pynvml.nvmlSystemGetDriverVersion()
+            finally:
+                pynvml.nvmlShutdown()
+            return version.decode() if isinstance(version, bytes) else version  # bytes from older pynvml
+        except pynvml.NVMLError:
+            pass
+    try:
+        answer = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = answer.stdout.split()  # a line per GPU, all the one driver's
+    return lines[0] if answer.returncode == 0 and lines else None
 
 
 def machine_slug(fingerprint: dict) -> str:

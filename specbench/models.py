@@ -134,7 +134,7 @@ def local_dir(source: ModelSource) -> Path:
     if source.kind == "gguf":
         return _converted_gguf(Path(source.location))
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import LocalEntryNotFoundError
+    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
 
     try:
         return Path(snapshot_download(source.location, local_files_only=True))
@@ -148,7 +148,24 @@ def local_dir(source: ModelSource) -> Path:
             "--random-weights times the architecture without the weights"
         )
     log.info("downloading %s from the hub", source.location)
-    return Path(snapshot_download(source.location, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    try:
+        return Path(snapshot_download(source.location, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+    except GatedRepoError:  # before its parent class: the hub answers a gated repo without access with both
+        raise SpecbenchError(
+            f"model {source.location} is gated on the Hugging Face hub: accept its terms on "
+            f"https://huggingface.co/{source.location} with your account, then log in (`hf auth login`) or set "
+            "HF_TOKEN; or pass a local directory"
+        ) from None
+    except RepositoryNotFoundError:
+        raise SpecbenchError(
+            f"model {source.location} is not on the Hugging Face hub, or is private: check the name, log in "
+            "(`hf auth login`) or set HF_TOKEN for a private one, or pass a local directory"
+        ) from None
+    except OSError as e:  # the hub's other HTTP errors, a dropped connection, a full disk
+        raise SpecbenchError(
+            f"downloading model {source.location} from the hub failed ({str(e).splitlines()[0]}): try again, or "
+            "pass a local directory"
+        ) from None
 
 
 def _converted_gguf(gguf: Path) -> Path:
@@ -203,10 +220,25 @@ def resolve_device(device: str) -> torch.device:
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
+        if device.type == "cuda" and not native_bfloat16(device):
+            log.info(
+                "%s computes bfloat16 only by emulation (compute capability %d.%d, native from 8.0): --dtype auto "
+                "uses float16",
+                device,
+                *torch.cuda.get_device_capability(device),
+            )
+            return torch.float16
         return {"cuda": torch.bfloat16, "mps": torch.float16}.get(device.type, torch.float32)
     if dtype not in DTYPES:
         raise SpecbenchError(f"unknown --dtype {dtype}: use auto, {', '.join(DTYPES)}")
     return DTYPES[dtype]
+
+
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether the CUDA ``device`` computes in bfloat16 natively: compute capability 8.0 (Ampere) and
+    later, and every ROCm GPU. torch.cuda.is_bf16_supported() asks about the current device only, and
+    counts the slow emulation on T4 and V100 as support."""
+    return bool(torch.version.hip) or torch.cuda.get_device_capability(device)[0] >= 8
 
 
 @dataclass
@@ -263,11 +295,11 @@ def load(spec: str, device: torch.device, dtype: torch.dtype, device_map: str | 
     path = local_dir(source)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map)
+        # Without a placement strategy, every weight is read straight onto the device: never the whole
+        # model in host memory first (a 7B model in bfloat16 is 14 GB of RAM that a GPU box may not have).
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map or {"": device})
     except (OSError, ValueError) as e:
         raise SpecbenchError(f"cannot load model '{spec}' from {path}: {str(e).splitlines()[0]}") from e
-    if device_map is None:
-        model.to(device)
     model.eval()
     shortlist = path / HEAD_TOKENS
     head_tokens = torch.tensor(json.loads(shortlist.read_text())) if shortlist.is_file() else None

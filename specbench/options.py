@@ -255,7 +255,8 @@ RUN: tuple[Option, ...] = (
     Option(
         "dtype",
         "auto",
-        "auto (bfloat16 on cuda, float32 on cpu), float32, bfloat16 or float16.",
+        "auto (bfloat16 on cuda, float16 on GPUs without native bfloat16 and on mps, float32 on cpu), float32, "
+        "bfloat16 or float16.",
         choices=("auto", "float32", "bfloat16", "float16"),
     ),
     Option("repeats", 1, "Timed repeats per prompt and method; the median is kept.", low=1),

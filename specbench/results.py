@@ -113,6 +113,7 @@ def record(
         "tested": s.tested,
         **(_inner(s) if method.inner_level else dict.fromkeys(INNER, math.nan)),
         "train_s": learned.train_s if learned else math.nan,
+        "peak_memory_mb": math.nan if measured.peak_memory is None else measured.peak_memory / 1e6,
         **_totals(measured),
         **metrics.phase_figures(_totals(measured), _totals(baseline)),
         "outputs_match": divergence is None,
@@ -206,6 +207,7 @@ def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], col
         counted_rounds = sum(sum(map(int, r["draft_hist"].split())) for r in rs)
         divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0]
         trained = sum(r["train_s"] for r in rs) if method.learns else math.nan
+        peaks = [r["peak_memory_mb"] for r in rs if not math.isnan(r["peak_memory_mb"])]
         speedup = (tokens / seconds) / (base_tokens / base_s)
         values = {
             **columns.run_info,
@@ -236,6 +238,7 @@ def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], col
             "spec_tokens_per_s": tokens / seconds,
             "speedup": speedup,
             "train_s": trained,
+            "peak_memory_mb": max(peaks, default=math.nan),
             "speedup_with_training": (tokens / (seconds + trained)) / (base_tokens / base_s),
             "alpha": alpha,
             "acceptance_rate": totals["accepted"] / totals["drafted"] if totals["drafted"] else math.nan,

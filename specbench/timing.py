@@ -1,4 +1,5 @@
-"""Where a decode's time goes: its wall time split into phases (prefill, draft, verify, other).
+"""Where a decode's time goes: its wall time split into phases (prefill, draft, verify, other);
+and the most memory it held (PeakMemory).
 
 A clock is lapped at every boundary between a model forward and the rest of the loop. On CPU a
 lap reads the host clock: CPU ops finish before they return, so that is exact. On CUDA a lap
@@ -8,9 +9,12 @@ adds no host synchronisation to the loop it measures.
 
 from __future__ import annotations
 
+import re
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -50,8 +54,10 @@ class PhaseClock:
 
     def _now(self):
         if self.events:
+            # On the model's device's stream: the current device's (cuda:0 by default) would time
+            # another GPU's queue when the run's is cuda:N.
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             return event
         if self.device.type == "mps":
             synchronize(self.device)  # the only way to know a phase has ended there
@@ -76,6 +82,72 @@ class PhaseClock:
         for (phase, _), s in zip(self.marks[1:], seconds, strict=True):
             setattr(phases, phase, getattr(phases, phase) + s)
         return phases
+
+
+CLEAR_REFS, STATUS = Path("/proc/self/clear_refs"), Path("/proc/self/status")
+# What PeakMemory.source names, as meta.json says it.
+MEMORY_SOURCES = {
+    "cuda": "torch.cuda.max_memory_allocated on the device, reset before each decode",
+    "vmhwm": "the process's peak resident set (Linux VmHWM), reset before each decode",
+    "ru_maxrss": "the process's peak resident set since it started (getrusage: never reset, so it only grows)",
+}
+
+
+class PeakMemory:
+    """The most memory held on ``device`` from ``reset`` to ``peak``, in bytes.
+
+    CUDA: what torch's caching allocator handed out (weights, caches, activations), without its free
+    reserve or the CUDA context; both calls read the allocator's counters on the host, with no
+    synchronisation. CPU: the whole process's peak resident set, weights included (Linux's VmHWM,
+    which writing 5 to /proc/self/clear_refs sets back to the current resident set); where that file
+    cannot be written, getrusage's peak since the process started, which never goes down. ``source``
+    says which (MEMORY_SOURCES); None on other devices (mps), whose peak is None.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        if device.type == "cuda":
+            self.source = "cuda"
+        elif device.type == "cpu":
+            self.source = "vmhwm" if _clear_peak_rss() and _vm_hwm() is not None else "ru_maxrss"
+        else:
+            self.source = None
+
+    def reset(self) -> None:
+        if self.source == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self.source == "vmhwm":
+            _clear_peak_rss()
+
+    def peak(self) -> int | None:
+        if self.source == "cuda":
+            return torch.cuda.max_memory_allocated(self.device)
+        if self.source == "vmhwm":
+            return _vm_hwm()
+        if self.source == "ru_maxrss":
+            import resource  # Unix only: imported where it is used
+
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, kB on Linux
+        return None
+
+
+def _clear_peak_rss() -> bool:
+    """Set the process's peak resident set back to its current one (Linux 4.0+); whether it could."""
+    try:
+        CLEAR_REFS.write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+def _vm_hwm() -> int | None:
+    """The process's peak resident set in bytes, from /proc/self/status; None where there is none."""
+    try:
+        found = re.search(r"^VmHWM:\s+(\d+) kB", STATUS.read_text(), re.MULTILINE)
+    except OSError:
+        return None
+    return int(found.group(1)) * 1024 if found else None
 
 
 class ForwardLaps:

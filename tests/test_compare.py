@@ -2,6 +2,7 @@ import io
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import pandas as pd
@@ -397,6 +398,75 @@ def test_machine_fingerprint_names_the_hardware_and_versions():
     assert set(machine) == {"cpu", "cores", "torch_threads", "gpu", "torch", "transformers"}
     assert machine["cpu"] and machine["gpu"] is None
     assert machine["cores"] == os.cpu_count() and machine["torch_threads"] == torch.get_num_threads()
+
+
+def test_a_cpu_run_keeps_the_fingerprint_of_the_committed_baselines(monkeypatch):
+    """The CI gate judges timings only against a baseline whose fingerprint equals the run's: a CPU
+    run's must keep their keys (no CUDA fields), on a machine that has CUDA too."""
+    from pathlib import Path
+
+    import torch
+
+    from specbench.machine import environment
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    machine = environment(torch.device("cpu"))["machine"]
+    committed = sorted((Path(__file__).parent.parent / "results" / "baselines").glob("*/*/meta.json"))
+    assert committed
+    for meta in committed:
+        assert set(json.loads(meta.read_text())["machine"]) == set(machine), meta
+
+
+def fake_pynvml(monkeypatch, version):
+    """pynvml answering ``version`` (None: failing as it does without a driver)."""
+    from types import SimpleNamespace
+
+    class NVMLError(Exception):
+        pass
+
+    def answer():
+        if version is None:
+            raise NVMLError("Driver Not Loaded")
+        return version
+
+    module = SimpleNamespace(
+        NVMLError=NVMLError, nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlSystemGetDriverVersion=answer
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+
+
+def test_on_cuda_the_fingerprint_names_the_gpu_the_cuda_and_the_driver(monkeypatch):
+    import torch
+
+    from specbench.machine import environment
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    fake_pynvml(monkeypatch, b"570.86.15")  # older pynvml answers bytes
+    meta = environment(torch.device("cuda", 1))
+    machine = meta["machine"]
+    assert machine["gpu"] == meta["device_name"] == "NVIDIA H100 80GB HBM3"
+    assert machine["cuda"] == "12.8" and machine["driver"] == "570.86.15"
+
+
+def test_the_driver_version_comes_from_pynvml_else_nvidia_smi_else_none(monkeypatch, tmp_path):
+    from specbench.machine import driver_version
+
+    fake_pynvml(monkeypatch, "575.51.03")
+    assert driver_version() == "575.51.03"
+    smi = tmp_path / "nvidia-smi"  # one line per GPU
+    smi.write_text(
+        '#!/bin/sh\n[ "$1 $2" = "--query-gpu=driver_version --format=csv,noheader" ] || exit 9\n'
+        "echo 560.35.03\necho 560.35.03\n"
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    fake_pynvml(monkeypatch, None)  # installed, but no driver answers it
+    assert driver_version() == "560.35.03"
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    assert driver_version() == "560.35.03"
+    smi.unlink()
+    assert driver_version() is None
 
 
 # ---------------------------------------------------------------- intervals from the prompts

@@ -2,6 +2,7 @@
 and EAGLE-2's dynamic trees drawn from a head give the target's law, each with a broken variant
 that fails the same test, and greedy outputs equal the baseline's."""
 
+import copy
 import dataclasses
 import json
 from collections import Counter
@@ -9,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from specbench.eagle import WEIGHTS, EagleDrafter, HeadLM, read_head, save_head
+from specbench.eagle import WEIGHTS, EagleDrafter, HeadLM, load_head, read_head, save_head
 from specbench.engine import autoregressive_decode, heuristic_k, speculative_decode
 from specbench.models import load
 from specbench.sampling import SamplingConfig, warp
@@ -95,6 +96,25 @@ def test_default_layers_and_an_eagle1_head(tmp_path, tiny_pair):
     assert default.config.taps == (2, 2, 1)  # vLLM's: 2, L/2, L-3 of the 4-layer target
     eagle1 = head_for_model(target, build_eagle3_head(tmp_path / "h1", target.config, taps=(), seed=0))
     assert eagle1.config.taps == (4,) and eagle1.fc is None  # the final normed states
+
+
+def test_a_head_cast_to_bfloat16_keeps_its_rotary_frequencies_in_float32(tiny_pair, tmp_path):
+    """load_head casts the head to the target's dtype; the RoPE frequencies must not follow. In bfloat16
+    a frequency is off by up to 2^-9 of itself: at position 4,000 the angle by whole radians."""
+    fp32 = load(tiny_pair[0], CPU, F32).model
+    bf16 = load(tiny_pair[0], CPU, torch.bfloat16).model
+    path = build_eagle3_head(tmp_path / "head", fp32.config, seed=0)
+    exact, cast = load_head(path, fp32, pack=False), load_head(path, bf16, pack=False)
+    assert cast.lm_head.weight.dtype == torch.bfloat16
+    assert cast.inv_freq.dtype == F32 and torch.equal(cast.inv_freq, exact.inv_freq)
+    assert (
+        copy.deepcopy(exact).to(torch.bfloat16).inv_freq.dtype == F32
+        and copy.deepcopy(exact).half().inv_freq.dtype == F32
+    )
+    position = torch.tensor([4000])
+    for want, got in zip(exact._rotary(position), cast._rotary(position), strict=True):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, want.to(torch.bfloat16))  # the same angles, rounded only at the end
 
 
 def head_for_model(model, path):

@@ -3,6 +3,7 @@ the events are read once per decode (no host synchronisation inside the loop).""
 
 import time
 
+import pytest
 import torch
 
 from specbench.timing import PhaseClock, TimedLM
@@ -36,8 +37,8 @@ class FakeEvent:
     def __init__(self, enable_timing):
         assert enable_timing
 
-    def record(self):
-        self.at = time.perf_counter()
+    def record(self, stream=None):
+        self.at, self.stream = time.perf_counter(), stream
 
     def elapsed_time(self, later):
         return (later.at - self.at) * 1000
@@ -46,6 +47,7 @@ class FakeEvent:
 def test_on_cuda_laps_are_events_read_once_at_the_end(monkeypatch):
     syncs = []
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
     clock = PhaseClock(torch.device("cuda"))
     clock.start()
@@ -56,3 +58,45 @@ def test_on_cuda_laps_are_events_read_once_at_the_end(monkeypatch):
     assert syncs == []  # nothing waits for the device while the loop runs
     phases = clock.stop()
     assert len(syncs) == 1 and 0.009 < phases.draft < 0.05
+
+
+def test_on_a_second_gpu_the_events_are_on_its_stream_and_its_synchronisation(monkeypatch):
+    """--device cuda:1: work queues on cuda:1's stream, so the laps must be recorded there, and the
+    end must wait for cuda:1; the current device (cuda:0 unless set) would time an idle queue."""
+    syncs, events = [], []
+
+    class Recorded(FakeEvent):
+        def record(self, stream=None):
+            super().record(stream)
+            events.append(self)
+
+    monkeypatch.setattr(torch.cuda, "Event", Recorded)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: ("stream of", device))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(device))
+    second = torch.device("cuda", 1)
+    clock = PhaseClock(second)
+    clock.start()
+    clock.lap("verify")
+    clock.stop()
+    assert [event.stream for event in events] == [("stream of", second)] * 3
+    assert syncs == [second]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_the_last_gpu_the_laps_time_its_work():
+    """Only a GPU shows that events time the device's own queue: the last one (cuda:N, N > 0 where
+    there are several) while the current device stays cuda:0. A forward-sized chain of matmuls
+    lapped as verify holds most of the wall time, measured by the host around a synchronisation."""
+    device = torch.device("cuda", torch.cuda.device_count() - 1)
+    x = torch.randn(2048, 2048, device=device)
+    torch.cuda.synchronize(device)
+    clock = PhaseClock(device)
+    start = time.perf_counter()
+    clock.start()
+    for _ in range(50):
+        x = torch.tanh(x @ x)
+    clock.lap("verify")
+    phases = clock.stop()
+    wall = time.perf_counter() - start
+    assert 0.5 * wall < phases.verify <= wall * 1.05

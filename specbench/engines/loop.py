@@ -22,7 +22,7 @@ import torch
 from ..engine import DecodeResult
 from ..errors import SpecbenchError
 from ..sampling import SamplingConfig
-from ..timing import PhaseClock, Phases, synchronize
+from ..timing import PeakMemory, PhaseClock, Phases, synchronize
 from . import Sampling, Served, margin, request_seed
 
 
@@ -33,6 +33,7 @@ class Measurement:
     result: DecodeResult
     seconds: float
     phases: Phases
+    peak_memory: int | None = None  # bytes, the most any repeat held (timing.PeakMemory); None where unknown
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,7 @@ class Loop:
 
     def __init__(self, pair, decoder, options: Mapping[str, object] | None = None, repeats: int = 1):
         self.pair, self.decoder, self.options, self.repeats = pair, decoder, dict(options or {}), repeats
-        self.clock = PhaseClock(pair.device)
+        self.clock, self.memory = PhaseClock(pair.device), PeakMemory(pair.device)
         self.timed = pair.timed(self.clock)
 
     def settings(self, sampling: Sampling) -> Settings:
@@ -116,16 +117,19 @@ class Loop:
             yield Served(n, tokens, 0.0, 0.0, 0.0, None)
 
     def decode(self, ids: torch.Tensor, index: int, settings: Settings, seed: int) -> Measurement:
-        """Time one prompt's decode ``repeats`` times and keep the median run, phases and all."""
-        method, runs = self.decoder.method, []
+        """Time one prompt's decode ``repeats`` times and keep the median run, phases and all, with
+        the most memory any repeat held (measured outside the clock)."""
+        method, runs, peaks = self.decoder.method, [], []
         for _ in range(self.repeats):
             generator = generator_for(self.pair.device, seed, index, method.name)
+            self.memory.reset()
             synchronize(self.pair.device)
             self.clock.start()
             result = method.decode(self.timed, settings, self.decoder, ids, generator)
             runs.append((result, self.clock.stop()))  # stop waits for the device
+            peaks.append(self.memory.peak())
         result, phases = sorted(runs, key=lambda run: run[1].total)[(len(runs) - 1) // 2]
-        return Measurement(result, phases.total, phases)
+        return Measurement(result, phases.total, phases, None if None in peaks else max(peaks))
 
     def margin_at(self, request, position: int) -> float | None:
         """How far apart, in log-probability, the target's two likeliest tokens were at ``position`` of
