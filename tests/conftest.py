@@ -16,6 +16,27 @@ def _listing(directory: Path) -> set[str]:
     return {str(p.relative_to(directory)) for p in directory.rglob("*")} if directory.is_dir() else set()
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked gpu run only where torch sees a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def on_the_cpu(request, monkeypatch):
+    """Every test not marked gpu runs on the CPU, on a GPU runner too: `--device auto` and accelerate's
+    placement would take a GPU there (bfloat16, torch.compile), and tests asserting equal greedy outputs
+    or a CPU placement would then fail. CUDA_VISIBLE_DEVICES hides the GPUs from the CLI's subprocesses;
+    in this process torch may already have seen them, so it is told there are none."""
+    if request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def nothing_written_to_results():
     """Fails the session if a test left new entries under the checkout's results/: a `specbench run`

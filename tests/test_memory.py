@@ -76,7 +76,6 @@ def test_on_cuda_the_peak_is_the_allocators_on_the_models_device(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_gpu_the_peak_holds_what_a_decode_allocated():
     """Only a GPU has an allocator to read: 256 MB held between reset and peak show, and are forgotten
     at the next reset once freed."""

@@ -196,7 +196,6 @@ def test_a_broken_verification_diverges_structurally_and_the_run_names_it(
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_bfloat16_greedy_on_cuda_has_no_structural_divergence(
     faint_pair, untied_target, tiny_pair, prompts_file, tmp_path
 ):

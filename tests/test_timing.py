@@ -83,7 +83,6 @@ def test_on_a_second_gpu_the_events_are_on_its_stream_and_its_synchronisation(mo
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_the_last_gpu_the_laps_time_its_work():
     """Only a GPU shows that events time the device's own queue: the last one (cuda:N, N > 0 where
     there are several) while the current device stays cuda:0. A forward-sized chain of matmuls
