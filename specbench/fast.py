@@ -168,10 +168,10 @@ class FastLlama:
         self.padding: dict[int, int] = {}  # rows -> rows to run them with (padded_rows), shared by every Linear
         self.layers = [
             Layer(
-                layer.input_layernorm.weight,
+                layer.input_layernorm.weight.detach(),  # plain tensors, as self.norm: one compiled graph for all
                 self.linear(attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight),
                 self.linear(attention.o_proj.weight),
-                layer.post_attention_layernorm.weight,
+                layer.post_attention_layernorm.weight.detach(),
                 self.linear(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight),
                 self.linear(layer.mlp.down_proj.weight),
             )
@@ -181,11 +181,39 @@ class FastLlama:
         if self.packed:
             linears = [m for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
             self.padding.update(padded_rows([*linears, self.head], self.dtype))
+        self.intermediate = config.intermediate_size
         self._rms, self._rope, self._swiglu = rms_norm, rope, swiglu
         self.compiled = self.device.type == "cuda" if compiled is None else compiled
         if self.compiled:  # the elementwise work around the matrix products, fused (launches bound batch 1)
-            self._rms, self._rope, self._swiglu = (torch.compile(f, dynamic=True) for f in (rms_norm, rope, swiglu))
-        self.build_seconds = time.perf_counter() - start
+            self.compiled = self._compile()
+        self.build_seconds = time.perf_counter() - start  # compiling included: it never lands in a timed decode
+
+    def _compile(self) -> bool:
+        """Compile the elementwise functions and run them once at each shape class the loop uses (one
+        token; several, which dynamic shapes cover with one graph), so that compilation happens here,
+        before anything is timed, and not lazily in the first forward (a decode timed with --warmup 0).
+        Whether it worked: a missing compiler or Triton is one log line, and the eager functions run."""
+        try:
+            compiled = tuple(torch.compile(f, dynamic=True) for f in (rms_norm, rope, swiglu))
+            for n in (1, 2):
+                self._warm(n, *compiled)
+        except Exception as e:  # noqa: BLE001 - whatever the compiler raises, the eager path still runs
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            log.warning("torch.compile failed, the fast path runs its elementwise work eagerly: %s", reason)
+            return False
+        self._rms, self._rope, self._swiglu = compiled
+        return True
+
+    @torch.inference_mode()  # as the loop decodes: grad mode is part of what a compiled graph guards on
+    def _warm(self, n: int, rms, rotate, gated) -> None:
+        """Each compiled function once on zeros shaped as in an ``n``-token forward."""
+        hidden = self.embedding.shape[1]
+        x = torch.zeros(n, hidden, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(x, torch.arange(n, device=self.device)[None])
+        qkv = torch.zeros(n, (self.heads + 2 * self.kv_heads) * self.head_dim, dtype=self.dtype, device=self.device)
+        rms(x, self.norm, self.eps)
+        rotate(qkv, cos[:, None], sin[:, None], self.heads, self.kv_heads, self.head_dim)
+        gated(torch.zeros(n, 2 * self.intermediate, dtype=self.dtype, device=self.device))
 
     def linear(self, *weights: torch.Tensor) -> Linear:
         """The linear maps of ``weights`` (same input) as this forward runs them."""
@@ -203,7 +231,7 @@ class FastLlama:
             queries[i] = qkv[-1, : heads * d].clone()  # before RoPE, as lm.take_queries expects
         q, k, v = self._rope(qkv, cos, sin, heads, kv, d)
         keys, values = cache.update(k, v, i)  # the cache object stays outside compiled code
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=kv != heads)
+        attended = attend(q, keys, values, mask, grouped=self.device.type != "cuda")
         x = x + layer.out(attended[0].transpose(0, 1).reshape(n, heads * d))
         gate_up = layer.gate_up(self._rms(x, layer.mlp_norm, self.eps))
         return x + layer.down(self._swiglu(gate_up))
@@ -257,6 +285,24 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv
     k = qkv[:, heads * d : (heads + kv) * d].view(n, kv, d).transpose(0, 1)[None]
     v = qkv[:, (heads + kv) * d :].view(n, kv, d).transpose(0, 1)[None]
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, grouped: bool):
+    """Attention of queries [1, heads, n, d] over a cache of fewer key/value heads (grouped-query).
+
+    With ``grouped`` the kernel reads each key/value head for its group of queries (enable_gqa): on a
+    CPU that saves copying the cache. On CUDA only the flash kernel takes grouped heads, and it takes
+    no mask: a masked grouped call (every verification) falls back to the slow math kernel. So there a
+    masked call gets the key/value heads repeated, which the memory-efficient kernel attends with the
+    mask; a one-token forward has no mask and stays grouped, on flash."""
+    heads, kv = q.shape[1], keys.shape[1]
+    if kv == heads:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    if grouped or mask is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    group = heads // kv
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

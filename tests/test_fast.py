@@ -8,7 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from specbench.drafters import ModelDrafter
 from specbench.engine import speculative_decode
-from specbench.fast import PADDED_UP_TO, FastLlama, fastest_rows, padded_rows, unsupported
+from specbench.fast import PADDED_UP_TO, FastLlama, attend, fastest_rows, padded_rows, unsupported
 from specbench.lm import CacheView, HFCausalLM
 from specbench.models import load
 from specbench.sampling import SamplingConfig
@@ -67,13 +67,42 @@ def test_the_compiled_forward_scores_as_the_own_one(target):
     # The CUDA route (torch.compile of the elementwise work, dynamic shapes) compiled here on CPU:
     # every forward size of a run goes through the same graphs, with transformers' scores.
     width = target.get_output_embeddings().weight.shape[0]
+    from torch._dynamo.utils import counters
+
     compiled = FastLlama(target, packed=False, compiled=True)
     assert compiled.route == "inductor"
+    # Compiled and warmed while it was built: the forwards below, at every size, compile nothing more.
+    frames = dict(counters["frames"])
     prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
     want = scores(HFCausalLM(target, width, fast=FastLlama(target, packed=False)), prefix, chain, [-1, 0, 0])
     got = scores(HFCausalLM(target, width, fast=compiled), prefix, chain, [-1, 0, 0])
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    assert dict(counters["frames"]) == frames and frames.get("ok", 0) >= 3
+
+
+def test_a_compiler_that_fails_leaves_the_eager_functions_and_one_log_line(target, monkeypatch, caplog):
+    """torch.compile fails lazily, at a compiled function's first call (no Triton, no C compiler): that
+    happens while the forward is built, which then runs eagerly, with transformers' logits."""
+
+    def compile_without_a_compiler(function, **_):
+        def fails(*args, **kwargs):
+            raise RuntimeError("Cannot find a working triton installation\nmore detail")
+
+        return fails
+
+    monkeypatch.setattr(torch, "compile", compile_without_a_compiler)
+    with caplog.at_level("WARNING", logger="specbench"):
+        fast = FastLlama(target, packed=False, compiled=True)
+    assert not fast.compiled and fast.route == "own"
+    assert [r.getMessage() for r in caplog.records] == [
+        "torch.compile failed, the fast path runs its elementwise work eagerly: Cannot find a working triton installation"
+    ]
+    width = target.get_output_embeddings().weight.shape[0]
+    prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
+    want = scores(HFCausalLM(target, width), prefix, chain, [-1, 0, 0])
+    for g, w in zip(scores(HFCausalLM(target, width, fast=fast), prefix, chain, [-1, 0, 0]), want, strict=True):
+        assert torch.equal(g, w)
 
 
 def test_a_cache_view_reads_true_positions_on_the_fast_forward(target):
@@ -140,3 +169,16 @@ def test_the_test_catches_a_fast_forward_that_misplaces_its_rows(tmp_path, one_t
     hidden = FastLlama.hidden
     monkeypatch.setattr(FastLlama, "hidden", lambda self, *args, **kw: hidden(self, *args, **kw).roll(1, 0))
     assert sampled_law_p(target, draft, k=2) < P_FLOOR
+
+
+def test_repeated_key_value_heads_attend_as_grouped_ones():
+    """CUDA's route for a masked grouped-query forward (heads repeated, no enable_gqa: the memory-efficient
+    kernel) and the CPU's (grouped in the kernel) attend alike, with and without a mask."""
+    torch.manual_seed(0)
+    q, keys, values = torch.randn(1, 8, 5, 16), torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)
+    mask = torch.zeros(5, 12).masked_fill(torch.rand(5, 12) < 0.3, float("-inf"))
+    mask[:, 0] = 0.0  # every query attends to something
+    for m in (mask[None, None], None):
+        torch.testing.assert_close(attend(q, keys, values, m, grouped=False), attend(q, keys, values, m, grouped=True))
+    wrong = attend(q, keys.repeat(1, 4, 1, 1), values.repeat(1, 4, 1, 1), mask[None, None], grouped=True)
+    assert not torch.allclose(wrong, attend(q, keys, values, mask[None, None], grouped=True))  # the grouping matters
