@@ -114,7 +114,10 @@ class PromptLookupDrafter:
         return Draft.chain(torch.zeros(0, dtype=torch.long, device=self.device), None)
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
-        self.seen += draft.on_path(verdict.path).tolist() + verdict.next_token.tolist()
+        if verdict.emitted_ids is not None:  # read by the verification already: no transfer of its own
+            self.seen += verdict.emitted_ids
+        else:
+            self.seen += draft.on_path(verdict.path).tolist() + verdict.next_token.tolist()
 
     def rewind_to(self, length: int, tokens: torch.Tensor) -> None:
         del self.seen[length:]
@@ -223,7 +226,7 @@ def tree_level(
     if cfg.greedy:
         return rows.topk(branching, dim=-1).indices.flatten(), None
     q = warp(rows, cfg)
-    drawn = torch.multinomial(q, branching, replacement=True, generator=generator).flatten()
+    drawn = sample(q.unsqueeze(1).expand(-1, branching, -1), generator).flatten()  # b races per row: no host read
     return drawn, q.repeat_interleave(branching, dim=0)
 
 

@@ -129,6 +129,7 @@ class DecodeResult:
     inner_accepted: int = 0  # of them, those the draft model accepted
     from_inner: int = 0  # accepted draft tokens that the bottom level had proposed
     inner_forwards: int = 0  # model forwards of the bottom level (none for prompt lookup)
+    past_stop: int = 0  # forwards run after the decode had ended (the baseline's chunked reads), not counted
     lessons: list = field(default_factory=list)  # what an online method learns from (see online.py)
 
 
@@ -140,6 +141,12 @@ def _end(tokens: list[int], new_from: int, max_new_tokens: int, stop_ids: frozen
     return max_new_tokens if len(tokens) >= max_new_tokens else None
 
 
+# Tokens the baseline decodes between two reads of its output by the host. A read waits for the
+# device (on CUDA the GPU then idles while the host queues the next forward); reading every token
+# was one such wait per token, which `generate` pays too but an engine need not.
+STOP_CHECK = 8
+
+
 @torch.inference_mode()
 def autoregressive_decode(
     model: CausalLM,
@@ -149,20 +156,33 @@ def autoregressive_decode(
     generator: torch.Generator,
     stop_ids: frozenset[int] = frozenset(),
 ) -> DecodeResult:
-    """The baseline: the target alone, one token per forward with a KV cache."""
+    """The baseline: the target alone, one token per forward with a KV cache.
+
+    Its tokens stay on the device and the host reads them every STOP_CHECK tokens, in one transfer,
+    so it learns of a stop token up to STOP_CHECK - 1 forwards late. Those forwards past the stop are
+    counted in ``past_stop``, not in ``target_forwards``, and the phase clock ends the decode before
+    them (timing.PhaseClock.stop): its time is the time to its stop token, as when reading each token."""
     model.reset()
     logits = model.forward(prompt_ids, last=1)[-1]
     seen = context_mask(prompt_ids, logits.shape[-1], cfg)  # the context, for a repetition penalty
-    result = DecodeResult(tokens=[], target_forwards=1)
+    decoded = torch.empty(max_new_tokens, dtype=torch.long, device=logits.device)
+    result, n = DecodeResult(tokens=[]), 0
     while True:
         token = next_token(adjust(logits, cfg, seen), cfg, generator)
         if seen is not None:
             seen[token] = True
-        result.tokens.append(int(token))
-        if _end(result.tokens, len(result.tokens) - 1, max_new_tokens, stop_ids) is not None:
-            return result
+        decoded[n : n + 1] = token
+        n += 1
+        if n == max_new_tokens or n % STOP_CHECK == 0:
+            new_from = len(result.tokens)
+            result.tokens += decoded[new_from:n].tolist()
+            end = _end(result.tokens, new_from, max_new_tokens, stop_ids)
+            if end is not None:
+                del result.tokens[end:]
+                # A forward for each token but the last kept one, the prefill's included.
+                result.target_forwards, result.past_stop = end, n - end
+                return result
         logits = model.forward(token, last=1)[-1]
-        result.target_forwards += 1
 
 
 @dataclass
@@ -179,6 +199,11 @@ class Round:
     @property
     def emitted(self) -> torch.Tensor:
         return torch.cat([self.draft.on_path(self.verdict.path), self.verdict.next_token])
+
+    @property
+    def emitted_ids(self) -> list[int]:
+        """The emitted tokens on the host: as the verification read them, else read now."""
+        return self.verdict.emitted_ids if self.verdict.emitted_ids is not None else self.emitted.tolist()
 
 
 def verify(
@@ -312,7 +337,7 @@ def speculative_decode(
         new_from = len(result.tokens)
         if on_round is not None:
             on_round(step, new_from)
-        result.tokens += step.emitted.tolist()
+        result.tokens += step.emitted_ids
         end = _end(result.tokens, new_from, max_new_tokens, stop_ids)
         if end is not None:
             del result.tokens[end:]

@@ -114,8 +114,15 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """One token id per row of ``probs`` (weights need not be normalised); shape ``probs.shape[:-1] + (1,)``."""
-    return torch.multinomial(probs, 1, generator=generator)
+    """One token id per row of ``probs`` (weights need not be normalised); shape ``probs.shape[:-1] + (1,)``.
+
+    An exponential race: token i wins with E_i / p_i the smallest, E_i independent Exp(1) draws, and
+    E_i / p_i is Exp(p_i), so i wins with probability p_i / sum(p), exactly (a zero weight never wins).
+    Unlike torch.multinomial, which reads its input's sum on the host, it stays on the device: no
+    synchronisation. The draws are clamped away from 0, which an Exp(1) sampler in float32 can
+    return, so that no weight is ever divided by 0."""
+    races = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
+    return (probs.float() / races.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1, keepdim=True)
 
 
 def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
@@ -157,6 +164,9 @@ class Verdict:
     next_token: torch.Tensor  # 1-element tensor: the replacement, or the bonus token if the whole path passed
     beta_sum: torch.Tensor | float  # sum of beta = sum_x min(p, q) over the tested positions (on device)
     tested: int  # positions whose beta counts towards alpha: the accepted ones and the first rejected one
+    # The emitted ids (the accepted drafts, then next_token) on the host, where the verification read
+    # them with its verdict (one transfer a round); None where it did not.
+    emitted_ids: list[int] | None = None
 
     @property
     def accepted(self) -> int:
@@ -183,19 +193,20 @@ def verify_chain_sampled(
     positions = torch.arange(k, device=p.device)
     p_x = p[positions, draft_tokens]
     q_x = q[positions, draft_tokens]
-    # All K uniforms are drawn at once: draws after the first rejection go unused, which
-    # leaves the used ones independent, so the law of the output is unchanged.
+    # All K uniforms are drawn at once, and so is the token that would follow a rejection at every
+    # position (and the bonus token after the last): draws past the first rejection go unused, which
+    # leaves the used ones independent, so the law of the output is unchanged. What is known only
+    # after the uniforms (where the first rejection is) is then read with the tokens in one transfer.
     r = torch.rand(k, generator=generator, device=p.device)
     accept = r * q_x < p_x  # r < p/q without dividing by a q_x that could underflow
-    accepted = int(accept.cumprod(0).sum())
-    if accepted < k:
-        token = sample(residual(p[accepted], q[accepted]), generator)
-        tested = accepted + 1
-    else:
-        token = sample(p[k], generator)
-        tested = k
-    beta_sum = torch.minimum(p[:tested], q[:tested]).sum()
-    return Verdict(list(range(accepted)), token, beta_sum, tested)
+    accepted = accept.cumprod(0).sum()
+    following = sample(torch.cat([residual(p[:k], q), p[k:]]), generator).view(-1)  # [K + 1]
+    tested = torch.clamp(accepted + 1, max=k)
+    beta = torch.minimum(p[:k], q).sum(-1)
+    beta_sum = (beta * (positions < tested)).sum()
+    read = torch.cat([accepted.view(1), draft_tokens, following]).tolist()  # the round's one host read
+    n, drafts, after = read[0], read[1 : k + 1], read[k + 1 :]
+    return Verdict(list(range(n)), following[n : n + 1], beta_sum, min(n + 1, k), drafts[:n] + [after[n]])
 
 
 def verify_chain_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:
@@ -207,9 +218,12 @@ def verify_chain_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor)
     """
     k = draft_tokens.shape[0]
     choice = argmax(target_logits).squeeze(-1)
-    accepted = int((draft_tokens == choice[:k]).cumprod(0).sum())
-    tested = min(accepted + 1, k)
-    return Verdict(list(range(accepted)), choice[accepted : accepted + 1], float(accepted), tested)
+    accepted = (draft_tokens == choice[:k]).cumprod(0).sum()
+    # One host read a round: the count and the target's choices, of which the accepted drafts and the
+    # next token are the first accepted + 1 (an accepted draft is the target's choice there).
+    read = torch.cat([accepted.view(1), choice]).tolist()
+    n = read[0]
+    return Verdict(list(range(n)), choice[n : n + 1], float(n), min(n + 1, k), read[1 : n + 2])
 
 
 def normalised(weights: torch.Tensor) -> torch.Tensor:
@@ -237,7 +251,8 @@ def verify_tree_greedy(tokens: torch.Tensor, parents: list[int], target_logits: 
         path.append(child)
         node = child
     tested = len(path) + (node in kids)  # the depths where a child was tried
-    return Verdict(path, torch.tensor([choice[node + 1]], device=tokens.device), float(len(path)), tested)
+    emitted = [ids[i] for i in path] + [choice[node + 1]]
+    return Verdict(path, torch.tensor(emitted[-1:], device=tokens.device), float(len(path)), tested, emitted)
 
 
 def verify_tree_sampled(

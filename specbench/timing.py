@@ -70,9 +70,17 @@ class PhaseClock:
         """The time since the previous lap belongs to ``phase``."""
         self.marks.append((phase, self._now()))
 
-    def stop(self) -> Phases:
-        """End the decode (the time since the last lap is ``other``) and sum the laps per phase."""
-        self.lap("other")
+    def stop(self, past_stop: int = 0) -> Phases:
+        """End the decode (the time since the last lap is ``other``) and sum the laps per phase.
+
+        ``past_stop``: the decode's last forwards ran after it had ended (engine.autoregressive_decode
+        learns of a stop token late): the decode ends where the first of them began, so that neither
+        they nor what followed them is counted (each forward is two laps: the ``other`` before it, and
+        its own; the ``other`` before the first of them holds the choice of the last kept token)."""
+        if past_stop:
+            del self.marks[len(self.marks) - 2 * past_stop + 1 :]
+        else:
+            self.lap("other")
         if self.events:
             torch.cuda.synchronize(self.device)
             seconds = [a.elapsed_time(b) / 1000 for (_, a), (_, b) in zip(self.marks, self.marks[1:], strict=False)]

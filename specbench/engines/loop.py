@@ -126,7 +126,7 @@ class Loop:
             synchronize(self.pair.device)
             self.clock.start()
             result = method.decode(self.timed, settings, self.decoder, ids, generator)
-            runs.append((result, self.clock.stop()))  # stop waits for the device
+            runs.append((result, self.clock.stop(result.past_stop)))  # stop waits for the device
             peaks.append(self.memory.peak())
         result, phases = sorted(runs, key=lambda run: run[1].total)[(len(runs) - 1) // 2]
         return Measurement(result, phases.total, phases, None if None in peaks else max(peaks))
