@@ -22,7 +22,7 @@ from .engine import autoregressive_decode
 from .engines.hf import hf_generate, hf_samples
 from .errors import SpecbenchError
 from .kv import SINKS
-from .lm import SparseView, WindowLM
+from .lm import HFCausalLM, SparseView, WindowLM
 from .method import Decoder, Level, Method, SpeculativeLoop
 from .models import speculator_dir
 from .online import OnlineConfig, OnlineLearner, rejection
@@ -417,6 +417,12 @@ class EagleDynamic(Eagle):
         return {"dynamic": (settings.dynamic_nodes, settings.dynamic_width)}
 
 
+# transformers' generate runs the modules' own eager forward, not specbench's fast one: hf-assisted's c
+# is timed on the forwards it runs (its full head too, where specbench's draft has a shortlist).
+EAGER_TARGET = Level("eager-target", lambda pair, settings: HFCausalLM(pair.target.model, pair.width))
+EAGER_DRAFT = Level("eager-draft", lambda pair, settings: HFCausalLM(pair.draft.model, pair.width))
+
+
 class HFAssisted(Method):
     name, help, needs_draft = (
         "hf-assisted",
@@ -433,8 +439,10 @@ class HFAssisted(Method):
                 "transformers would switch to a different (universal) algorithm: drop hf-assisted for this pair"
             )
 
+    levels = (EAGER_TARGET, EAGER_DRAFT)
+
     def c(self, costs):
-        return costs.c
+        return costs.level_c(EAGER_DRAFT.name) / costs.level_c(EAGER_TARGET.name)
 
     def decode(self, pair, settings, step, ids, generator):
         seed = _seed(generator)

@@ -480,3 +480,19 @@ def test_cascade_with_a_split_reports_its_levels(tiny_pair, prompts_file, tmp_pa
     assert cascade["inner_s"] > 0 and speculative["inner_s"] == 0  # lookup's own time, a phase of its own
     assert cascade["draft_forwards"] < speculative["draft_forwards"]  # lookup spares the draft model forwards
     assert "levels:" in result.stdout and "inner ms" in result.stdout
+
+
+def test_hf_assisted_c_is_timed_on_the_eager_forwards_generate_runs(tiny_pair, prompts_file, tmp_path):
+    """transformers' generate runs the modules' eager forward: hf-assisted's c is the eager draft's
+    one-token forward over the eager target's (their verify_cost.csv rows), while specbench's loop
+    keeps the ratio of its own forwards."""
+    out = tmp_path / "run"
+    result = on_tiny_pair(
+        "run", tiny_pair, "--method", "speculative,hf-assisted", "--dataset", prompts_file, "--num-prompts", "1",
+        "--k", "2", "--max-new-tokens", "6", "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    costs = pd.read_csv(out / "verify_cost.csv").query("tokens == 1").set_index("model")["seconds"]
+    summary = pd.read_csv(out / "summary.csv").set_index("method")
+    assert summary.loc["hf-assisted", "c"] == pytest.approx(costs["eager-draft"] / costs["eager-target"], rel=1e-6)
+    assert summary.loc["speculative", "c"] == pytest.approx(costs["draft"] / costs["target"], rel=1e-6)
