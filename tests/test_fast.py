@@ -182,3 +182,27 @@ def test_repeated_key_value_heads_attend_as_grouped_ones():
         torch.testing.assert_close(attend(q, keys, values, m, grouped=False), attend(q, keys, values, m, grouped=True))
     wrong = attend(q, keys.repeat(1, 4, 1, 1), values.repeat(1, 4, 1, 1), mask[None, None], grouped=True)
     assert not torch.allclose(wrong, attend(q, keys, values, mask[None, None], grouped=True))  # the grouping matters
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_forward_is_compiled_at_build_and_scores_as_eager(tiny_pair):
+    """CUDA's default route: inductor, compiled and warmed while it is built, in bfloat16; its logits
+    within bfloat16's rounding of the eager model's, and its argmax the same."""
+    from torch._dynamo.utils import counters
+
+    cuda = torch.device("cuda")
+    model = load(tiny_pair[0], cuda, torch.bfloat16).model
+    fast = FastLlama(model)
+    assert fast.route == "inductor" and fast.build_seconds > 0
+    frames = dict(counters["frames"])
+    width = model.get_output_embeddings().weight.shape[0]
+    prefix, chain = torch.arange(5, 40, device=cuda), torch.tensor([7, 8, 9, 10], device=cuda)
+    lm = HFCausalLM(model, width, fast=fast)
+    lm.reset()
+    got = [lm.forward(prefix, last=2), lm.forward(chain, last=len(chain))]
+    eager = HFCausalLM(model, width)
+    eager.reset()
+    want = [eager.forward(prefix, last=2), eager.forward(chain, last=len(chain))]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), rtol=0.05, atol=0.1)
+    assert dict(counters["frames"]) == frames  # nothing compiled after the build
