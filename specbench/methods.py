@@ -417,8 +417,7 @@ class EagleDynamic(Eagle):
         return {"dynamic": (settings.dynamic_nodes, settings.dynamic_width)}
 
 
-# transformers' generate runs the modules' own eager forward, not specbench's fast one: hf-assisted's c
-# is timed on the forwards it runs (its full head too, where specbench's draft has a shortlist).
+# generate runs the eager forward (full head): hf-assisted's c is timed on it, not on the fast path.
 EAGER_TARGET = Level("eager-target", lambda pair, settings: HFCausalLM(pair.target.model, pair.width))
 EAGER_DRAFT = Level("eager-draft", lambda pair, settings: HFCausalLM(pair.draft.model, pair.width))
 
@@ -429,7 +428,7 @@ class HFAssisted(Method):
         "transformers' generate(assistant_model=draft) with exactly K draft tokens per round",
         True,
     )
-    engine, adjusts_logits = "hf", True
+    engine, adjusts_logits, levels = "hf", True, (EAGER_TARGET, EAGER_DRAFT)
     reference = "hf-generate"  # transformers' own plain decoding, which runs whenever this does
 
     def check(self, pair):
@@ -438,8 +437,6 @@ class HFAssisted(Method):
                 f"--method hf-assisted needs equal logit widths (target {pair.target.width}, draft {pair.draft.width}); "
                 "transformers would switch to a different (universal) algorithm: drop hf-assisted for this pair"
             )
-
-    levels = (EAGER_TARGET, EAGER_DRAFT)
 
     def c(self, costs):
         return costs.level_c(EAGER_DRAFT.name) / costs.level_c(EAGER_TARGET.name)

@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from specbench import drafters
 from specbench.eagle import WEIGHTS, EagleDrafter, HeadLM, load_head, read_head, save_head
 from specbench.engine import autoregressive_decode, heuristic_k, speculative_decode
 from specbench.models import load
@@ -162,10 +163,12 @@ def test_the_test_catches_q_rows_left_in_draft_ids(law, one_thread, monkeypatch)
 def test_the_test_catches_a_tree_of_distinct_children(law, one_thread, monkeypatch):
     # Children drawn without replacement (distinct, as if that drafted more), judged as independent draws.
     target, head = law
-    multinomial = torch.multinomial
-    monkeypatch.setattr(
-        torch, "multinomial", lambda q, n, replacement=False, generator=None: multinomial(q, n, generator=generator)
-    )
+
+    def distinct(q, generator):  # a tree level's b draws per row ([n, b, V]), made without replacement
+        b = q.shape[1]
+        return torch.multinomial(q[:, 0], b, generator=generator).unsqueeze(-1)
+
+    monkeypatch.setattr(drafters, "sample", distinct)
     assert sampled_p(target, lambda cfg, g: EagleDrafter(head, target, 3, cfg, g, shape=(2, 1))) < P_FLOOR
 
 
