@@ -35,7 +35,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from . import twosample
-from .bench import load_inputs, serving_run
+from .bench import launch_llama_cpp, load_inputs, serving_run
 from .broken import BROKEN
 from .config import BenchConfig
 from .engines import Sampling, Served
@@ -63,6 +63,9 @@ KNOBS = {
 PILOT = 64  # reference samples per candidate prompt, to pick the prompts of the sampling tests
 DIVERSITY = 0.4  # the share of distinct sequences in a pilot that a prompt is picked closest to
 CONCURRENCY = 256  # requests in flight to a serving engine while sampling
+# llama-server gives each request in flight a slot with a cache of its own, and prefills the prompt
+# in each slot that has not yet seen it: 256 slots on 2 cores spent minutes on prefill per wave.
+LLAMA_CONCURRENCY = 8
 # Arm numbers for request indices: the reference, its control, the pilot, then each subject.
 REFERENCE, CONTROL, PILOT_ARM, FIRST_SUBJECT = 0, 1, 2, 3
 
@@ -281,7 +284,10 @@ def engine_of(pair: Pair, cfg: BenchConfig, conversations: Conversations, decode
         with nullcontext(Loop(pair, decoder, cfg.options_of(decoder.method))) as engine:
             yield engine
         return
-    with opened(serving_run(cfg, pair, conversations, out), conversations, decoder) as engine:
+    run = serving_run(cfg, pair, conversations, out)
+    if decoder.method.engine == "llama-cpp":  # a subject or reference of the audit's own: its server's command
+        launch_llama_cpp(cfg, pair, conversations, [decoder], None)
+    with opened(run, conversations, decoder) as engine:
         if engine is None:
             raise SpecbenchError(
                 f"{decoder.method.name} cannot be reached ({decoder.state}): start it, or check its URL"
@@ -458,7 +464,8 @@ def audit(cfg: BenchConfig, plan: AuditPlan, out: Path) -> Iterator[Step | dict]
     # Many requests in flight to a serving engine, which answers each prompt N times from its cache.
     # vLLM loads its tokenizer, for the stop-string probe (it matches stop strings in text).
     audited = {"enable_prefix_caching": True, "skip_tokenizer_init": False}
-    cfg.concurrency, cfg.engine_args = [CONCURRENCY], audited | cfg.engine_args
+    in_flight = LLAMA_CONCURRENCY if "llama-cpp" in cfg.engines else CONCURRENCY
+    cfg.concurrency, cfg.engine_args = [in_flight], audited | cfg.engine_args
     sampler = Sampler(out, cfg.seed, tuple(sorted(pair.stop_ids)))
     report = {"meta": environment(pair.device), "config": cfg.as_dict(), "plan": plan_dict(plan), "groups": []}
     groups = []

@@ -24,14 +24,14 @@ from pathlib import Path
 from . import serving
 from .config import BenchConfig
 from .costs import ForwardCosts, measure_costs, noisy_costs
-from .engines import Sampling
+from .engines import Sampling, llamacpp
 from .engines.loop import Loop
 from .engines.vllm import EngineSpec, vllm_version
 from .errors import SpecbenchError
 from .machine import environment
 from .method import Decoder
 from .methods import BASELINE
-from .models import model_dir, placement
+from .models import cache_dir, model_dir, placement, resolve, speculator_dir
 from .options import FIXED
 from .pair import Conversations, Pair, encode_prompts, load_pair
 from .plot import plot_categories, plot_concurrency, plot_online, plot_phases, plot_run
@@ -53,6 +53,7 @@ from .results import (
 from .rundir import RunWriter
 from .schema import OWN_ENGINES
 from .serve import Answer, Counters, ServingRun, Step, draft_alone, margins, serve_all
+from .served import HTTP_ENGINES
 from .timing import MEMORY_SOURCES, PeakMemory
 
 log = logging.getLogger("specbench")
@@ -159,6 +160,8 @@ def benchmark(
     }
     if "vllm" in cfg.engines:
         resolved["vllm"] = vllm_version()
+    if "llama-cpp" in cfg.engines:
+        resolved["llama_cpp"] = llamacpp.version(llamacpp.find_server(cfg.llama_server))
     meta = {**environment(pair.device), "config": cfg.as_dict(), "resolved": resolved}
     writer.write_json("meta.json", meta)
 
@@ -274,12 +277,42 @@ def run_columns(cfg: BenchConfig, run_info: dict) -> RunColumns:
         """The options column: the settings a row depends on beyond its method, K and sampling."""
         if decoder.method.engine == "server":
             return f"url={decoder.method.url},api={cfg.api}"
+        if decoder.method.engine == "llama-cpp":
+            sampling = f",draft_sampling={decoder.method.draft_sampling}" if decoder.method.draft_sampling else ""
+            return f"spec_type={decoder.method.spec_type or 'none'}{sampling},gguf={cfg.gguf_type},api={cfg.api}"
         if decoder.method.engine == "vllm":
             return ",".join(part for part in (parallel, extra) if part)
         return decoder.settings(cfg)
 
     sampling = {name: getattr(cfg, name) for name in ("temperature", "top_k", "top_p", "eta", "seed", "max_new_tokens")}
     return RunColumns(run_info, sampling, options, cfg.random_weights)
+
+
+def launch_llama_cpp(
+    cfg: BenchConfig, pair: Pair, conversations: Conversations, decoders: list[Decoder], draft_server
+) -> None:
+    """Give each llama.cpp server of the run (``decoders``' and the draft alone's) its command line:
+    the GGUF files made once from the run's models, a slot per request in flight, each with the
+    context the longest prompt, its new tokens and a round's drafts need."""
+    server = llamacpp.find_server(cfg.llama_server)
+    source = resolve(cfg.target)
+    heads = any(d.method.needs_speculator for d in decoders)
+    target, draft, head = llamacpp.ggufs(
+        server,
+        cfg.gguf_type,
+        cache_dir() / "llama-cpp",
+        Path(model_dir(pair.target)),
+        Path(source.location) if source.kind == "gguf" else None,
+        Path(model_dir(pair.draft)) if pair.draft is not None else None,
+        speculator_dir(cfg.speculator) if heads else None,
+    )
+    context = conversations.longest + cfg.max_new_tokens + cfg.widest + llamacpp.SLACK
+    slots = max(cfg.concurrency)
+    for decoder in decoders:
+        speculation = decoder.method.speculation(decoder.k, draft, head)
+        decoder.method.command = llamacpp.command(server, target, slots, context, speculation, cfg.llama_threads)
+    if draft_server is not None:
+        draft_server.command = llamacpp.command(server, draft, 1, context, threads=cfg.llama_threads)
 
 
 def serving_run(cfg: BenchConfig, pair: Pair, conversations: Conversations, out: Path) -> ServingRun:
@@ -294,11 +327,14 @@ def serving_run(cfg: BenchConfig, pair: Pair, conversations: Conversations, out:
         "warmup": cfg.warmup,
         "out": out,
     }
-    if baseline.method.engine == "server":
+    if baseline.method.engine in HTTP_ENGINES:
+        draft_server = cfg.draft_server
+        if baseline.method.engine == "llama-cpp":
+            launch_llama_cpp(cfg, pair, conversations, [baseline, *plan], draft_server)
         tokenizer = pair.target.tokenizer
         return ServingRun(
             **common,
-            draft_server=cfg.draft_server,
+            draft_server=draft_server,
             api=cfg.api,
             api_key=os.environ.get(cfg.api_key_env),
             timeout_s=cfg.request_timeout,
@@ -478,11 +514,11 @@ def serve_rows(
                 writer.write_csv("counters.csv", counters)
         else:
             yield event
-    if run.engine == "server" and run.sampling.greedy and run.api == "completions":
+    if run.engine in HTTP_ENGINES and run.sampling.greedy and run.api == "completions":
         # Rows whose baseline prompt this run did not send (kept by --resume) stay unlabelled.
         todo = [
             r for r in records
-            if r["engine"] == "server" and not r["error"] and r["first_divergence"] >= 0 and not r["divergence"]
+            if r["engine"] == run.engine and not r["error"] and r["first_divergence"] >= 0 and not r["divergence"]
             and (r["concurrency"], r["request_rate"], r["prompt_index"]) in sent
         ]  # fmt: skip
         if todo:
@@ -507,7 +543,7 @@ def serve_rows(
         rows = serving.block(records, run.engine, name, single[0])
         engine_costs.append(serving.decode_cost([r["tpot_ms"] for r in rows], run.engine, "target"))
         writer.write_csv("engine_costs.csv", engine_costs)
-    wanted = run.draft_server is not None if run.engine == "server" else run.draft_alone is not None
+    wanted = run.draft_server is not None if run.engine in HTTP_ENGINES else run.draft_alone is not None
     if wanted and "draft" not in timed:
         alone = []
         for event in draft_alone(run, conversations):

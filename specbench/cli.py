@@ -29,7 +29,7 @@ from .config import OPTIONS, BenchConfig
 from .context import write_context
 from .costs import ForwardCosts
 from .errors import SpecbenchError, out_of_memory
-from .methods import LONG_CONTEXT, METHODS, SERVED
+from .methods import LONG_CONTEXT, METHODS
 from .models import read_config
 from .options import AUDIT
 from .plot import plot_categories, plot_concurrency, plot_context, plot_online, plot_phases, plot_run
@@ -46,6 +46,7 @@ from .report import (
     summary_table,
 )
 from .results import predicted_rows
+from .served import SERVED
 from .verdicts import FAIL, NOT_APPLICABLE, PASS
 
 

@@ -12,32 +12,34 @@ from dataclasses import asdict, field, make_dataclass
 
 from .drafters import tree_parents
 from .engines import Sampling
+from .engines.llamacpp import find_server
 from .engines.loop import Settings
 from .engines.vllm import INSTALL, available, device_count
 from .errors import SpecbenchError
 from .kv import SINKS
 from .method import Decoder
-from .methods import (
-    BASELINE,
-    METHOD,
-    METHODS,
+from .methods import BASELINE, METHOD, METHODS
+from .models import Wanted, default_speculator
+from .options import CONFIDENCE, ENGINE, ENGINE_PANEL, FIXED, LLAMA, LLAMA_PANEL, RUN, SERVER, SERVER_PANEL, Option
+from .pair import Rendering
+from .prompts import LONG_DATASETS
+from .sampling import SamplingConfig
+from .served import (
     SERVED,
     SERVED_BASELINE,
     SERVER_BASELINE,
     SERVER_DRAFT,
+    LlamaCpp,
     Remote,
+    llama_method_names,
+    llama_methods,
     served_names,
 )
-from .models import Wanted, default_speculator
-from .options import CONFIDENCE, ENGINE, ENGINE_PANEL, FIXED, RUN, SERVER, SERVER_PANEL, Option
-from .pair import Rendering
-from .prompts import LONG_DATASETS
-from .sampling import SamplingConfig
 
 
 def declared() -> dict[str, Option]:
     """Every run option by name: --method, the common ones, then each method's own (a shared one once)."""
-    options = {option.name: option for option in (METHOD, *RUN, *ENGINE, *SERVER)}
+    options = {option.name: option for option in (METHOD, *RUN, *ENGINE, *SERVER, *LLAMA)}
     for method in METHODS.values():
         for option in method.options:
             if options.setdefault(option.name, option) is not option:
@@ -48,6 +50,8 @@ def declared() -> dict[str, Option]:
 OPTIONS = declared()
 
 LAUNCHED = (SERVER_BASELINE, SERVER_DRAFT)  # --launch names that are not speculating servers
+# The server options --engine llama-cpp takes too (it speaks to the servers it starts as to any).
+LLAMA_TAKES = ("api", "request_timeout")
 
 # The shortest --context-tokens of a long dataset. Those datasets measure long prompts, where the
 # methods that draft over part of the cache differ from the others; every such view keeps at least
@@ -101,7 +105,12 @@ class _Run:
     @property
     def served_plan(self) -> list[Decoder]:
         """What each serving engine after its baseline decodes: under vLLM a method at each K (one
-        engine each); under --engine server each --server (its K is what it says, else a single --k)."""
+        engine each); under --engine server each --server (its K is what it says, else a single --k);
+        under --engine llama-cpp a llama-server per method and K."""
+        if "llama-cpp" in self.engines:
+            # A method object per K: each is a server of its own, with its own command line.
+            methods = llama_methods(self.methods, self.draft_sampling)
+            return [Decoder(copy.copy(method), k) for method in methods for k in self.ks]
         if "server" in self.engines:
             k = self.ks[0] if len(self.ks) == 1 else None
             given = [Remote(name, url) for name, url in self.server_entries]
@@ -114,6 +123,8 @@ class _Run:
     @property
     def served_baseline(self) -> Decoder | None:
         """The serving engine's baseline, every served method's reference (None: no serving engine)."""
+        if "llama-cpp" in self.engines:
+            return Decoder(LlamaCpp(SERVER_BASELINE))
         if "server" in self.engines:
             command = self.launches.get(SERVER_BASELINE, "")
             return Decoder(Remote(SERVER_BASELINE, self.baseline_url or "", False, command))
@@ -131,7 +142,11 @@ class _Run:
 
     @property
     def draft_server(self) -> Remote | None:
-        """The server of the draft alone, for c: --draft-url, or the one --launch draft=... starts."""
+        """The server of the draft alone, for c: --draft-url, or the one --launch draft=... starts (under
+        --engine llama-cpp, a llama-server of the draft's GGUF when a method drafts with it)."""
+        if "llama-cpp" in self.engines:
+            drafts = any(step.method.needs_draft for step in self.served_plan)
+            return LlamaCpp(SERVER_DRAFT, draft_alone=True) if drafts else None
         if self.draft_url or SERVER_DRAFT in self.launches:
             return Remote(SERVER_DRAFT, self.draft_url or "", False, self.launches.get(SERVER_DRAFT, ""))
         return None
@@ -207,7 +222,9 @@ class _Run:
         return Settings(self.max_new_tokens, self.sampling, self.options_of(method))
 
     def validate(self) -> None:
-        if unknown := [name for name in self.methods if name not in METHODS and name not in SERVED]:
+        if "llama-cpp" in self.engines:
+            self.validate_llama_cpp()
+        elif unknown := [name for name in self.methods if name not in METHODS and name not in SERVED]:
             raise SpecbenchError(
                 f"unknown --method {', '.join(unknown)}: choose from {', '.join(METHODS)} "
                 f"(or, with --engine vllm, {', '.join(SERVED)})"
@@ -217,7 +234,10 @@ class _Run:
         for name in self.methods:  # a method's rules that tie its own options to the others
             if name in METHODS:
                 METHODS[name].check_options(self)
-        heads = [name for name in self.methods if (METHODS.get(name) or SERVED[name]).needs_speculator]
+        if "llama-cpp" in self.engines:
+            heads = [step.method.name for step in self.served_plan if step.method.needs_speculator]
+        else:
+            heads = [name for name in self.methods if (METHODS.get(name) or SERVED[name]).needs_speculator]
         if heads and not self.speculator:  # the target's own head, where models.toml names one
             self.speculator = default_speculator(self.target)
         if heads and not self.speculator:
@@ -270,10 +290,12 @@ class _Run:
 
     def validate_engines(self) -> None:
         """What --engine allows: every error here comes before any model loads or engine starts."""
-        vllm, server = "vllm" in self.engines, "server" in self.engines
+        vllm, llama = "vllm" in self.engines, "llama-cpp" in self.engines
+        server = "server" in self.engines or llama
         if server and len(self.engines) > 1:
-            raise SpecbenchError("--engine server runs alone: measure torch or vllm in a run of their own")
-        for name in self.methods:
+            alone = "llama-cpp" if llama else "server"
+            raise SpecbenchError(f"--engine {alone} runs alone: measure the other engines in a run of their own")
+        for name in [] if llama else self.methods:  # llama.cpp's names were checked by validate_llama_cpp
             if name in SERVED and name not in METHODS and not vllm:
                 own = [m.name for m in METHODS.values() if m.counterpart == name]
                 hint = f" (specbench's own is {own[0]})" if own else ""
@@ -290,15 +312,18 @@ class _Run:
             )
         if "torch" in self.engines and self.request_rate != OPTIONS["request_rate"].default:
             raise SpecbenchError("--request-rate sends requests to a serving engine: add --engine vllm or server")
-        for panel, who, needed in ((ENGINE_PANEL, "the vLLM engine", vllm), (SERVER_PANEL, "servers", server)):
+        shared = ("engines", "concurrency", "request_rate", *(LLAMA_TAKES if llama else ()))
+        for panel, who, needed, engine in (
+            (ENGINE_PANEL, "the vLLM engine", vllm, "vllm"),
+            (SERVER_PANEL, "servers", "server" in self.engines, "server"),
+            (LLAMA_PANEL, "llama.cpp", llama, "llama-cpp"),
+        ):
             given = [
                 o.flag
                 for o in OPTIONS.values()
-                if o.panel == panel and o.name not in ("engines", "concurrency", "request_rate")
-                and getattr(self, o.name) != o.default
+                if o.panel == panel and o.name not in shared and getattr(self, o.name) != o.default
             ]  # fmt: skip
             if given and not needed:
-                engine = "vllm" if panel == ENGINE_PANEL else "server"
                 raise SpecbenchError(f"{', '.join(given)} set(s) {who}: add --engine {engine}")
         if not (vllm or server):
             return
@@ -310,6 +335,8 @@ class _Run:
             )
         if self.eta:
             raise SpecbenchError(f"{'servers have' if server else 'vLLM has'} no eta sampling: drop --eta")
+        if llama:
+            return
         if server:
             self.validate_servers()
             return
@@ -325,6 +352,21 @@ class _Run:
             )
         if not available():
             raise SpecbenchError(INSTALL)
+
+    def validate_llama_cpp(self) -> None:
+        """--engine llama-cpp's own rules: llama.cpp's methods, real weights, and a llama-server to start."""
+        if len(self.engines) > 1:
+            raise SpecbenchError("--engine llama-cpp runs alone: measure the other engines in a run of their own")
+        if unknown := [name for name in self.methods if name not in llama_method_names()]:
+            raise SpecbenchError(
+                f"--method {unknown[0]} does not run in llama.cpp: choose from draft, ngram (or llama.cpp's "
+                "ngram-map-k, ngram-map-k4v, ngram-mod) and eagle3"
+            )
+        if not self.served_plan:
+            raise SpecbenchError("--engine llama-cpp needs a speculative --method: draft, ngram or eagle3")
+        if self.random_weights:
+            raise SpecbenchError("--random-weights is for specbench's loop and vLLM: llama.cpp needs the weights")
+        find_server(self.llama_server)
 
     def validate_servers(self) -> None:
         """--engine server's own rules: a baseline, NAME=URL entries with distinct names, http(s) URLs."""

@@ -2,7 +2,8 @@
 
 A method (method.Method) says whether it takes a lookahead K, whether it needs the draft model, the
 options it owns, what its cost ratio c is, and how it decodes one prompt. Nothing outside this module
-names a method: adding one is a class here and an entry in METHODS.
+names a method of specbench's loop (the serving engines' methods are in served.py): adding one is a
+class here and an entry in METHODS.
 
 A method decodes with ``settings`` (engines/loop.Settings): the tokens to generate, the sampling,
 and its own options by name. ``cfg``, where a method checks or describes the run's options, is the
@@ -24,7 +25,6 @@ from .errors import SpecbenchError
 from .kv import SINKS
 from .lm import HFCausalLM, SparseView, WindowLM
 from .method import Decoder, Level, Method, SpeculativeLoop
-from .models import speculator_dir
 from .online import OnlineConfig, OnlineLearner, rejection
 from .options import FIXED, K_POLICIES, Option, names_given
 from .pair import Pair
@@ -456,114 +456,6 @@ class HFGenerate(Method):
     def decode_many(self, pair, settings, ids, count, seed):
         """``count`` untimed samples of one prompt, in batches (the audit's reference arms)."""
         return hf_samples(pair.target, ids, settings, seed, pair.stop_ids, count)
-
-
-class Served(Method):
-    """A method of vLLM's (--engine vllm): vLLM decodes, specbench starts the engine, drives the
-    requests and reads vLLM's counters. ``speculative_config`` is what vLLM is started with."""
-
-    engine, adjusts_logits = "vllm", True
-
-    def speculative_config(self, k: int | None, draft: str | None, speculator: str | None) -> dict | None:
-        """vLLM's speculative_config at lookahead ``k``, with the draft model's directory ``draft``
-        and the EAGLE head's ``speculator`` (--speculator) for the methods that use them."""
-        return None
-
-    def check_served(self, cfg) -> None:
-        """Raise SpecbenchError when this method cannot run with ``cfg`` (before any engine starts)."""
-
-
-class ServedBaseline(Served):
-    name, help, takes_k = "baseline", "vLLM without speculation: every vLLM method's reference (always runs)", False
-
-
-class ServedDraft(Served):
-    name, help, needs_draft = "draft", "vLLM's draft-model speculation with --draft (specbench's: speculative)", True
-
-    def speculative_config(self, k, draft, speculator):
-        return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}
-
-
-class ServedNgram(Served):
-    name, help = "ngram", "vLLM's prompt lookup, n-grams of 1 to 3 tokens as specbench's prompt-lookup"
-
-    def c(self, costs):
-        return 0.0  # no model drafts
-
-    def speculative_config(self, k, draft, speculator):
-        # The n-gram lengths of specbench's prompt lookup (drafters.PromptLookupDrafter), so the two compare.
-        return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
-
-
-class ServedSuffix(Served):
-    name, help = "suffix", "vLLM's suffix decoding (a suffix tree over prompt and earlier outputs; arctic-inference)"
-
-    def c(self, costs):
-        return 0.0
-
-    def speculative_config(self, k, draft, speculator):
-        return {"method": "suffix", "num_speculative_tokens": k}
-
-    def check_served(self, cfg):
-        import importlib.util
-
-        if importlib.util.find_spec("arctic_inference") is None:
-            raise SpecbenchError(
-                "--method suffix needs vLLM's suffix-tree package: .venv-vllm/bin/pip install arctic-inference"
-            )
-
-
-class ServedEagle(Served):
-    """EAGLE heads: the head drafts from the target's hidden states; --speculator names it."""
-
-    name, help = "eagle1", "vLLM's EAGLE(-1) drafting with the head in --speculator"
-    kind = "eagle"
-    needs_speculator = True
-
-    def speculative_config(self, k, draft, speculator):
-        return {"method": self.kind, "model": str(speculator_dir(speculator)), "num_speculative_tokens": k}
-
-    def check_served(self, cfg):
-        speculator_dir(cfg.speculator)
-
-
-class ServedEagle3(ServedEagle):
-    name, help, kind = "eagle3", "vLLM's EAGLE-3 drafting with the head in --speculator", "eagle3"
-
-
-# --launch's names for the servers that do not speculate: the baseline, and the draft alone (for c).
-SERVER_BASELINE, SERVER_DRAFT = "baseline", "draft"
-
-
-class Remote(Method):
-    """A running server (--engine server): it decodes whatever it was started with; specbench sends it
-    the requests. Its name is the --server NAME (the rows' method); its K is what its responses say,
-    else --k. The baseline is the --baseline-url server, which does not speculate. A server specbench
-    starts (--launch) has a ``command`` and its URL only once started."""
-
-    engine, adjusts_logits = "server", True  # what the server honours is its own affair
-
-    def __init__(self, name: str, url: str, speculates: bool = True, command: str = ""):
-        self.name, self.url, self.takes_k, self.command = name, url, speculates, command
-        self.help = f"the server at {url}" if url else f"the server started by {command}"
-
-
-# vLLM's methods (--engine vllm), apart from specbench's: their baseline is another engine's.
-SERVED: dict[str, Served] = {
-    m.name: m for m in (ServedBaseline(), ServedDraft(), ServedNgram(), ServedSuffix(), ServedEagle(), ServedEagle3())
-}
-SERVED_BASELINE = SERVED["baseline"]
-# --engine: specbench's loop (with transformers' methods), vLLM in this process, running servers
-ENGINES = ("torch", "vllm", "server")
-SERVED_ENGINES = ("vllm", "server")  # the engines that serve requests (engines/)
-
-
-def served_names(names: list[str]) -> list[str]:
-    """The vLLM methods a --method list asks for: vLLM's own names, and the counterparts of specbench's."""
-    picked = [
-        METHODS[name].counterpart if name in METHODS else name for name in names if name in SERVED or name in METHODS
-    ]
-    return [name for name in dict.fromkeys(picked) if name and name != SERVED_BASELINE.name]
 
 
 METHODS: dict[str, Method] = {

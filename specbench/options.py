@@ -336,11 +336,12 @@ ENGINE: tuple[Option, ...] = (
         "engines",
         ["torch"],
         "Who decodes: torch (specbench's loop, with transformers' hf-* methods) and/or vllm, comma-separated, or "
-        "server (running servers: --baseline-url, --server); each engine's methods are timed against its own baseline.",
+        "server (running servers: --baseline-url, --server), or llama-cpp (llama.cpp's llama-server, started by "
+        "specbench); each engine's methods are timed against its own baseline.",
         flags=("--engine",),
         parse=name_list,
-        choices=("torch", "vllm", "server"),
-        metavar="[torch|vllm|torch,vllm|server]",
+        choices=("torch", "vllm", "server", "llama-cpp"),
+        metavar="[torch|vllm|torch,vllm|server|llama-cpp]",
         panel=ENGINE_PANEL,
     ),
     Option(
@@ -447,6 +448,44 @@ SERVER: tuple[Option, ...] = (
         "--engine server: seconds a request may take before it is recorded as failed.",
         low=1.0,
         panel=SERVER_PANEL,
+    ),
+)
+
+LLAMA_PANEL = "llama.cpp: --engine llama-cpp starts llama-server for each method and K (docs/engines.md)"
+LLAMA: tuple[Option, ...] = (
+    Option(
+        "llama_server",
+        None,
+        "--engine llama-cpp: the llama-server binary (default: $LLAMA_CPP_DIR/bin, .llama-cpp/bin, then PATH; "
+        "`make install-llama-cpp` builds it).",
+        metavar="PATH",
+        panel=LLAMA_PANEL,
+    ),
+    Option(
+        "gguf_type",
+        "auto",
+        "--engine llama-cpp: the precision of the GGUF files made from the models (once, cached): auto keeps a .gguf "
+        "target as it is and converts checkpoints to f32 (specbench's loop on a CPU); f32, f16, bf16 or q8_0 converts "
+        "every model, a .gguf target from the float32 copy specbench's loop decodes.",
+        choices=("auto", "f32", "f16", "bf16", "q8_0"),
+        panel=LLAMA_PANEL,
+    ),
+    Option(
+        "draft_sampling",
+        ["greedy", "probabilistic"],
+        "--engine llama-cpp: how the draft method's tokens are drawn (llama-server --spec-draft-sampling), a row "
+        "each: greedy (the draft's argmax, kept while the target's own sample matches it) and/or probabilistic "
+        "(sampled, verified by rejection sampling).",
+        parse=name_list,
+        choices=("greedy", "probabilistic"),
+        panel=LLAMA_PANEL,
+    ),
+    Option(
+        "llama_threads",
+        0,
+        "--engine llama-cpp: CPU threads of each llama-server (0: llama.cpp's default, the physical cores).",
+        low=0,
+        panel=LLAMA_PANEL,
     ),
 )
 

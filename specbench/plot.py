@@ -8,10 +8,11 @@ from pathlib import Path
 
 from . import schema
 from .errors import SpecbenchError
-from .methods import BASELINE, SERVED_BASELINE
+from .methods import BASELINE
 from .options import FIXED
 from .results import decoder_label
 from .schema import OWN_ENGINES
+from .served import SERVED_BASELINE
 
 
 def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:

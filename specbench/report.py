@@ -8,9 +8,10 @@ from rich.table import Table
 
 from . import schema
 from .context import CONTENDERS
-from .methods import BASELINE, METHODS, SERVED_BASELINE
+from .methods import BASELINE, METHODS
 from .results import decoder_label, missing, row_label
 from .schema import OWN_ENGINES
+from .served import SERVED_BASELINE
 
 
 def summary_table(rows: list[dict], title: str) -> Table:

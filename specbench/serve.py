@@ -21,9 +21,9 @@ from .engines.server import Server
 from .engines.vllm import Engine, EngineSpec
 from .errors import SpecbenchError
 from .method import Decoder
-from .methods import Remote
 from .pair import Conversations
 from .prompts import Turn
+from .served import Remote
 
 log = logging.getLogger("specbench")
 
@@ -47,7 +47,7 @@ class ServingRun:
     model's engine. Servers: each method is a methods.Remote; ``draft_server`` serves the draft alone;
     ``api``, ``api_key``, ``timeout_s`` and ``encode`` are how every server is spoken to."""
 
-    engine: str  # "vllm" or "server"
+    engine: str  # "vllm", "server" or "llama-cpp"
     baseline: Decoder
     plan: list[Decoder]
     loads: list[tuple[int, float]]  # (requests in flight, request rate)
@@ -203,8 +203,10 @@ def opened(run: ServingRun, conversations: Conversations, decoder: Decoder | Non
         return
     remote = run.draft_server if decoder is None else decoder.method
     with ExitStack() as stack:
+        # A log per server: llama.cpp's methods run a server per K.
+        log_name = remote.name if decoder is None or not decoder.k else f"{remote.name}-k{decoder.k}"
         url = (
-            stack.enter_context(launched(remote.name, remote.command, run.out / "servers"))
+            stack.enter_context(launched(log_name, remote.command, run.out / "servers", who=launcher(remote, log_name)))
             if remote.command
             else remote.url
         )
@@ -231,6 +233,11 @@ def warmed_up(engine, run: ServingRun, conversations: Conversations) -> Iterator
         for _ in range(run.warmup):
             list(engine.run([request], 1, run.sampling))
         yield engine
+
+
+def launcher(remote: Remote, name: str) -> str:
+    """Who started the server ``name``, as its errors say it: llama.cpp's, or the user's --launch."""
+    return f"llama-server {name}" if remote.engine == "llama-cpp" else f"--launch {name}"
 
 
 def block_key(decoder: Decoder, load: tuple[int, float]) -> tuple:

@@ -21,6 +21,7 @@ from .method import Decoder
 from .methods import BASELINE
 from .prompts import Turn
 from .results import RunColumns, prompt_columns, structural
+from .served import HTTP_ENGINES
 
 # Log-probability gap (nats) between the baseline's two likeliest tokens under which a greedy divergence
 # counts as a near-tie: batching, kernels and precision can flip such a pair without any bug.
@@ -356,7 +357,7 @@ def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, columns: Ru
             else math.nan,
             "c": c,
             "outputs_match": sum(bool(r["outputs_match"]) for r in compared),
-            "structural": structural(compared) if engine == "server" and columns.greedy else math.nan,
+            "structural": structural(compared) if engine in HTTP_ENGINES and columns.greedy else math.nan,
             "first_divergence": min(divergences, default=-1),
         }
     )

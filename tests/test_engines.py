@@ -16,8 +16,8 @@ from specbench.engines import Served
 from specbench.engines.vllm import EngineSpec
 from specbench.errors import SpecbenchError
 from specbench.method import Decoder
-from specbench.methods import SERVED, SERVED_BASELINE
 from specbench.prompts import Prompt, Turn
+from specbench.served import SERVED, SERVED_BASELINE
 
 
 def test_counts_map_a_hand_built_histogram_to_the_columns():

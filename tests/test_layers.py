@@ -111,9 +111,9 @@ def test_only_methods_names_a_method():
 
 
 # The modules that take the run's configuration (config.BenchConfig): the command line, the
-# configuration itself, the two orchestrators, and the method classes, which read their own options
+# configuration itself, the two orchestrators, and the method classes (methods, served), which read their own options
 # from it by name. Every other module is handed what it needs (its models, prompts, sampling, load).
-READ_THE_RUN = {"cli", "config", "bench", "audit", "method", "methods"}
+READ_THE_RUN = {"cli", "config", "bench", "audit", "method", "methods", "served"}
 
 
 def test_only_the_orchestrators_take_the_run_configuration():

@@ -47,10 +47,13 @@ def ready(root: str) -> bool:
 
 
 @contextmanager
-def launched(name: str, command: str, log_dir: Path, wait_s: float = WAIT_S, port: int | None = None) -> Iterator[str]:
+def launched(
+    name: str, command: str, log_dir: Path, wait_s: float = WAIT_S, port: int | None = None, who: str = ""
+) -> Iterator[str]:
     """Start ``command`` (``{port}`` filled in: ``port``, or a free one), wait until it answers, yield
     its API URL (http://127.0.0.1:PORT/v1); stop it on exit. One line naming its log when it exits or
-    does not answer in ``wait_s``."""
+    does not answer in ``wait_s``; ``who`` starts that line (default: --launch NAME)."""
+    who = who or f"--launch {name}"
     if "{port}" not in command:
         raise SpecbenchError(f"--launch {name}=...: put {{port}} where the server's port goes, e.g. --port {{port}}")
     port = port or free_port()
@@ -61,17 +64,15 @@ def launched(name: str, command: str, log_dir: Path, wait_s: float = WAIT_S, por
         try:
             process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         except OSError as e:
-            raise SpecbenchError(f"--launch {name}: cannot start {argv[0]} ({e.strerror or e})") from None
+            raise SpecbenchError(f"{who}: cannot start {argv[0]} ({e.strerror or e})") from None
     root = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + wait_s
         while not ready(root):
             if process.poll() is not None:
-                raise SpecbenchError(
-                    f"--launch {name}: the server exited with code {process.returncode}: see {log_path}"
-                )
+                raise SpecbenchError(f"{who}: the server exited with code {process.returncode}: see {log_path}")
             if time.monotonic() > deadline:
-                raise SpecbenchError(f"--launch {name}: the server did not answer in {wait_s:g} s: see {log_path}")
+                raise SpecbenchError(f"{who}: the server did not answer in {wait_s:g} s: see {log_path}")
             time.sleep(1.0)
         yield root + "/v1"
     finally:
