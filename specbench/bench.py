@@ -300,7 +300,7 @@ def launch_llama_cpp(
     target, draft, head = llamacpp.ggufs(
         server,
         cfg.gguf_type,
-        cache_dir() / "llama-cpp",
+        cache_dir() / "gguf",
         Path(model_dir(pair.target)),
         Path(source.location) if source.kind == "gguf" else None,
         Path(model_dir(pair.draft)) if pair.draft is not None else None,
@@ -508,7 +508,9 @@ def serve_rows(
             records.append(row)
             writer.append_record(row)
         elif isinstance(event, Counters):
-            grew = serving.counter_row(run.engine, event.decoder.method.name, event.load, event.before, event.after)
+            grew = serving.counter_row(
+                run.engine, event.decoder.method.name, event.decoder.k, event.load, event.before, event.after
+            )
             if grew is not None:
                 counters.append(grew)
                 writer.write_csv("counters.csv", counters)

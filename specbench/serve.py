@@ -212,7 +212,13 @@ def opened(run: ServingRun, conversations: Conversations, decoder: Decoder | Non
         )
         try:
             server = Server(
-                remote.name, url, api=run.api, api_key=run.api_key, timeout_s=run.timeout_s, encode=run.encode
+                remote.name,
+                url,
+                api=run.api,
+                api_key=run.api_key,
+                timeout_s=run.timeout_s,
+                encode=run.encode,
+                fresh_connections=remote.engine == "llama-cpp",
             )
         except SpecbenchError as e:
             if not remote.takes_k:  # the baseline, or the draft alone
