@@ -58,6 +58,7 @@ COUNTERS = (
     "concurrency",
     "request_rate",
     "method",
+    "k",
     "num_drafts",
     "num_draft_tokens",
     "num_accepted_tokens",

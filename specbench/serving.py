@@ -208,7 +208,9 @@ def c_of(costs: list[dict], engine: str) -> float:
     return tpot["draft"] / tpot["target"] if {"draft", "target"} <= set(tpot) else math.nan
 
 
-def counter_row(engine: str, method: str, load: tuple[int, float], before: dict, after: dict) -> dict | None:
+def counter_row(
+    engine: str, method: str, k: int | None, load: tuple[int, float], before: dict, after: dict
+) -> dict | None:
     """counters.csv: what the engine's own counters grew by over one block; None when it has none."""
     if not after:
         return None
@@ -223,14 +225,17 @@ def counter_row(engine: str, method: str, load: tuple[int, float], before: dict,
         "concurrency": load[0],
         "request_rate": load[1],
         "method": method,
+        "k": k,
         **{name: grew.get(name, math.nan) for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")},
         "num_accepted_tokens_per_pos": " ".join(f"{n:g}" for n in per_pos),
     }
 
 
-def acceptance(rs: list[dict], counters: list[dict], engine: str, method: str, load: tuple[int, float]) -> dict:
+def acceptance(
+    rs: list[dict], counters: list[dict], engine: str, method: str, k: int | None, load: tuple[int, float]
+) -> dict:
     """A block's acceptance figures from the best source it has: the requests' own (every request
-    reported), else the block's counter difference, else none (empty, never a guess)."""
+    reported), else the block's counter difference at its K, else none (empty, never a guess)."""
     done = [r for r in rs if not r["error"]]
     tokens = sum(r["new_tokens"] for r in done)
     # A request that ran no verify step (one token) reports nothing: it drafted and accepted nothing.
@@ -249,7 +254,7 @@ def acceptance(rs: list[dict], counters: list[dict], engine: str, method: str, l
     grew = [
         c for c in counters
         if c["engine"] == engine and c["method"] == method and c["concurrency"] == load[0]
-        and float(c["request_rate"]) == load[1]
+        and float(c["request_rate"]) == load[1] and (_missing(k) or _missing(c.get("k")) or c["k"] == k)
     ]  # fmt: skip
     if grew and grew[-1]["num_drafts"] and not math.isnan(grew[-1]["num_drafts"]):
         c = grew[-1]
@@ -287,8 +292,14 @@ def summarize(
     }
     rows = []
     for load in loads:
+        seen = set()
         for decoder in decoders:
             method, engine = decoder.method, decoder.method.engine
+            # A plan holds a decoder per K (an engine or server each), and the Ks are read from the
+            # records below: a method's second decoder would repeat its first's rows.
+            if (engine, method.name) in seen:
+                continue
+            seen.add((engine, method.name))
             rs = block(records, engine, method.name, load)
             base_rows = [r for r in block(records, engine, decoders[0].method.name, load) if not r["error"]]
             for k in sorted({r["k"] for r in rs if not _missing(r["k"])}) or [decoder.k]:
@@ -327,7 +338,7 @@ def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, columns: Ru
     tokens, seconds = sum(r["new_tokens"] for r in done), sum(r["method_s"] for r in done)
     base_tokens, base_s = sum(r["baseline_tokens"] for r in compared), sum(r["baseline_s"] for r in compared)
     same = [own_base[r["prompt_index"]] for r in done if r["prompt_index"] in own_base]
-    found = acceptance(rs, counters, engine, method.name, load) if method.takes_k else {}
+    found = acceptance(rs, counters, engine, method.name, k, load) if method.takes_k else {}
     if not method.takes_k:
         c = math.nan  # the baseline drafts nothing
     else:

@@ -62,7 +62,7 @@ def test_alpha_estimate_recovers_the_alpha_of_independent_acceptances():
 
 
 def _cfg(**given):
-    return BenchConfig(engines=["vllm"], methods=["draft"], ks=[2], num_prompts=2, **given)
+    return BenchConfig(**{"engines": ["vllm"], "methods": ["draft"], "ks": [2], "num_prompts": 2, **given})
 
 
 def test_records_and_summary_of_requests_in_flight():
@@ -92,6 +92,35 @@ def test_records_and_summary_of_requests_in_flight():
     assert row["alpha_estimate"] == pytest.approx(2 / (2 + 2))  # hist 2 0 1: two accepted, two stops short
     assert row["predicted_speedup"] == pytest.approx(metrics.predicted_speedup(0.5, 0.2, 2))
     assert math.isnan(row["vs_specbench"])  # no --engine torch: no specbench baseline to compare with
+
+
+def test_a_served_row_per_method_and_k_when_the_plan_has_a_decoder_per_k():
+    cfg = _cfg(ks=[2, 3])
+    assert [d.k for d in cfg.served_plan] == [2, 3]  # an engine per K
+    turn = Turn(Prompt("a", ("a",)), 0, 1)
+    base = Served(0, [5, 6, 7], 0.0, 0.1, 0.3, None)
+    load = (1, math.inf)
+    rows = [serving.record(turn, 0, [1], Decoder(SERVED_BASELINE), load, base, base)]
+    for step in cfg.served_plan:
+        rows.append(serving.record(turn, 0, [1], step, load, Served(0, [5, 6, 7], 0.0, 0.1, 0.2, [1, 1], 2), base))
+    costs = [serving.decode_cost([10.0], "vllm", "target"), serving.decode_cost([2.0], "vllm", "draft")]
+    columns = run_columns(cfg, {"target": "t", "draft": "d", "dataset": "x"})
+    summary = serving.summarize(rows, costs, [], [cfg.served_baseline, *cfg.served_plan], cfg.loads, columns)
+    assert [(r["method"], r["k"]) for r in summary] == [("baseline", None), ("draft", 2), ("draft", 3)]
+
+
+def test_acceptance_from_counters_is_the_blocks_own_k():
+    # A server per K (llama-cpp, vLLM): each block's counters are its K's, not the last K's.
+    load = (1, math.inf)
+    grew = [
+        serving.counter_row("llama-cpp", "ngram-simple", k, load, {}, {"num_drafts": n, "num_draft_tokens": 2 * n,
+                            "num_accepted_tokens": a})
+        for k, n, a in ((2, 10.0, 5.0), (4, 20.0, 30.0))
+    ]  # fmt: skip
+    rs = [{"error": "", "new_tokens": 8, "acceptance_source": ""}]
+    assert serving.acceptance(rs, grew, "llama-cpp", "ngram-simple", 2, load)["accepted"] == 5.0
+    assert serving.acceptance(rs, grew, "llama-cpp", "ngram-simple", 4, load)["accepted"] == 30.0
+    assert serving.acceptance(rs, grew, "llama-cpp", "ngram-simple", 3, load)["acceptance_source"] == ""
 
 
 def test_engine_spec_passes_the_distributed_settings_through():
