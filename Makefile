@@ -57,8 +57,10 @@ test-all: install-ci
 	$(PYTHON) -m pytest -q -m "not vllm and not llama_cpp"
 
 # The tests that start llama.cpp servers, with the llama-server of make install-llama-cpp.
+# One test at a time: llama.cpp's threads spin while they wait, and two tests' servers on 2 cores
+# slowed each other tenfold (a run timed out).
 test-llama-cpp: install-ci install-llama-cpp
-	LLAMA_CPP_DIR=$(LLAMA_CPP_DIR) $(PYTHON) -m pytest -q -m llama_cpp
+	LLAMA_CPP_DIR=$(LLAMA_CPP_DIR) $(PYTHON) -m pytest -q -n 0 -m llama_cpp
 
 # The tests that start vLLM engines, in the vLLM environment.
 test-vllm: install-vllm

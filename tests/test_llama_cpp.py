@@ -23,6 +23,10 @@ from specbench.errors import SpecbenchError
 from .helpers import one_line_error, specbench
 
 ENGINE = ["--engine", "llama-cpp", "--warmup", "0", "--num-prompts", "3", "--max-new-tokens", "24"]
+# The greedy tests decode f32 GGUF files: on the target's own Q4_1 file llama.cpp's speculating
+# servers answer otherwise than its plain one (docs/audit.md), while at f32 they agree.
+EXACT = ["--gguf-type", "f32"]
+TAG = "SPECBENCH_TEST_TAG"
 ACCEPTED = re.compile(r"draft acceptance = [0-9.]+ \(\s*(\d+) accepted /\s*(\d+) generated\)")
 
 
@@ -33,14 +37,17 @@ def llama_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def in_cache(llama_cache, monkeypatch):
+def in_cache(llama_cache, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECBENCH_CACHE", str(llama_cache))
+    # Every process the test starts inherits this tag, so that running_servers tells the test's
+    # llama-servers from those of a test running beside it.
+    monkeypatch.setenv(TAG, str(tmp_path))
 
 
 @pytest.mark.llama_cpp
 def test_rows_acceptance_from_the_servers_and_greedy_outputs_equal(in_cache, tmp_path):
     out = tmp_path / "run"
-    result = specbench("run", *ENGINE, "--method", "draft,ngram", "--k", "2", "--out", str(out), timeout=900)
+    result = specbench("run", *ENGINE, *EXACT, "--method", "draft,ngram", "--k", "2", "--out", str(out), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = pd.read_csv(out / "summary.csv").set_index("method")
     assert list(summary.index) == ["baseline", "draft-greedy", "draft-probabilistic", "ngram-simple"]
@@ -56,10 +63,12 @@ def test_rows_acceptance_from_the_servers_and_greedy_outputs_equal(in_cache, tmp
         assert len(counted) == 3
         assert row["accepted"] == sum(int(a) for a, _ in counted)
         assert row["drafted"] == sum(int(d) for _, d in counted)
-    assert "spec_type=draft-simple,draft_sampling=probabilistic" in summary.loc["draft-probabilistic", "options"]
+    assert (
+        "spec_type=draft-simple,draft_sampling=probabilistic,gguf=f32" in summary.loc["draft-probabilistic", "options"]
+    )
     costs = pd.read_csv(out / "engine_costs.csv")
     assert set(costs["model"]) == {"target", "draft"} and (costs["engine"] == "llama-cpp").all()
-    assert not list((out / "servers").glob("*.partial*")) and not running_servers()
+    assert not list((out / "servers").glob("*.partial*")) and not running_servers(tag=tmp_path)
 
 
 @pytest.mark.llama_cpp
@@ -93,25 +102,33 @@ def test_a_baseline_killed_mid_run_keeps_its_rows_and_resume_finishes(in_cache, 
 @pytest.mark.llama_cpp
 def test_the_audit_of_llama_cpp_gives_greedy_verdicts_for_both_draft_modes(in_cache, tmp_path):
     args = ["--engine", "llama-cpp", "--method", "draft", "--k", "2", "--num-prompts", "2", "--prompts", "1"]
-    args += ["--setting", "greedy", "--greedy-tokens", "32", "--out", str(tmp_path / "audit")]
+    args += ["--setting", "greedy", "--greedy-tokens", "32", *EXACT, "--out", str(tmp_path / "audit")]
     result = specbench("audit", *args, timeout=900)
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     report = json.loads((tmp_path / "audit" / "audit.json").read_text())
     verdicts = {(r["subject"], r["test"]): r["verdict"] for r in report["rows"]}
     for subject in ("llama-cpp draft-greedy K=2", "llama-cpp draft-probabilistic K=2"):
         assert verdicts[(subject, "greedy")] == "pass"
-    assert result.returncode == 0, result.stderr[-3000:]
+        # llama-server gives a token of a speculative round logprob 0 and no alternatives
+        # (server-context.cpp: "TODO: set result.probs"): the probe fails, and so does the audit.
+        assert verdicts[(subject, "logprobs")] == "FAIL"
+    failed = {key for key, verdict in verdicts.items() if verdict == "FAIL"}
+    assert {test for _, test in failed} == {"logprobs"}
+    assert result.returncode == 1, result.stderr[-3000:]
 
 
-def running_servers(parent: int | None = None) -> list[int]:
-    """The pids of llama-server processes (children of ``parent`` when given)."""
+def running_servers(parent: int | None = None, tag: Path | None = None) -> list[int]:
+    """The pids of llama-server processes: children of ``parent``, or started under the test ``tag``."""
     found = []
     for status in Path("/proc").glob("[0-9]*/status"):
         try:
             fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
+            environ = (status.parent / "environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if fields.get("Name", "").strip() == "llama-server" and (parent is None or int(fields["PPid"]) == parent):
+        if fields.get("Name", "").strip() != "llama-server":
+            continue
+        if (parent is None or int(fields["PPid"]) == parent) and (tag is None or f"{TAG}={tag}".encode() in environ):
             found.append(int(status.parent.name))
     return found
 
@@ -147,6 +164,9 @@ def test_each_server_command_speculates_as_its_method_says(tmp_path):
     assert "--spec-draft-sampling probabilistic" in drafted
     ngram = llamacpp.command(server, target, 1, 300, llamacpp.Speculation("ngram-simple", 4))
     assert "--spec-ngram-simple-size-m 4 --spec-ngram-simple-size-n 3" in ngram and "--spec-draft-model" not in ngram
+    # A draft shorter than the n-gram it matched is dropped by llama.cpp: at K = 2 it matches 2.
+    short = llamacpp.command(server, target, 1, 300, llamacpp.Speculation("ngram-simple", 2))
+    assert "--spec-ngram-simple-size-m 2 --spec-ngram-simple-size-n 2" in short
 
 
 @pytest.mark.parametrize(

@@ -146,8 +146,11 @@ class Speculation:
         if self.spec_type in NGRAM_LOOKUPS:
             # They draft their own length (size-m): K sets it. They match the last size-n tokens, 12 by
             # default, which code and prose seldom repeat: 3, as specbench's prompt lookup and vLLM's
-            # ngram here, so the three engines' n-gram rows compare.
-            args += [f"--spec-{self.spec_type}-size-m", str(self.k), f"--spec-{self.spec_type}-size-n", str(NGRAM_N)]
+            # ngram here, so the three engines' n-gram rows compare. Below K = 3 they match K tokens:
+            # ngram-simple drops a draft shorter than the n-gram it matched (common/ngram-map.cpp,
+            # "copy_max < n_draft_min"), so at K = 2 with 3 it never drafted.
+            size_n = min(NGRAM_N, self.k)
+            args += [f"--spec-{self.spec_type}-size-m", str(self.k), f"--spec-{self.spec_type}-size-n", str(size_n)]
         return args
 
 
