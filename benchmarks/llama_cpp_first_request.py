@@ -6,8 +6,8 @@ Starts a llama-server without speculation and one with the --spec arguments (the
 install-llama-cpp` made, one slot each), and sends each the same greedy request --repeats times
 (HumanEval/0's text, --tokens new tokens). Prints, per server, whether each answer equals the plain
 server's first, and where it first differs (in characters). `specbench audit --engine llama-cpp`
-found the speculating servers' greedy answers differing from the baseline's, and a run with
---warmup 0 the first request only; this shows it without specbench's client.
+found the speculating servers' greedy answers differing from the baseline's on the target's Q4_1
+file; this shows it without specbench's client, and without a draft model (docs/audit.md).
 """
 
 from __future__ import annotations

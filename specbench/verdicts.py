@@ -179,7 +179,8 @@ def greedy_verdict(g, arm, setting, plan) -> dict:
 
 def probe_rows(g, arm, who: dict) -> list[dict]:
     """The probes of one arm: answers end at their first stop token; the banned token never appears;
-    a serving engine's answers end where a stop string appears; logprobs equal the reference's."""
+    a serving engine's answers end where a stop string appears; logprobs equal the reference's, and
+    come for every token the reference's come for."""
     answers = [a for answers in arm.greedy.values() for a in answers] + [a for s in arm.samples.values() for a in s]
     late = [a for a in answers if any(t in g.stop_ids for t in a[:-1])]
     rows = [{**who, "test": "eos", "setting": "all", "verdict": FAIL if late else PASS,
@@ -202,10 +203,14 @@ def probe_rows(g, arm, who: dict) -> list[dict]:
         why = arm.refused.get("logprobs") or g.ref.refused.get("logprobs") or "not returned"
         rows.append({**who, "test": "logprobs", "setting": "greedy", "verdict": NOT_APPLICABLE, "evidence": why})
         return rows
-    gaps = [abs(a[0] - b[0]) for a, b in zip(g.ref.logprobs, arm.logprobs, strict=False) if a and b]
+    pairs = list(zip(g.ref.logprobs, arm.logprobs, strict=False))
+    gaps = [abs(a[0] - b[0]) for a, b in pairs if a and b]
+    missing = sum(1 for a, b in pairs if a and not b)  # the reference's has logprobs, the subject's none
     worst = max(gaps, default=0.0)
-    verdict = FAIL if worst > LOGPROB_TOLERANCE else PASS
+    verdict = FAIL if worst > LOGPROB_TOLERANCE or missing else PASS
     evidence = f"largest gap {worst:.2g} nats over {len(gaps)} tokens (tolerance {LOGPROB_TOLERANCE:g})"
+    if missing:
+        evidence += f"; no logprobs for {missing} of {len(pairs)} tokens"
     rows.append({**who, "test": "logprobs", "setting": "greedy", "verdict": verdict, "evidence": evidence})
     return rows
 

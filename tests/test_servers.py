@@ -3,6 +3,7 @@ each test: the response shapes of vLLM, llama.cpp, SGLang and TensorRT-LLM, ever
 have, and an API key that must not leak. The tests against real vLLM servers are in test_vllm.py."""
 
 import gc
+import json
 import math
 import random
 
@@ -10,8 +11,10 @@ import pandas as pd
 import pytest
 
 from benchmarks.stub_server import Stub, answer, steps_of
+from specbench.audit import Arm, Group
 from specbench.engines import Sampling, arrivals
-from specbench.engines.server import Server, parse_counters
+from specbench.engines.server import Reply, Server, parse_counters
+from specbench.verdicts import probe_rows
 
 from .helpers import one_line_error, specbench
 from .test_workloads import spec_bench_file as spec_bench_file  # a fixture
@@ -280,3 +283,25 @@ def test_counters_sum_over_engines_and_positions():
 )
 def test_bad_server_input_is_one_line(args, needle):
     one_line_error(specbench("run", *args, timeout=120), needle)
+
+
+def test_tokens_streamed_without_logprobs_keep_their_place_and_fail_the_probe():
+    # llama-server streams every token of a speculative round with "logprobs": null.
+    def chunk(text, logprob):
+        logprobs = None if logprob is None else {"content": [{"token": text, "logprob": logprob, "top_logprobs": []}]}
+        return ("data: " + json.dumps({"choices": [{"text": text, "logprobs": logprobs}]})).encode()
+
+    subject, reference = Reply(), Reply()
+    for text, mine, theirs in (("a", -0.5, -0.5), ("b", None, -0.2), ("c", -0.1, -0.1)):
+        subject.take(chunk(text, mine), 0.0)
+        reference.take(chunk(text, theirs), 0.0)
+    assert subject.logprobs == [[-0.5], [], [-0.1]]  # aligned: "c" is compared with "c"
+    who = {"subject": "s"}
+    arm, ref = Arm("s", logprobs=subject.logprobs), Arm("r", logprobs=reference.logprobs)
+    group = Group("r", [], [], None, (), ref, Arm("c"), [arm], [], {})
+    row = next(r for r in probe_rows(group, arm, who) if r["test"] == "logprobs")
+    assert row["verdict"] == "FAIL" and "no logprobs for 1 of 3 tokens" in row["evidence"]
+    assert "largest gap 0 nats over 2 tokens" in row["evidence"]
+    plain = Reply()
+    plain.take(chunk("a", None), 0.0)
+    assert plain.served(0, 0.0, 1.0, None).logprobs is None  # no logprobs asked for, none given

@@ -291,7 +291,11 @@ class Reply:
                 self.times.append(now)
             self.text += piece
             self.ids += ids
-            self.logprobs += top_logprobs(choice.get("logprobs"))
+            tops = top_logprobs(choice.get("logprobs"))
+            # A token streamed without logprobs keeps its place (an empty list), so that the
+            # positions after it stay aligned: llama-server sends null for every token of a
+            # speculative round.
+            self.logprobs += tops or ([[]] if piece or ids else [])
             self.ended = self.ended or bool(choice.get("finish_reason"))
         self.usage = chunk.get("usage") or self.usage
         self.spec = (chunk.get("metrics") or {}).get("speculative_decoding") or self.spec  # vLLM
@@ -305,7 +309,7 @@ class Reply:
         itl = [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
         served = Served(index, tokens, start, first, end, None, itl=itl, text=self.text, error=self.error)
         served.encoded = not self.ids
-        served.logprobs = self.logprobs or None
+        served.logprobs = self.logprobs if any(self.logprobs) else None
         count = (self.usage or {}).get("completion_tokens")
         if count is not None and not self.ids:  # the server's count, when its ids were not given
             served.reported = count
