@@ -135,8 +135,8 @@ def _show(events, progress: Progress) -> None:
     console.print(summary_table(results.summary, results.title))
     if (serving := serving_table(results.summary)) is not None:
         console.print(serving)
-    if any(row["engine"] != "vllm" for row in results.summary):
-        console.print(phase_table(results.summary))
+    if (phases := phase_table(results.summary)) is not None:  # none for a serving engine's rows alone
+        console.print(phases)
     if (levels := levels_table(results.summary)) is not None:
         console.print(levels)
     if results.categories:

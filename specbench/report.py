@@ -124,10 +124,12 @@ def k_cell(row: dict) -> str:
     return f"{shown} {policy}" if policy and policy != schema.BY_NAME["k_policy"].plain else shown
 
 
-def phase_table(rows: list[dict]) -> Table:
+def phase_table(rows: list[dict]) -> Table | None:
     """Where each method's time went: milliseconds per generated token, phase by phase (inner only
-    when a method has a level beneath its draft model)."""
+    when a method has a level beneath its draft model). None when no row is specbench's loop's."""
     rows = [row for row in rows if row["engine"] in OWN_ENGINES]  # a serving engine's time is not split into phases
+    if not rows:
+        return None
     phases = [name for name in schema.PHASES if name != "inner_s" or any(row[name] for row in rows)]
     names = (f"{name.removesuffix('_s')} ms" for name in phases)
     table = Table("method", "K", "tree", *names, "total ms", "other %")

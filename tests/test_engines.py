@@ -17,6 +17,7 @@ from specbench.engines.vllm import EngineSpec
 from specbench.errors import SpecbenchError
 from specbench.method import Decoder
 from specbench.prompts import Prompt, Turn
+from specbench.report import phase_table
 from specbench.served import SERVED, SERVED_BASELINE
 
 
@@ -171,3 +172,8 @@ def test_vllm_missing_names_its_install_command(monkeypatch):
     monkeypatch.setattr(specbench.config, "available", lambda: False)
     with pytest.raises(SpecbenchError, match="make install-vllm"):
         BenchConfig(engines=["vllm"]).validate()
+
+
+def test_no_phase_table_for_a_serving_engines_rows_alone():
+    # A server's time is not split into phases: an empty table would only be noise.
+    assert phase_table([{"engine": "llama-cpp"}, {"engine": "vllm"}]) is None
