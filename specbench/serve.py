@@ -203,8 +203,9 @@ def opened(run: ServingRun, conversations: Conversations, decoder: Decoder | Non
         return
     remote = run.draft_server if decoder is None else decoder.method
     with ExitStack() as stack:
-        # A log per server: llama.cpp's methods run a server per K.
-        log_name = remote.name if decoder is None or not decoder.k else f"{remote.name}-k{decoder.k}"
+        # A log per server: llama.cpp's methods run a server per K; a --launch server is one by its name.
+        per_k = decoder is not None and decoder.k and remote.engine == "llama-cpp"
+        log_name = f"{remote.name}-k{decoder.k}" if per_k else remote.name
         url = (
             stack.enter_context(launched(log_name, remote.command, run.out / "servers", who=launcher(remote, log_name)))
             if remote.command

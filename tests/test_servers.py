@@ -6,6 +6,7 @@ import gc
 import json
 import math
 import random
+import sys
 
 import pandas as pd
 import pytest
@@ -305,3 +306,14 @@ def test_tokens_streamed_without_logprobs_keep_their_place_and_fail_the_probe():
     plain = Reply()
     plain.take(chunk("a", None), 0.0)
     assert plain.served(0, 0.0, 1.0, None).logprobs is None  # no logprobs asked for, none given
+
+
+def test_a_launched_server_logs_under_its_own_name(tiny_pair, prompts_file, tmp_path):
+    # One server per --launch name (llama-cpp's per-K logs are NAME-kK; a launched server's is NAME).
+    stub = f"{sys.executable} -m benchmarks.stub_server --port {{port}} --shape llamacpp --k 2 --interval-ms 1"
+    with Stub(interval_s=0.001) as base:
+        result = run_servers(
+            tiny_pair, tmp_path, base, extra=("--dataset", prompts_file, "--num-prompts", "2", "--launch", f"lc={stub}")
+        )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert sorted(p.name for p in (tmp_path / "servers").iterdir()) == ["lc.log"]
