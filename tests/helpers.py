@@ -24,6 +24,22 @@ CORPUS = [
 ] * 20
 
 
+# ---------------------------------------------------------------- processes
+
+
+def processes():
+    """(pid, parent pid, argv, environment) of each process readable in /proc, argv and environment
+    as the kernel keeps them (lists of bytes): the servers a test started are found among them."""
+    for status in Path("/proc").glob("[0-9]*/status"):
+        try:
+            ppid = next(int(line.split()[1]) for line in status.read_text().splitlines() if line.startswith("PPid:"))
+            argv = (status.parent / "cmdline").read_bytes().split(b"\0")
+            environ = (status.parent / "environ").read_bytes().split(b"\0")
+        except (OSError, StopIteration):
+            continue
+        yield int(status.parent.name), ppid, argv, environ
+
+
 # ---------------------------------------------------------------- the CLI
 
 

@@ -20,7 +20,7 @@ import pytest
 from specbench.engines import llamacpp
 from specbench.errors import SpecbenchError
 
-from .helpers import one_line_error, specbench
+from .helpers import one_line_error, processes, specbench
 
 ENGINE = ["--engine", "llama-cpp", "--warmup", "0", "--num-prompts", "3", "--max-new-tokens", "24"]
 # The greedy tests decode f32 GGUF files: on the target's own Q4_1 file llama.cpp's speculating
@@ -120,18 +120,13 @@ def test_the_audit_of_llama_cpp_gives_greedy_verdicts_for_both_draft_modes(in_ca
 
 def running_servers(parent: int | None = None, tag: Path | None = None) -> list[int]:
     """The pids of llama-server processes: children of ``parent``, or started under the test ``tag``."""
-    found = []
-    for status in Path("/proc").glob("[0-9]*/status"):
-        try:
-            fields = dict(line.split(":\t", 1) for line in status.read_text().splitlines() if ":\t" in line)
-            environ = (status.parent / "environ").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if fields.get("Name", "").strip() != "llama-server":
-            continue
-        if (parent is None or int(fields["PPid"]) == parent) and (tag is None or f"{TAG}={tag}".encode() in environ):
-            found.append(int(status.parent.name))
-    return found
+    return [
+        pid
+        for pid, ppid, argv, environ in processes()
+        if Path(argv[0].decode(errors="replace")).name == "llama-server"
+        and (parent is None or ppid == parent)
+        and (tag is None or f"{TAG}={tag}".encode() in environ)
+    ]
 
 
 # ---------------------------------------------------------------- without a llama-server

@@ -7,7 +7,7 @@ import json
 import pandas as pd
 import pytest
 
-from tests.helpers import audit_workload, build_llama, build_tokenizer, specbench
+from tests.helpers import audit_workload, build_llama, build_tokenizer, processes, specbench
 
 pytestmark = pytest.mark.vllm
 EAGER = ["--engine-args", '{"enforce_eager": true}']  # compiling would only lengthen the engines' start
@@ -178,15 +178,10 @@ def kill_server_on(port: int) -> None:
     """SIGKILL to the process group of the vLLM server started with ``--port port``."""
     import os
     import signal
-    from pathlib import Path
 
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
-        try:
-            argv = cmdline.read_bytes().split(b"\0")
-        except OSError:
-            continue
+    for pid, _, argv, _ in processes():
         if b"vllm.entrypoints.openai.api_server" in argv and str(port).encode() in argv:
-            os.killpg(int(cmdline.parent.name), signal.SIGKILL)
+            os.killpg(pid, signal.SIGKILL)
             return
     raise AssertionError(f"no vLLM server on port {port}")
 

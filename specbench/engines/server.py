@@ -65,8 +65,9 @@ class Server:
         self.timeout_s = timeout_s
         self.encode = encode  # text to ids, for a server that returns text only
         # A connection per request, for servers that close kept-alive connections under the client:
-        # llama-server (cpp-httplib) did, and aiohttp wrote 71 of the audit's 1,000 requests into
-        # closed ones ("Can not write request body"). On loopback a connection costs microseconds.
+        # llama-server (cpp-httplib) did, and aiohttp wrote 71 of an audit's 1,000 requests into
+        # closed ones ("Can not write request body").
+        # On loopback a connection costs microseconds.
         self.fresh_connections = fresh_connections
         self.driver = LoopThread()
         self.session = None
@@ -82,9 +83,8 @@ class Server:
 
         # No cap on connections (aiohttp's default is 100): _drive's semaphore holds the load at the
         # run's concurrency, and a cap below it would quietly hold it lower. An idle connection is
-        # dropped after KEEPALIVE_S: llama-server (cpp-httplib) and uvicorn close theirs after 5 s,
-        # and aiohttp's default 15 s let the audit write 42 of 1,000 requests into connections
-        # llama-server had closed while other requests ran ("Can not write request body").
+        # dropped after KEEPALIVE_S, before the server drops it: cpp-httplib and uvicorn close theirs
+        # after 5 s, and aiohttp keeps them 15 s by default.
         return aiohttp.ClientSession(
             connector=aiohttp.TCPConnector(limit=0, force_close=True)
             if self.fresh_connections
@@ -295,7 +295,7 @@ class Reply:
             # A token streamed without logprobs keeps its place (an empty list), so that the
             # positions after it stay aligned: llama-server sends null for every token of a
             # speculative round.
-            self.logprobs += tops or ([[]] if piece or ids else [])
+            self.logprobs += tops or [[]] * (len(ids) or (1 if piece else 0))
             self.ended = self.ended or bool(choice.get("finish_reason"))
         self.usage = chunk.get("usage") or self.usage
         self.spec = (chunk.get("metrics") or {}).get("speculative_decoding") or self.spec  # vLLM
