@@ -209,7 +209,9 @@ def test_vllm_servers_side_by_side_and_a_killed_baseline_resumes(vllm_pair, tmp_
     an ngram server specbench launches; rows per server, concurrency and category, acceptance equal
     to the servers' own counters, greedy outputs equal. Then the baseline is killed mid-run: the
     finished rows stay, and --resume against it restarted finishes the run."""
+    import signal
     import subprocess
+    import sys
     import time
 
     from specbench.engines.launch import free_port, launched
@@ -223,15 +225,13 @@ def test_vllm_servers_side_by_side_and_a_killed_baseline_resumes(vllm_pair, tmp_
     questions.write_text("".join(json.dumps(row) + "\n" for row in rows))
     port = free_port()
     base_url = f"http://127.0.0.1:{port}/v1"
-    common = ["run", "--engine", "server", "--target", target, "--dataset", str(questions)]
-    common += ["--baseline-url", base_url, "--warmup", "1"]
+    common = ["run", "--engine", "server", "--target", target, "--baseline-url", base_url, "--warmup", "1"]
     out = tmp_path / "run"
     with launched("baseline", vllm_server(target), tmp_path / "logs", port=port):
         launch = ["--launch", f"draft2={vllm_server(target, *speculating(draft, 2))}"]
         launch += ["--launch", f"ngram={vllm_server(target, *speculating(None, 2, 'ngram'))}"]
-        result = specbench(
-            *common, *launch, "--max-new-tokens", "16", "--concurrency", "1,2", "--out", str(out), timeout=900
-        )
+        first = [*common, "--dataset", str(questions), *launch, "--max-new-tokens", "16", "--concurrency", "1,2"]
+        result = specbench(*first, "--out", str(out), timeout=900)
         assert result.returncode == 0, result.stderr[-3000:]
         records = pd.read_csv(out / "records.csv", keep_default_na=False)
         summary = pd.read_csv(out / "summary.csv")
@@ -252,20 +252,26 @@ def test_vllm_servers_side_by_side_and_a_killed_baseline_resumes(vllm_pair, tmp_
         assert (tmp_path / "run" / "servers" / "draft2.log").is_file()
 
         # A baseline killed mid-run: the rows so far stay; --resume finishes against it restarted.
+        # The run is paused (SIGSTOP) once two baseline rows are written, so that the kill lands
+        # with six of its eight requests still to send however fast the server answers them.
+        singles = tmp_path / "singles.jsonl"
+        singles.write_text("".join(
+            json.dumps({"question_id": 1 + i, "category": "coding", "turns": [f"def g{i}(x):"]}) + "\n" for i in range(8)
+        ))  # fmt: skip
         out = tmp_path / "killed"
-        # Long answers, so that the kill lands while the baseline's requests are still coming.
-        args = [*common, "--server", "none=http://127.0.0.1:9/v1", "--max-new-tokens", "120", "--out", str(out)]
+        args = [*common, "--dataset", str(singles), "--server", "none=http://127.0.0.1:9/v1"]
+        args += ["--max-new-tokens", "32", "--out", str(out)]
         running = subprocess.Popen(
-            ["python", "-m", "specbench", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+            [sys.executable, "-m", "specbench", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and not (
             (out / "records.csv").is_file() and len((out / "records.csv").read_text().splitlines()) >= 3
         ):
-            time.sleep(0.2)
-        # Killed at once: stopped by SIGTERM when the block is left, vLLM finished the requests in
-        # flight first, and on a quiet machine the run then ended without an error.
-        kill_server_on(port)
+            time.sleep(0.02)
+        running.send_signal(signal.SIGSTOP)
+        kill_server_on(port)  # SIGKILL: on SIGTERM vLLM would first finish the request in flight
+        running.send_signal(signal.SIGCONT)
     _, stderr = running.communicate(timeout=300)
     assert running.returncode != 0 and "--resume" in " ".join(stderr.split()), stderr[-2000:]
     kept = pd.read_csv(out / "records.csv", keep_default_na=False)
@@ -275,8 +281,8 @@ def test_vllm_servers_side_by_side_and_a_killed_baseline_resumes(vllm_pair, tmp_
     assert result.returncode == 0, result.stderr[-3000:]
     records = pd.read_csv(out / "records.csv", keep_default_na=False)
     base, none = records[records["method"] == "baseline"], records[records["method"] == "none"]
-    # Every turn that fits the window at 120 new tokens (the second turns do not) once, none failed.
-    assert len(base) == len(none) == 4 and (base["error"] == "").all() and (none["error"] != "").all()
+    # Every prompt once, none failed.
+    assert len(base) == len(none) == 8 and (base["error"] == "").all() and (none["error"] != "").all()
     assert base["prompt_index"].is_unique
 
 
