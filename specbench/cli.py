@@ -460,20 +460,27 @@ def distill(
         typer.Option(help="Training text: files or directories of .py (default: Python's standard library)."),
     ] = None,
     teacher_tokens: Annotated[
-        int, typer.Option(help="Tokens the target labels with its top-k distribution.")
+        int, typer.Option(help="Tokens of --source the target labels with its top-k distribution (0: none).")
     ] = 300_000,
     top_k: Annotated[int, typer.Option(help="Teacher probabilities kept per position.")] = 32,
     seq_len: Annotated[int, typer.Option(help="Training sequence length.")] = 256,
     epochs: Annotated[float, typer.Option(help="Passes over the teacher data.")] = 3.0,
     batch: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 8,
+    data: Annotated[
+        str,
+        typer.Option(
+            help="What the target answers: sharegpt (chat, less the conversations --dataset sharegpt evaluates), humaneval (function stubs from --source), or a conversation FILE; a mixture as sharegpt:3,humaneval:1. Spec-Bench's and MT-Bench's questions are held out."
+        ),
+    ] = "humaneval",
     generate_prompts: Annotated[
         int,
         typer.Option(
-            help="Function stubs from the sources that the target answers itself (chat-formatted like the evaluation prompts); 0 = none."
+            help="Prompts of --data the target answers itself (chat-formatted like the evaluation's); 0 = none."
         ),
     ] = 1024,
-    generate_new_tokens: Annotated[int, typer.Option(help="Tokens the target writes per stub.")] = 128,
-    generate_batch: Annotated[int, typer.Option(help="Stubs the target answers at once.")] = 64,
+    max_prompt_tokens: Annotated[int, typer.Option(help="Longer prompts of --data are skipped.")] = 1024,
+    generate_new_tokens: Annotated[int, typer.Option(help="Tokens the target writes per prompt.")] = 128,
+    generate_batch: Annotated[int, typer.Option(help="Prompts the target answers at once.")] = 64,
     sampled_fraction: Annotated[
         float, typer.Option(help="Share of answer batches sampled at T=1; the rest are greedy.")
     ] = 0.25,
@@ -511,6 +518,8 @@ def distill(
         batch=batch,
         lr=lr,
         seed=seed,
+        data=data,
+        max_prompt_tokens=max_prompt_tokens,
         generate_prompts=generate_prompts,
         generate_new_tokens=generate_new_tokens,
         generate_batch=generate_batch,
@@ -541,7 +550,7 @@ def distill(
             last = p
             if p.phase not in tasks:
                 label = {
-                    "generate": "target answers stubs",
+                    "generate": "target answers prompts",
                     "student": "draft training (steps)",
                     "features": "target features (sequences)",
                     "head": "EAGLE head training (steps)",

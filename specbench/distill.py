@@ -2,10 +2,12 @@
 
 Three resumable phases, all seeded:
 1. teacher: the target reads Python source that is already on the machine (the standard
-   library; never an evaluation set) and its top-k next-token distribution is stored in shards;
-2. generate: the target answers function stubs taken from those sources, asked the way the
-   evaluation asks; its top-k distribution at every answer position is kept as it generates.
-   This is the text the draft will be asked to predict, so it weighs most;
+   library; never an evaluation set) and its top-k next-token distribution is stored in shards
+   (--teacher-tokens; 0 skips it, as chat data wants);
+2. generate: the target answers the prompts of --data (distill_data.py: ShareGPT chat,
+   HumanEval-shaped function stubs from those sources, a user's file, or a weighted mixture),
+   asked the way the evaluation asks; its top-k distribution at every answer position is kept as
+   it generates. This is the text the draft will be asked to predict, so it weighs most;
 3. student: a small Llama sharing the target's tokenizer learns those distributions (a KL loss
    against the renormalised top-k), starting from a PCA projection of the target's embeddings
    or from an earlier draft.
@@ -29,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .distill_data import TrainingPrompt, parse_data, training_prompts
 from .errors import SpecbenchError
 from .files import replacing
 from .models import HEAD_TOKENS, LoadedModel, read_config
@@ -63,8 +66,10 @@ class DistillConfig:
     eval_every: int = 200
     seed: int = 0
     sources: list[str] = field(default_factory=lambda: [sysconfig.get_paths()["stdlib"]])
-    # Conversations the target writes itself: function stubs from the sources, sent through the
-    # same instruction and chat template as the evaluation prompts (never the evaluation items).
+    # Conversations the target writes itself: prompts of --data (distill_data.py), sent through the
+    # chat template as the evaluation's prompts are (never the evaluation's own questions).
+    data: str = "humaneval"
+    max_prompt_tokens: int = 1024
     generate_prompts: int = 1024
     generate_new_tokens: int = 128
     generate_batch: int = 64
@@ -102,8 +107,11 @@ class DistillConfig:
             raise SpecbenchError("--sampled-fraction must lie between 0 and 1")
         if self.hidden_size % self.heads or self.heads % self.kv_heads:
             raise SpecbenchError("--hidden-size must divide by --heads, and --heads by --kv-heads")
-        if self.hidden_size <= 0 or self.layers <= 0 or self.teacher_tokens < self.seq_len or self.epochs <= 0:
-            raise SpecbenchError("sizes, --teacher-tokens (>= --seq-len) and --epochs must be positive")
+        if self.hidden_size <= 0 or self.layers <= 0 or 0 < self.teacher_tokens < self.seq_len or self.epochs <= 0:
+            raise SpecbenchError("sizes and --epochs must be positive, --teacher-tokens 0 or at least --seq-len")
+        if self.max_prompt_tokens < 1 or self.generate_prompts < 0:
+            raise SpecbenchError("--max-prompt-tokens must be positive and --generate-prompts at least 0")
+        parse_data(self.data)
 
 
 @dataclass
@@ -167,23 +175,46 @@ def evaluation_names() -> frozenset[str]:
     return frozenset(r["entry_point"] for r in humaneval_records() or [])
 
 
-def chat_prompts(cfg: DistillConfig, tokenizer) -> list[str]:
-    """Function stubs from the sources, sent through the evaluation's instruction and the chat
-    template when the target has one."""
-    stubs = function_stubs(source_files(cfg.sources), cfg.seed, cfg.generate_prompts, evaluation_names())
-    if not stubs:
-        raise SpecbenchError(
-            f"no documented functions of 80-700 characters in {', '.join(cfg.sources)}: add --source or pass --generate-prompts 0"
-        )
-    instruction = read_config("datasets.toml")["humaneval"]["instruction"]
+def stubs_of(cfg: DistillConfig):
+    """The humaneval source of --data: ``n`` -> n function stubs from the --source files."""
+
+    def stubs(n: int) -> list[str]:
+        found = function_stubs(source_files(cfg.sources), cfg.seed, n, evaluation_names())
+        if not found:
+            raise SpecbenchError(
+                f"no documented functions of 80-700 characters in {', '.join(cfg.sources)}: add --source, "
+                "or leave humaneval out of --data"
+            )
+        return found
+
+    return stubs
+
+
+def rendered(prompt: TrainingPrompt, tokenizer) -> str:
+    """A prompt as the benchmark sends it: through the chat template when the target has one
+    (stubs with HumanEval's instruction), else the raw text (a stub as it is)."""
     if not tokenizer.chat_template:
-        return stubs
-    return [
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": instruction.format(prompt=stub)}], add_generation_prompt=True, tokenize=False
-        )
-        for stub in stubs
-    ]
+        return prompt.text
+    text = prompt.text
+    if prompt.source == "humaneval":
+        text = read_config("datasets.toml")["humaneval"]["instruction"].format(prompt=text)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def answered_prompts(cfg: DistillConfig, tokenizer) -> tuple[list[TrainingPrompt], list[list[int]]]:
+    """The prompts of --data the target answers, and their token ids (at most --max-prompt-tokens)."""
+    special = tokenizer.chat_template is None
+
+    def encoded(prompt: TrainingPrompt) -> list[int]:
+        return tokenizer(rendered(prompt, tokenizer), add_special_tokens=special).input_ids
+
+    def fits(prompt: TrainingPrompt) -> bool:
+        return len(encoded(prompt)) <= cfg.max_prompt_tokens
+
+    chosen = training_prompts(parse_data(cfg.data), cfg.generate_prompts, stubs_of(cfg), cfg.seed, fits)
+    return chosen, [encoded(p) for p in chosen]
 
 
 def is_sampled(cfg: DistillConfig, batch: int) -> bool:
@@ -201,11 +232,9 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
     out_dir = cfg.out / "generated"
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = target.tokenizer
-    special = tokenizer.chat_template is None
-    texts = chat_prompts(cfg, tokenizer)
-    prompts = tokenizer(texts, add_special_tokens=special).input_ids
+    chosen, prompts = answered_prompts(cfg, tokenizer)
     # Prompts of similar length share a batch, so little compute goes on left padding.
-    order = sorted(range(len(texts)), key=lambda i: (len(prompts[i]), i))
+    order = sorted(range(len(chosen)), key=lambda i: (len(prompts[i]), i))
     batches = [order[i : i + cfg.generate_batch] for i in range(0, len(order), cfg.generate_batch)]
     stop = target.stop_ids
     # Batches are left-padded explicitly: the attention mask keeps the pads out of every forward
@@ -215,9 +244,9 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
     pad = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
     for b, rows in enumerate(batches):
         path = out_dir / f"{b:04d}.pt"
-        done = min((b + 1) * cfg.generate_batch, len(texts))
+        done = min((b + 1) * cfg.generate_batch, len(chosen))
         if path.exists():
-            yield Progress("generate", done, len(texts))
+            yield Progress("generate", done, len(chosen))
             continue
         sampled = is_sampled(cfg, b)
         ids, mask = left_padded([prompts[i] for i in rows], pad)
@@ -250,11 +279,12 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
                     "prompt_len": len(prompt),
                     "top_logp": top_logp[r, :n].clone(),
                     "top_idx": top_idx[r, :n].clone(),
+                    "source": chosen[index].source,
                 }
             )
         with replacing(path) as tmp:
             torch.save(docs, tmp)
-        yield Progress("generate", done, len(texts))
+        yield Progress("generate", done, len(chosen))
 
 
 def left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -584,8 +614,9 @@ def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Ite
         )
         cfg = replace(cfg, top_k=target.width)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
-    yield from teacher_shards(cfg, target, stream, cfg.teacher_tokens, cfg.out / "teacher")
+    if cfg.teacher_tokens:
+        stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
+        yield from teacher_shards(cfg, target, stream, cfg.teacher_tokens, cfg.out / "teacher")
     if cfg.generate_prompts:
         yield from generated_shards(cfg, target)
     yield from train(cfg, target)
