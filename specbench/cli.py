@@ -480,6 +480,26 @@ def distill(
     ] = 1024,
     max_prompt_tokens: Annotated[int, typer.Option(help="Longer prompts of --data are skipped.")] = 1024,
     generate_new_tokens: Annotated[int, typer.Option(help="Tokens the target writes per prompt.")] = 128,
+    teacher_engine: Annotated[
+        str,
+        typer.Option(
+            help="Who writes the target's answers: torch (the target itself, batched generate) or llama-cpp (llama.cpp's llama-server from the same weights, checked against the torch target on the first batch; `make install-llama-cpp`)."
+        ),
+    ] = "torch",
+    teacher_gguf: Annotated[
+        str | None,
+        typer.Option(
+            help="llama-cpp: the GGUF it serves (default: the target's own .gguf, else its checkpoint converted to f32 once).",
+            metavar="PATH",
+        ),
+    ] = None,
+    llama_server: Annotated[
+        str | None,
+        typer.Option(
+            help="llama-cpp: the llama-server binary (default: $LLAMA_CPP_DIR/bin, .llama-cpp/bin, then PATH).",
+            metavar="PATH",
+        ),
+    ] = None,
     generate_batch: Annotated[int, typer.Option(help="Prompts the target answers at once.")] = 64,
     sampled_fraction: Annotated[
         float, typer.Option(help="Share of answer batches sampled at T=1; the rest are greedy.")
@@ -522,6 +542,9 @@ def distill(
         max_prompt_tokens=max_prompt_tokens,
         generate_prompts=generate_prompts,
         generate_new_tokens=generate_new_tokens,
+        teacher_engine=teacher_engine,
+        teacher_gguf=teacher_gguf,
+        llama_server=llama_server,
         generate_batch=generate_batch,
         sampled_fraction=sampled_fraction,
         generated_repeats=generated_repeats,

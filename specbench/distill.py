@@ -26,15 +26,17 @@ import random
 import sysconfig
 import textwrap
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
+from . import teacher
 from .distill_data import TrainingPrompt, parse_data, training_prompts
 from .errors import SpecbenchError
 from .files import replacing
-from .models import HEAD_TOKENS, LoadedModel, read_config
+from .models import HEAD_TOKENS, LoadedModel, cache_dir, model_dir, read_config, resolve
 from .prompts import humaneval_records
 from .sources import source_files
 
@@ -70,6 +72,9 @@ class DistillConfig:
     # chat template as the evaluation's prompts are (never the evaluation's own questions).
     data: str = "humaneval"
     max_prompt_tokens: int = 1024
+    teacher_engine: str = "torch"  # who writes the answers (teacher.py): torch, or llama-cpp from the same weights
+    teacher_gguf: str | None = None  # llama-cpp: the GGUF it serves (default: the target's own)
+    llama_server: str | None = None  # llama-cpp: the llama-server binary (default: engines/llamacpp.find_server)
     generate_prompts: int = 1024
     generate_new_tokens: int = 128
     generate_batch: int = 64
@@ -112,6 +117,10 @@ class DistillConfig:
         if self.max_prompt_tokens < 1 or self.generate_prompts < 0:
             raise SpecbenchError("--max-prompt-tokens must be positive and --generate-prompts at least 0")
         parse_data(self.data)
+        if self.teacher_engine not in teacher.ENGINES:
+            raise SpecbenchError(f"--teacher-engine {self.teacher_engine}: use {' or '.join(teacher.ENGINES)}")
+        if self.teacher_gguf and not Path(self.teacher_gguf).expanduser().is_file():
+            raise SpecbenchError(f"--teacher-gguf {self.teacher_gguf}: no such file; give the target's .gguf")
 
 
 @dataclass
@@ -226,73 +235,97 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
     """The target answers the chat prompts, a batch per shard; existing shards are kept.
 
     Each answer is stored with the target's top-k log-probabilities at every answer position,
-    recorded while it generates, so these tokens need no second labelling pass. A share of the
-    batches is sampled at T=1, the rest greedy, as the default benchmark is.
+    recorded while it generates (teacher.py: by the torch target or by llama.cpp serving the same
+    weights), so these tokens need no second labelling pass. A share of the batches is sampled at
+    T=1, the rest greedy, as the default benchmark is.
     """
     out_dir = cfg.out / "generated"
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokenizer = target.tokenizer
-    chosen, prompts = answered_prompts(cfg, tokenizer)
+    chosen, prompts = answered_prompts(cfg, target.tokenizer)
     # Prompts of similar length share a batch, so little compute goes on left padding.
     order = sorted(range(len(chosen)), key=lambda i: (len(prompts[i]), i))
     batches = [order[i : i + cfg.generate_batch] for i in range(0, len(order), cfg.generate_batch)]
-    stop = target.stop_ids
-    # Batches are left-padded explicitly: the attention mask keeps the pads out of every forward
-    # (generate derives the positions from it too) and they are cut off below, so any id pads: the
-    # tokenizer's pad token, else its EOS, else 0 (Llama's tokenizers have no pad token, and a
-    # tokenizer may have no EOS either).
-    pad = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
-    for b, rows in enumerate(batches):
-        path = out_dir / f"{b:04d}.pt"
-        done = min((b + 1) * cfg.generate_batch, len(chosen))
-        if path.exists():
-            yield Progress("generate", done, len(chosen))
-            continue
-        sampled = is_sampled(cfg, b)
-        ids, mask = left_padded([prompts[i] for i in rows], pad)
-        torch.manual_seed(cfg.seed * 100_003 + b)
-        with torch.inference_mode():
-            out = target.model.generate(
-                input_ids=ids.to(target.model.device),
-                attention_mask=mask.to(target.model.device),
-                max_new_tokens=cfg.generate_new_tokens,
-                do_sample=sampled,
-                temperature=1.0 if sampled else None,
-                top_k=None,
-                top_p=None,
-                pad_token_id=pad,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            top = [step[:, : target.width].float().log_softmax(-1).topk(cfg.top_k, dim=-1) for step in out.logits]
-        top_logp = torch.stack([t.values for t in top], 1).half().cpu()
-        top_idx = torch.stack([t.indices for t in top], 1).int().cpu()
-        answers = out.sequences[:, ids.shape[1] :].cpu()
-        docs = []
-        for r, index in enumerate(rows):
-            prompt = torch.tensor(prompts[index])
-            ends = [i for i, t in enumerate(answers[r].tolist()) if t in stop]
-            n = ends[0] + 1 if ends else answers.shape[1]  # keep the first stop token, drop what follows
-            docs.append(
+    paths = [out_dir / f"{b:04d}.pt" for b in range(len(batches))]
+    if all(path.exists() for path in paths):
+        yield Progress("generate", len(chosen), len(chosen))
+        return
+    longest = max(map(len, prompts))
+    checked = cfg.teacher_engine == "torch"  # another engine's answers are checked on its first shard
+    with answering(cfg, target, longest) as answer:
+        for b, rows in enumerate(batches):
+            done = min((b + 1) * cfg.generate_batch, len(chosen))
+            if paths[b].exists():
+                yield Progress("generate", done, len(chosen))
+                continue
+            asked = [prompts[i] for i in rows]
+            answers = answer(asked, is_sampled(cfg, b), cfg.seed * 100_003 + b)
+            if not checked:
+                same_weights(cfg, target, asked, answers)
+                checked = True
+            docs = [
                 {
-                    "ids": torch.cat([prompt, answers[r, :n]]).int(),
-                    "prompt_len": len(prompt),
-                    "top_logp": top_logp[r, :n].clone(),
-                    "top_idx": top_idx[r, :n].clone(),
+                    "ids": torch.tensor(asked[r] + a.tokens).int(),
+                    "prompt_len": len(asked[r]),
+                    "top_logp": a.top_logp,
+                    "top_idx": a.top_idx,
                     "source": chosen[index].source,
                 }
-            )
-        with replacing(path) as tmp:
-            torch.save(docs, tmp)
-        yield Progress("generate", done, len(chosen))
+                for r, (index, a) in enumerate(zip(rows, answers, strict=True))
+            ]
+            with replacing(paths[b]) as tmp:
+                torch.save(docs, tmp)
+            yield Progress("generate", done, len(chosen))
 
 
-def left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rows of token ids left-padded with ``pad`` to one length, and the attention mask that hides the pads."""
-    width = max(map(len, rows))
-    ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows])
-    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
-    return ids, mask
+@contextmanager
+def answering(cfg: DistillConfig, target: LoadedModel, longest: int) -> Iterator[teacher.Answerer]:
+    """The --teacher-engine that answers the prompts (the longest of ``longest`` tokens), open for the phase."""
+    if cfg.teacher_engine == "torch":
+        yield teacher.torch_answers(target, cfg.generate_new_tokens, cfg.top_k)
+        return
+    from .engines import llamacpp
+
+    server = llamacpp.find_server(cfg.llama_server)
+    gguf = teacher_gguf(cfg, target, server)
+    log.info("llama.cpp's llama-server answers the prompts from %s", gguf)
+    context = longest + cfg.generate_new_tokens + llamacpp.SLACK
+    with teacher.llama_cpp_answers(
+        target, gguf, server, cfg.generate_batch, context, cfg.generate_new_tokens, cfg.top_k, cfg.out
+    ) as answer:
+        yield answer
+
+
+def teacher_gguf(cfg: DistillConfig, target: LoadedModel, server: Path) -> Path:
+    """The GGUF llama.cpp answers from: --teacher-gguf, else the target's own .gguf, else its
+    checkpoint converted to f32 (once, cached) by llama.cpp's converter."""
+    from .engines import llamacpp
+
+    if cfg.teacher_gguf:
+        return Path(cfg.teacher_gguf).expanduser()
+    source = resolve(cfg.target)
+    if source.kind == "gguf":
+        return Path(source.location)
+    return llamacpp.gguf_of(Path(model_dir(target)), "f32", server, cache_dir() / "gguf")
+
+
+def same_weights(cfg: DistillConfig, target: LoadedModel, prompts: list[list[int]], answers) -> None:
+    """Refuse another engine's answers unless the torch target, reading a sample of them, agrees on
+    the likeliest token at MIN_AGREEMENT of the positions; what it found goes to generated/teacher.json."""
+    found = {"engine": cfg.teacher_engine, **teacher.weights_check(target, prompts, answers)}
+    (cfg.out / "generated" / "teacher.json").write_text(json.dumps(found, indent=2) + "\n")
+    agree = found["top1_agreement"]
+    if agree is None:
+        return
+    said = (
+        f"the torch target agrees with --teacher-engine {cfg.teacher_engine}'s likeliest token at {agree:.1%} of "
+        f"{found['positions']} answer positions (mean |log p difference| {found['mean_abs_logp_difference']:.3f})"
+    )
+    if agree < teacher.MIN_AGREEMENT:
+        raise SpecbenchError(
+            f"{said}: its answers do not come from {cfg.target}'s weights; give the target's own GGUF "
+            "(--teacher-gguf) or --teacher-engine torch"
+        )
+    log.info("%s: the same weights", said)
 
 
 def teacher_shards(

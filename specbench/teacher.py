@@ -1,0 +1,225 @@
+"""Who writes the target's answers for `specbench distill` (--teacher-engine): the target itself in
+torch (transformers' generate, a batch at a time), or the same weights served by llama.cpp's
+llama-server, which decodes a small model on a CPU faster than our fp32 forward.
+
+Either way an answer is an ``Answer``: the tokens the target wrote, through its first stop token,
+and its top-k log-probabilities at each of them (the distribution the drafter learns). Another
+engine's answers are only worth training on if they come from the target's weights:
+``weights_check`` reads a sample of them again with the torch target, teacher-forced, and
+``agreement`` says how often the two agree on the likeliest token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import SpecbenchError
+from .models import LoadedModel
+
+log = logging.getLogger("specbench")
+
+ENGINES = ("torch", "llama-cpp")
+# The least top-1 agreement with the torch target that counts as the same weights. A GGUF of the
+# target's own weights (or the quantised file the torch target was converted from) agrees at near-ties
+# only where the two kernels round differently; another model agrees far less.
+MIN_AGREEMENT = 0.9
+CHECKED_ANSWERS = 16  # answers of the first shard read again by the torch target
+REQUEST_TIMEOUT_S = 1800.0  # a whole shard's answers may queue behind one another on 2 cores
+
+
+@dataclass
+class Answer:
+    tokens: list[int]  # through the first stop token
+    top_logp: torch.Tensor  # [len(tokens), k] float16: the target's top-k log-probabilities there
+    top_idx: torch.Tensor  # [len(tokens), k] int32: their token ids, likeliest first
+
+
+# What answers a shard: (prompts' ids, sampled at T=1 or greedy, seed) -> one Answer per prompt.
+Answerer = Callable[[list[list[int]], bool, int], list[Answer]]
+
+
+def through_stop(tokens: list[int], stop: frozenset[int] | set[int]) -> int:
+    """How many of ``tokens`` an answer keeps: through its first stop token, else all."""
+    return next((i + 1 for i, t in enumerate(tokens) if t in stop), len(tokens))
+
+
+def left_padded(rows: list[list[int]], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of token ids left-padded with ``pad`` to one length, and the attention mask that hides the pads."""
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad] * (width - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+    return ids, mask
+
+
+def torch_answers(target: LoadedModel, new_tokens: int, top_k: int) -> Answerer:
+    """The torch target answering a batch at once with transformers' generate, its top-k recorded as it goes."""
+    tokenizer = target.tokenizer
+    # Batches are left-padded explicitly: the attention mask keeps the pads out of every forward
+    # (generate derives the positions from it too) and they are cut off below, so any id pads: the
+    # tokenizer's pad token, else its EOS, else 0 (Llama's tokenizers have no pad token, and a
+    # tokenizer may have no EOS either).
+    pad = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+
+    def answer(prompts: list[list[int]], sampled: bool, seed: int) -> list[Answer]:
+        ids, mask = left_padded(prompts, pad)
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = target.model.generate(
+                input_ids=ids.to(target.model.device),
+                attention_mask=mask.to(target.model.device),
+                max_new_tokens=new_tokens,
+                do_sample=sampled,
+                temperature=1.0 if sampled else None,
+                top_k=None,
+                top_p=None,
+                pad_token_id=pad,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            top = [step[:, : target.width].float().log_softmax(-1).topk(top_k, dim=-1) for step in out.logits]
+        top_logp = torch.stack([t.values for t in top], 1).half().cpu()
+        top_idx = torch.stack([t.indices for t in top], 1).int().cpu()
+        tokens = out.sequences[:, ids.shape[1] :].tolist()
+        kept = [through_stop(row, target.stop_ids) for row in tokens]
+        return [
+            Answer(row[:n], top_logp[r, :n].clone(), top_idx[r, :n].clone())
+            for r, (row, n) in enumerate(zip(tokens, kept, strict=True))
+        ]
+
+    return answer
+
+
+def completion_body(prompt: list[int], new_tokens: int, top_k: int, sampled: bool, seed: int) -> dict:
+    """llama-server's /completion request for one answer with its top-k log-probabilities.
+
+    The sampler chain is made plain (no top-k, top-p or min-p cut; T=1 or greedy), so a sampled
+    answer is drawn from the target's own softmax. ``n_probs`` without ``post_sampling_probs`` gives
+    the softmax of the raw logits at every position, greedy or not: the distribution torch records."""
+    return {
+        "prompt": prompt,
+        "n_predict": new_tokens,
+        "temperature": 1.0 if sampled else 0.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "min_p": 0.0,
+        "seed": seed,
+        "n_probs": top_k,
+        "cache_prompt": False,
+    }
+
+
+def parsed_completion(reply: dict, top_k: int, stop: frozenset[int] | set[int]) -> Answer:
+    """An Answer from llama-server's /completion reply: the ids and top log-probabilities of
+    ``completion_probabilities`` (the stop token included where the server lists it)."""
+    positions = reply.get("completion_probabilities") or []
+    tokens = [int(p["id"]) for p in positions]
+    n = through_stop(tokens, stop)
+    logp, idx = [], []
+    for p in positions[:n]:
+        tops = sorted(p.get("top_logprobs") or [], key=lambda t: -t["logprob"])[:top_k]
+        if len(tops) < top_k:
+            raise SpecbenchError(
+                f"llama-server gave {len(tops)} of the {top_k} top log-probabilities asked for: lower --top-k"
+            )
+        logp.append([t["logprob"] for t in tops])
+        idx.append([int(t["id"]) for t in tops])
+    shape = (n, top_k)
+    return Answer(
+        tokens[:n],
+        torch.tensor(logp, dtype=torch.float32).reshape(shape).half(),
+        torch.tensor(idx, dtype=torch.int32).reshape(shape),
+    )
+
+
+@contextmanager
+def llama_cpp_answers(
+    target: LoadedModel,
+    gguf: Path,
+    server: Path,
+    slots: int,
+    context: int,
+    new_tokens: int,
+    top_k: int,
+    log_dir: Path,
+) -> Iterator[Answerer]:
+    """llama-server serving ``gguf`` with ``slots`` answers at once, ``context`` tokens each, for the
+    length of the block; its log is ``log_dir``/teacher-llama-cpp.log."""
+    from .engines import llamacpp
+    from .engines.launch import launched
+
+    command = llamacpp.command(server, gguf, slots, context)
+    with launched("teacher-llama-cpp", command, log_dir, who="--teacher-engine llama-cpp") as url:
+        root = url.removesuffix("/v1")
+
+        def answer(prompts: list[list[int]], sampled: bool, seed: int) -> list[Answer]:
+            replies = asyncio.run(_completions(root, prompts, new_tokens, top_k, sampled, seed, slots))
+            return [parsed_completion(r, top_k, target.stop_ids) for r in replies]
+
+        yield answer
+
+
+async def _completions(
+    root: str, prompts: list[list[int]], new_tokens: int, top_k: int, sampled: bool, seed: int, slots: int
+) -> list[dict]:
+    import aiohttp
+
+    gate = asyncio.Semaphore(slots)
+    # A connection per request: llama-server (cpp-httplib) closes kept-alive ones under the client
+    # (engines/server.py).
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+
+        async def one(i: int, prompt: list[int]) -> dict:
+            body = completion_body(prompt, new_tokens, top_k, sampled, seed + i)
+            async with gate:
+                try:
+                    async with session.post(root + "/completion", json=body) as response:
+                        if response.status >= 400:
+                            said = (await response.text())[:200].replace("\n", " ")
+                            raise SpecbenchError(
+                                f"--teacher-engine llama-cpp: llama-server answered HTTP {response.status} ({said})"
+                            )
+                        return await response.json()
+                except (aiohttp.ClientError, OSError, TimeoutError) as e:
+                    raise SpecbenchError(
+                        f"--teacher-engine llama-cpp: llama-server did not answer ({type(e).__name__}: {e})"
+                    ) from None
+
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+def agreement(logp: torch.Tensor, top_idx: torch.Tensor, top_logp: torch.Tensor) -> tuple[int, float]:
+    """How many positions another engine's likeliest token (``top_idx[:, 0]``) is also the argmax of the
+    torch target's log-probabilities ``logp`` [n, vocab], and the summed |difference| of the two log-
+    probabilities of that token."""
+    ids = top_idx[:, 0].long()
+    agree = int((logp.argmax(-1) == ids).sum())
+    gap = float((logp.gather(-1, ids[:, None])[:, 0] - top_logp[:, 0].float()).abs().sum())
+    return agree, gap
+
+
+def weights_check(target: LoadedModel, prompts: list[list[int]], answers: list[Answer]) -> dict:
+    """The torch target reads up to CHECKED_ANSWERS of another engine's answers after their prompts;
+    how far its next-token distributions agree with the ones the engine recorded."""
+    agree, gap, positions = 0, 0.0, 0
+    with torch.inference_mode():
+        for prompt, answer in list(zip(prompts, answers, strict=True))[:CHECKED_ANSWERS]:
+            if not answer.tokens:
+                continue
+            ids = torch.tensor([prompt + answer.tokens], device=target.model.device)
+            logits = target.model(input_ids=ids).logits[0, len(prompt) - 1 : -1, : target.width]
+            a, g = agreement(logits.float().log_softmax(-1).cpu(), answer.top_idx, answer.top_logp)
+            agree, gap, positions = agree + a, gap + g, positions + len(answer.tokens)
+    return {
+        "positions": positions,
+        "top1_agreement": agree / positions if positions else None,
+        "mean_abs_logp_difference": gap / positions if positions else None,
+    }
