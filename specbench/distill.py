@@ -251,6 +251,7 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
         return
     longest = max(map(len, prompts))
     checked = cfg.teacher_engine == "torch"  # another engine's answers are checked on its first shard
+    dropped = written = 0
     with answering(cfg, target, longest) as answer:
         for b, rows in enumerate(batches):
             done = min((b + 1) * cfg.generate_batch, len(chosen))
@@ -262,6 +263,8 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
             if not checked:
                 same_weights(cfg, target, asked, answers)
                 checked = True
+            dropped += sum(a.dropped for a in answers)
+            written += sum(len(a.tokens) for a in answers)
             docs = [
                 {
                     "ids": torch.tensor(asked[r] + a.tokens).int(),
@@ -275,6 +278,14 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
             with replacing(paths[b]) as tmp:
                 torch.save(docs, tmp)
             yield Progress("generate", done, len(chosen))
+    if dropped:
+        log.info(
+            "%s gave no log-probabilities for %d answer tokens inside multi-byte characters: the answers end "
+            "before them (%d tokens kept)",
+            cfg.teacher_engine,
+            dropped,
+            written,
+        )
 
 
 @contextmanager
@@ -310,7 +321,8 @@ def teacher_gguf(cfg: DistillConfig, target: LoadedModel, server: Path) -> Path:
 
 def same_weights(cfg: DistillConfig, target: LoadedModel, prompts: list[list[int]], answers) -> None:
     """Refuse another engine's answers unless the torch target, reading a sample of them, agrees on
-    the likeliest token at MIN_AGREEMENT of the positions; what it found goes to generated/teacher.json."""
+    the likeliest token at MIN_AGREEMENT of the positions and on its log-probability within
+    MAX_LOGP_DIFFERENCE; what it found goes to generated/teacher.json."""
     found = {"engine": cfg.teacher_engine, **teacher.weights_check(target, prompts, answers)}
     (cfg.out / "generated" / "teacher.json").write_text(json.dumps(found, indent=2) + "\n")
     agree = found["top1_agreement"]
@@ -320,7 +332,7 @@ def same_weights(cfg: DistillConfig, target: LoadedModel, prompts: list[list[int
         f"the torch target agrees with --teacher-engine {cfg.teacher_engine}'s likeliest token at {agree:.1%} of "
         f"{found['positions']} answer positions (mean |log p difference| {found['mean_abs_logp_difference']:.3f})"
     )
-    if agree < teacher.MIN_AGREEMENT:
+    if agree < teacher.MIN_AGREEMENT or found["mean_abs_logp_difference"] > teacher.MAX_LOGP_DIFFERENCE:
         raise SpecbenchError(
             f"{said}: its answers do not come from {cfg.target}'s weights; give the target's own GGUF "
             "(--teacher-gguf) or --teacher-engine torch"

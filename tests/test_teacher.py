@@ -12,7 +12,14 @@ from specbench.distill import DistillConfig, same_weights
 from specbench.engines import llamacpp
 from specbench.errors import SpecbenchError
 from specbench.models import load, resolve
-from specbench.teacher import MIN_AGREEMENT, agreement, parsed_completion, torch_answers, weights_check
+from specbench.teacher import (
+    MAX_LOGP_DIFFERENCE,
+    MIN_AGREEMENT,
+    agreement,
+    parsed_completion,
+    torch_answers,
+    weights_check,
+)
 
 from .helpers import one_line_error, specbench
 
@@ -27,21 +34,38 @@ def position(token: int, tops: list[tuple[int, float]]) -> dict:
 
 def test_a_llama_server_reply_becomes_an_answer_through_its_first_stop_token():
     reply = {
+        "tokens": [5, 2, 8],
         "completion_probabilities": [
             position(5, [(7, -2.0), (5, -0.5), (9, -1.5)]),  # listed out of order: sorted, likeliest first
             position(2, [(2, -0.1), (5, -3.0), (7, -4.0)]),  # the stop token: kept
             position(8, [(8, -0.2), (1, -2.0), (3, -3.0)]),  # after it: dropped
-        ]
+        ],
     }
     answer = parsed_completion(reply, top_k=2, stop={2})
-    assert answer.tokens == [5, 2]
+    assert answer.tokens == [5, 2] and answer.dropped == 0
     assert answer.top_idx.tolist() == [[5, 9], [2, 5]] and answer.top_idx.dtype == torch.int32
     assert answer.top_logp.dtype == torch.float16
     torch.testing.assert_close(answer.top_logp.float(), torch.tensor([[-0.5, -1.5], [-0.1, -3.0]]), atol=1e-3, rtol=0)
-    empty = parsed_completion({"completion_probabilities": []}, top_k=2, stop={2})
+    empty = parsed_completion({"tokens": [], "completion_probabilities": []}, top_k=2, stop={2})
     assert empty.tokens == [] and empty.top_idx.shape == (0, 2)
     with pytest.raises(SpecbenchError, match="lower --top-k"):
         parsed_completion(reply, top_k=4, stop={2})
+
+
+def test_an_answer_ends_where_llama_server_gives_a_token_no_probabilities():
+    """llama-server lists no entry for a token that ends inside a multi-byte character (the next
+    entry is the completing token's): from there positions and probabilities no longer line up."""
+    reply = {
+        "tokens": [5, 40, 41, 6, 2],  # 40 is the first half of a character that 41 completes
+        "completion_probabilities": [
+            position(5, [(5, -0.1), (6, -3.0)]),
+            position(41, [(41, -0.2), (6, -2.0)]),
+            position(6, [(6, -0.3), (5, -2.0)]),
+            position(2, [(2, -0.1), (5, -3.0)]),
+        ],
+    }
+    answer = parsed_completion(reply, top_k=2, stop={2})
+    assert answer.tokens == [5] and answer.top_idx.tolist() == [[5, 6]] and answer.dropped == 4
 
 
 def test_agreement_counts_the_positions_whose_likeliest_token_is_the_same():
@@ -72,7 +96,7 @@ def test_answers_of_other_weights_are_refused_and_the_targets_own_pass(untied_ta
         same_weights(cfg, target, prompts, other)
     assert "\n" not in str(refused.value)
     found = json.loads((tmp_path / "generated" / "teacher.json").read_text())
-    assert found["top1_agreement"] < MIN_AGREEMENT
+    assert found["top1_agreement"] < MIN_AGREEMENT and found["mean_abs_logp_difference"] > MAX_LOGP_DIFFERENCE
 
 
 def test_a_teacher_engine_that_does_not_exist_is_one_line(tmp_path):
@@ -97,6 +121,7 @@ def test_llama_cpp_answers_for_the_default_target_and_refuses_a_gguf_of_other_we
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads((out / "generated" / "teacher.json").read_text())
     assert found["engine"] == "llama-cpp" and found["top1_agreement"] >= MIN_AGREEMENT, found
+    assert found["mean_abs_logp_difference"] <= MAX_LOGP_DIFFERENCE, found
     docs = [doc for path in sorted((out / "generated").glob("*.pt")) for doc in torch.load(path)]
     assert len(docs) == 8
     for b, path in enumerate(sorted((out / "generated").glob("*.pt"))):
@@ -105,7 +130,7 @@ def test_llama_cpp_answers_for_the_default_target_and_refuses_a_gguf_of_other_we
             assert 0 < len(answer) <= 24 and doc["top_idx"].shape == (len(answer), 8)
             assert (doc["top_logp"][:, :-1] >= doc["top_logp"][:, 1:]).all()  # likeliest first
             if b % 2 == 0:  # greedy shards (sampled-fraction 0.5: the second of each two is sampled)
-                assert torch.equal(answer, doc["top_idx"][:, 0])
+                assert torch.equal(answer, doc["top_idx"][:, 0].to(answer.dtype))
     assert (out / "config.json").is_file()  # the draft trained on them
 
     # The shipped draft's GGUF as the teacher: other weights, refused before a shard is written.
@@ -113,5 +138,8 @@ def test_llama_cpp_answers_for_the_default_target_and_refuses_a_gguf_of_other_we
     draft_gguf = llamacpp.gguf_of(draft, "f32", llamacpp.find_server(), tmp_path / "gguf")
     wrong = tmp_path / "wrong"
     result = specbench(*DISTILL, "--out", str(wrong), "--teacher-gguf", str(draft_gguf), timeout=900)
-    one_line_error(result, "do not come from", "--teacher-gguf")
+    # The one error line comes after the progress lines that said which GGUF was served.
+    assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error:") and "do not come from" in last and "--teacher-gguf" in last, result.stderr
     assert not list((wrong / "generated").glob("*.pt"))
