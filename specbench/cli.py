@@ -522,36 +522,9 @@ def distill(
     from .models import load, resolve_device
 
     _setup_logging()
-    cfg = distillation.DistillConfig(
-        out=out,
-        target=target,
-        hidden_size=hidden_size,
-        layers=layers,
-        heads=heads,
-        kv_heads=kv_heads,
-        intermediate_size=intermediate_size,
-        init=init,
-        seq_len=seq_len,
-        teacher_tokens=teacher_tokens,
-        top_k=top_k,
-        epochs=epochs,
-        batch=batch,
-        lr=lr,
-        seed=seed,
-        data=data,
-        max_prompt_tokens=max_prompt_tokens,
-        generate_prompts=generate_prompts,
-        generate_new_tokens=generate_new_tokens,
-        teacher_engine=teacher_engine,
-        teacher_gguf=teacher_gguf,
-        llama_server=llama_server,
-        generate_batch=generate_batch,
-        sampled_fraction=sampled_fraction,
-        generated_repeats=generated_repeats,
-        kind=kind,
-        ttt_steps=ttt_steps,
-        head_intermediate=head_intermediate,
-    )
+    # Every option of this command but --source and --device is the DistillConfig field of its name.
+    given, fields = locals(), distillation.DistillConfig.__dataclass_fields__
+    cfg = distillation.DistillConfig(**{name: value for name, value in given.items() if name in fields})
     if source:
         cfg.sources = source
     cfg.validate()

@@ -17,14 +17,12 @@ The result is a plain transformers checkpoint in half precision that ``--draft D
 
 from __future__ import annotations
 
-import ast
 import copy
 import json
 import logging
 import math
 import random
 import sysconfig
-import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -33,11 +31,11 @@ from pathlib import Path
 import torch
 
 from . import teacher
-from .distill_data import TrainingPrompt, parse_data, training_prompts
+from .distill_data import answered_prompts, parse_data
+from .engines import llamacpp
 from .errors import SpecbenchError
 from .files import replacing
-from .models import HEAD_TOKENS, LoadedModel, cache_dir, model_dir, read_config, resolve
-from .prompts import humaneval_records
+from .models import HEAD_TOKENS, LoadedModel, cache_dir, model_dir, resolve
 from .sources import source_files
 
 log = logging.getLogger("specbench")
@@ -147,85 +145,6 @@ def token_stream(tokenizer, files: list[Path], seed: int) -> Iterator[int]:
             yield tokenizer.eos_token_id
 
 
-def is_typed(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
-    """Whether every argument but self/cls and the return value are annotated, as in HumanEval."""
-    args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
-    return node.returns is not None and all(a.annotation is not None for a in args if a.arg not in ("self", "cls"))
-
-
-def function_stubs(files: list[Path], seed: int, limit: int, exclude: frozenset[str] = frozenset()) -> list[str]:
-    """HumanEval-shaped stubs (a def line and its docstring) from functions in the sources.
-
-    Fully annotated functions come first: the target copies the signature into its answer, and
-    a draft that never saw annotated signatures mispredicts exactly there. Functions named in
-    ``exclude`` (the evaluation set's entry points) are left out.
-    """
-    typed, untyped = [], []
-    for path in files:
-        try:
-            text = path.read_text(encoding="utf-8")
-            tree = ast.parse(text)
-        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-            continue
-        lines = text.splitlines()
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
-                stub = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])) + "\n"
-                if 80 <= len(stub) <= 700 and node.name not in exclude:
-                    (typed if is_typed(node) else untyped).append(stub)
-    rng = random.Random(seed)
-    rng.shuffle(typed)
-    rng.shuffle(untyped)
-    return (typed + untyped)[:limit]
-
-
-def evaluation_names() -> frozenset[str]:
-    """HumanEval's entry points, so no training stub shares a name with a held-out problem."""
-    return frozenset(r["entry_point"] for r in humaneval_records() or [])
-
-
-def stubs_of(cfg: DistillConfig):
-    """The humaneval source of --data: ``n`` -> n function stubs from the --source files."""
-
-    def stubs(n: int) -> list[str]:
-        found = function_stubs(source_files(cfg.sources), cfg.seed, n, evaluation_names())
-        if not found:
-            raise SpecbenchError(
-                f"no documented functions of 80-700 characters in {', '.join(cfg.sources)}: add --source, "
-                "or leave humaneval out of --data"
-            )
-        return found
-
-    return stubs
-
-
-def rendered(prompt: TrainingPrompt, tokenizer) -> str:
-    """A prompt as the benchmark sends it: through the chat template when the target has one
-    (stubs with HumanEval's instruction), else the raw text (a stub as it is)."""
-    if not tokenizer.chat_template:
-        return prompt.text
-    text = prompt.text
-    if prompt.source == "humaneval":
-        text = read_config("datasets.toml")["humaneval"]["instruction"].format(prompt=text)
-    return tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
-    )
-
-
-def answered_prompts(cfg: DistillConfig, tokenizer) -> tuple[list[TrainingPrompt], list[list[int]]]:
-    """The prompts of --data the target answers, and their token ids (at most --max-prompt-tokens)."""
-    special = tokenizer.chat_template is None
-
-    def encoded(prompt: TrainingPrompt) -> list[int]:
-        return tokenizer(rendered(prompt, tokenizer), add_special_tokens=special).input_ids
-
-    def fits(prompt: TrainingPrompt) -> bool:
-        return len(encoded(prompt)) <= cfg.max_prompt_tokens
-
-    chosen = training_prompts(parse_data(cfg.data), cfg.generate_prompts, stubs_of(cfg), cfg.seed, fits)
-    return chosen, [encoded(p) for p in chosen]
-
-
 def is_sampled(cfg: DistillConfig, batch: int) -> bool:
     """Whether answer batch ``batch`` is sampled at T=1: a ``sampled_fraction`` share, spread evenly."""
     return math.floor((batch + 1) * cfg.sampled_fraction) > math.floor(batch * cfg.sampled_fraction)
@@ -241,7 +160,9 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
     """
     out_dir = cfg.out / "generated"
     out_dir.mkdir(parents=True, exist_ok=True)
-    chosen, prompts = answered_prompts(cfg, target.tokenizer)
+    chosen, prompts = answered_prompts(
+        target.tokenizer, cfg.data, cfg.generate_prompts, cfg.sources, cfg.seed, cfg.max_prompt_tokens
+    )
     # Prompts of similar length share a batch, so little compute goes on left padding.
     order = sorted(range(len(chosen)), key=lambda i: (len(prompts[i]), i))
     batches = [order[i : i + cfg.generate_batch] for i in range(0, len(order), cfg.generate_batch)]
@@ -294,8 +215,6 @@ def answering(cfg: DistillConfig, target: LoadedModel, longest: int) -> Iterator
     if cfg.teacher_engine == "torch":
         yield teacher.torch_answers(target, cfg.generate_new_tokens, cfg.top_k)
         return
-    from .engines import llamacpp
-
     server = llamacpp.find_server(cfg.llama_server)
     gguf = teacher_gguf(cfg, target, server)
     log.info("llama.cpp's llama-server answers the prompts from %s", gguf)
@@ -309,8 +228,6 @@ def answering(cfg: DistillConfig, target: LoadedModel, longest: int) -> Iterator
 def teacher_gguf(cfg: DistillConfig, target: LoadedModel, server: Path) -> Path:
     """The GGUF llama.cpp answers from: --teacher-gguf, else the target's own .gguf, else its
     checkpoint converted to f32 (once, cached) by llama.cpp's converter."""
-    from .engines import llamacpp
-
     if cfg.teacher_gguf:
         return Path(cfg.teacher_gguf).expanduser()
     source = resolve(cfg.target)

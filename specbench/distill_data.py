@@ -14,14 +14,19 @@ that do and say how many, a user's file that holds one is refused.
 
 from __future__ import annotations
 
+import ast
 import logging
 import random
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import SpecbenchError
 from .held_out import held_out_fingerprints, overlaps
+from .models import read_config
+from .prompts import humaneval_records, read_dataset
+from .sources import source_files
 
 log = logging.getLogger("specbench")
 
@@ -129,7 +134,6 @@ def training_prompts(
 
 def _conversations(source: str) -> list[TrainingPrompt]:
     """The first turn of each conversation of ShareGPT (less the evaluated ones) or of a file."""
-    from .prompts import read_dataset
 
     prompts = read_dataset(source)
     if source == "sharegpt":
@@ -142,3 +146,85 @@ def _conversations(source: str) -> list[TrainingPrompt]:
         # mid-conversation, its first human turn often a bare "continue". Only beginnings are asked.
         prompts = [p for p in prompts[SHAREGPT_EVALUATED:] if p.id.endswith("_0")]
     return [TrainingPrompt(source, p.id, p.turns[0]) for p in prompts]
+
+
+def is_typed(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """Whether every argument but self/cls and the return value are annotated, as in HumanEval."""
+    args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+    return node.returns is not None and all(a.annotation is not None for a in args if a.arg not in ("self", "cls"))
+
+
+def function_stubs(files: list[Path], seed: int, limit: int, exclude: frozenset[str] = frozenset()) -> list[str]:
+    """HumanEval-shaped stubs (a def line and its docstring) from functions in the sources.
+
+    Fully annotated functions come first: the target copies the signature into its answer, and
+    a draft that never saw annotated signatures mispredicts exactly there. Functions named in
+    ``exclude`` (the evaluation set's entry points) are left out.
+    """
+    typed, untyped = [], []
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+            tree = ast.parse(text)
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            continue
+        lines = text.splitlines()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and ast.get_docstring(node):
+                stub = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.body[0].end_lineno])) + "\n"
+                if 80 <= len(stub) <= 700 and node.name not in exclude:
+                    (typed if is_typed(node) else untyped).append(stub)
+    rng = random.Random(seed)
+    rng.shuffle(typed)
+    rng.shuffle(untyped)
+    return (typed + untyped)[:limit]
+
+
+def evaluation_names() -> frozenset[str]:
+    """HumanEval's entry points, so no training stub shares a name with a held-out problem."""
+    return frozenset(r["entry_point"] for r in humaneval_records() or [])
+
+
+def stubs_of(sources: list[str], seed: int) -> Callable[[int], list[str]]:
+    """The humaneval source of --data: ``n`` -> n function stubs from the --source files."""
+
+    def stubs(n: int) -> list[str]:
+        found = function_stubs(source_files(sources), seed, n, evaluation_names())
+        if not found:
+            raise SpecbenchError(
+                f"no documented functions of 80-700 characters in {', '.join(sources)}: add --source, "
+                "or leave humaneval out of --data"
+            )
+        return found
+
+    return stubs
+
+
+def rendered(prompt: TrainingPrompt, tokenizer) -> str:
+    """A prompt as the benchmark sends it: through the chat template when the target has one
+    (stubs with HumanEval's instruction), else the raw text (a stub as it is)."""
+    if not tokenizer.chat_template:
+        return prompt.text
+    text = prompt.text
+    if prompt.source == "humaneval":
+        text = read_config("datasets.toml")["humaneval"]["instruction"].format(prompt=text)
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+    )
+
+
+def answered_prompts(
+    tokenizer, data: str, count: int, sources: list[str], seed: int, max_prompt_tokens: int
+) -> tuple[list[TrainingPrompt], list[list[int]]]:
+    """``count`` prompts of ``data`` (--data) the target answers, and their token ids (at most
+    ``max_prompt_tokens``); stubs come from the ``sources`` files."""
+    special = tokenizer.chat_template is None
+
+    def encoded(prompt: TrainingPrompt) -> list[int]:
+        return tokenizer(rendered(prompt, tokenizer), add_special_tokens=special).input_ids
+
+    def fits(prompt: TrainingPrompt) -> bool:
+        return len(encoded(prompt)) <= max_prompt_tokens
+
+    chosen = training_prompts(parse_data(data), count, stubs_of(sources, seed), seed, fits)
+    return chosen, [encoded(p) for p in chosen]

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .errors import SpecbenchError
 from .models import config_dir
+from .prompts import read_dataset
 
 SHINGLE = 13  # words: the run length GPT-3's and later contamination checks use
 # A turn shorter than this is a generic follow-up ("Can you parallelize it?"), not a question a
@@ -77,8 +79,6 @@ def overlaps(text: str, held: set[int]) -> bool:
 @cache
 def held_out_fingerprints() -> frozenset[int]:
     """The shipped fingerprints, with every shingle of the benchmark files found on this machine."""
-    from .errors import SpecbenchError
-    from .prompts import read_dataset
 
     shipped = config_dir() / FINGERPRINTS
     held = set(np.load(shipped).tolist()) if shipped.is_file() else set()
@@ -93,7 +93,6 @@ def held_out_fingerprints() -> frozenset[int]:
 
 def write_fingerprints(question_file: Path, out: Path | None = None) -> int:
     """Write the fingerprints specbench ships from Spec-Bench's question file; returns how many."""
-    from .prompts import read_dataset
 
     prompts = read_dataset(str(question_file))
     held = sorted(turn_fingerprints((t for p in prompts for t in p.turns), KEEP_ONE_IN))

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from .engines import llamacpp
+from .engines.launch import launched
 from .errors import SpecbenchError
 from .models import LoadedModel
 
@@ -165,9 +167,6 @@ def llama_cpp_answers(
 ) -> Iterator[Answerer]:
     """llama-server serving ``gguf`` with ``slots`` answers at once, ``context`` tokens each, for the
     length of the block; its log is ``log_dir``/teacher-llama-cpp.log."""
-    from .engines import llamacpp
-    from .engines.launch import launched
-
     command = llamacpp.command(server, gguf, slots, context)
     with launched("teacher-llama-cpp", command, log_dir, who="--teacher-engine llama-cpp") as url:
         root = url.removesuffix("/v1")

@@ -343,7 +343,8 @@ def test_distill_makes_a_loadable_draft_and_resumes(tiny_pair, tmp_path):
         )
         * 6
     )
-    from specbench.distill import function_stubs, source_files
+    from specbench.distill_data import function_stubs
+    from specbench.sources import source_files
 
     stubs = function_stubs(source_files([str(sources)]), 0, 100, frozenset({"has_close_elements"}))
     assert len(stubs) == 12 and all("has_close" not in s for s in stubs)
