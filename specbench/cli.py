@@ -452,9 +452,15 @@ def distill(
     init: Annotated[
         str,
         typer.Option(
-            help="pca: start from a projection of the target's embeddings; random; or the directory of a draft to go on training (its shape then wins over the size options)."
+            help="pca: start from a projection of the target's embeddings; random; or a checkpoint to go on training (its shape then wins over the size options): a draft's directory, or for --kind eagle a head's directory or alias."
         ),
     ] = "pca",
+    draft_vocab: Annotated[
+        int,
+        typer.Option(
+            help="The drafter's vocabulary: the N ids the target ranks first most often in the training data (0: all of them). Each id costs a row of the vocabulary projection, a large part of a drafter's step."
+        ),
+    ] = 0,
     source: Annotated[
         list[str] | None,
         typer.Option(help="Training text: files or directories of .py (default: Python's standard library)."),

@@ -35,7 +35,7 @@ from .distill_data import answered_prompts, parse_data
 from .engines import llamacpp
 from .errors import SpecbenchError
 from .files import replacing
-from .models import HEAD_TOKENS, LoadedModel, cache_dir, model_dir, resolve
+from .models import HEAD_TOKENS, LoadedModel, speculator_dir
 from .sources import source_files
 
 log = logging.getLogger("specbench")
@@ -53,7 +53,10 @@ class DistillConfig:
     heads: int = 4
     kv_heads: int = 2
     intermediate_size: int = 768
-    init: str = "pca"  # "pca": project the target's embeddings; "random": transformers' init; or a draft's directory
+    # A draft: "pca" (project the target's embeddings), "random" (transformers' init) or a draft's directory.
+    # A head: "pca" or "random" start afresh (distill_eagle.new_head); a head's directory or alias goes on training.
+    init: str = "pca"
+    draft_vocab: int = 0  # the drafter's vocabulary: the ids the teacher ranks first most often (0: all of them)
     seq_len: int = 256
     teacher_tokens: int = 300_000
     teacher_batch: int = 8
@@ -83,15 +86,29 @@ class DistillConfig:
     head_intermediate: int = 0  # eagle: the head's MLP width (0: the target's)
 
     @property
+    def goes_on(self) -> bool:
+        """Whether training starts from --init's checkpoint (a draft's, or for --kind eagle a head's)."""
+        return self.init not in ("pca", "random")
+
+    @property
     def trains_head(self) -> bool:
         """Whether it trains an EAGLE head (distill_eagle.py) rather than a draft."""
         return self.kind != "draft"
 
     def validate(self) -> None:
-        if self.init not in ("pca", "random") and not (Path(self.init) / "config.json").is_file():
+        if self.goes_on and not self.trains_head and not (Path(self.init) / "config.json").is_file():
             raise SpecbenchError(
                 f"--init {self.init}: use pca, random, or the directory of a draft checkpoint to go on training"
             )
+        if self.goes_on and self.trains_head:
+            try:
+                speculator_dir(self.init)
+            except SpecbenchError:
+                raise SpecbenchError(
+                    f"--init {self.init}: for --kind eagle use pca, random, or an EAGLE head's directory or alias to go on training"
+                ) from None
+        if self.draft_vocab < 0:
+            raise SpecbenchError("--draft-vocab must be at least 0 (0: every id the target ranks first)")
         if self.kind not in KINDS:
             raise SpecbenchError(f"--kind {self.kind}: use draft or eagle")
         if self.top_k < 1:
@@ -182,7 +199,7 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
             asked = [prompts[i] for i in rows]
             answers = answer(asked, is_sampled(cfg, b), cfg.seed * 100_003 + b)
             if not checked:
-                same_weights(cfg, target, asked, answers)
+                teacher.same_weights(cfg.teacher_engine, cfg.target, target, asked, answers, cfg.out / "generated")
                 checked = True
             dropped += sum(a.dropped for a in answers)
             written += sum(len(a.tokens) for a in answers)
@@ -216,45 +233,13 @@ def answering(cfg: DistillConfig, target: LoadedModel, longest: int) -> Iterator
         yield teacher.torch_answers(target, cfg.generate_new_tokens, cfg.top_k)
         return
     server = llamacpp.find_server(cfg.llama_server)
-    gguf = teacher_gguf(cfg, target, server)
+    gguf = teacher.gguf_of(cfg.teacher_gguf, cfg.target, target, server)
     log.info("llama.cpp's llama-server answers the prompts from %s", gguf)
     context = longest + cfg.generate_new_tokens + llamacpp.SLACK
     with teacher.llama_cpp_answers(
         target, gguf, server, cfg.generate_batch, context, cfg.generate_new_tokens, cfg.top_k, cfg.out
     ) as answer:
         yield answer
-
-
-def teacher_gguf(cfg: DistillConfig, target: LoadedModel, server: Path) -> Path:
-    """The GGUF llama.cpp answers from: --teacher-gguf, else the target's own .gguf, else its
-    checkpoint converted to f32 (once, cached) by llama.cpp's converter."""
-    if cfg.teacher_gguf:
-        return Path(cfg.teacher_gguf).expanduser()
-    source = resolve(cfg.target)
-    if source.kind == "gguf":
-        return Path(source.location)
-    return llamacpp.gguf_of(Path(model_dir(target)), "f32", server, cache_dir() / "gguf")
-
-
-def same_weights(cfg: DistillConfig, target: LoadedModel, prompts: list[list[int]], answers) -> None:
-    """Refuse another engine's answers unless the torch target, reading a sample of them, agrees on
-    the likeliest token at MIN_AGREEMENT of the positions and on its log-probability within
-    MAX_LOGP_DIFFERENCE; what it found goes to generated/teacher.json."""
-    found = {"engine": cfg.teacher_engine, **teacher.weights_check(target, prompts, answers)}
-    (cfg.out / "generated" / "teacher.json").write_text(json.dumps(found, indent=2) + "\n")
-    agree = found["top1_agreement"]
-    if agree is None:
-        return
-    said = (
-        f"the torch target agrees with --teacher-engine {cfg.teacher_engine}'s likeliest token at {agree:.1%} of "
-        f"{found['positions']} answer positions (mean |log p difference| {found['mean_abs_logp_difference']:.3f})"
-    )
-    if agree < teacher.MIN_AGREEMENT or found["mean_abs_logp_difference"] > teacher.MAX_LOGP_DIFFERENCE:
-        raise SpecbenchError(
-            f"{said}: its answers do not come from {cfg.target}'s weights; give the target's own GGUF "
-            "(--teacher-gguf) or --teacher-engine torch"
-        )
-    log.info("%s: the same weights", said)
 
 
 def teacher_shards(
@@ -327,7 +312,7 @@ def new_student(cfg: DistillConfig, target: LoadedModel):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
     torch.manual_seed(cfg.seed)
-    if cfg.init not in ("pca", "random"):  # a draft checkpoint to go on training
+    if cfg.goes_on:  # a draft checkpoint to go on training
         student = AutoModelForCausalLM.from_pretrained(cfg.init, dtype=torch.float32)
         if student.get_output_embeddings().weight.shape[0] < target.width:
             raise SpecbenchError(
@@ -469,7 +454,7 @@ def train_student(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]
     held = yield from optimise(
         cfg, student, [len(e.ids) for e in examples], batch_loss, lambda: (agreement(student, held_out, cfg.batch),)
     )
-    save_draft(student, target, cfg, held[0] if held else None, head_tokens(examples))
+    save_draft(student, target, cfg, held[0] if held else None, head_tokens(examples, cfg.draft_vocab))
 
 
 def optimise(cfg: DistillConfig, model, lengths: list[int], batch_loss, evaluate, phase: str = "student"):
@@ -522,10 +507,16 @@ def optimise(cfg: DistillConfig, model, lengths: list[int], batch_loss, evaluate
     return held
 
 
-def head_tokens(examples: list[Example]) -> list[int]:
-    """Every id that is the teacher's top choice somewhere in the training data: the draft's
-    vocabulary shortlist (a few thousand of the target's tens of thousands of ids)."""
-    return sorted(set(torch.cat([e.top_idx[:, 0] for e in examples]).tolist()))
+def head_tokens(examples: list[Example], limit: int = 0) -> list[int]:
+    """The ids that are the teacher's top choice somewhere in the training data, sorted: the
+    drafter's vocabulary (a few thousand of the target's tens of thousands of ids). With ``limit``,
+    only the ``limit`` most frequent of them (ties to the lower id): the vocabulary projection is
+    much of a small drafter's step, and the rarest ids are first choices at few positions."""
+    ids, counts = torch.cat([e.top_idx[:, 0] for e in examples]).unique(return_counts=True)
+    if 0 < limit < len(ids):
+        order = sorted(range(len(ids)), key=lambda i: (-counts[i].item(), ids[i].item()))
+        ids = ids[torch.tensor(order[:limit])]
+    return sorted(ids.tolist())
 
 
 def save_checkpoint(model, tokenizer, out: Path, shortlist: list[int] | None) -> None:

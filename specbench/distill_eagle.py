@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -44,12 +45,12 @@ from .distill import (
     recipe,
     shard_sequences,
 )
-from .eagle import EagleHead, HeadConfig, default_taps, save_head
+from .eagle import EagleHead, HeadConfig, default_taps, read_head, save_head
 from .errors import SpecbenchError
 from .fast import FastLlama, unsupported
 from .files import replacing
 from .lm import HFCausalLM
-from .models import LoadedModel
+from .models import LoadedModel, speculator_dir
 
 FEATURES = "features"
 # The head reads the inputs of a low, a middle and a high layer of the target: vLLM's default
@@ -105,32 +106,52 @@ def feature_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress
 
 
 def new_head(cfg: DistillConfig, target: LoadedModel, draft_ids: list[int]) -> EagleHead:
-    """A head shaped as one of the target's layers, scoring ``draft_ids``: its LM head starts as the
-    target's rows of those ids and its final norm as the target's; the rest is small and random."""
-    c = target.model.config
-    rope = getattr(c, "rope_parameters", None) or {}
-    config = HeadConfig(
-        hidden=c.hidden_size,
-        heads=c.num_attention_heads,
-        kv_heads=c.num_key_value_heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        intermediate=cfg.head_intermediate or c.intermediate_size,
-        vocab=c.vocab_size,
-        draft_vocab=len(draft_ids),
-        taps=taps_of(target),
-        target_hidden=c.hidden_size,
-        eps=c.rms_norm_eps,
-        rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
-        norm_before_residual=True,
-    )
+    """A head scoring ``draft_ids``. Afresh, it is shaped as one of the target's layers, its LM head
+    starts as the target's rows of those ids and its final norm as the target's, and the rest is
+    small and random. With --init HEAD it is that head, its shape kept, its LM head cut or grown to
+    ``draft_ids``: the rows of ids it scored are kept, the others start as the target's."""
+    c, model = target.model.config, target.model
+    embed = model.get_input_embeddings().weight.detach().float()
+    earlier = None
+    if cfg.goes_on:
+        earlier = read_head(speculator_dir(cfg.init), embed, c.num_hidden_layers, c.hidden_size, c.vocab_size)
+        if earlier.config.taps != taps_of(target):
+            raise SpecbenchError(
+                f"--init {cfg.init}: the head reads layers {list(earlier.config.taps)} and distill stores the "
+                f"features of layers {list(taps_of(target))}: start from pca instead"
+            )
+        config = replace(earlier.config, draft_vocab=len(draft_ids))
+    else:
+        rope = getattr(c, "rope_parameters", None) or {}
+        config = HeadConfig(
+            hidden=c.hidden_size,
+            heads=c.num_attention_heads,
+            kv_heads=c.num_key_value_heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+            intermediate=cfg.head_intermediate or c.intermediate_size,
+            vocab=c.vocab_size,
+            draft_vocab=len(draft_ids),
+            taps=taps_of(target),
+            target_hidden=c.hidden_size,
+            eps=c.rms_norm_eps,
+            rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
+            norm_before_residual=True,
+        )
     torch.manual_seed(cfg.seed)
-    model = target.model
-    head = EagleHead(config, model.get_input_embeddings().weight.detach().float())
-    ids = torch.tensor(draft_ids)
+    head = EagleHead(config, embed)
+    rows = model.get_output_embeddings().weight[torch.tensor(draft_ids)].detach().clone()
     with torch.no_grad():
-        head.draft_ids.copy_(ids)
-        head.lm_head.weight.copy_(model.get_output_embeddings().weight[ids])
-        head.norm.weight.copy_(model.model.norm.weight)
+        head.draft_ids.copy_(torch.tensor(draft_ids))
+        if earlier is None:
+            head.norm.weight.copy_(model.model.norm.weight)
+        else:
+            kept = {k: w for k, w in earlier.state_dict().items() if k not in ("lm_head.weight", "draft_ids")}
+            head.load_state_dict(kept, strict=False)
+            row_of = {t: r for r, t in enumerate(earlier.draft_ids.tolist())}
+            for r, t in enumerate(draft_ids):
+                if t in row_of:
+                    rows[r] = earlier.lm_head.weight[row_of[t]]
+        head.lm_head.weight.copy_(rows)
     return head
 
 
@@ -245,10 +266,14 @@ def train_head(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
     """The features phase, then the head trained (or its training resumed) on them."""
     yield from feature_shards(cfg, target)
     examples, held_out = load_examples(cfg, cfg.out / FEATURES)
-    draft_ids = head_tokens(examples)
+    draft_ids = head_tokens(examples, cfg.draft_vocab)
     head = new_head(cfg, target, draft_ids)
     if head.fc is not None:
-        parametrize.register_parametrization(head.fc, "weight", DividedBy(feature_scale(examples)))
+        scale = feature_scale(examples)
+        if cfg.goes_on:  # the saved fc is W / s as inference applies it; training holds W
+            with torch.no_grad():
+                head.fc.weight.mul_(scale)
+        parametrize.register_parametrization(head.fc, "weight", DividedBy(scale))
     to_draft = torch.full((head.config.vocab,), -1, dtype=torch.long)
     to_draft[torch.tensor(draft_ids)] = torch.arange(len(draft_ids))
 
@@ -272,4 +297,8 @@ def train_head(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
         held_out_greedy_agreement=held[0] if held else None,
         held_out_agreement_by_step=list(held) if held else None,
     )
+    if cfg.goes_on:  # a head trained further keeps the recipe it started from
+        earlier = speculator_dir(cfg.init) / "distill.json"
+        if earlier.is_file():
+            meta["init_recipe"] = json.loads(earlier.read_text())
     (cfg.out / "distill.json").write_text(json.dumps(meta, indent=2) + "\n")

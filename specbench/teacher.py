@@ -12,6 +12,7 @@ engine's answers are only worth training on if they come from the target's weigh
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -23,7 +24,7 @@ import torch
 from .engines import llamacpp
 from .engines.launch import launched
 from .errors import SpecbenchError
-from .models import LoadedModel
+from .models import LoadedModel, cache_dir, model_dir, resolve
 
 log = logging.getLogger("specbench")
 
@@ -236,3 +237,35 @@ def weights_check(target: LoadedModel, prompts: list[list[int]], answers: list[A
         "top1_agreement": agree / positions if positions else None,
         "mean_abs_logp_difference": gap / positions if positions else None,
     }
+
+
+def gguf_of(given: str | None, target_name: str, target: LoadedModel, server: Path) -> Path:
+    """The GGUF llama.cpp answers from: ``given`` (--teacher-gguf), else the target's own .gguf, else
+    its checkpoint converted to f32 (once, cached) by llama.cpp's converter."""
+    if given:
+        return Path(given).expanduser()
+    source = resolve(target_name)
+    if source.kind == "gguf":
+        return Path(source.location)
+    return llamacpp.gguf_of(Path(model_dir(target)), "f32", server, cache_dir() / "gguf")
+
+
+def same_weights(engine: str, target_name: str, target: LoadedModel, prompts: list[list[int]], answers, record: Path):
+    """Refuse ``engine``'s answers unless the torch target, reading a sample of them, agrees on the
+    likeliest token at MIN_AGREEMENT of the positions and on its log-probability within
+    MAX_LOGP_DIFFERENCE; what it found goes to teacher.json in ``record``."""
+    found = {"engine": engine, **weights_check(target, prompts, answers)}
+    (record / "teacher.json").write_text(json.dumps(found, indent=2) + "\n")
+    agree = found["top1_agreement"]
+    if agree is None:
+        return
+    said = (
+        f"the torch target agrees with --teacher-engine {engine}'s likeliest token at {agree:.1%} of "
+        f"{found['positions']} answer positions (mean |log p difference| {found['mean_abs_logp_difference']:.3f})"
+    )
+    if agree < MIN_AGREEMENT or found["mean_abs_logp_difference"] > MAX_LOGP_DIFFERENCE:
+        raise SpecbenchError(
+            f"{said}: its answers do not come from {target_name}'s weights; give the target's own GGUF "
+            "(--teacher-gguf) or --teacher-engine torch"
+        )
+    log.info("%s: the same weights", said)

@@ -258,3 +258,68 @@ def test_eagle_needs_a_target_of_three_layers(tiny_pair, tmp_path):
             next(distill_eagle(tiny_config(tmp_path / "h", tmp_path), shallow))
     result = specbench("distill", "--kind", "eagle", "--target", str(tmp_path / "t2"), "--out", str(tmp_path / "o"))
     one_line_error(result, "at least 3 decoder layers", "has 2", "--kind draft")
+
+
+def test_the_vocabulary_is_the_ids_ranked_first_most_often():
+    from specbench.distill import Example, head_tokens
+
+    def ranked_first(*ids):
+        top = torch.tensor(ids)[:, None].repeat(1, 2)  # the teacher's top-2 at each position; top-1 is ids
+        return Example(torch.zeros(len(ids) + 1, dtype=torch.long), 0, torch.zeros(len(ids), 2), top)
+
+    examples = [ranked_first(7, 7, 3, 9), ranked_first(9, 7, 5, 3, 1)]  # 7 thrice; 3 and 9 twice; 1 and 5 once
+    assert head_tokens(examples) == [1, 3, 5, 7, 9]
+    assert head_tokens(examples, 3) == [3, 7, 9]
+    assert head_tokens(examples, 4) == [1, 3, 7, 9]  # 1 and 5 tie: the lower id stays
+    assert head_tokens(examples, 50) == head_tokens(examples, 0)
+
+
+def head_logits(head: EagleHead, ids: torch.Tensor, features: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The head's step-0 logit of each id it scores, at every position of ``ids`` (target ids)."""
+    with torch.no_grad():
+        logits = head.draft_logits(ttt_outputs(head, ids, features, 1)[0])
+    return {t: logits[..., d] for d, t in enumerate(head.draft_ids.tolist())}
+
+
+@pytest.mark.slow  # two runs of the phases: about a minute on 2 busy cores
+def test_a_head_goes_on_training_from_its_checkpoint_with_a_new_vocabulary(tiny_pair, tmp_path):
+    """--init HEAD keeps the head's weights (fc as inference applies it, though training holds it
+    times the features' scale) and the LM head rows of the ids it scored; the ids the data add start
+    as the target's rows. At learning rate 0 the head saved again drafts as the one it started from."""
+    from specbench.distill_eagle import new_head
+
+    target = load(tiny_pair[0], CPU, F32)
+    sources = write_sources(tmp_path)
+    earlier_ids = list(range(0, target.width, 2))
+    earlier = new_head(tiny_config(tmp_path / "unused", sources), target, earlier_ids)
+    torch.manual_seed(1)
+    for weight in earlier.parameters():
+        weight.data.normal_(0, 0.3)  # far from a fresh head's init, so a part not carried over shows
+    save_head(earlier, tmp_path / "earlier", target.model.config.num_hidden_layers)
+    cfg = tiny_config(tmp_path / "head", sources, init=str(tmp_path / "earlier"), lr=0.0, draft_vocab=12)
+    list(distill_eagle(cfg, target))
+    config = target.model.config
+    embed = target.model.get_input_embeddings().weight
+    before = read_head(tmp_path / "earlier", embed, config.num_hidden_layers, config.hidden_size, target.width)
+    after = read_head(cfg.out, embed, config.num_hidden_layers, config.hidden_size, target.width)
+    ids = after.draft_ids.tolist()
+    assert len(ids) == 12
+    kept, added = [t for t in ids if t in earlier_ids], [t for t in ids if t not in earlier_ids]
+    assert kept and added  # the data kept some of the earlier ids and brought new ones
+    torch.manual_seed(2)
+    tokens, features = torch.randint(0, target.width, (2, 9)), torch.randn(2, 9, 3 * config.hidden_size) * 5
+    old, new = head_logits(before, tokens, features), head_logits(after, tokens, features)
+    for t in kept:
+        torch.testing.assert_close(new[t], old[t], rtol=2e-2, atol=2e-2 * old[t].abs().max().item())
+    rows = dict(zip(ids, after.lm_head.weight, strict=True))
+    for t in added:
+        torch.testing.assert_close(rows[t], target.model.get_output_embeddings().weight[t].half().float())
+    assert json.loads((cfg.out / "distill.json").read_text())["init"] == str(tmp_path / "earlier")
+
+
+def test_an_init_that_is_no_head_is_refused_in_one_line(tiny_pair, tmp_path):
+    result = specbench(
+        "distill", "--kind", "eagle", "--target", tiny_pair[0], "--out", str(tmp_path / "o"),
+        "--init", str(tmp_path / "nowhere"),
+    )  # fmt: skip
+    one_line_error(result, "--init", "nowhere", "EAGLE head's directory or alias")

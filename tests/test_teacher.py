@@ -8,7 +8,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from specbench.distill import DistillConfig, same_weights
 from specbench.engines import llamacpp
 from specbench.errors import SpecbenchError
 from specbench.models import load, resolve
@@ -17,6 +16,7 @@ from specbench.teacher import (
     MIN_AGREEMENT,
     agreement,
     parsed_completion,
+    same_weights,
     torch_answers,
     weights_check,
 )
@@ -83,17 +83,17 @@ def test_answers_of_other_weights_are_refused_and_the_targets_own_pass(untied_ta
     # An untied target writes varied text; a tied random model (as the draft) repeats its last token.
     target, draft = load(untied_target, CPU, F32), load(tiny_pair[1], CPU, F32)
     prompts = [[1, 5, 9, 14], [1, 22, 7], [1, 30, 31, 32, 33]]
-    cfg = DistillConfig(out=tmp_path, target=untied_target, teacher_engine="llama-cpp", top_k=8)
-    (tmp_path / "generated").mkdir()
+    record = tmp_path / "generated"
+    record.mkdir()
     own = torch_answers(target, 12, 8)(prompts, False, 0)
     assert weights_check(target, prompts, own)["top1_agreement"] == 1.0
-    same_weights(cfg, target, prompts, own)
+    same_weights("llama-cpp", untied_target, target, prompts, own, record)
     found = json.loads((tmp_path / "generated" / "teacher.json").read_text())
     assert found["top1_agreement"] == 1.0 and found["mean_abs_logp_difference"] < 1e-2
     assert found["positions"] == sum(len(a.tokens) for a in own)
     other = torch_answers(draft, 12, 8)(prompts, False, 0)
     with pytest.raises(SpecbenchError, match="do not come from") as refused:
-        same_weights(cfg, target, prompts, other)
+        same_weights("llama-cpp", untied_target, target, prompts, other, record)
     assert "\n" not in str(refused.value)
     found = json.loads((tmp_path / "generated" / "teacher.json").read_text())
     assert found["top1_agreement"] < MIN_AGREEMENT and found["mean_abs_logp_difference"] > MAX_LOGP_DIFFERENCE
