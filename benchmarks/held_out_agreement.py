@@ -2,7 +2,7 @@
 the target at training-time test steps 0, 1 and 2, by the source of the prompt (sharegpt, humaneval
 or a file).
 
-    python benchmarks/held_out_agreement.py DISTILL_DIR HEAD_DIR [HEAD_DIR ...] [--target T]
+    python benchmarks/held_out_agreement.py DISTILL_DIR HEAD [HEAD ...] [--target T]
 
 DISTILL_DIR is a `specbench distill --kind eagle` output directory with its generated/ answers and
 features/ (what the run stored). Its held-out answers are the ones distill held out (every 16th
@@ -22,7 +22,7 @@ import torch
 from specbench.distill import DistillConfig, Example, is_sampled
 from specbench.distill_eagle import FEATURES, ttt_agreement
 from specbench.eagle import load_head
-from specbench.models import load
+from specbench.models import load, speculator_dir
 
 
 def held_out_by_source(out: Path) -> dict[str, list[Example]]:
@@ -44,7 +44,7 @@ def held_out_by_source(out: Path) -> dict[str, list[Example]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("distill_dir", type=Path)
-    parser.add_argument("heads", type=Path, nargs="+")
+    parser.add_argument("heads", nargs="+", help="heads: directories or aliases")
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
@@ -52,7 +52,7 @@ def main() -> None:
     held = held_out_by_source(args.distill_dir)
     print("held out:", {source: len(examples) for source, examples in held.items()})
     for head_dir in args.heads:
-        head = load_head(head_dir, target.model, pack=False).float()
+        head = load_head(speculator_dir(head_dir), target.model, pack=False).float()
         for source, examples in sorted(held.items()):
             agreement = ttt_agreement(head, examples, 8, args.steps)
             print(f"{head_dir}  {source:10s}  " + " / ".join(f"{a:.3f}" for a in agreement))
