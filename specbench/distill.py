@@ -473,7 +473,13 @@ def optimise(cfg: DistillConfig, model, lengths: list[int], batch_loss, evaluate
     step, held = 0, None
     if state_path.exists():
         state = torch.load(state_path)
-        model.load_state_dict(state["model"])
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError:  # shapes differ: the options that size the model changed between runs
+            raise SpecbenchError(
+                f"{state_path} was saved by a run with a model of another shape (--init, --draft-vocab or the size "
+                "options): run again with that run's options, or give another --out"
+            ) from None
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
         step, held = state["step"], state.get("agreement")

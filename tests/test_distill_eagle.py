@@ -323,3 +323,14 @@ def test_an_init_that_is_no_head_is_refused_in_one_line(tiny_pair, tmp_path):
         "--init", str(tmp_path / "nowhere"),
     )  # fmt: skip
     one_line_error(result, "--init", "nowhere", "EAGLE head's directory or alias")
+
+
+def test_a_resumed_run_of_another_shape_is_refused_in_one_line(tiny_pair, tmp_path):
+    target = load(tiny_pair[0], CPU, F32)
+    cfg = tiny_config(tmp_path / "head", write_sources(tmp_path))
+    for p in distill_eagle(cfg, target):
+        if p.phase == "head":
+            break  # a state saved after the first step, with every id the teacher ranked first
+    with pytest.raises(SpecbenchError, match="another shape") as refused:
+        list(distill_eagle(dataclasses.replace(cfg, draft_vocab=3), target))
+    assert "\n" not in str(refused.value)
