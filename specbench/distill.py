@@ -96,10 +96,6 @@ class DistillConfig:
         return self.kind != "draft"
 
     def validate(self) -> None:
-        if self.goes_on and not self.trains_head and not (Path(self.init) / "config.json").is_file():
-            raise SpecbenchError(
-                f"--init {self.init}: use pca, random, or the directory of a draft checkpoint to go on training"
-            )
         if self.goes_on and self.trains_head:
             try:
                 speculator_dir(self.init)
@@ -107,6 +103,10 @@ class DistillConfig:
                 raise SpecbenchError(
                     f"--init {self.init}: for --kind eagle use pca, random, or an EAGLE head's directory or alias to go on training"
                 ) from None
+        elif self.goes_on and not (Path(self.init) / "config.json").is_file():
+            raise SpecbenchError(
+                f"--init {self.init}: use pca, random, or the directory of a draft checkpoint to go on training"
+            )
         if self.draft_vocab < 0:
             raise SpecbenchError("--draft-vocab must be at least 0 (0: every id the target ranks first)")
         if self.kind not in KINDS:
@@ -518,10 +518,9 @@ def head_tokens(examples: list[Example], limit: int = 0) -> list[int]:
     drafter's vocabulary (a few thousand of the target's tens of thousands of ids). With ``limit``,
     only the ``limit`` most frequent of them (ties to the lower id): the vocabulary projection is
     much of a small drafter's step, and the rarest ids are first choices at few positions."""
-    ids, counts = torch.cat([e.top_idx[:, 0] for e in examples]).unique(return_counts=True)
-    if 0 < limit < len(ids):
-        order = sorted(range(len(ids)), key=lambda i: (-counts[i].item(), ids[i].item()))
-        ids = ids[torch.tensor(order[:limit])]
+    ids, counts = torch.cat([e.top_idx[:, 0] for e in examples]).unique(return_counts=True)  # ids ascending
+    if 0 < limit < len(ids):  # a stable sort keeps the lower id first among equal counts
+        ids = ids[torch.sort(-counts, stable=True).indices[:limit]]
     return sorted(ids.tolist())
 
 

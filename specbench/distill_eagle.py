@@ -147,12 +147,18 @@ def new_head(cfg: DistillConfig, target: LoadedModel, draft_ids: list[int]) -> E
         else:
             kept = {k: w for k, w in earlier.state_dict().items() if k not in ("lm_head.weight", "draft_ids")}
             head.load_state_dict(kept, strict=False)
-            row_of = {t: r for r, t in enumerate(earlier.draft_ids.tolist())}
-            for r, t in enumerate(draft_ids):
-                if t in row_of:
-                    rows[r] = earlier.lm_head.weight[row_of[t]]
+            earlier_row = draft_index(earlier.draft_ids, config.vocab)[torch.tensor(draft_ids)]
+            known = earlier_row >= 0
+            rows[known] = earlier.lm_head.weight[earlier_row[known]]
         head.lm_head.weight.copy_(rows)
     return head
+
+
+def draft_index(draft_ids: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Each target id's row among ``draft_ids`` [vocab], -1 where the head does not score it."""
+    index = torch.full((vocab,), -1, dtype=torch.long)
+    index[draft_ids] = torch.arange(len(draft_ids))
+    return index
 
 
 class DividedBy(nn.Module):
@@ -274,8 +280,7 @@ def train_head(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
             with torch.no_grad():
                 head.fc.weight.mul_(scale)
         parametrize.register_parametrization(head.fc, "weight", DividedBy(scale))
-    to_draft = torch.full((head.config.vocab,), -1, dtype=torch.long)
-    to_draft[torch.tensor(draft_ids)] = torch.arange(len(draft_ids))
+    to_draft = draft_index(head.draft_ids, head.config.vocab)
 
     def batch_loss(rows: list[int]) -> torch.Tensor:
         return ttt_loss(head, _batch([examples[i] for i in rows]), to_draft, cfg.ttt_steps)
