@@ -489,7 +489,7 @@ def distill(
     teacher_engine: Annotated[
         str,
         typer.Option(
-            help="Who writes the target's answers: torch (the target itself, batched generate) or llama-cpp (llama.cpp's llama-server from the same weights, checked against the torch target on the first batch; `make install-llama-cpp`)."
+            help="Who writes the target's answers: torch (the target itself, batched generate), llama-cpp (llama.cpp's llama-server from the same weights; `make install-llama-cpp`) or vllm (vLLM in this process, from .venv-vllm; `make install-vllm`). Another engine's answers are checked against the torch target on the first batch."
         ),
     ] = "torch",
     teacher_gguf: Annotated[

@@ -73,7 +73,9 @@ class DistillConfig:
     # chat template as the evaluation's prompts are (never the evaluation's own questions).
     data: str = "humaneval"
     max_prompt_tokens: int = 1024
-    teacher_engine: str = "torch"  # who writes the answers (teacher.py): torch, or llama-cpp from the same weights
+    teacher_engine: str = (
+        "torch"  # who writes the answers (teacher.py): torch, or llama-cpp or vllm from the same weights
+    )
     teacher_gguf: str | None = None  # llama-cpp: the GGUF it serves (default: the target's own)
     llama_server: str | None = None  # llama-cpp: the llama-server binary (default: engines/llamacpp.find_server)
     generate_prompts: int = 1024
@@ -134,6 +136,7 @@ class DistillConfig:
         parse_data(self.data)
         if self.teacher_engine not in teacher.ENGINES:
             raise SpecbenchError(f"--teacher-engine {self.teacher_engine}: use {' or '.join(teacher.ENGINES)}")
+        teacher.check_installed(self.teacher_engine)
         if self.teacher_gguf and not Path(self.teacher_gguf).expanduser().is_file():
             raise SpecbenchError(f"--teacher-gguf {self.teacher_gguf}: no such file; give the target's .gguf")
 
@@ -231,6 +234,13 @@ def answering(cfg: DistillConfig, target: LoadedModel, longest: int) -> Iterator
     """The --teacher-engine that answers the prompts (the longest of ``longest`` tokens), open for the phase."""
     if cfg.teacher_engine == "torch":
         yield teacher.torch_answers(target, cfg.generate_new_tokens, cfg.top_k)
+        return
+    if cfg.teacher_engine == "vllm":
+        context = longest + cfg.generate_new_tokens
+        with teacher.vllm_answers(
+            target, cfg.generate_batch, context, cfg.generate_new_tokens, cfg.top_k, cfg.seed
+        ) as answer:
+            yield answer
         return
     server = llamacpp.find_server(cfg.llama_server)
     gguf = teacher.gguf_of(cfg.teacher_gguf, cfg.target, target, server)

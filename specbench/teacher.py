@@ -1,6 +1,7 @@
 """Who writes the target's answers for `specbench distill` (--teacher-engine): the target itself in
-torch (transformers' generate, a batch at a time), or the same weights served by llama.cpp's
-llama-server, which decodes a small model on a CPU faster than our fp32 forward.
+torch (transformers' generate, a batch at a time), the same weights served by llama.cpp's
+llama-server, or the target's checkpoint in vLLM in this process (continuous batching, on a GPU the
+fastest of the three).
 
 Either way an answer is an ``Answer``: the tokens the target wrote, through its first stop token,
 and its top-k log-probabilities at each of them (the distribution the drafter learns). Another
@@ -21,14 +22,15 @@ from pathlib import Path
 
 import torch
 
-from .engines import llamacpp
+from .engines import Sampling, Served, llamacpp
+from .engines import vllm as vllm_engine
 from .engines.launch import launched
 from .errors import SpecbenchError
 from .models import LoadedModel, cache_dir, model_dir, resolve
 
 log = logging.getLogger("specbench")
 
-ENGINES = ("torch", "llama-cpp")
+ENGINES = ("torch", "llama-cpp", "vllm")
 # What counts as the same weights, read against the torch target: its likeliest token the same at
 # MIN_AGREEMENT of the positions, and its log-probability of the engine's likeliest token within
 # MAX_LOGP_DIFFERENCE on average. The default target's own Q4_1 file in llama.cpp against its torch
@@ -210,6 +212,58 @@ async def _completions(
         return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
 
 
+def check_installed(engine: str) -> None:
+    """Refuse --teacher-engine vllm where vLLM is not installed (llama-server is looked for when it starts)."""
+    if engine == "vllm" and not vllm_engine.available():
+        raise SpecbenchError(
+            "--teacher-engine vllm needs vLLM, which lives in an environment of its own: run `make install-vllm` "
+            "and then .venv-vllm/bin/specbench distill, or use --teacher-engine torch"
+        )
+
+
+@contextmanager
+def vllm_answers(target: LoadedModel, slots: int, context: int, new_tokens: int, top_k: int, seed: int):
+    """vLLM in this process serving the target's checkpoint, ``slots`` answers at once, ``context``
+    tokens each, for the length of the block. Its log-probabilities are the raw logits' softmax
+    (vLLM's default logprobs mode), the distribution torch records. On a CPU, vLLM samples every
+    request from the engine's one generator, seeded by ``seed`` (engines/vllm.py), so a sampled
+    shard is reproducible only when the whole run is."""
+    check_installed("vllm")
+    spec = vllm_engine.EngineSpec(
+        model=model_dir(target),
+        dtype=str(target.model.dtype).removeprefix("torch."),
+        seed=seed,
+        max_model_len=context,
+        max_num_seqs=slots,
+        extra={"max_logprobs": top_k},  # vLLM refuses more than 20 unless told
+    )
+    with vllm_engine.Engine(spec) as engine:
+
+        def answer(prompts: list[list[int]], sampled: bool, seed: int) -> list[Answer]:
+            sampling = Sampling(
+                new_tokens, 1.0 if sampled else 0.0, 0, 1.0, seed, tuple(target.stop_ids), logprobs=top_k
+            )
+            served = sorted(engine.run(prompts, slots, sampling), key=lambda s: s.index)
+            return [served_answer(s, top_k, target.stop_ids) for s in served]
+
+        yield answer
+
+
+def served_answer(served: Served, top_k: int, stop: frozenset[int] | set[int]) -> Answer:
+    """An Answer from an engine's Served with per-position top ids and log-probabilities (likeliest
+    first): its tokens through the first stop token, the top ``top_k`` of each position (vLLM adds
+    the sampled token's where it is not among them: it ranks last and is cut)."""
+    n = through_stop(served.tokens, stop)
+    logp, idx = (served.logprobs or [])[:n], (served.top_ids or [])[:n]
+    if len(logp) < n or any(len(row) < top_k for row in logp):
+        raise SpecbenchError(f"the engine gave fewer than the {top_k} top log-probabilities asked for: lower --top-k")
+    return Answer(
+        served.tokens[:n],
+        torch.tensor([row[:top_k] for row in logp], dtype=torch.float32).reshape(n, top_k).half(),
+        torch.tensor([row[:top_k] for row in idx], dtype=torch.int32).reshape(n, top_k),
+    )
+
+
 def agreement(logp: torch.Tensor, top_idx: torch.Tensor, top_logp: torch.Tensor) -> tuple[int, float]:
     """How many positions another engine's likeliest token (``top_idx[:, 0]``) is also the argmax of the
     torch target's log-probabilities ``logp`` [n, vocab], and the summed |difference| of the two log-
@@ -264,8 +318,8 @@ def same_weights(engine: str, target_name: str, target: LoadedModel, prompts: li
         f"{found['positions']} answer positions (mean |log p difference| {found['mean_abs_logp_difference']:.3f})"
     )
     if agree < MIN_AGREEMENT or found["mean_abs_logp_difference"] > MAX_LOGP_DIFFERENCE:
+        fix = "give the target's own GGUF (--teacher-gguf) or use" if engine == "llama-cpp" else "use"
         raise SpecbenchError(
-            f"{said}: its answers do not come from {target_name}'s weights; give the target's own GGUF "
-            "(--teacher-gguf) or --teacher-engine torch"
+            f"{said}: its answers do not come from {target_name}'s weights; {fix} --teacher-engine torch"
         )
     log.info("%s: the same weights", said)

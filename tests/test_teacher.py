@@ -1,6 +1,7 @@
-"""Who writes distill's answers (--teacher-engine): llama-server's replies read into the same shards
-the torch target writes, and another engine's answers refused unless they come from the target's
-weights. The llama.cpp runs need `make install-llama-cpp` (marker llama_cpp, as test_llama_cpp.py)."""
+"""Who writes distill's answers (--teacher-engine): llama-server's replies and vLLM's outputs read into
+the same shards the torch target writes, and another engine's answers refused unless they come from
+the target's weights. The llama.cpp runs need `make install-llama-cpp` (marker llama_cpp, as
+test_llama_cpp.py); vLLM's run is in test_vllm.py."""
 
 import json
 from pathlib import Path
@@ -8,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from specbench.engines import llamacpp
+from specbench.distill import DistillConfig
+from specbench.engines import Served, llamacpp
+from specbench.engines import vllm as vllm_engine
 from specbench.errors import SpecbenchError
 from specbench.models import load, resolve
 from specbench.teacher import (
@@ -17,6 +20,7 @@ from specbench.teacher import (
     agreement,
     parsed_completion,
     same_weights,
+    served_answer,
     torch_answers,
     weights_check,
 )
@@ -68,6 +72,23 @@ def test_an_answer_ends_where_llama_server_gives_a_token_no_probabilities():
     assert answer.tokens == [5] and answer.top_idx.tolist() == [[5, 6]] and answer.dropped == 4
 
 
+def test_a_vllm_output_becomes_an_answer_through_its_first_stop_token():
+    """vLLM lists the top logprobs and, where it is not among them, the sampled token's: it ranks
+    last and is cut to --top-k."""
+    served = Served(0, [5, 2, 8], 0.0, 0.0, 0.0, None)
+    served.logprobs = [[-0.5, -1.5, -6.0], [-0.1, -3.0], [-0.2, -2.0]]
+    served.top_ids = [[9, 7, 5], [2, 5], [8, 1]]  # 5 was sampled at the first position, below the top 2
+    answer = served_answer(served, top_k=2, stop={2})
+    assert answer.tokens == [5, 2] and answer.top_idx.tolist() == [[9, 7], [2, 5]]
+    assert answer.top_idx.dtype == torch.int32 and answer.top_logp.dtype == torch.float16
+    torch.testing.assert_close(answer.top_logp.float(), torch.tensor([[-0.5, -1.5], [-0.1, -3.0]]), atol=1e-3, rtol=0)
+    with pytest.raises(SpecbenchError, match="lower --top-k"):
+        served_answer(served, top_k=3, stop={2})
+    served.logprobs = served.top_ids = None  # an engine that gave none
+    with pytest.raises(SpecbenchError, match="lower --top-k"):
+        served_answer(served, top_k=2, stop={2})
+
+
 def test_agreement_counts_the_positions_whose_likeliest_token_is_the_same():
     logp = torch.log_softmax(torch.tensor([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0], [0.0, 0.0, 5.0]]), -1)
     said = torch.tensor([[0, 1], [2, 1], [2, 0]])  # the second position's likeliest differs
@@ -101,11 +122,19 @@ def test_answers_of_other_weights_are_refused_and_the_targets_own_pass(untied_ta
 
 def test_a_teacher_engine_that_does_not_exist_is_one_line(tmp_path):
     result = specbench("distill", "--out", str(tmp_path / "d"), "--teacher-engine", "vllm-magic")
-    one_line_error(result, "--teacher-engine vllm-magic", "use torch or llama-cpp")
+    one_line_error(result, "--teacher-engine vllm-magic", "use torch or llama-cpp or vllm")
     result = specbench(
         "distill", "--out", str(tmp_path / "d"), "--teacher-engine", "llama-cpp", "--teacher-gguf", str(tmp_path / "x")
     )
     one_line_error(result, "--teacher-gguf", "no such file")
+
+
+def test_a_vllm_teacher_without_vllm_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(vllm_engine, "available", lambda: False)
+    with pytest.raises(SpecbenchError, match="make install-vllm") as refused:
+        DistillConfig(out=tmp_path / "d", teacher_engine="vllm").validate()
+    assert "\n" not in str(refused.value)
+    DistillConfig(out=tmp_path / "d", teacher_engine="torch").validate()  # torch needs nothing more
 
 
 DISTILL = ["distill", "--teacher-engine", "llama-cpp", "--teacher-tokens", "0", "--data", "humaneval"]

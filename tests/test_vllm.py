@@ -308,3 +308,35 @@ def test_the_audit_of_vllm_passes_greedy_and_records_what_it_refuses(tmp_path):
         refused = rows[("sampling", "temperature=1,min_p=0.05")]
         assert refused["verdict"] == "no answer" and "min_p" in refused["evidence"]
     assert report["groups"][0]["stop_string"]  # the probe ran, with the pilot's most frequent token
+
+
+def test_vllm_writes_distills_answers_from_the_targets_weights(tmp_path, monkeypatch):
+    """--teacher-engine vllm on the default target: the torch target reads its first shard again and
+    agrees (teacher.json), greedy answers are the recorded likeliest tokens, and a draft trains on them."""
+    import torch
+
+    from specbench.teacher import MAX_LOGP_DIFFERENCE, MIN_AGREEMENT
+
+    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "draft"
+    args = ["--teacher-engine", "vllm", "--teacher-tokens", "0", "--data", "humaneval", "--generate-prompts", "8"]
+    args += ["--generate-batch", "4", "--generate-new-tokens", "24", "--top-k", "8", "--sampled-fraction", "0.5"]
+    result = specbench(
+        "distill", *args, "--epochs", "1", "--batch", "4", "--seq-len", "64", "--out", str(out), timeout=900
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads((out / "generated" / "teacher.json").read_text())
+    assert found["engine"] == "vllm" and found["top1_agreement"] >= MIN_AGREEMENT, found
+    assert found["mean_abs_logp_difference"] <= MAX_LOGP_DIFFERENCE, found
+    shards = sorted((out / "generated").glob("*.pt"))
+    assert len(shards) == 2
+    for b, path in enumerate(shards):
+        docs = torch.load(path)
+        assert len(docs) == 4
+        for doc in docs:
+            answer = doc["ids"][doc["prompt_len"] :]
+            assert 0 < len(answer) <= 24 and doc["top_idx"].shape == (len(answer), 8)
+            assert (doc["top_logp"][:, :-1] >= doc["top_logp"][:, 1:]).all()  # likeliest first
+            if b == 0:  # the greedy shard (sampled-fraction 0.5: the second is sampled)
+                assert torch.equal(answer, doc["top_idx"][:, 0].to(answer.dtype))
+    assert (out / "config.json").is_file()  # the draft trained on them

@@ -94,8 +94,9 @@ class Served:
     encoded: bool = False  # tokens are the client's encoding of the text (the server gave no ids)
     measured: object = None  # specbench's loop: its loop.Measurement (the decode, its time and phases)
     logprobs: list[list[float]] | None = (
-        None  # per position, the likeliest tokens' log-probabilities (Sampling.logprobs)
+        None  # per position, the likeliest tokens' log-probabilities (Sampling.logprobs), likeliest first
     )
+    top_ids: list[list[int]] | None = None  # their token ids, where the engine gives them (vLLM)
 
     @property
     def reports_acceptance(self) -> bool:

@@ -168,7 +168,7 @@ class Engine:
                 start = time.perf_counter() - began
                 tokens: list[int] = []
                 first, last, itl, histogram, drafted, rejected, k = None, None, [], None, 0, None, None
-                logprobs = [] if sampling.logprobs else None
+                logprobs, top_ids = ([], []) if sampling.logprobs else (None, None)
                 request = TokensPrompt(prompt_token_ids=ids)
                 async for out in self.llm.generate(request, params(index), f"{tag + index}"):
                     completion = out.outputs[0]
@@ -179,10 +179,13 @@ class Engine:
                             itl.append(now - last)
                         last = now
                     tokens += completion.token_ids
-                    if logprobs is not None and completion.logprobs:
-                        logprobs += [
-                            sorted((lp.logprob for lp in pos.values()), reverse=True) for pos in completion.logprobs
-                        ]
+                    if logprobs is not None:
+                        # Each position holds the top logprobs, and the sampled token's where it is
+                        # not among them.
+                        for pos in completion.logprobs or []:
+                            ranked = sorted(pos.items(), key=lambda item: -item[1].logprob)
+                            logprobs.append([lp.logprob for _, lp in ranked])
+                            top_ids.append([token for token, _ in ranked])
                     if out.finished and (spec := completion.spec_decode_metrics) is not None:
                         histogram, drafted = list(spec.histogram), spec.num_draft_tokens
                         k = len(histogram) - 1
@@ -192,7 +195,7 @@ class Engine:
                 end = time.perf_counter() - began
             first = end if first is None else first
             served = Served(index, tokens, start, first, end, histogram, drafted, rejected, k=k, itl=itl)
-            served.logprobs = logprobs
+            served.logprobs, served.top_ids = logprobs, top_ids
             finished.put(served)
 
         async def guarded(index: int, ids: list[int], at: float) -> None:
