@@ -73,9 +73,7 @@ class DistillConfig:
     # chat template as the evaluation's prompts are (never the evaluation's own questions).
     data: str = "humaneval"
     max_prompt_tokens: int = 1024
-    teacher_engine: str = (
-        "torch"  # who writes the answers (teacher.py): torch, or llama-cpp or vllm from the same weights
-    )
+    teacher_engine: str = "torch"  # who writes the answers (teacher.py): torch, llama-cpp or vllm
     teacher_gguf: str | None = None  # llama-cpp: the GGUF it serves (default: the target's own)
     llama_server: str | None = None  # llama-cpp: the llama-server binary (default: engines/llamacpp.find_server)
     generate_prompts: int = 1024

@@ -227,8 +227,8 @@ def vllm_answers(target: LoadedModel, slots: int, context: int, new_tokens: int,
     tokens each, for the length of the block. Its log-probabilities are the raw logits' softmax
     (vLLM's default logprobs mode), the distribution torch records. On a CPU, vLLM samples every
     request from the engine's one generator, seeded by ``seed`` (engines/vllm.py), so a sampled
-    shard is reproducible only when the whole run is."""
-    check_installed("vllm")
+    shard is reproducible only when the whole run is. DistillConfig.validate has checked that vLLM is
+    installed (check_installed)."""
     spec = vllm_engine.EngineSpec(
         model=model_dir(target),
         dtype=str(target.model.dtype).removeprefix("torch."),
