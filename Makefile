@@ -54,7 +54,7 @@ test: install
 	$(PYTHON) -m pytest -q -m "not slow and not vllm and not llama_cpp"
 
 test-all: install-ci
-	$(PYTHON) -m pytest -q -m "not vllm and not llama_cpp"
+	$(PYTHON) -m pytest -q -m "not vllm and not llama_cpp" --durations=15
 
 # The tests that start llama.cpp servers, with the llama-server of make install-llama-cpp.
 # One test at a time: llama.cpp's threads spin while they wait, and two tests' servers on 2 cores

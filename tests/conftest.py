@@ -2,6 +2,7 @@
 that keeps test runs out of the checkout's results/ directory."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,16 @@ def on_the_cpu(request, monkeypatch):
     if request.node.get_closest_marker("gpu") is None:
         monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
         monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def threads_per_worker():
+    """xdist's workers share the cores, and torch starts one thread per core in each of them: on 2
+    cores, 2 workers ran 4 OpenMP threads that spin while they wait for each other. Each worker
+    gets its share of the cores instead (at least one); the CLI's subprocesses keep torch's choice."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture(scope="session", autouse=True)
