@@ -158,10 +158,15 @@ class _Run:
 
     @property
     def widest(self) -> int:
-        """Most tokens in one target forward: K + 1 for a chain, the tree's nodes + 1 for a tree. (A
+        """Most tokens in one target forward: K + 1 for a chain (a method's longest draft + 1 where it
+        drafts more, as lookup-or-draft's lookup rounds may), the tree's nodes + 1 for a tree. (A
         heuristic K grows past it, but never drafts beyond the tokens still to generate: the caches
         stay within the prompt, --max-new-tokens and this.)"""
-        return 1 + max([max(self.ks)] + [len(tree_parents(step.tree)) for step in self.plan if step.tree])
+        return 1 + max(
+            [max(self.ks)]
+            + [len(tree_parents(step.tree)) for step in self.plan if step.tree]
+            + [step.method.longest_draft(self, step.k) for step in self.plan if step.k]
+        )
 
     @property
     def needs_draft(self) -> bool:

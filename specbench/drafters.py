@@ -2,7 +2,8 @@
 
 A drafter (engine.Drafter) starts on a prompt, proposes a chain or a tree of tokens with the rows
 they were drawn from (its q), and hears the verdict. Here: a small model sampling a chain
-(ModelDrafter), prompt lookup (PromptLookupDrafter), a cascade of levels each verified by the one
+(ModelDrafter), prompt lookup (PromptLookupDrafter), lookup where the sequence repeats and the model
+elsewhere (LookupOrModelDrafter), a cascade of levels each verified by the one
 above (CascadeDrafter), and trees of either kind (TreeDrafter, LookupTreeDrafter).
 """
 
@@ -82,6 +83,12 @@ class ModelDrafter:
             # It reads what it has not yet (its last draft, if it did not stop early), then the target's token.
             self.pending = torch.cat([self.pending, verdict.next_token])
 
+    def read_later(self, tokens: torch.Tensor) -> None:
+        """Tokens of a round another drafter proposed, as the target kept them: read with the next forward."""
+        if self.seen is not None:
+            self.seen[tokens] = True
+        self.pending = torch.cat([self.pending, tokens])
+
     def rewind_to(self, length: int, tokens: torch.Tensor) -> None:
         read = self.model.length  # the sequence it holds is what it read, then what is pending
         if read > length:
@@ -104,14 +111,18 @@ class PromptLookupDrafter:
         self.seen = prompt_ids.tolist() + first.tolist()
 
     def propose(self, k: int) -> Draft:
+        return Draft.chain(torch.tensor(self.match(k)[1], dtype=torch.long, device=self.device), None)
+
+    def match(self, k: int, shortest: int = 1) -> tuple[int, list[int]]:
+        """The longest n (``max_ngram`` down to ``shortest``) whose last n tokens occurred before, and
+        the up to ``k`` tokens that followed their latest occurrence; (0, []) when none did."""
         seen = self.seen
-        for n in range(min(self.max_ngram, len(seen) - 1), 0, -1):
+        for n in range(min(self.max_ngram, len(seen) - 1), shortest - 1, -1):
             tail = seen[-n:]
             for start in range(len(seen) - n - 1, -1, -1):
                 if seen[start : start + n] == tail:
-                    proposal = seen[start + n : start + n + k]  # empty when k is 0
-                    return Draft.chain(torch.tensor(proposal, dtype=torch.long, device=self.device), None)
-        return Draft.chain(torch.zeros(0, dtype=torch.long, device=self.device), None)
+                    return n, seen[start + n : start + n + k]  # empty when k is 0
+        return 0, []
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         if verdict.emitted_ids is not None:  # read by the verification already: no transfer of its own
@@ -122,6 +133,42 @@ class PromptLookupDrafter:
     def rewind_to(self, length: int, tokens: torch.Tensor) -> None:
         del self.seen[length:]
         self.seen += tokens.tolist()
+
+
+class LookupOrModelDrafter:
+    """Prompt lookup where the sequence repeats itself, the draft model elsewhere. A round drafts
+    by lookup when the sequence's last ``shortest`` or more tokens occurred before: up to
+    ``lookup_k`` tokens that followed them (a copy costs no forward, so it may run longer than K);
+    otherwise the model drafts K. The choice reads only the sequence so far, never the target's
+    check of this round, and each round's draft is verified as its drafter's own (lookup's as
+    deterministic candidates, the model's against its q), so every round is exact. The model reads
+    the tokens of lookup's rounds with its next forward. ``from_inner`` marks lookup's tokens.
+    """
+
+    def __init__(self, model: ModelDrafter, lookup_k: int, shortest: int = 2, max_ngram: int = 3):
+        self.model, self.lookup_k, self.shortest = model, lookup_k, shortest
+        self.lookup = PromptLookupDrafter(max(max_ngram, shortest))
+
+    def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
+        self.model.start(prompt_ids, first)
+        self.lookup.start(prompt_ids, first)
+
+    def propose(self, k: int) -> Draft:
+        _, copied = self.lookup.match(self.lookup_k, self.shortest)
+        self.by_lookup = bool(copied)
+        if self.by_lookup:
+            tokens = torch.tensor(copied, dtype=torch.long, device=self.lookup.device)
+            return Draft.chain(tokens, None, from_inner=[True] * len(copied), inner_drafted=len(copied))
+        draft = self.model.propose(k)
+        draft.from_inner = [False] * len(draft.tokens)
+        return draft
+
+    def accepted(self, draft: Draft, verdict: Verdict) -> None:
+        self.lookup.accepted(draft, verdict)
+        if self.by_lookup:
+            self.model.read_later(torch.cat([draft.tokens[: verdict.accepted], verdict.next_token]))
+        else:
+            self.model.accepted(draft, verdict)
 
 
 class CascadeDrafter:

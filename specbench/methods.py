@@ -17,7 +17,15 @@ import re
 
 import torch
 
-from .drafters import CascadeDrafter, LookupTreeDrafter, ModelDrafter, PromptLookupDrafter, TreeDrafter, tree_parents
+from .drafters import (
+    CascadeDrafter,
+    LookupOrModelDrafter,
+    LookupTreeDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    TreeDrafter,
+    tree_parents,
+)
 from .eagle import EagleDrafter, HeadLM
 from .engine import autoregressive_decode
 from .engines.hf import hf_generate, hf_samples
@@ -133,6 +141,47 @@ class PromptLookup(SpeculativeLoop):
 
     def drafter(self, pair, settings, step, generator):
         return PromptLookupDrafter()
+
+
+class LookupOrDraft(SpeculativeLoop):
+    name, help, needs_draft = (
+        "lookup-or-draft",
+        "prompt lookup where the sequence repeats (its last --lookup-ngram or more tokens occurred before: up to "
+        "--lookup-k tokens that followed), the draft model's K tokens elsewhere; the target verifies either",
+        True,
+    )
+    inner_level = "prompt lookup"  # beside the draft model, not beneath it: the target checks its tokens
+    chains_of_k = False  # a lookup round drafts up to --lookup-k tokens for free: the chain formulas do not apply
+    k_policies = K_POLICIES  # its model rounds are a ModelDrafter's, given step.p_min
+    adjusts_logits = True  # the model's rows are adjusted in drafting, lookup's candidates in verify
+    options = (
+        Option(
+            "lookup_k",
+            6,
+            "lookup-or-draft: the most tokens a round drafted by lookup proposes (a copy costs no forward, so it may "
+            "run longer than K).",
+            low=1,
+            problem="--lookup-k must be at least 1",
+        ),
+        Option(
+            "lookup_ngram",
+            2,
+            "lookup-or-draft: lookup drafts a round when the sequence's last N (to 3) tokens occurred before; 1 also "
+            "copies after a single repeated token.",
+            low=1,
+            problem="--lookup-ngram must be at least 1",
+        ),
+    )
+
+    def longest_draft(self, cfg, k: int) -> int:
+        return max(k, cfg.lookup_k)
+
+    def c(self, costs):
+        return costs.c  # one draft-model forward; lookup's rounds run none
+
+    def drafter(self, pair, settings, step, generator):
+        model = ModelDrafter(pair.draft_lm, settings.sampling, generator, step.p_min(settings))
+        return LookupOrModelDrafter(model, settings.lookup_k, settings.lookup_ngram)
 
 
 class Cascade(SpeculativeLoop):
@@ -465,6 +514,7 @@ METHODS: dict[str, Method] = {
         Speculative(),
         SpeculativeWindow(),
         PromptLookup(),
+        LookupOrDraft(),
         Cascade(),
         Tree(),
         LookupTree(),

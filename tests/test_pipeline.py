@@ -483,6 +483,39 @@ def test_cascade_with_a_split_reports_its_levels(tiny_pair, prompts_file, tmp_pa
     assert "levels:" in result.stdout and "inner ms" in result.stdout
 
 
+def test_lookup_or_draft_reports_lookups_share_and_verifies_its_longest_draft(tiny_pair, prompts_file, tmp_path):
+    out = tmp_path / "lookup-or-draft"
+    result = on_tiny_pair(
+        "run",
+        tiny_pair,
+        "--method",
+        "lookup-or-draft",
+        "--k",
+        "2",
+        "--lookup-k",
+        "5",
+        "--lookup-ngram",
+        "3",
+        "--dataset",
+        prompts_file,
+        "--max-new-tokens",
+        "24",
+        "--cost-repeats",
+        "2",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    row = pd.read_csv(out / "summary.csv").set_index("method").loc["lookup-or-draft"]
+    assert row["options"] == "lookup_k=5,lookup_ngram=3" and row["outputs_match"] == 3
+    assert 0 < row["from_inner"] <= row["accepted"] and row["inner_drafted"] > 0 and row["draft_forwards"] > 0
+    assert pd.isna(row["predicted_speedup"])  # its rounds are not chains of K: the chain formula does not apply
+    lengths = pd.read_csv(out / "draft_lengths.csv")
+    assert lengths.loc[lengths["method"] == "lookup-or-draft", "drafted"].max() <= 5  # lookup's longest, not K
+    costs = pd.read_csv(out / "verify_cost.csv")
+    assert costs.loc[costs["model"] == "target", "tokens"].max() >= 6  # lookup's 5 tokens and the newest one
+
+
 def test_hf_assisted_c_is_timed_on_the_eager_forwards_generate_runs(tiny_pair, prompts_file, tmp_path):
     """transformers' generate runs the modules' eager forward: hf-assisted's c is the eager draft's
     one-token forward over the eager target's (their verify_cost.csv rows), while specbench's loop

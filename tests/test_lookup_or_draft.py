@@ -1,0 +1,87 @@
+"""lookup-or-draft: prompt lookup's rounds and the draft model's rounds in one decode must keep the
+target's exact law, and greedy decoding must equal the target's own."""
+
+from collections import Counter
+
+import pytest
+import torch
+
+from specbench.drafters import LookupOrModelDrafter, ModelDrafter
+from specbench.engine import Draft, autoregressive_decode, speculative_decode
+from specbench.sampling import SamplingConfig
+
+from .toy import P_FLOOR, VOCAB, ToyLM, chi_square_p
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+class CountedRounds(LookupOrModelDrafter):
+    """Counts which drafter drafted each round, so a test can show it exercised both."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.rounds = Counter()
+
+    def propose(self, k: int) -> Draft:
+        draft = super().propose(k)
+        self.rounds["lookup" if self.by_lookup else "model"] += 1
+        return draft
+
+
+class LookupTokensWithModelRows(CountedRounds):
+    """Broken on purpose: in lookup's rounds the model drafts as well, and lookup's tokens go up with
+    the model's rows, which they were not drawn from (a merge that lets the copy win but keeps q)."""
+
+    def propose(self, k: int) -> Draft:
+        draft = super().propose(k)
+        if not self.by_lookup:
+            return draft
+        self.by_lookup = False  # the model's state follows its own round
+        model = self.model.propose(len(draft.tokens))
+        return Draft.chain(draft.tokens, model.q, forwards=model.forwards)
+
+
+def hybrid(cfg: SamplingConfig, kind=CountedRounds, lookup_k: int = 3, shortest: int = 2) -> LookupOrModelDrafter:
+    model = ModelDrafter(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7))
+    return kind(model, lookup_k, shortest)
+
+
+@pytest.mark.parametrize(
+    "cfg,shortest",
+    [
+        (SamplingConfig(temperature=1.0), 2),
+        pytest.param(SamplingConfig(temperature=1.0), 1, marks=pytest.mark.slow),
+        pytest.param(SamplingConfig(temperature=0.7, top_k=2), 2, marks=pytest.mark.slow),
+    ],
+)
+def test_lookup_or_draft_matches_target_law(cfg, shortest):
+    drafter = hybrid(cfg, shortest=shortest)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, cfg) > P_FLOOR
+    assert drafter.rounds["lookup"] > 1000 and drafter.rounds["model"] > 1000  # both kinds of round ran
+
+
+def test_the_test_catches_lookup_tokens_passed_up_with_the_models_rows():
+    cfg = SamplingConfig(temperature=1.0)
+    broken = hybrid(cfg, LookupTokensWithModelRows)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 2, cfg) < P_FLOOR
+    assert broken.rounds["lookup"] > 1000
+
+
+@pytest.mark.parametrize("k,lookup_k", [(1, 4), (2, 6), (4, 2)])
+@pytest.mark.parametrize(
+    "adjusted", [SamplingConfig(0.0), SamplingConfig(0.0, repetition_penalty=1.6, logit_bias=((2, 0.5),))]
+)
+def test_greedy_lookup_or_draft_equals_greedy_baseline_on_toy(k, lookup_k, adjusted):
+    target, prompt = ToyLM(5, seed=3), torch.tensor([1, 4, 0, 2, 1, 4])
+    noisy = ToyLM(5, seed=3)  # the target plus noise: agrees often, not always
+    noisy.table = noisy.table + 1.5 * torch.randn(noisy.table.shape, generator=torch.Generator().manual_seed(9))
+    drafter = CountedRounds(ModelDrafter(noisy, adjusted, torch.Generator()), lookup_k)
+    g = torch.Generator()
+    want = autoregressive_decode(target, prompt, 40, adjusted, g).tokens
+    got = speculative_decode(target, drafter, prompt, k, 40, adjusted, g)
+    assert got.tokens == want
+    assert drafter.rounds["lookup"] > 0 and drafter.rounds["model"] > 0
+    # from_inner counts lookup's tokens in the output; the model's forwards come from its rounds only.
+    assert 0 < got.from_inner <= got.accepted and got.inner_drafted > 0
+    assert got.draft_forwards == k * drafter.rounds["model"]
+    assert max(got.draft_counts) <= max(k, lookup_k)
