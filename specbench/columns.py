@@ -475,9 +475,16 @@ COLUMNS: tuple[Column, ...] = (
         DETERMINISTIC,
         None,
         "d",
-        "tokens the level beneath the drafting model proposed to it (cascade: prompt lookup; triforce: the draft model)",
+        "tokens the level beneath the drafting model proposed to it (cascade: prompt lookup; triforce: the draft model; "
+        "lookup-or-draft: lookup, beside it, to the target)",
     ),
-    Column("inner_accepted", DETERMINISTIC, None, "d", "of them, those the drafting model's exact check accepted"),
+    Column(
+        "inner_accepted",
+        DETERMINISTIC,
+        None,
+        "d",
+        "of them, those the drafting model's exact check accepted (lookup-or-draft: the target's)",
+    ),
     Column(
         "from_inner",
         DETERMINISTIC,

@@ -80,6 +80,7 @@ class Method:
     learns = False  # changes between prompts (begin_run, after_prompt and save say how)
     draft_level = "draft model"  # what drafts the tokens the target verifies
     inner_level = ""  # what proposes beneath the drafting model, in a method of several levels
+    inner_beside = False  # the inner level drafts whole rounds for the target, beside the drafting model
     levels: tuple[Level, ...] = ()  # drafting models whose one-token forward the cost measurement times
     options: tuple[Option, ...] = ()  # the run options it owns (a flag each, a configuration field each)
     k_policies: tuple[str, ...] = (FIXED,)  # how it can choose K round by round (--k-policy; one row each)

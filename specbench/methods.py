@@ -150,7 +150,7 @@ class LookupOrDraft(SpeculativeLoop):
         "--lookup-k tokens that followed), the draft model's K tokens elsewhere; the target verifies either",
         True,
     )
-    inner_level = "prompt lookup"  # beside the draft model, not beneath it: the target checks its tokens
+    inner_level, inner_beside = "prompt lookup", True  # beside the draft model: the target checks its rounds
     chains_of_k = False  # a lookup round drafts up to --lookup-k tokens for free: the chain formulas do not apply
     k_policies = K_POLICIES  # its model rounds are a ModelDrafter's, given step.p_min
     adjusts_logits = True  # the model's rows are adjusted in drafting, lookup's candidates in verify

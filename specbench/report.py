@@ -164,7 +164,7 @@ def levels_table(rows: list[dict]) -> Table | None:
         "output tokens",
         "ms/token",
         title="levels: what each level ran, proposed, had accepted and chose, and its time",
-        caption="accepted: by the level above; output tokens: the tokens of the output the level chose (the target "
+        caption="accepted: by the level above (lookup-or-draft's lookup: by the target); output tokens: the tokens of the output the level chose (the target "
         "adds one of its own per forward); ms/token: the level's time over every output token. With --cascade-split, "
         "lookup's tokens after the split go to the target unchecked: output tokens count them, proposed does not",
     )
@@ -184,8 +184,8 @@ def levels_table(rows: list[dict]) -> Table | None:
             (
                 method.draft_level,
                 row["draft_forwards"],
-                row["drafted"],
-                row["accepted"],
+                row["drafted"] - (row["inner_drafted"] if method.inner_beside else 0),  # its own rounds' tokens
+                row["accepted"] - (row["from_inner"] if method.inner_beside else 0),
                 row["accepted"] - row["from_inner"],
                 row["draft_s"],
             ),

@@ -111,7 +111,7 @@ def record(
         "accepted": s.accepted,
         "beta_sum": s.beta_sum,
         "tested": s.tested,
-        **(_inner(s) if method.inner_level else dict.fromkeys(INNER, math.nan)),
+        **(_inner(s, method.inner_beside) if method.inner_level else dict.fromkeys(INNER, math.nan)),
         "train_s": learned.train_s if learned else math.nan,
         "peak_memory_mb": math.nan if measured.peak_memory is None else measured.peak_memory / 1e6,
         **_totals(measured),
@@ -120,7 +120,7 @@ def record(
         "first_divergence": -1 if divergence is None else divergence,
         "accept_hist": _hist(s.accept_counts, k),  # a heuristic K may accept more than K
         "draft_hist": _hist(s.draft_counts),
-        "rank_hist": " ".join(map(str, s.rank_counts)) if method.drafts and not method.chains else "",
+        "rank_hist": " ".join(map(str, s.rank_counts)) if method.takes_tree or method.shapes_tree else "",
     }
 
 
@@ -156,9 +156,11 @@ def _hist(counts: list[int], least: int = 0) -> str:
     return " ".join(str(counts.count(n)) for n in range(max([least, *counts]) + 1)) if counts else ""
 
 
-def _inner(result: DecodeResult) -> dict:
-    """The counts of a drafter's bottom level (a cascade's prompt lookup)."""
-    return {name: getattr(result, name) for name in INNER}
+def _inner(result: DecodeResult, beside: bool) -> dict:
+    """The counts of a drafter's bottom level (a cascade's prompt lookup). A level ``beside`` the
+    drafting model proposes to the target, so what it had accepted is what reached the output."""
+    counts = {name: getattr(result, name) for name in INNER}
+    return {**counts, "inner_accepted": result.from_inner} if beside else counts
 
 
 INNER = ("inner_drafted", "inner_accepted", "from_inner", "inner_forwards")

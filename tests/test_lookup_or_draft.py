@@ -85,3 +85,16 @@ def test_greedy_lookup_or_draft_equals_greedy_baseline_on_toy(k, lookup_k, adjus
     assert 0 < got.from_inner <= got.accepted and got.inner_drafted > 0
     assert got.draft_forwards == k * drafter.rounds["model"]
     assert max(got.draft_counts) <= max(k, lookup_k)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_model_reads_lookups_rounds_so_the_target_as_its_own_draft_is_always_accepted(k):
+    # Greedy, with the target as the draft model: a model round is accepted in full only if the
+    # model's cache holds every token the target kept, lookup's rounds' included.
+    cfg, g = SamplingConfig(0.0), torch.Generator().manual_seed(0)
+    for seed in range(3):
+        target, prompt = ToyLM(12, seed=seed, scale=0.5), torch.randint(0, 12, (40,), generator=g)
+        drafter = CountedRounds(ModelDrafter(ToyLM(12, seed=seed, scale=0.5), cfg, torch.Generator()), 4)
+        result = speculative_decode(target, drafter, prompt, k, 80, cfg, torch.Generator())
+        assert drafter.rounds["lookup"] > 5 and drafter.rounds["model"] > 1
+        assert result.accepted - result.from_inner == result.drafted - result.inner_drafted  # every model token
