@@ -111,18 +111,18 @@ class PromptLookupDrafter:
         self.seen = prompt_ids.tolist() + first.tolist()
 
     def propose(self, k: int) -> Draft:
-        return Draft.chain(torch.tensor(self.match(k)[1], dtype=torch.long, device=self.device), None)
+        return Draft.chain(torch.tensor(self.match(k), dtype=torch.long, device=self.device), None)
 
-    def match(self, k: int, shortest: int = 1) -> tuple[int, list[int]]:
-        """The longest n (``max_ngram`` down to ``shortest``) whose last n tokens occurred before, and
-        the up to ``k`` tokens that followed their latest occurrence; (0, []) when none did."""
+    def match(self, k: int, shortest: int = 1) -> list[int]:
+        """Up to ``k`` tokens that followed the latest earlier occurrence of the sequence's last n
+        tokens, for the longest n from ``max_ngram`` down to ``shortest`` that occurred; [] when none did."""
         seen = self.seen
         for n in range(min(self.max_ngram, len(seen) - 1), shortest - 1, -1):
             tail = seen[-n:]
             for start in range(len(seen) - n - 1, -1, -1):
                 if seen[start : start + n] == tail:
-                    return n, seen[start + n : start + n + k]  # empty when k is 0
-        return 0, []
+                    return seen[start + n : start + n + k]  # empty when k is 0
+        return []
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         if verdict.emitted_ids is not None:  # read by the verification already: no transfer of its own
@@ -154,7 +154,7 @@ class LookupOrModelDrafter:
         self.lookup.start(prompt_ids, first)
 
     def propose(self, k: int) -> Draft:
-        _, copied = self.lookup.match(self.lookup_k, self.shortest)
+        copied = self.lookup.match(self.lookup_k, self.shortest)
         self.by_lookup = bool(copied)
         if self.by_lookup:
             tokens = torch.tensor(copied, dtype=torch.long, device=self.lookup.device)

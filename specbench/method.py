@@ -74,7 +74,6 @@ class Method:
     takes_k = True  # decodes with a lookahead K (one row per K)
     takes_tree = False  # drafts a tree of the --tree shape (one row per shape; K is its depth)
     shapes_tree = False  # takes K, but drafts a tree of a shape of its own each round (K is its depth)
-    chains_of_k = True  # a K-taking method that drafts chains of K tokens (lookup-or-draft's lookup rounds do not)
     needs_draft = False  # the --draft model must be loaded
     needs_speculator = False  # the --speculator head must be given
     learns = False  # changes between prompts (begin_run, after_prompt and save say how)
@@ -98,7 +97,7 @@ class Method:
     @property
     def chains(self) -> bool:
         """Whether it drafts chains of K tokens, which the chain formulas (predicted_speedup) describe."""
-        return self.takes_k and self.chains_of_k and not self.shapes_tree
+        return self.takes_k and not self.shapes_tree
 
     def longest_draft(self, cfg, k: int) -> int:
         """The most tokens one of its rounds drafts at lookahead ``k`` (the caches make room for them)."""

@@ -151,7 +151,7 @@ class LookupOrDraft(SpeculativeLoop):
         True,
     )
     inner_level, inner_beside = "prompt lookup", True  # beside the draft model: the target checks its rounds
-    chains_of_k = False  # a lookup round drafts up to --lookup-k tokens for free: the chain formulas do not apply
+    chains = False  # a lookup round drafts up to --lookup-k tokens for free: the chain formulas do not apply
     k_policies = K_POLICIES  # its model rounds are a ModelDrafter's, given step.p_min
     adjusts_logits = True  # the model's rows are adjusted in drafting, lookup's candidates in verify
     options = (

@@ -448,17 +448,23 @@ def test_tree_methods_run_several_shapes_and_equal_the_greedy_baseline(tiny_pair
     assert (out / "sweep.png").stat().st_size > 10_000
 
 
-def test_cascade_with_a_split_reports_its_levels(tiny_pair, prompts_file, tmp_path):
-    out = tmp_path / "cascade"
+def test_methods_of_two_levels_report_each_level(tiny_pair, prompts_file, tmp_path):
+    # cascade: lookup beneath the draft model (and alone after --cascade-split); lookup-or-draft:
+    # lookup beside the draft model, whole rounds of up to --lookup-k tokens for the target.
+    out = tmp_path / "levels"
     result = on_tiny_pair(
         "run",
         tiny_pair,
         "--method",
-        "speculative,cascade",
+        "speculative,cascade,lookup-or-draft",
         "--k",
         "3",
         "--cascade-split",
         "2",
+        "--lookup-k",
+        "5",
+        "--lookup-ngram",
+        "3",
         "--dataset",
         prompts_file,
         "--max-new-tokens",
@@ -482,34 +488,12 @@ def test_cascade_with_a_split_reports_its_levels(tiny_pair, prompts_file, tmp_pa
     assert cascade["draft_forwards"] < speculative["draft_forwards"]  # lookup spares the draft model forwards
     assert "levels:" in result.stdout and "inner ms" in result.stdout
 
-
-def test_lookup_or_draft_reports_lookups_share_and_verifies_its_longest_draft(tiny_pair, prompts_file, tmp_path):
-    out = tmp_path / "lookup-or-draft"
-    result = on_tiny_pair(
-        "run",
-        tiny_pair,
-        "--method",
-        "lookup-or-draft",
-        "--k",
-        "2",
-        "--lookup-k",
-        "5",
-        "--lookup-ngram",
-        "3",
-        "--dataset",
-        prompts_file,
-        "--max-new-tokens",
-        "24",
-        "--cost-repeats",
-        "2",
-        "--out",
-        str(out),
+    beside = summary.loc["lookup-or-draft"]
+    assert beside["options"] == "lookup_k=5,lookup_ngram=3" and beside["outputs_match"] == 3
+    assert (
+        0 < beside["from_inner"] <= beside["accepted"] and beside["inner_drafted"] > 0 and beside["draft_forwards"] > 0
     )
-    assert result.returncode == 0, result.stderr
-    row = pd.read_csv(out / "summary.csv").set_index("method").loc["lookup-or-draft"]
-    assert row["options"] == "lookup_k=5,lookup_ngram=3" and row["outputs_match"] == 3
-    assert 0 < row["from_inner"] <= row["accepted"] and row["inner_drafted"] > 0 and row["draft_forwards"] > 0
-    assert pd.isna(row["predicted_speedup"])  # its rounds are not chains of K: the chain formula does not apply
+    assert pd.isna(beside["predicted_speedup"])  # its rounds are not chains of K: the chain formula does not apply
     lengths = pd.read_csv(out / "draft_lengths.csv")
     assert lengths.loc[lengths["method"] == "lookup-or-draft", "drafted"].max() <= 5  # lookup's longest, not K
     costs = pd.read_csv(out / "verify_cost.csv")
