@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from specbench.fast import FastLlama
 from specbench.lm import HFCausalLM
@@ -171,10 +172,12 @@ class LawLM(HFCausalLM):
 
     @torch.inference_mode()
     def logits_after(self, context: list[int]) -> torch.Tensor:
-        return self.model(input_ids=torch.tensor([context])).logits[0, -1]
+        """On the CPU, in float32, whatever the model's device: the exact law is enumerated there."""
+        return self.model(input_ids=torch.tensor([context], device=self.device)).logits[0, -1].float().cpu()
 
 
-def tiny_law_model(seed: int, tmp_path):
+def tiny_law_model(seed: int, tmp_path, device: str = "cpu"):
+    """A 2-layer Llama of 3 tokens, built and loaded on the CPU, then moved to ``device``."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -186,7 +189,7 @@ def tiny_law_model(seed: int, tmp_path):
     with torch.no_grad():
         model.get_input_embeddings().weight.mul_(8)  # a law far from uniform, so a wrong cache shows
     model.save_pretrained(tmp_path / f"law{seed}")
-    return AutoModelForCausalLM.from_pretrained(tmp_path / f"law{seed}").eval()
+    return AutoModelForCausalLM.from_pretrained(tmp_path / f"law{seed}").to(device).eval()
 
 
 def build_eagle3_head(
@@ -250,6 +253,29 @@ def build_eagle3_head(
     save_file(tensors, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(config))
     return path
+
+
+# ---------------------------------------------------------------- host reads
+
+
+# What makes the host wait for the device: reading values, converting a tensor to a Python number
+# or truth value, indexing a list with it, and multinomial (it reads its input's sum).
+READS = {"item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__", "multinomial", "nonzero"}
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the torch calls inside it that read the device from the host (test_syncs, make gpu-check)."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        # A compiled region reads nothing from the host, and a count that torch.compile traced would
+        # become a guard: every decode would recompile the fast forward's functions (seen on CUDA).
+        if not torch.compiler.is_compiling():
+            self.count += getattr(func, "__name__", "") in READS
+        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------- timings

@@ -142,30 +142,45 @@ def test_models_beyond_the_fast_path_say_why(tmp_path):
 # ---------------------------------------------------------------- exactness through the fast forward
 
 
-def sampled_law_p(target: LawLM, draft: LawLM, k: int) -> float:
-    cfg, generator = SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0)
+def sampled_law_p(target: LawLM, draft: LawLM, k: int, samples: int = SAMPLES) -> float:
+    device = target.device
+    cfg, generator = SamplingConfig(temperature=1.0), torch.Generator(device=device).manual_seed(0)
     drafter = ModelDrafter(draft, cfg, generator)
     from collections import Counter
 
+    prompt = torch.tensor(PROMPT, device=device)
     counts = Counter(
-        tuple(speculative_decode(target, drafter, torch.tensor(PROMPT), k, LENGTH, cfg, generator).tokens)
-        for _ in range(SAMPLES)
+        tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator).tokens) for _ in range(samples)
     )
     return law_p(target, cfg, counts)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("packed", [False, True])
-def test_speculative_sampling_on_the_fast_forward_matches_the_target_law(tmp_path, one_thread, packed):
-    target, draft = LawLM(tiny_law_model(1, tmp_path), packed), LawLM(tiny_law_model(2, tmp_path), packed)
-    assert sampled_law_p(target, draft, k=2) > P_FLOOR
+# The fast forward's routes: the modules' own weights and oneDNN-packed ones on the CPU, inductor on
+# CUDA (compiled at build, in float32 here). make gpu-check runs the cuda ones.
+ROUTES = [
+    pytest.param("cpu", False, id="own", marks=pytest.mark.slow),
+    pytest.param("cpu", True, id="packed", marks=pytest.mark.slow),
+    pytest.param("cuda", False, id="cuda", marks=pytest.mark.gpu),
+]
 
 
-@pytest.mark.slow
-def test_the_test_catches_a_fast_forward_that_misplaces_its_rows(tmp_path, one_thread, monkeypatch):
+def law_pair(tmp_path, device: str, packed: bool) -> tuple[LawLM, LawLM]:
+    pair = LawLM(tiny_law_model(1, tmp_path, device), packed), LawLM(tiny_law_model(2, tmp_path, device), packed)
+    assert {lm.fast.route for lm in pair} == {"inductor" if device == "cuda" else "packed" if packed else "own"}
+    return pair
+
+
+@pytest.mark.parametrize("device,packed", ROUTES)
+def test_speculative_sampling_on_the_fast_forward_matches_the_target_law(tmp_path, one_thread, device, packed):
+    assert sampled_law_p(*law_pair(tmp_path, device, packed), k=2) > P_FLOOR
+
+
+@pytest.mark.parametrize("device,packed", [ROUTES[1], ROUTES[2]])
+def test_the_test_catches_a_fast_forward_that_misplaces_its_rows(tmp_path, one_thread, monkeypatch, device, packed):
     # A verification forward whose rows come back one place off: each drafted token is judged by the
-    # distribution of the position before it. One-token forwards are unaffected.
-    target, draft = LawLM(tiny_law_model(1, tmp_path), True), LawLM(tiny_law_model(2, tmp_path), True)
+    # distribution of the position before it. One-token forwards are unaffected. As many samples as
+    # the exact test draws: with a third of them, on CUDA, the broken law scored p = 0.002.
+    target, draft = law_pair(tmp_path, device, packed)
     hidden = FastLlama.hidden
     monkeypatch.setattr(FastLlama, "hidden", lambda self, *args, **kw: hidden(self, *args, **kw).roll(1, 0))
     assert sampled_law_p(target, draft, k=2) < P_FLOOR

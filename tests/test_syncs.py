@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 from scipy.stats import chisquare
-from torch.overrides import TorchFunctionMode
 
 from specbench.drafters import ModelDrafter, PromptLookupDrafter
 from specbench.eagle import EagleDrafter, read_head
@@ -20,22 +19,9 @@ from specbench.models import load
 from specbench.sampling import SamplingConfig, sample
 from specbench.timing import PhaseClock, TimedLM
 
-from .helpers import LawLM, build_eagle3_head, tiny_law_model
+from .helpers import HostReads, LawLM, build_eagle3_head, tiny_law_model
 
 CPU = torch.device("cpu")
-# What makes the host wait for the device: reading values, converting a tensor to a Python number
-# or truth value, indexing a list with it, and multinomial (it reads its input's sum).
-READS = {"item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__", "multinomial", "nonzero"}
-
-
-class HostReads(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.count += getattr(func, "__name__", "") in READS
-        return func(*args, **(kwargs or {}))
 
 
 def test_the_reads_are_counted():
@@ -77,22 +63,33 @@ def models(tiny_pair):
     return HFCausalLM(*_lm(tiny_pair[0])), HFCausalLM(*_lm(tiny_pair[1]))
 
 
+@pytest.fixture(scope="module")
+def cuda_models(tiny_pair):
+    """The tiny pair on CUDA's default route: specbench's forward, its elementwise work compiled."""
+    cuda = torch.device("cuda")
+    loaded = [load(path, cuda, torch.float32) for path in tiny_pair]
+    return tuple(HFCausalLM.loaded(m.model, m.width, None, compile=True, name=m.name) for m in loaded)
+
+
 def _lm(path):
     loaded = load(path, CPU, torch.float32)
     return loaded.model, loaded.width
 
 
 PROMPT = torch.tensor([5, 9, 14, 5, 9, 14, 5, 9, 3, 7, 5, 9])  # repeats, so prompt lookup finds matches
+ON = [pytest.param("models", id="cpu"), pytest.param("cuda_models", id="cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize("drafting", ["draft model", "prompt lookup"])
-def test_a_chain_round_reads_the_device_once(models, temperature, drafting):
-    target, draft = models
-    cfg, generator = SamplingConfig(temperature=temperature), torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("pair", ON)
+def test_a_chain_round_reads_the_device_once(request, pair, temperature, drafting):
+    target, draft = request.getfixturevalue(pair)
+    device = target.device
+    cfg, generator = SamplingConfig(temperature=temperature), torch.Generator(device=device).manual_seed(0)
     drafter = ModelDrafter(draft, cfg, generator) if drafting == "draft model" else PromptLookupDrafter()
     with HostReads() as reads:
-        result = speculative_decode(target, drafter, PROMPT, 3, 40, cfg, generator)
+        result = speculative_decode(target, drafter, PROMPT.to(device), 3, 40, cfg, generator)
     rounds = len(result.accept_counts)
     assert rounds >= 8
     # Once per decode: the first token, the acceptance's sum at the end, and prompt lookup's copy of
@@ -117,11 +114,12 @@ def test_an_eagle_chain_round_reads_the_device_once(tmp_path, temperature):
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_baseline_reads_its_tokens_once_every_stop_check(models, temperature):
-    target, _ = models
-    cfg = SamplingConfig(temperature=temperature)
+@pytest.mark.parametrize("pair", ON)
+def test_the_baseline_reads_its_tokens_once_every_stop_check(request, pair, temperature):
+    target, _ = request.getfixturevalue(pair)
+    cfg, device = SamplingConfig(temperature=temperature), target.device
     with HostReads() as reads:
-        result = autoregressive_decode(target, PROMPT, 40, cfg, torch.Generator().manual_seed(0))
+        result = autoregressive_decode(target, PROMPT.to(device), 40, cfg, torch.Generator(device).manual_seed(0))
     assert len(result.tokens) == 40 and result.target_forwards == 40 and result.past_stop == 0
     assert reads.count <= math.ceil(40 / STOP_CHECK) + 1
 
