@@ -8,7 +8,8 @@ load, into oneDNN's blocked layout (what inductor's weight freezing does inside 
 the same head then takes about 4 ms for any of 1 to 8 rows, the one-token forward half the time
 (29.9 against 59.8 ms), and forwards of 2 to 6 tokens about as long as one. On CUDA the
 elementwise work is compiled by torch.compile (inductor), which fuses the small kernels that
-bound an eager forward at batch 1 (not timed here: the project has no GPU).
+bound an eager forward at batch 1; on an H100 that did not pay for a 7B target, whose steps are
+bound by launches (docs/results.md, On a GPU).
 
 The forward is written against the transformers model's own modules and cache object, so
 everything the engine does with a cache (append, crop, keep a tree path, the partial views of
