@@ -78,12 +78,12 @@ gpu-check:
 gpu-wheels:
 	$(PYTHON) -m benchmarks.gpu_wheels $(or $(WHEELS),$(GPU_WHEELS))
 
-# What `specbench distill` checks its training prompts against (specbench/held_out.py): fingerprints
+# What `specbench distill` checks its training prompts against (specbench/training/held_out.py): fingerprints
 # of Spec-Bench's questions, which specbench cannot ship. Rewrite them after Spec-Bench changes, from
 # its question.jsonl where `--dataset spec-bench` reads it.
 SPEC_BENCH = $(or $(SPECBENCH_CACHE),$(HOME)/.cache/specbench)/datasets/spec-bench/question.jsonl
 held-out-fingerprints: install
-	$(PYTHON) -c "from specbench.held_out import write_fingerprints; print(write_fingerprints('$(SPEC_BENCH)'), 'fingerprints')"
+	$(PYTHON) -c "from specbench.training.held_out import write_fingerprints; print(write_fingerprints('$(SPEC_BENCH)'), 'fingerprints')"
 
 lint: install
 	$(PYTHON) -m ruff check .
@@ -106,11 +106,11 @@ lint: install
 # CI's kind after an intended change (or a change of the pins), and commit results/baselines/.
 BENCH_ARGS = --num-prompts 10 --max-new-tokens 32 --k 2,4 --repeats 3
 BASELINE = results/baselines/smollm2-135m
-MACHINE = $(shell $(PYTHON) -c "from specbench.machine import machine, machine_slug; print(machine_slug(machine(None)))")
+MACHINE = $(shell $(PYTHON) -c "from specbench.core.machine import machine, machine_slug; print(machine_slug(machine(None)))")
 DETERMINISTIC = --metric alpha --metric tau --metric acceptance_rate
 GATED = --metric speedup $(DETERMINISTIC)
 # Exit 0 when the baseline compare picks for results/ci was measured on its machine.
-OWN_BASELINE = $(PYTHON) -c "import sys; from specbench.rundir import same_machine; \
+OWN_BASELINE = $(PYTHON) -c "import sys; from specbench.results.rundir import same_machine; \
 	sys.exit(not same_machine('$(BASELINE)', 'results/ci'))"
 
 baseline: install-ci

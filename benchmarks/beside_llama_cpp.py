@@ -32,9 +32,9 @@ import torch
 
 from specbench.engines import llamacpp
 from specbench.engines.launch import launched
-from specbench.fast import FastLlama
-from specbench.lm import HFCausalLM
-from specbench.models import load
+from specbench.models.fast import FastLlama
+from specbench.models.lm import HFCausalLM
+from specbench.models.load import load
 
 
 def llama_forward_ms(url: str, context: list[int], n: int, vocab: int, rng: random.Random, cached=True) -> float:

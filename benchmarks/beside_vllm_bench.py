@@ -32,8 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.client_overhead import VLLM_CLIENT  # noqa: E402
-from specbench import models, prompts  # noqa: E402
 from specbench.engines.launch import launched  # noqa: E402
+from specbench.models.load import local_dir, resolve, tokenizer_in  # noqa: E402
+from specbench.workloads import prompts  # noqa: E402
 
 SERVE = (
     "{python} -m vllm.entrypoints.openai.api_server --port {{port}} --host 127.0.0.1 --enforce-eager "
@@ -63,7 +64,7 @@ COLUMNS = {
 
 def workload(out: Path, target: Path, per_category: int, seed: int) -> Path:
     """Spec-Bench's first turns, per_category of each category, rendered with the target's template."""
-    tokenizer = models.tokenizer_in(target)
+    tokenizer = tokenizer_in(target)
     picked = prompts.select(prompts.read_dataset("spec-bench"), "spec-bench", [], per_category, seed)
     path = out / "prompts.jsonl"
     with path.open("w", encoding="utf-8") as f:
@@ -159,8 +160,8 @@ def main() -> None:
     parser.add_argument("--vllm-python", default=sys.executable, help="the Python that has vLLM")
     parser.add_argument("--out", type=Path, default=Path("results/beside-vllm-bench"))
     args = parser.parse_args()
-    args.target = args.target or models.local_dir(models.resolve("smollm2-135m"))
-    args.draft = args.draft or models.local_dir(models.resolve("smollm2-135m-draft"))
+    args.target = args.target or local_dir(resolve("smollm2-135m"))
+    args.draft = args.draft or local_dir(resolve("smollm2-135m-draft"))
     raw = args.out / "raw"
     raw.mkdir(parents=True, exist_ok=True)
     workload_path = workload(args.out, args.target, args.per_category, args.seed)

@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from specbench.fast import FastLlama
-from specbench.lm import HFCausalLM
-from specbench.models import load, resolve_device, resolve_dtype
-from specbench.timing import synchronize
+from specbench.decoding.timing import synchronize
+from specbench.models.fast import FastLlama
+from specbench.models.lm import HFCausalLM
+from specbench.models.load import load, resolve_device, resolve_dtype
 
 
 def main() -> None:

@@ -262,7 +262,7 @@ def greedy(check: Check) -> Outcome:
 def mission(check: Check) -> Outcome:
     import torch
 
-    from specbench.models import weight_bytes
+    from specbench.models.load import weight_bytes
 
     s = check.sizes
     alphas = ",".join(str(a) for a in ALPHAS)
@@ -343,7 +343,7 @@ def mission(check: Check) -> Outcome:
 def tree_and_eagle(check: Check) -> Outcome:
     from transformers import AutoConfig
 
-    from specbench.models import architecture
+    from specbench.models.load import architecture
     from tests.helpers import build_eagle3_head
 
     s = check.sizes
@@ -387,11 +387,12 @@ def host_reads(check: Check) -> Outcome:
 
     import torch
 
-    from specbench.drafters import ModelDrafter, PromptLookupDrafter
-    from specbench.engine import STOP_CHECK, autoregressive_decode, speculative_decode
-    from specbench.lm import HFCausalLM
-    from specbench.models import random_model
-    from specbench.sampling import SamplingConfig
+    from specbench.decoding.decode import STOP_CHECK, autoregressive_decode, speculative_decode
+    from specbench.decoding.sampling import SamplingConfig
+    from specbench.drafters.lookup import PromptLookupDrafter
+    from specbench.drafters.model import ModelDrafter
+    from specbench.models.lm import HFCausalLM
+    from specbench.models.load import random_model
     from tests.helpers import HostReads
 
     device = torch.device(check.sizes.device)
@@ -466,7 +467,7 @@ def copy_bandwidth(device: str) -> float:
 
     import torch
 
-    from specbench.timing import synchronize
+    from specbench.decoding.timing import synchronize
 
     size = 2**30 if device == "cuda" else 2**26
     src = torch.empty(size, dtype=torch.uint8, device=device)
@@ -490,7 +491,7 @@ def machine_rows(dry: bool, bandwidth: float, packages: str) -> list[tuple[str, 
     import transformers
 
     import specbench
-    from specbench.machine import driver_version, machine
+    from specbench.core.machine import driver_version, machine
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     versions = f"{torch.__version__} / {transformers.__version__} / {platform.python_version()}"

@@ -19,10 +19,11 @@ from pathlib import Path
 
 import torch
 
-from specbench.distill import DistillConfig, Example, is_sampled
-from specbench.distill_eagle import FEATURES, ttt_agreement
-from specbench.eagle import load_head
-from specbench.models import load, speculator_dir
+from specbench.models.eagle_head import load_head
+from specbench.models.load import load, speculator_dir
+from specbench.models.student import Example
+from specbench.training.distill import DistillConfig, is_sampled
+from specbench.training.distill_eagle import FEATURES, ttt_agreement
 
 
 def held_out_by_source(out: Path) -> dict[str, list[Example]]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from specbench.engines import llamacpp
 from specbench.engines.launch import launched
-from specbench.prompts import load_prompts
+from specbench.workloads.prompts import load_prompts
 
 
 def greedy(root: str, prompt: str, tokens: int) -> str:

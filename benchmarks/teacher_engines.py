@@ -22,10 +22,10 @@ from pathlib import Path
 
 import torch
 
-from specbench.distill import DistillConfig, answering
-from specbench.distill_data import answered_prompts
-from specbench.models import load
-from specbench.teacher import ENGINES
+from specbench.models.load import load
+from specbench.training.distill import DistillConfig, answering
+from specbench.training.distill_data import answered_prompts
+from specbench.training.teacher import ENGINES
 
 
 def timed_engine(cfg: DistillConfig, target, batches: list[list[list[int]]]) -> tuple[dict, list[list[int]]]:

@@ -1,3 +1,3 @@
-from .cli import main
+from specbench.cli.app import main
 
 main()

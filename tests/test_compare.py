@@ -10,10 +10,10 @@ import pytest
 from rich.console import Console
 from typer.testing import CliRunner
 
-from specbench.cli import app
-from specbench.compare import compare_frames, run_compare, to_json, to_markdown, verdict_line
-from specbench.errors import SpecbenchError
-from specbench.rundir import load_records, load_summary, same_machine
+from specbench.cli.app import app
+from specbench.core.errors import SpecbenchError
+from specbench.results.compare import compare_frames, run_compare, to_json, to_markdown, verdict_line
+from specbench.results.rundir import load_records, load_summary, same_machine
 from tests.helpers import noisy_prompts
 
 MACHINE = {"cpu": "Some CPU", "cores": 2, "torch_threads": 2, "gpu": None, "torch": "2.5", "transformers": "4.50"}
@@ -374,9 +374,9 @@ def test_non_integer_k_raises():
 
 def test_every_configuration_column_has_a_role():
     # A new configuration column in the schema must be a key, a context note or the prompt check.
-    from specbench import schema
-    from specbench.compare import CONTEXT, OPTIONAL_KEYS
-    from specbench.rundir import REQUIRED_KEYS
+    from specbench.results import schema
+    from specbench.results.compare import CONTEXT, OPTIONAL_KEYS
+    from specbench.results.rundir import REQUIRED_KEYS
 
     assert sorted([*schema.KEYS, *schema.GROUP_KEYS]) == sorted(
         REQUIRED_KEYS + OPTIONAL_KEYS + CONTEXT + ["prompts_hash"]
@@ -392,7 +392,7 @@ def test_duplicate_configuration_rows_raise():
 def test_machine_fingerprint_names_the_hardware_and_versions():
     import torch
 
-    from specbench.machine import environment
+    from specbench.core.machine import environment
 
     machine = environment(torch.device("cpu"))["machine"]
     assert set(machine) == {"cpu", "cores", "torch_threads", "gpu", "torch", "transformers"}
@@ -407,7 +407,7 @@ def test_a_cpu_run_keeps_the_fingerprint_of_the_committed_baselines(monkeypatch)
 
     import torch
 
-    from specbench.machine import environment
+    from specbench.core.machine import environment
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     machine = environment(torch.device("cpu"))["machine"]
@@ -438,7 +438,7 @@ def fake_pynvml(monkeypatch, version):
 def test_on_cuda_the_fingerprint_names_the_gpu_the_cuda_and_the_driver(monkeypatch):
     import torch
 
-    from specbench.machine import environment
+    from specbench.core.machine import environment
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.version, "cuda", "12.8")
@@ -450,7 +450,7 @@ def test_on_cuda_the_fingerprint_names_the_gpu_the_cuda_and_the_driver(monkeypat
 
 
 def test_the_driver_version_comes_from_pynvml_else_nvidia_smi_else_none(monkeypatch, tmp_path):
-    from specbench.machine import driver_version
+    from specbench.core.machine import driver_version
 
     fake_pynvml(monkeypatch, "575.51.03")
     assert driver_version() == "575.51.03"

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from specbench.distill_data import SHAREGPT_EVALUATED, parse_data, shares, training_prompts
-from specbench.errors import SpecbenchError
-from specbench.held_out import held_out_fingerprints, overlaps, write_fingerprints
-from specbench.models import load
+from specbench.core.errors import SpecbenchError
+from specbench.models.load import load
+from specbench.training.distill_data import SHAREGPT_EVALUATED, parse_data, shares, training_prompts
+from specbench.training.held_out import held_out_fingerprints, overlaps, write_fingerprints
 
 from .helpers import one_line_error, specbench
 
@@ -59,7 +59,7 @@ def test_a_copied_question_is_caught_and_other_chat_is_not(tmp_path):
     shipped = tmp_path / "held.npy"
     write_fingerprints(questions, shipped)
     sampled = set(np.load(shipped).tolist())  # every fourth shingle of a long turn, all of a short one's
-    from specbench.held_out import turn_fingerprints
+    from specbench.training.held_out import turn_fingerprints
 
     full = turn_fingerprints([LONG, GENERIC, MEDIUM, SHORT])
     assert len(sampled) < len(full)
@@ -119,7 +119,7 @@ def test_a_data_file_holding_a_benchmark_question_is_refused_in_one_line(tiny_pa
 
 
 def test_distill_answers_a_mixture_by_its_weights(tiny_pair, tmp_path):
-    from specbench.distill import DistillConfig, distill
+    from specbench.training.distill import DistillConfig, distill
 
     sources = tmp_path / "src"
     sources.mkdir()

@@ -1,4 +1,4 @@
-"""``specbench distill --kind eagle`` (distill_eagle.py): the training-time test attends to what
+"""``specbench distill --kind eagle`` (training/distill_eagle.py): the training-time test attends to what
 inference attends to, the trained head loads and drafts outputs equal to the baseline's, training
 resumes from its saved step, and bad input is refused in one line."""
 
@@ -10,11 +10,11 @@ import pandas as pd
 import pytest
 import torch
 
-from specbench.distill import DistillConfig
-from specbench.distill_eagle import FEATURES, DividedBy, distill_eagle, feature_scale, ttt_outputs
-from specbench.eagle import EagleHead, HeadCache, HeadConfig, read_head, save_head
-from specbench.errors import SpecbenchError
-from specbench.models import load
+from specbench.core.errors import SpecbenchError
+from specbench.models.eagle_head import EagleHead, HeadCache, HeadConfig, read_head, save_head
+from specbench.models.load import load
+from specbench.training.distill import DistillConfig
+from specbench.training.distill_eagle import FEATURES, DividedBy, distill_eagle, feature_scale, ttt_outputs
 
 from .helpers import build_llama, build_tokenizer, on_tiny_pair, one_line_error, specbench
 
@@ -57,7 +57,7 @@ def test_each_training_step_attends_to_what_inference_attends_to():
 def test_the_comparison_catches_steps_that_see_earlier_positions_drafts(monkeypatch):
     """A training-time test whose step j also attends to the steps 1..j of earlier chains (a causal
     mask over every block): inference never holds those entries."""
-    import specbench.distill_eagle as de
+    import specbench.training.distill_eagle as de
 
     monkeypatch.setattr(
         de, "ttt_mask", lambda length, step: torch.ones(length, length).tril().bool().repeat(1, step + 1)
@@ -68,7 +68,7 @@ def test_the_comparison_catches_steps_that_see_earlier_positions_drafts(monkeypa
 def test_fc_trains_on_features_divided_by_their_scale_and_saves_what_inference_applies(tmp_path):
     from torch.nn.utils import parametrize
 
-    from specbench.distill import Example
+    from specbench.models.student import Example
 
     head = scrambled_head()
     scale = torch.logspace(-1, 3, 96)  # taps and dimensions of very different sizes, as SmolLM2's
@@ -203,7 +203,7 @@ def test_a_target_without_pad_or_eos_answers_in_padded_batches_as_it_answers_alo
     explicitly, and the pads change nothing that is learned (the prompts are of different lengths)."""
     from transformers import PreTrainedTokenizerFast
 
-    from specbench.distill import generated_shards, token_stream
+    from specbench.training.distill import generated_shards, token_stream
 
     bare = PreTrainedTokenizerFast(tokenizer_object=build_tokenizer(tmp_path / "tok").backend_tokenizer)
     assert bare.pad_token is None and bare.eos_token is None
@@ -261,7 +261,8 @@ def test_eagle_needs_a_target_of_three_layers(tiny_pair, tmp_path):
 
 
 def test_the_vocabulary_is_the_ids_ranked_first_most_often():
-    from specbench.distill import Example, head_tokens
+    from specbench.models.student import Example
+    from specbench.training.distill import head_tokens
 
     def ranked_first(*ids):
         top = torch.tensor(ids)[:, None].repeat(1, 2)  # the teacher's top-2 at each position; top-1 is ids
@@ -286,7 +287,7 @@ def test_a_head_goes_on_training_from_its_checkpoint_with_a_new_vocabulary(tiny_
     """--init HEAD keeps the head's weights (fc as inference applies it, though training holds it
     times the features' scale) and the LM head rows of the ids it scored; the ids the data add start
     as the target's rows. At learning rate 0 the head saved again drafts as the one it started from."""
-    from specbench.distill_eagle import new_head
+    from specbench.training.distill_eagle import new_head
 
     target = load(tiny_pair[0], CPU, F32)
     sources = write_sources(tmp_path)

@@ -1,4 +1,4 @@
-"""EAGLE drafting (eagle.py): the published EAGLE-3 head format, and exactness: chains, fixed trees
+"""EAGLE drafting (models/eagle_head.py): the published EAGLE-3 head format, and exactness: chains, fixed trees
 and EAGLE-2's dynamic trees drawn from a head give the target's law, each with a broken variant
 that fails the same test, and greedy outputs equal the baseline's."""
 
@@ -10,11 +10,12 @@ from collections import Counter
 import pytest
 import torch
 
-from specbench import drafters
-from specbench.eagle import WEIGHTS, EagleDrafter, HeadLM, load_head, read_head, save_head
-from specbench.engine import autoregressive_decode, heuristic_k, speculative_decode
-from specbench.models import load
-from specbench.sampling import SamplingConfig, warp
+from specbench.decoding.decode import autoregressive_decode, heuristic_k, speculative_decode
+from specbench.decoding.sampling import SamplingConfig, warp
+from specbench.drafters import trees
+from specbench.drafters.eagle import EagleDrafter
+from specbench.models.eagle_head import WEIGHTS, HeadLM, load_head, read_head, save_head
+from specbench.models.load import load
 
 from .helpers import LawLM, build_eagle3_head, on_tiny_pair, one_line_error, tiny_law_model
 from .toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, law_p
@@ -168,7 +169,7 @@ def test_the_test_catches_a_tree_of_distinct_children(law, one_thread, monkeypat
         b = q.shape[1]
         return torch.multinomial(q[:, 0], b, generator=generator).unsqueeze(-1)
 
-    monkeypatch.setattr(drafters, "sample", distinct)
+    monkeypatch.setattr(trees, "sample", distinct)
     assert sampled_p(target, lambda cfg, g: EagleDrafter(head, target, 3, cfg, g, shape=(2, 1))) < P_FLOOR
 
 
@@ -276,9 +277,10 @@ def test_the_default_target_brings_its_shipped_head():
     that target's shape (the architecture's config, without its weights)."""
     from safetensors import safe_open
 
-    from specbench.config import BenchConfig
-    from specbench.errors import SpecbenchError
-    from specbench.models import config_dir, speculator_dir
+    from specbench.bench.config import BenchConfig
+    from specbench.core.environment import config_dir
+    from specbench.core.errors import SpecbenchError
+    from specbench.models.load import speculator_dir
 
     cfg = BenchConfig(methods=["eagle"], target="smollm2-135m")
     cfg.validate()

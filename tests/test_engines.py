@@ -8,17 +8,18 @@ import sys
 
 import pytest
 
-from specbench import metrics, schema, serving
-from specbench.bench import run_columns
-from specbench.cli import main
-from specbench.config import BenchConfig
+from specbench.bench.config import BenchConfig
+from specbench.bench.run import run_columns
+from specbench.cli.app import main
+from specbench.core import metrics
+from specbench.core.errors import SpecbenchError
 from specbench.engines import Served
 from specbench.engines.vllm import EngineSpec
-from specbench.errors import SpecbenchError
-from specbench.method import Decoder
-from specbench.prompts import Prompt, Turn
-from specbench.report import phase_table
-from specbench.served import SERVED, SERVED_BASELINE
+from specbench.methods.base import Decoder
+from specbench.methods.served import SERVED, SERVED_BASELINE
+from specbench.results import schema, serving
+from specbench.results.report import phase_table
+from specbench.workloads.prompts import Prompt, Turn
 
 
 def test_counts_map_a_hand_built_histogram_to_the_columns():
@@ -167,9 +168,9 @@ def test_bad_engine_input_is_one_line_and_exit_2_before_anything_starts(args, sa
 
 
 def test_vllm_missing_names_its_install_command(monkeypatch):
-    import specbench.config
+    import specbench.bench.config
 
-    monkeypatch.setattr(specbench.config, "available", lambda: False)
+    monkeypatch.setattr(specbench.bench.config, "available", lambda: False)
     with pytest.raises(SpecbenchError, match="make install-vllm"):
         BenchConfig(engines=["vllm"]).validate()
 

@@ -1,4 +1,4 @@
-"""specbench's fast forward (fast.py, --compile): transformers' arithmetic, the engine's cache
+"""specbench's fast forward (models/fast.py, --compile): transformers' arithmetic, the engine's cache
 contract (test_tree_forward runs its cache tests on it too), the row padding it measures, and
 exactness: speculative sampling through it still draws from the target's law."""
 
@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specbench.drafters import ModelDrafter
-from specbench.engine import speculative_decode
-from specbench.fast import PADDED_UP_TO, FastLlama, attend, fastest_rows, padded_rows, unsupported
-from specbench.lm import CacheView, HFCausalLM
-from specbench.models import load
-from specbench.sampling import SamplingConfig
-from specbench.tree import tree_inputs
+from specbench.decoding.decode import speculative_decode
+from specbench.decoding.sampling import SamplingConfig
+from specbench.decoding.tree import tree_inputs
+from specbench.drafters.model import ModelDrafter
+from specbench.models.fast import PADDED_UP_TO, FastLlama, attend, fastest_rows, padded_rows, unsupported
+from specbench.models.lm import CacheView, HFCausalLM
+from specbench.models.load import load
 
 from .helpers import LawLM, tiny_law_model
 from .toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, law_p

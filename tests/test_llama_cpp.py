@@ -17,8 +17,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from specbench.core.errors import SpecbenchError
 from specbench.engines import llamacpp
-from specbench.errors import SpecbenchError
 
 from .helpers import one_line_error, processes, specbench
 

@@ -14,12 +14,13 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specbench.drafters import CascadeDrafter, ModelDrafter
-from specbench.engine import autoregressive_decode, speculative_decode
-from specbench.errors import SpecbenchError
-from specbench.kv import EVICT_SLACK, SINKS, retrieval_positions, window_positions
-from specbench.lm import HFCausalLM, SparseView, WindowLM
-from specbench.sampling import SamplingConfig, warp
+from specbench.core.errors import SpecbenchError
+from specbench.decoding.decode import autoregressive_decode, speculative_decode
+from specbench.decoding.kv import EVICT_SLACK, SINKS, retrieval_positions, window_positions
+from specbench.decoding.sampling import SamplingConfig, warp
+from specbench.drafters.cascade import CascadeDrafter
+from specbench.drafters.model import ModelDrafter
+from specbench.models.lm import HFCausalLM, SparseView, WindowLM
 
 LENGTH, SAMPLES, P_FLOOR, BUDGET, WINDOW = 3, 2000, 1e-3, 32, 40
 
@@ -319,7 +320,7 @@ def test_chunked_prefill_equals_one_forward_and_reports_progress(target):
 def test_prefill_chunk_0_reads_the_whole_prompt_in_one_forward(target):
     """--prefill-chunk 0, as its help says: the benchmark sets it on both models, and a prompt of any
     length is then read in one forward, with no progress reports."""
-    from specbench.config import OPTIONS
+    from specbench.bench.config import OPTIONS
 
     OPTIONS["prefill_chunk"].validate(0)  # accepted; a negative chunk is refused
     with pytest.raises(SpecbenchError, match="0: the whole prompt in one forward"):

@@ -6,9 +6,10 @@ from collections import Counter
 import pytest
 import torch
 
-from specbench.drafters import LookupOrModelDrafter, ModelDrafter
-from specbench.engine import Draft, autoregressive_decode, speculative_decode
-from specbench.sampling import SamplingConfig
+from specbench.decoding.decode import Draft, autoregressive_decode, speculative_decode
+from specbench.decoding.sampling import SamplingConfig
+from specbench.drafters.lookup import LookupOrModelDrafter
+from specbench.drafters.model import ModelDrafter
 
 from .toy import P_FLOOR, VOCAB, ToyLM, chi_square_p
 

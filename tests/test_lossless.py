@@ -5,18 +5,14 @@ from collections import Counter
 import pytest
 import torch
 
-from specbench import drafters, engine, sampling
-from specbench.drafters import (
-    CascadeDrafter,
-    LookupTreeDrafter,
-    ModelDrafter,
-    PromptLookupDrafter,
-    TreeDrafter,
-    tree_parents,
-)
-from specbench.engine import Draft, autoregressive_decode, speculative_decode
-from specbench.online import rejection
-from specbench.sampling import SamplingConfig, warp
+from specbench.decoding import decode, sampling
+from specbench.decoding.decode import Draft, autoregressive_decode, speculative_decode
+from specbench.decoding.sampling import SamplingConfig, warp
+from specbench.drafters.cascade import CascadeDrafter
+from specbench.drafters.lookup import PromptLookupDrafter
+from specbench.drafters.model import ModelDrafter
+from specbench.drafters.trees import LookupTreeDrafter, TreeDrafter, tree_parents
+from specbench.methods.online import rejection
 
 from .toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, VOCAB, ToyLM, chi_square_p, law_p
 
@@ -78,7 +74,7 @@ def _verify_with_stale_bonus(draft_tokens, q, p, generator):
 @pytest.mark.parametrize("broken", [_verify_with_residual_p, _verify_with_stale_bonus])
 @pytest.mark.slow
 def test_the_test_catches_a_broken_verifier(monkeypatch, broken):
-    monkeypatch.setattr(engine, "verify_chain_sampled", broken)
+    monkeypatch.setattr(decode, "verify_chain_sampled", broken)
     assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 1, SamplingConfig(temperature=1.0)) < P_FLOOR
 
 
@@ -115,7 +111,7 @@ def test_the_test_catches_a_penalty_blind_to_the_rounds_drafts(monkeypatch):
     before them in the round: the law moves."""
     cfg = SamplingConfig(temperature=1.0, repetition_penalty=3.0)
     assert chi_square_p(ToyLM(VOCAB, seed=5), ToyLM(VOCAB, seed=1), 3, cfg) > P_FLOOR
-    monkeypatch.setattr(engine, "_seen_rows", lambda seen, tokens: seen.expand(len(tokens) + 1, -1))
+    monkeypatch.setattr(decode, "_seen_rows", lambda seen, tokens: seen.expand(len(tokens) + 1, -1))
     assert chi_square_p(ToyLM(VOCAB, seed=5), ToyLM(VOCAB, seed=1), 3, cfg) < P_FLOOR
 
 
@@ -248,7 +244,7 @@ class CascadeWithStaleQ(CascadeDrafter):
 
     def propose(self, k):
         draft = super().propose(k)
-        return engine.Draft.chain(draft.tokens, torch.cat([draft.q[:1], draft.q[:-1]]), draft.forwards)
+        return decode.Draft.chain(draft.tokens, torch.cat([draft.q[:1], draft.q[:-1]]), draft.forwards)
 
 
 def _unchecked_round(target, drafter, last, k, cfg, generator):
@@ -259,7 +255,7 @@ def _unchecked_round(target, drafter, last, k, cfg, generator):
     p = sampling.warp(logits, cfg)
     verdict = sampling.Verdict(list(range(n)), sampling.sample(p[-1], generator), 0.0, 0)
     drafter.accepted(draft, verdict)
-    return engine.Round(draft, verdict, logits, p)
+    return decode.Round(draft, verdict, logits, p)
 
 
 @pytest.mark.slow
@@ -273,12 +269,12 @@ def test_the_test_catches_a_cascade_that_passes_up_the_wrong_rows():
 def test_the_test_catches_a_cascade_whose_inner_check_is_not_exact(monkeypatch):
     cfg = SamplingConfig(temperature=1.0)
     draft = ToyLM(VOCAB, seed=2)
-    exact = engine.speculative_round
+    exact = decode.speculative_round
 
     def rounds(target, *args):  # only the inner level, where the draft model is the verifier, is broken
         return (_unchecked_round if target is draft else exact)(target, *args)
 
-    monkeypatch.setattr(drafters, "speculative_round", rounds)  # the cascade's own rounds
+    monkeypatch.setattr("specbench.drafters.cascade.speculative_round", rounds)  # the cascade's own rounds
     assert chi_square_p(ToyLM(VOCAB, seed=1), cascade(cfg, draft=draft), 3, cfg) < P_FLOOR
 
 
@@ -304,7 +300,7 @@ class LowerRowsPassedUp(CascadeDrafter):
         read = self.model.seen[: len(self.model.seen) - (k - 1)]  # the middle model read all but its last token
         contexts = [read + draft.tokens[:i].tolist() for i in range(k)]
         rows = [warp(self.lower.model.logits_after(context), self.cfg) for context in contexts]
-        return engine.Draft.chain(draft.tokens, torch.stack(rows), draft.forwards)
+        return decode.Draft.chain(draft.tokens, torch.stack(rows), draft.forwards)
 
 
 @pytest.mark.slow
@@ -489,7 +485,7 @@ HEURISTIC = [
 
 @pytest.mark.parametrize("cfg,k", HEURISTIC)
 def test_a_lookahead_set_by_past_verdicts_gives_the_target_law(cfg, k):
-    assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), k, cfg, schedule=engine.heuristic_k) > P_FLOOR
+    assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), k, cfg, schedule=decode.heuristic_k) > P_FLOOR
 
 
 @pytest.mark.slow
@@ -497,16 +493,16 @@ def test_a_lookahead_set_by_past_verdicts_over_prompt_lookup_gives_the_target_la
     # Deterministic candidates, and rounds without a match that draft nothing.
     cfg = SamplingConfig(temperature=1.0)
     lookup = PromptLookupDrafter(max_ngram=2)
-    assert chi_square_p(ToyLM(VOCAB, seed=1), lookup, 2, cfg, schedule=engine.heuristic_k) > P_FLOOR
+    assert chi_square_p(ToyLM(VOCAB, seed=1), lookup, 2, cfg, schedule=decode.heuristic_k) > P_FLOOR
 
 
 def test_the_heuristic_schedule_is_transformers():
-    assert [engine.heuristic_k(4, 4, 4), engine.heuristic_k(4, 4, 3), engine.heuristic_k(1, 1, 0)] == [6, 3, 1]
-    assert engine.heuristic_k(3, 0, 0) == 3  # a round without a draft leaves K alone
+    assert [decode.heuristic_k(4, 4, 4), decode.heuristic_k(4, 4, 3), decode.heuristic_k(1, 1, 0)] == [6, 3, 1]
+    assert decode.heuristic_k(3, 0, 0) == 3  # a round without a draft leaves K alone
     cfg, g = SamplingConfig(temperature=1.0), torch.Generator()
     itself = ModelDrafter(ToyLM(VOCAB, seed=1), cfg, g)
     same = speculative_decode(
-        ToyLM(VOCAB, seed=1), itself, torch.tensor(PROMPT), 1, 34, cfg, g, schedule=engine.heuristic_k
+        ToyLM(VOCAB, seed=1), itself, torch.tensor(PROMPT), 1, 34, cfg, g, schedule=decode.heuristic_k
     )
     # A draft that is the target is always accepted: K grows by 2, capped by the tokens still to generate.
     assert same.draft_counts == [1, 3, 5, 7, 9, 3] and same.accept_counts == same.draft_counts
@@ -519,7 +515,7 @@ def _round_cut_at_the_new_k(exact):
     def cut(target, drafter, last, k, cfg, generator, *rest):
         step = exact(target, drafter, last, k, cfg, generator, *rest)
         emitted, n = step.emitted, step.verdict.accepted
-        keep = min(len(emitted), engine.heuristic_k(k, len(step.draft.tokens), n))
+        keep = min(len(emitted), decode.heuristic_k(k, len(step.draft.tokens), n))
         if keep == len(emitted):
             return step
         # The new last token is an accepted draft the target has read: it reads it again next round.
@@ -527,13 +523,13 @@ def _round_cut_at_the_new_k(exact):
         told = drafter.model.length + len(drafter.pending)
         drafter.rewind_to(told - (len(emitted) - keep) - 1, emitted[keep - 1 : keep])
         verdict = sampling.Verdict(step.verdict.path[: keep - 1], emitted[keep - 1 : keep], 0.0, 0)
-        return engine.Round(step.draft, verdict, step.logits, step.p)
+        return decode.Round(step.draft, verdict, step.logits, step.p)
 
     return cut
 
 
 @pytest.mark.slow
 def test_the_test_catches_a_schedule_that_cuts_a_round_at_the_new_k(monkeypatch):
-    monkeypatch.setattr(engine, "speculative_round", _round_cut_at_the_new_k(engine.speculative_round))
+    monkeypatch.setattr(decode, "speculative_round", _round_cut_at_the_new_k(decode.speculative_round))
     cfg = SamplingConfig(temperature=1.0)
-    assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 2, cfg, schedule=engine.heuristic_k) < P_FLOOR
+    assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 2, cfg, schedule=decode.heuristic_k) < P_FLOOR

@@ -9,8 +9,9 @@ import pandas as pd
 import pytest
 import torch
 
-from specbench import models, timing
-from specbench.timing import PeakMemory
+from specbench.decoding import timing
+from specbench.decoding.timing import PeakMemory
+from specbench.models.load import load, placement
 
 from .helpers import one_line_error
 
@@ -21,7 +22,9 @@ TINY_RUN = ("--device", "cpu", "--method", "speculative", "--k", "2", "--max-new
 def specbench_patched(patch: str, *args, timeout=300):
     """``specbench ARGS`` in a process of its own that first runs ``patch`` (Python source): a test
     changes what the CLI meets without changing the CLI."""
-    script = f"import sys\n{patch}\nfrom specbench.cli import main\nsys.argv = ['specbench', *sys.argv[1:]]\nmain()\n"
+    script = (
+        f"import sys\n{patch}\nfrom specbench.cli.app import main\nsys.argv = ['specbench', *sys.argv[1:]]\nmain()\n"
+    )
     return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -93,7 +96,7 @@ def test_on_a_gpu_the_peak_holds_what_a_decode_allocated():
 OUT_OF_MEMORY = """
 import torch
 from specbench.engines.loop import Loop
-from specbench.lm import HFCausalLM
+from specbench.models.lm import HFCausalLM
 
 real, decodes = Loop.decode, []
 
@@ -147,10 +150,10 @@ def test_a_checkpoint_is_loaded_straight_onto_the_device(tiny_pair, monkeypatch)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", from_pretrained)
-    loaded = models.load(tiny_pair[0], CPU, torch.bfloat16)
+    loaded = load(tiny_pair[0], CPU, torch.bfloat16)
     assert asked == [{"": CPU}]
     assert {p.device for p in loaded.model.parameters()} == {CPU} and loaded.model.dtype == torch.bfloat16
-    assert models.placement(loaded.model) == {"": "cpu"}  # what meta.json records with --device-map
+    assert placement(loaded.model) == {"": "cpu"}  # what meta.json records with --device-map
     assert loaded.model.model.rotary_emb.inv_freq.dtype == torch.float32  # transformers keeps its own in float32
-    models.load(tiny_pair[0], CPU, torch.float32, device_map="auto")
+    load(tiny_pair[0], CPU, torch.float32, device_map="auto")
     assert asked[-1] == "auto"  # accelerate's placement is passed as it was given

@@ -5,8 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from specbench import metrics
-from specbench.costs import Cost, ForwardCosts
+from specbench.core import metrics
+from specbench.models.costs import Cost, ForwardCosts
 
 from .helpers import noisy_prompts
 
@@ -88,7 +88,7 @@ def test_iqr_is_the_spread_of_the_middle_half():
 
 
 def test_predicted_by_k_weighs_the_measured_verification_cost():
-    from specbench.results import predicted_by_k
+    from specbench.results.summary import predicted_by_k
 
     # A CPU-like profile: four or more tokens cost twice one token's forward.
     cpu = forward_costs({1: 1.0, 2: 1.1, 3: 1.2, 4: 2.0, 5: 2.0}, 0.1)
@@ -142,7 +142,7 @@ def test_phase_figures_account_for_forwards_and_overhead():
 
 
 def test_noisy_forward_costs_are_called_out():
-    from specbench.costs import noisy_costs
+    from specbench.models.costs import noisy_costs
 
     steady = forward_costs({1: 1.0, 2: 1.1, 3: 1.2}, 0.1)
     assert noisy_costs(steady) == []

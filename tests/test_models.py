@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from specbench import models
-from specbench.errors import SpecbenchError
+from specbench.core.errors import SpecbenchError
+from specbench.models.load import load, resolve_dtype
 
 CUDA = torch.device("cuda", 1)
 
@@ -24,18 +24,18 @@ def gpu_of_capability(monkeypatch, major: int, minor: int) -> list:
 def test_auto_picks_float16_where_the_gpu_has_no_native_bfloat16(monkeypatch, caplog):
     asked = gpu_of_capability(monkeypatch, 7, 5)  # a T4
     with caplog.at_level(logging.INFO, logger="specbench"):
-        assert models.resolve_dtype("auto", CUDA) == torch.float16
+        assert resolve_dtype("auto", CUDA) == torch.float16
     assert asked and all(device == CUDA for device in asked)  # the run's GPU, not the current one
     [line] = [r.getMessage() for r in caplog.records]
     assert "cuda:1" in line and "7.5" in line and "float16" in line
-    assert models.resolve_dtype("bfloat16", CUDA) == torch.bfloat16  # asked for by name: as asked
+    assert resolve_dtype("bfloat16", CUDA) == torch.bfloat16  # asked for by name: as asked
 
 
 def test_auto_picks_bfloat16_on_an_ampere_gpu_and_float32_on_the_cpu(monkeypatch, caplog):
     gpu_of_capability(monkeypatch, 8, 0)
     with caplog.at_level(logging.INFO, logger="specbench"):
-        assert models.resolve_dtype("auto", CUDA) == torch.bfloat16
-        assert models.resolve_dtype("auto", torch.device("cpu")) == torch.float32
+        assert resolve_dtype("auto", CUDA) == torch.bfloat16
+        assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
     assert not caplog.records
 
 
@@ -65,8 +65,8 @@ def test_a_hub_model_that_cannot_be_had_is_one_line(monkeypatch, error, needles)
         raise hub_error(getattr(errors, error), f"401 Client Error for {repo_id}")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    monkeypatch.setattr(models, "hub_reachable", lambda: True)
+    monkeypatch.setattr("specbench.models.load.hub_reachable", lambda: True)
     with pytest.raises(SpecbenchError) as raised:
-        models.load("org/llama-gated", torch.device("cpu"), torch.float32)
+        load("org/llama-gated", torch.device("cpu"), torch.float32)
     said = str(raised.value)
     assert "\n" not in said and all(needle in said for needle in needles), said

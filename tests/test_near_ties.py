@@ -10,17 +10,16 @@ import pandas as pd
 import pytest
 import torch
 
-from specbench import bench
-from specbench.bench import Results
-from specbench.broken import miscounted_verify
-from specbench.config import BenchConfig
-from specbench.engine import verify
+from specbench.audit.broken import miscounted_verify
+from specbench.bench.config import BenchConfig
+from specbench.bench.run import Results, benchmark, prepare
+from specbench.decoding.decode import verify
 from specbench.engines.loop import Loop
-from specbench.method import Decoder, SpeculativeLoop
-from specbench.methods import BASELINE
-from specbench.report import greedy_lines
-from specbench.results import structural
-from specbench.serving import NEAR_TIE
+from specbench.methods.base import Decoder, SpeculativeLoop
+from specbench.methods.registry import BASELINE
+from specbench.results.report import greedy_lines
+from specbench.results.serving import NEAR_TIE
+from specbench.results.summary import structural
 
 from .helpers import build_llama, build_tokenizer
 
@@ -42,7 +41,7 @@ def config(pair, prompts_file, **options) -> BenchConfig:
 
 
 def run(cfg: BenchConfig, out: Path) -> tuple[Results, pd.DataFrame]:
-    results = [event for event in bench.benchmark(cfg, out) if isinstance(event, Results)][0]
+    results = [event for event in benchmark(cfg, out) if isinstance(event, Results)][0]
     return results, pd.read_csv(out / "records.csv", keep_default_na=False)
 
 
@@ -83,7 +82,7 @@ def test_bfloat16_numerics_part_greedy_outputs_at_near_ties_only(faint_pair, pro
     assert lines[0] == "greedy outputs: no structural divergence from the baseline"
     assert lines[1].startswith(f"near-ties, not failures: {len(diverged)} greedy outputs parted")
     # Some of them are further apart than NEAR_TIE: what makes them near-ties is bfloat16's rounding step.
-    pair, conversations = bench.prepare(cfg)
+    pair, conversations = prepare(cfg)
     loop = Loop(pair, Decoder(BASELINE))
     outputs = pd.read_json(tmp_path / "outputs.jsonl", lines=True)
     answers = outputs[outputs["method"] == "baseline"].set_index("prompt_index")["token_ids"]
@@ -133,7 +132,7 @@ def test_an_exact_tie_broken_the_other_way_is_a_near_tie_of_margin_zero(
     assert list(spec["first_divergence"]) == [1, 1, 1] and list(spec["divergence"]) == ["near-tie"] * 3
     assert results.summary[1]["structural"] == 0
     # The margin there: the target's two largest logits after the prompt and the baseline's first token.
-    pair, conversations = bench.prepare(cfg)
+    pair, conversations = prepare(cfg)
     loop = Loop(pair, Decoder(BASELINE))
     outputs = pd.read_json(tmp_path / "outputs.jsonl", lines=True)
     answers = outputs[outputs["method"] == "baseline"].set_index("prompt_index")["token_ids"]
@@ -177,7 +176,7 @@ def test_a_broken_verification_diverges_structurally_and_the_run_names_it(
     # mispredicts this target, whose logits are far apart (scaled up): no near-tie explains what parts.
     from typer.testing import CliRunner
 
-    from specbench.cli import app
+    from specbench.cli.app import app
 
     monkeypatch.setattr(SpeculativeLoop, "rule", staticmethod(miscounted_verify))
     out = tmp_path / "run"

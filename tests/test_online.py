@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 import torch
 
-from specbench.errors import SpecbenchError
-from specbench.models import load
+from specbench.core.errors import SpecbenchError
+from specbench.models.load import load
 
 from .helpers import one_line_error, specbench
 
@@ -143,7 +143,7 @@ def test_bad_online_and_cascade_options_are_one_clear_line(tiny_pair, prompts_fi
 
 
 def test_a_cascade_split_beyond_k_is_refused_before_any_model_loads(tmp_path):
-    from specbench.config import BenchConfig
+    from specbench.bench.config import BenchConfig
 
     missing = str(tmp_path / "no-model")  # never read: the options are refused first
     args = ["--method", "cascade", "--cascade-split", "9", "--k", "2", "--out", str(tmp_path / "run")]

@@ -7,12 +7,13 @@ import pandas as pd
 import pytest
 import torch
 
-from specbench import metrics, schema
-from specbench.drafters import ModelDrafter
-from specbench.engine import autoregressive_decode, heuristic_k, speculative_decode
-from specbench.lm import HFCausalLM
-from specbench.models import load, shared_width
-from specbench.sampling import SamplingConfig
+from specbench.core import metrics
+from specbench.decoding.decode import autoregressive_decode, heuristic_k, speculative_decode
+from specbench.decoding.sampling import SamplingConfig
+from specbench.drafters.model import ModelDrafter
+from specbench.models.lm import HFCausalLM
+from specbench.models.load import load, shared_width
+from specbench.results import schema
 
 from .helpers import on_tiny_pair, one_line_error, specbench
 
@@ -330,7 +331,7 @@ def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_p
 
 
 def test_distill_makes_a_loadable_draft_and_resumes(tiny_pair, tmp_path):
-    from specbench.distill import DistillConfig, distill
+    from specbench.training.distill import DistillConfig, distill
 
     sources = tmp_path / "src"
     sources.mkdir()
@@ -343,8 +344,8 @@ def test_distill_makes_a_loadable_draft_and_resumes(tiny_pair, tmp_path):
         )
         * 6
     )
-    from specbench.distill_data import function_stubs
-    from specbench.sources import source_files
+    from specbench.training.distill_data import function_stubs
+    from specbench.workloads.sources import source_files
 
     stubs = function_stubs(source_files([str(sources)]), 0, 100, frozenset({"has_close_elements"}))
     assert len(stubs) == 12 and all("has_close" not in s for s in stubs)

@@ -10,12 +10,13 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from specbench import bench, models, results
-from specbench.config import BenchConfig
-from specbench.errors import SpecbenchError
-from specbench.models import length_tokenizer, random_weights_dtype
-from specbench.pair import encode_turn, uses_chat
-from specbench.prompts import load_prompts
+from specbench.bench.config import BenchConfig
+from specbench.bench.run import prepare
+from specbench.core.errors import SpecbenchError
+from specbench.models.load import length_tokenizer, offload_warning, random_model, random_weights_dtype, weight_bytes
+from specbench.models.pair import encode_turn, uses_chat
+from specbench.results.summary import WEIGHT_DEPENDENT
+from specbench.workloads.prompts import load_prompts
 
 from .helpers import on_tiny_pair, one_line_error, specbench
 
@@ -77,7 +78,7 @@ def test_random_weights_run_end_to_end(configs, prompts_file, tmp_path):
     summary = {r["method"]: r for r in read_csv(out / "summary.csv")}
     spec = summary["speculative"]
     # alpha of random models means nothing: empty, and so is everything that follows from it.
-    for column in results.WEIGHT_DEPENDENT:
+    for column in WEIGHT_DEPENDENT:
         assert math.isnan(float(spec[column])), column
     assert float(spec["c"]) > 0 and float(spec["verify_ratio"]) > 0
     assert int(spec["outputs_match"]) == 3  # exactness holds whatever the weights: greedy equals the baseline
@@ -106,25 +107,27 @@ def test_random_prompts_take_the_lengths_the_dataset_encodes_to(configs, prompts
     cfg = BenchConfig(
         target=configs[0], draft=configs[1], dataset=prompts_file, random_weights=True, num_prompts=3, ks=[2]
     )
-    pair, conversations = bench.prepare(cfg)
+    pair, conversations = prepare(cfg)
     ids = conversations.first
     tokenizer = length_tokenizer(pair.target)  # no tokenizer beside the config: the default target's
     prompts = load_prompts(prompts_file, 3)
     expected = [len(encode_turn(tokenizer, p, [], uses_chat(tokenizer, cfg.chat, False, cfg.target))) for p in prompts]
     assert [len(x) for x in ids] == expected and len(set(expected)) > 1
     assert all(int(x.max()) < pair.target_lm.width for x in ids)
-    again = bench.prepare(cfg)[1].first
+    again = prepare(cfg)[1].first
     assert all(torch.equal(a, b) for a, b in zip(ids, again, strict=True))  # reproducible for a seed
 
 
 def test_random_prompts_without_a_tokenizer_need_their_lengths_given(configs, prompts_file, monkeypatch):
-    monkeypatch.setattr(models, "tokenizer_in", lambda directory: None)  # none beside the config, none bundled
+    monkeypatch.setattr(
+        "specbench.models.load.tokenizer_in", lambda directory: None
+    )  # none beside the config, none bundled
     cfg = BenchConfig(
         target=configs[0], draft=configs[1], dataset=prompts_file, random_weights=True, num_prompts=3, ks=[2]
     )
     with pytest.raises(SpecbenchError, match="no tokenizer to encode the prompts .*: pass --prompt-tokens N"):
-        bench.prepare(cfg)
-    _, conversations = bench.prepare(replace(cfg, prompt_tokens=8))  # lengths given: no tokenizer needed
+        prepare(cfg)
+    _, conversations = prepare(replace(cfg, prompt_tokens=8))  # lengths given: no tokenizer needed
     assert [len(ids) for ids in conversations.first] == [8, 8, 8]
 
 
@@ -133,35 +136,35 @@ def test_random_prompts_without_a_tokenizer_need_their_lengths_given(configs, pr
     [("llama-7b", 6.74), ("llama-68m", 0.068), ("llama-160m", 0.162), ("smollm2-135m", 0.1345)],
 )
 def test_shipped_architectures_have_their_models_parameter_counts(alias, billions):
-    assert models.weight_bytes(alias, torch.float32) / 4 / 1e9 == pytest.approx(billions, rel=0.01)
+    assert weight_bytes(alias, torch.float32) / 4 / 1e9 == pytest.approx(billions, rel=0.01)
 
 
 def test_random_weights_fall_back_to_bfloat16_when_float32_does_not_fit(configs, monkeypatch):
     cfg = BenchConfig(target=configs[0], draft=configs[1], random_weights=True)
-    need = sum(models.weight_bytes(spec, torch.float32) for spec in configs)
-    monkeypatch.setattr("specbench.models.available_memory", lambda: need)  # fits only at half the size
+    need = sum(weight_bytes(spec, torch.float32) for spec in configs)
+    monkeypatch.setattr("specbench.models.load.available_memory", lambda: need)  # fits only at half the size
     assert random_weights_dtype(cfg.wanted, CPU) == torch.bfloat16
     cfg.dtype = "float32"
     with pytest.raises(SpecbenchError, match="--dtype bfloat16"):
         random_weights_dtype(cfg.wanted, CPU)
-    monkeypatch.setattr("specbench.models.available_memory", lambda: 10 * need)
+    monkeypatch.setattr("specbench.models.load.available_memory", lambda: 10 * need)
     assert random_weights_dtype(cfg.wanted, CPU) == torch.float32
 
 
 def test_random_models_are_built_on_the_device_in_the_dtype(configs):
-    model = models.random_model(configs[0], CPU, torch.bfloat16, seed=3)
+    model = random_model(configs[0], CPU, torch.bfloat16, seed=3)
     params = list(model.model.parameters())
     assert all(p.dtype == torch.bfloat16 and p.device == CPU for p in params)
     assert model.tokenizer is None and model.stop_ids == frozenset()
     weights = model.model.model.layers[0].self_attn.q_proj.weight.float()
     assert weights.std().item() == pytest.approx(0.02, rel=0.05)
     assert torch.equal(model.model.model.norm.weight, torch.ones_like(model.model.model.norm.weight))
-    again = models.random_model(configs[0], CPU, torch.bfloat16, seed=3).model.model.layers[0].self_attn.q_proj
+    again = random_model(configs[0], CPU, torch.bfloat16, seed=3).model.model.layers[0].self_attn.q_proj
     assert torch.equal(again.weight.float(), weights)
 
 
 def test_a_tied_output_head_is_the_random_embedding(tmp_path):
-    model = models.random_model(tiny_config(tmp_path / "tied.json", 1, 32, tied=True), CPU, torch.float32).model
+    model = random_model(tiny_config(tmp_path / "tied.json", 1, 32, tied=True), CPU, torch.float32).model
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 
@@ -202,7 +205,7 @@ def test_device_map_on_cpu_is_recorded(tiny_pair, prompts_file, tmp_path):
 
 
 def test_offloading_device_maps_are_warned_about():
-    assert models.offload_warning({"": "cpu"}) is None  # a CPU run, not an offloaded GPU run
-    assert models.offload_warning({"model.layers.0": 0, "model.layers.1": 1}) is None
-    assert "not GPU timings" in models.offload_warning({"model.layers.0": 0, "lm_head": "cpu"})
-    assert "disk" in models.offload_warning({"model": "disk"})
+    assert offload_warning({"": "cpu"}) is None  # a CPU run, not an offloaded GPU run
+    assert offload_warning({"model.layers.0": 0, "model.layers.1": 1}) is None
+    assert "not GPU timings" in offload_warning({"model.layers.0": 0, "lm_head": "cpu"})
+    assert "disk" in offload_warning({"model": "disk"})

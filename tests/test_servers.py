@@ -12,10 +12,10 @@ import pandas as pd
 import pytest
 
 from benchmarks.stub_server import Stub, answer, steps_of
-from specbench.audit import Arm, Group
+from specbench.audit.run import Arm, Group
+from specbench.audit.verdicts import probe_rows
 from specbench.engines import Sampling, arrivals
 from specbench.engines.server import Reply, Server, parse_counters
-from specbench.verdicts import probe_rows
 
 from .helpers import one_line_error, specbench
 from .test_workloads import spec_bench_file as spec_bench_file  # a fixture

@@ -5,12 +5,12 @@ import importlib.util
 import pytest
 import torch
 
-from specbench.drafters import ModelDrafter
-from specbench.engine import autoregressive_decode, speculative_decode
-from specbench.lm import HFCausalLM
-from specbench.models import load, local_dir, resolve, shared_width
-from specbench.prompts import load_prompts
-from specbench.sampling import SamplingConfig
+from specbench.decoding.decode import autoregressive_decode, speculative_decode
+from specbench.decoding.sampling import SamplingConfig
+from specbench.drafters.model import ModelDrafter
+from specbench.models.lm import HFCausalLM
+from specbench.models.load import load, local_dir, resolve, shared_width
+from specbench.workloads.prompts import load_prompts
 
 from .helpers import build_llama
 
@@ -55,9 +55,9 @@ def test_greedy_self_speculation_equals_greedy_target_at_2k_tokens(target):
     # TriForce's levels on the real target at a context where --kv-budget 1024 drops half the cache:
     # the target over its budget drafts, the bundled draft over a 256-token window drafts for it;
     # and that windowed draft alone (speculative-window).
-    from specbench.drafters import CascadeDrafter
-    from specbench.kv import EVICT_SLACK
-    from specbench.lm import SparseView, WindowLM
+    from specbench.decoding.kv import EVICT_SLACK
+    from specbench.drafters.cascade import CascadeDrafter
+    from specbench.models.lm import SparseView, WindowLM
 
     prompt = load_prompts("longcode", 1, context_tokens=2048, seed=0)[0]
     ids = target.tokenizer(prompt.text, return_tensors="pt").input_ids[0][-2048:]
@@ -89,9 +89,10 @@ def test_greedy_eagle_equals_greedy_target_on_smollm2(tmp_path, target):
     # chains, a tree, a dynamic tree.
     import json
 
-    from specbench.eagle import EagleDrafter, read_head
-    from specbench.fast import FastLlama
-    from specbench.models import HEAD_TOKENS, default_speculator, speculator_dir
+    from specbench.drafters.eagle import EagleDrafter
+    from specbench.models.eagle_head import read_head
+    from specbench.models.fast import FastLlama
+    from specbench.models.load import HEAD_TOKENS, default_speculator, speculator_dir
 
     from .helpers import build_eagle3_head
 

@@ -11,13 +11,15 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specbench.drafters import ModelDrafter, PromptLookupDrafter
-from specbench.eagle import EagleDrafter, read_head
-from specbench.engine import STOP_CHECK, autoregressive_decode, speculative_decode
-from specbench.lm import HFCausalLM
-from specbench.models import load
-from specbench.sampling import SamplingConfig, sample
-from specbench.timing import PhaseClock, TimedLM
+from specbench.decoding.decode import STOP_CHECK, autoregressive_decode, speculative_decode
+from specbench.decoding.sampling import SamplingConfig, sample
+from specbench.decoding.timing import PhaseClock, TimedLM
+from specbench.drafters.eagle import EagleDrafter
+from specbench.drafters.lookup import PromptLookupDrafter
+from specbench.drafters.model import ModelDrafter
+from specbench.models.eagle_head import read_head
+from specbench.models.lm import HFCausalLM
+from specbench.models.load import load
 
 from .helpers import HostReads, LawLM, build_eagle3_head, tiny_law_model
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from specbench.distill import DistillConfig
+from specbench.core.errors import SpecbenchError
 from specbench.engines import Served, llamacpp
 from specbench.engines import vllm as vllm_engine
-from specbench.errors import SpecbenchError
-from specbench.models import load, resolve
-from specbench.teacher import (
+from specbench.models.load import load, resolve
+from specbench.training.distill import DistillConfig
+from specbench.training.teacher import (
     MAX_LOGP_DIFFERENCE,
     MIN_AGREEMENT,
     agreement,

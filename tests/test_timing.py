@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from specbench.timing import PhaseClock, TimedLM
+from specbench.decoding.timing import PhaseClock, TimedLM
 from tests.toy import ToyLM
 
 

@@ -5,10 +5,10 @@ the cache as if only that path had been decoded."""
 import pytest
 import torch
 
-from specbench.fast import FastLlama
-from specbench.lm import HFCausalLM
-from specbench.models import load
-from specbench.tree import tree_inputs
+from specbench.decoding.tree import tree_inputs
+from specbench.models.fast import FastLlama
+from specbench.models.lm import HFCausalLM
+from specbench.models.load import load
 from tests.toy import ToyLM
 
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -105,7 +105,7 @@ def target_model(request, tiny_pair):
     return model
 
 
-# transformers' forward (with sdpa or eager attention), and specbench's fast forward (fast.py) with
+# transformers' forward (with sdpa or eager attention), and specbench's fast forward (models/fast.py) with
 # the modules' weights and with oneDNN-packed ones: each must keep the engine's cache contract.
 FORWARDS = ["transformers-sdpa", "transformers-eager", "fast-own", "fast-packed"]
 
@@ -231,7 +231,7 @@ def test_grouped_attention_on_cpu_changes_no_logit(tiny_pair, monkeypatch, mask)
     # key/value heads; the scores of a multi-token forward (causal or tree-masked) must not move.
     from transformers.integrations import sdpa_attention
 
-    from specbench.models import GROUPED_SDPA
+    from specbench.models.load import GROUPED_SDPA
 
     copies = []
     repeat_kv = sdpa_attention.repeat_kv

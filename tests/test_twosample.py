@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.stats import binom, chi2_contingency
 
-from specbench.twosample import END, as_outcomes, detectable_tv, holm, sequence_law_test
+from specbench.audit.twosample import END, as_outcomes, detectable_tv, holm, sequence_law_test
 
 TOKENS, LENGTH = 20, 6
 

@@ -145,8 +145,8 @@ def test_conversations_go_turn_by_turn_through_vllm(vllm_pair, tmp_path):
     first answers (in waves), and the rows carry their turn and category."""
     from transformers import AutoTokenizer
 
-    from specbench.pair import encode_turn
-    from specbench.prompts import load_prompts
+    from specbench.models.pair import encode_turn
+    from specbench.workloads.prompts import load_prompts
 
     questions = tmp_path / "question.jsonl"
     rows = [{"question_id": 81 + i, "category": c, "turns": [f"def f{i}(a):", "for k in range(3):"]} for i, c in
@@ -316,9 +316,9 @@ def test_vllm_writes_distills_answers_from_the_targets_weights(tmp_path, monkeyp
     import torch
     from typer.testing import CliRunner
 
-    from specbench.cli import app
+    from specbench.cli.app import app
     from specbench.engines.vllm import EngineSpec
-    from specbench.teacher import MAX_LOGP_DIFFERENCE, MIN_AGREEMENT
+    from specbench.training.teacher import MAX_LOGP_DIFFERENCE, MIN_AGREEMENT
 
     monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path / "cache"))
     # In this process, so that the teacher's engine can be made eager like every other engine here:

@@ -10,16 +10,16 @@ import pandas as pd
 import pytest
 from transformers import AutoTokenizer
 
-from specbench import bench, schema
-from specbench.bench import Results
-from specbench.config import BenchConfig
+from specbench.bench.config import BenchConfig
+from specbench.bench.run import Results, benchmark
+from specbench.core.errors import SpecbenchError
 from specbench.engines.loop import Loop
-from specbench.errors import SpecbenchError
-from specbench.methods import METHODS
-from specbench.pair import PLAIN_ASSISTANT, PLAIN_USER, encode_turn
-from specbench.prompts import PLACEHOLDER, Prompt, load_prompts, read_dataset
-from specbench.results import by_group
-from specbench.rundir import load_summary
+from specbench.methods.registry import METHODS
+from specbench.models.pair import PLAIN_ASSISTANT, PLAIN_USER, encode_turn
+from specbench.results import schema
+from specbench.results.rundir import load_summary
+from specbench.results.summary import by_group
+from specbench.workloads.prompts import PLACEHOLDER, Prompt, load_prompts, read_dataset
 
 from .helpers import build_eagle3_head, on_tiny_pair, one_line_error, specbench
 
@@ -241,7 +241,7 @@ def config(tiny_pair, dataset, **options) -> BenchConfig:
 
 
 def run(cfg: BenchConfig, out) -> Results:
-    return [event for event in bench.benchmark(cfg, out) if isinstance(event, Results)][0]
+    return [event for event in benchmark(cfg, out) if isinstance(event, Results)][0]
 
 
 @pytest.fixture(scope="module")
@@ -422,7 +422,7 @@ def test_resume_decodes_a_half_done_conversation_again_whole(tiny_pair, spec_ben
     # Interrupted during the last conversation's second turn: its first turn's rows are complete.
     cut = records[~((records["prompt_index"] == 5) & (records["method"] == "speculative"))]
     cut.to_csv(out / "records.csv", index=False)
-    events = list(bench.benchmark(cfg, out, resume=True))
+    events = list(benchmark(cfg, out, resume=True))
     decoded = [e for e in events if not isinstance(e, Results) and e.stage == "decoding"]
     assert len(decoded) == 4  # both turns of that conversation, by the baseline and speculative
     again = pd.read_csv(out / "records.csv")

@@ -10,9 +10,9 @@ from collections import Counter
 import torch
 from scipy.stats import chisquare
 
-from specbench.drafters import ModelDrafter
-from specbench.engine import speculative_decode
-from specbench.sampling import SamplingConfig, adjust, context_mask, warp
+from specbench.decoding.decode import speculative_decode
+from specbench.decoding.sampling import SamplingConfig, adjust, context_mask, warp
+from specbench.drafters.model import ModelDrafter
 
 VOCAB, LENGTH, PROMPT = 3, 4, [0, 2]
 SAMPLES = 6000

@@ -5,7 +5,7 @@
 - vllm.py: vLLM in this process, N requests in flight;
 - server.py: any running server over its OpenAI-compatible API (launch.py starts one on loopback).
 
-The interface, which the benchmark (bench.py, serve.py) and the audit drive:
+The interface, which the benchmark (bench/run.py, bench/serve.py) and the audit drive:
 
 - ``run(requests, concurrency, sampling, rate, indices)`` decodes every request, at most
   ``concurrency`` in flight, the requests arriving at ``rate`` per second (Poisson, seeded) or all at
@@ -32,7 +32,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
-from ..errors import SpecbenchError
+from specbench.core.errors import SpecbenchError
 
 
 @dataclass

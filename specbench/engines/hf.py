@@ -1,5 +1,5 @@
 """transformers' own decoding as an engine's: ``generate``, plain or assisted by a draft model, timed
-on specbench's phase clock like specbench's loop. The hf methods (methods.py) decode through it, one
+on specbench's phase clock like specbench's loop. The hf methods (methods/registry.py) decode through it, one
 request at a time in the Loop engine (loop.py), so each is judged against transformers' own
 baseline (hf-generate) on the same clock.
 """
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..engine import DecodeResult
-from ..timing import ForwardLaps
+from specbench.decoding.decode import DecodeResult
+from specbench.decoding.timing import ForwardLaps
 
 BATCH = 256  # rows of one generate call in hf_samples
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from ..errors import SpecbenchError
+from specbench.core.errors import SpecbenchError
 
 WAIT_S = 600.0  # a large model's load on a GPU server takes minutes
 STOP_S = 30.0

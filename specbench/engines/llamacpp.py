@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import SpecbenchError
+from specbench.core.errors import SpecbenchError
 
 log = logging.getLogger("specbench")
 

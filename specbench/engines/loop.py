@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..engine import DecodeResult
-from ..errors import SpecbenchError
-from ..sampling import SamplingConfig
-from ..timing import PeakMemory, PhaseClock, Phases, synchronize
-from . import Sampling, Served, margin, request_seed
+from specbench.core.errors import SpecbenchError
+from specbench.decoding.decode import DecodeResult
+from specbench.decoding.sampling import SamplingConfig
+from specbench.decoding.timing import PeakMemory, PhaseClock, Phases, synchronize
+from specbench.engines import Sampling, Served, margin, request_seed
 
 
 @dataclass

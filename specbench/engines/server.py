@@ -11,7 +11,7 @@ What the server says of its speculation, from the response itself where it says 
 ``metrics.speculative_decoding`` (a server started with --per-request-spec-decode-metrics),
 llama.cpp's ``timings.draft_n`` / ``draft_n_accepted``, SGLang's ``meta_info.spec_verify_ct``.
 ``counters()`` reads the server-wide Prometheus counters at /metrics; only their difference over a
-block of requests that nothing else shares describes that block (serving.py does that).
+block of requests that nothing else shares describes that block (results/serving.py does that).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
-from ..errors import SpecbenchError
-from . import LoopThread, Sampling, Served, arrivals, margin, request_seed
+from specbench.core.errors import SpecbenchError
+from specbench.engines import LoopThread, Sampling, Served, arrivals, margin, request_seed
 
 API_KEY_ENV = "OPENAI_API_KEY"  # where --api-key-env looks by default, as the OpenAI client does
 KEEPALIVE_S = 2.0  # seconds an idle connection is kept for the next request (see _open)

@@ -17,8 +17,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..errors import SpecbenchError
-from . import LoopThread, Sampling, Served, arrivals, first_line, margin, request_seed
+from specbench.core.errors import SpecbenchError
+from specbench.engines import LoopThread, Sampling, Served, arrivals, first_line, margin, request_seed
 
 INSTALL = (
     "--engine vllm needs vLLM, which lives in an environment of its own: run `make install-vllm` "

@@ -1,0 +1,1 @@
+"""A run: its configuration, the orchestrator, and a serving engine's part."""

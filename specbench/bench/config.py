@@ -1,0 +1,431 @@
+"""The run configuration: one field per declared option (options.RUN and every method's own).
+
+BenchConfig is built from the declarations, so an option added to a method appears here, on the
+command line and in meta.json without another edit. Rules that tie several options together live
+in ``validate``; a single option's rules live in its declaration.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import asdict, field, make_dataclass
+
+from specbench.core.errors import SpecbenchError
+from specbench.core.options import (
+    CONFIDENCE,
+    ENGINE,
+    ENGINE_PANEL,
+    FIXED,
+    LLAMA,
+    LLAMA_PANEL,
+    RUN,
+    SERVER,
+    SERVER_PANEL,
+    Option,
+)
+from specbench.decoding.kv import SINKS
+from specbench.decoding.sampling import SamplingConfig
+from specbench.drafters.trees import tree_parents
+from specbench.engines import Sampling
+from specbench.engines.llamacpp import find_server
+from specbench.engines.loop import Settings
+from specbench.engines.vllm import INSTALL, available, device_count
+from specbench.methods.base import Decoder
+from specbench.methods.registry import BASELINE, METHOD, METHODS
+from specbench.methods.served import (
+    SERVED,
+    SERVED_BASELINE,
+    SERVER_BASELINE,
+    SERVER_DRAFT,
+    LlamaCpp,
+    Remote,
+    llama_method_names,
+    llama_methods,
+    served_names,
+)
+from specbench.models.load import Wanted, default_speculator
+from specbench.models.pair import Rendering
+from specbench.workloads.prompts import LONG_DATASETS
+
+
+def declared() -> dict[str, Option]:
+    """Every run option by name: --method, the common ones, then each method's own (a shared one once)."""
+    options = {option.name: option for option in (METHOD, *RUN, *ENGINE, *SERVER, *LLAMA)}
+    for method in METHODS.values():
+        for option in method.options:
+            if options.setdefault(option.name, option) is not option:
+                raise TypeError(f"two different options are named {option.name}")
+    return options
+
+
+OPTIONS = declared()
+
+LAUNCHED = (SERVER_BASELINE, SERVER_DRAFT)  # --launch names that are not speculating servers
+# The server options --engine llama-cpp takes too (it speaks to the servers it starts as to any).
+LLAMA_TAKES = ("api", "request_timeout")
+
+# The shortest --context-tokens of a long dataset. Those datasets measure long prompts, where the
+# methods that draft over part of the cache differ from the others; every such view keeps at least
+# twice the sinks (--kv-budget's minimum), so a shorter prompt would stay whole in each of them.
+MIN_CONTEXT = 2 * SINKS
+
+
+class _Run:
+    """What a configuration derives from its options (the fields come from OPTIONS)."""
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [tuple(int(b) for b in tree.split(",")) for tree in self.trees]
+
+    @property
+    def plan(self) -> list[Decoder]:
+        """What specbench's loop decodes per prompt after the baseline: each method at each K with each
+        --k-policy it takes, or each tree shape (nothing when --engine leaves torch out)."""
+        if "torch" not in self.engines:
+            return []
+        steps = []
+        # A method timed against its engine's own baseline (hf-assisted: hf-generate) brings it along.
+        names = [n for name in self.methods if name in METHODS for n in (METHODS[name].reference, name) if n]
+        for method in (METHODS[name] for name in dict.fromkeys(names) if name != BASELINE.name):
+            if method.takes_tree:
+                steps += [Decoder(method, len(shape), shape) for shape in self.shapes]
+            elif method.takes_k:
+                steps += [Decoder(method, k, k_policy=policy) for k in self.ks for policy in self.policies(method)]
+            else:
+                steps += [Decoder(method)]
+        return steps
+
+    def policies(self, method) -> list[str]:
+        """The --k-policy values ``method`` decodes with: those it can take, or fixed K when it takes none."""
+        return [policy for policy in self.k_policies if policy in method.k_policies] or [FIXED]
+
+    @property
+    def policy_notes(self) -> list[str]:
+        """A line for each method of the run that drafts but cannot take every --k-policy asked for."""
+        own = [(step.method, step.method.name) for step in self.plan]
+        served = [(step.method, f"{step.method.engine} {step.method.name}") for step in self.served_plan]
+        lines = []
+        for method, who in dict.fromkeys(own + served):
+            dropped = [policy for policy in self.k_policies if policy not in method.k_policies]
+            if method.drafts and dropped:
+                lines.append(
+                    f"{who} takes only --k-policy {', '.join(method.k_policies)}: no {', '.join(dropped)} rows"
+                )
+        return lines
+
+    @property
+    def served_plan(self) -> list[Decoder]:
+        """What each serving engine after its baseline decodes: under vLLM a method at each K (one
+        engine each); under --engine server each --server (its K is what it says, else a single --k);
+        under --engine llama-cpp a llama-server per method and K."""
+        if "llama-cpp" in self.engines:
+            # A method object per K: each is a server of its own, with its own command line.
+            methods = llama_methods(self.methods, self.draft_sampling)
+            return [Decoder(copy.copy(method), k) for method in methods for k in self.ks]
+        if "server" in self.engines:
+            k = self.ks[0] if len(self.ks) == 1 else None
+            given = [Remote(name, url) for name, url in self.server_entries]
+            started = [Remote(name, "", command=cmd) for name, cmd in self.launches.items() if name not in LAUNCHED]
+            return [Decoder(server, k) for server in given + started]
+        if "vllm" not in self.engines:
+            return []
+        return [Decoder(SERVED[name], k) for name in served_names(self.methods) for k in self.ks]
+
+    @property
+    def served_baseline(self) -> Decoder | None:
+        """The serving engine's baseline, every served method's reference (None: no serving engine)."""
+        if "llama-cpp" in self.engines:
+            return Decoder(LlamaCpp(SERVER_BASELINE))
+        if "server" in self.engines:
+            command = self.launches.get(SERVER_BASELINE, "")
+            return Decoder(Remote(SERVER_BASELINE, self.baseline_url or "", False, command))
+        return Decoder(SERVED_BASELINE) if "vllm" in self.engines else None
+
+    @property
+    def server_entries(self) -> list[tuple[str, str]]:
+        """--server NAME=URL as (name, url) pairs."""
+        return [tuple(part.strip() for part in entry.split("=", 1)) for entry in self.servers if "=" in entry]
+
+    @property
+    def launches(self) -> dict[str, str]:
+        """--launch NAME=COMMAND by name."""
+        return dict(tuple(part.strip() for part in entry.split("=", 1)) for entry in self.launch if "=" in entry)
+
+    @property
+    def draft_server(self) -> Remote | None:
+        """The server of the draft alone, for c: --draft-url, or the one --launch draft=... starts (under
+        --engine llama-cpp, a llama-server of the draft's GGUF when a method drafts with it)."""
+        if "llama-cpp" in self.engines:
+            drafts = any(step.method.needs_draft for step in self.served_plan)
+            return LlamaCpp(SERVER_DRAFT, draft_alone=True) if drafts else None
+        if self.draft_url or SERVER_DRAFT in self.launches:
+            return Remote(SERVER_DRAFT, self.draft_url or "", False, self.launches.get(SERVER_DRAFT, ""))
+        return None
+
+    @property
+    def loads(self) -> list[tuple[int, float]]:
+        """The loads a serving engine is measured at: each --concurrency with each --request-rate."""
+        return [(n, rate) for n in self.concurrency for rate in self.request_rate]
+
+    @property
+    def widest(self) -> int:
+        """Most tokens in one target forward: K + 1 for a chain (a method's longest draft + 1 where it
+        drafts more, as lookup-or-draft's lookup rounds may), the tree's nodes + 1 for a tree. (A
+        heuristic K grows past it, but never drafts beyond the tokens still to generate: the caches
+        stay within the prompt, --max-new-tokens and this.)"""
+        return 1 + max(
+            [max(self.ks)]
+            + [len(tree_parents(step.tree)) for step in self.plan if step.tree]
+            + [step.method.longest_draft(self, step.k) for step in self.plan if step.k]
+        )
+
+    @property
+    def needs_draft(self) -> bool:
+        return any(step.method.needs_draft for step in self.plan + self.served_plan)
+
+    @property
+    def wanted(self) -> Wanted:
+        """The models this run loads: the draft only when a method needs it, the weights only when
+        specbench's loop decodes (vLLM loads its own)."""
+        draft = self.draft if self.needs_draft else None
+        return Wanted(
+            self.target,
+            draft,
+            self.device,
+            self.dtype,
+            self.device_map,
+            self.random_weights,
+            self.seed,
+            bool(self.plan),
+            self.speculator if self.needs_speculator else None,
+        )
+
+    @property
+    def rendering(self) -> Rendering:
+        """How this run's prompts become token ids."""
+        context = self.context_tokens if self.dataset in LONG_DATASETS else 0
+        return Rendering(
+            self.max_new_tokens, self.widest, self.chat, context, self.random_weights, self.prompt_tokens, self.seed
+        )
+
+    @property
+    def needs_speculator(self) -> bool:
+        """Whether an EAGLE head decodes in specbench's loop (vLLM loads its own)."""
+        return any(step.method.needs_speculator for step in self.plan)
+
+    @property
+    def learns(self) -> bool:
+        return any(step.method.learns for step in self.plan)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.eta)
+
+    def requests(self, stop_ids) -> Sampling:
+        """What every engine samples with: the tokens to generate, the warp, the seed and the ids that
+        end an answer (``stop_ids``, the target's)."""
+        return Sampling(
+            self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed, tuple(sorted(stop_ids)), self.eta
+        )
+
+    def options_of(self, method) -> dict:
+        """The options ``method`` decodes with in specbench's loop: its own, and --draft-p-min (where
+        the confidence policy stops a round)."""
+        return {name: getattr(self, name) for name in [o.name for o in method.options] + ["draft_p_min"]}
+
+    def settings_of(self, method) -> Settings:
+        """engines/loop.Settings of ``method`` in this run (what begin_run and the cost levels take)."""
+        return Settings(self.max_new_tokens, self.sampling, self.options_of(method))
+
+    def validate(self) -> None:
+        if "llama-cpp" in self.engines:
+            self.validate_llama_cpp()
+        elif unknown := [name for name in self.methods if name not in METHODS and name not in SERVED]:
+            raise SpecbenchError(
+                f"unknown --method {', '.join(unknown)}: choose from {', '.join(METHODS)} "
+                f"(or, with --engine vllm, {', '.join(SERVED)})"
+            )
+        for option in OPTIONS.values():
+            option.validate(getattr(self, option.name))
+        for name in self.methods:  # a method's rules that tie its own options to the others
+            if name in METHODS:
+                METHODS[name].check_options(self)
+        if "llama-cpp" in self.engines:
+            heads = [step.method.name for step in self.served_plan if step.method.needs_speculator]
+        else:
+            heads = [name for name in self.methods if (METHODS.get(name) or SERVED[name]).needs_speculator]
+        if heads and not self.speculator:  # the target's own head, where models.toml names one
+            self.speculator = default_speculator(self.target)
+        if heads and not self.speculator:
+            raise SpecbenchError(
+                f"--method {heads[0]} needs --speculator PATH: an EAGLE-3 head's checkpoint directory "
+                "(`specbench distill --kind eagle` trains one)"
+            )
+        self.validate_engines()
+        long = self.dataset in LONG_DATASETS
+        problems = [
+            (
+                self.prompt_tokens > 0 and not self.random_weights,
+                "--prompt-tokens sets the length of random prompts: use it with --random-weights",
+            ),
+            (
+                self.device_map is not None and self.random_weights,
+                "--device-map places a checkpoint's weights as it loads them: with --random-weights use --device",
+            ),
+            (
+                long and bool(self.categories or self.per_category or self.max_turns or self.dataset_path),
+                f"--dataset {' / '.join(LONG_DATASETS)} is made on this machine, one turn per prompt and no category: "
+                "drop --category, --per-category, --max-turns and --dataset-path",
+            ),
+            (
+                bool(self.context_tokens) != long,
+                f"--dataset {' / '.join(LONG_DATASETS)} takes its prompt length from --context-tokens N, and only it",
+            ),
+            (
+                long and 0 < self.context_tokens < MIN_CONTEXT,
+                f"--context-tokens {self.context_tokens} is too short for --dataset {self.dataset}, which measures long "
+                f"prompts: every partial view of the cache keeps at least {MIN_CONTEXT} tokens, so a shorter prompt "
+                f"stays whole in each; give {MIN_CONTEXT} or more, or a dataset of short prompts such as humaneval",
+            ),
+            (
+                self.random_weights and self.learns,
+                "--method online learns from the target's rows, which mean nothing with --random-weights: drop one",
+            ),
+            (
+                self.draft_p_min != OPTIONS["draft_p_min"].default and CONFIDENCE not in self.k_policies,
+                "--draft-p-min is where --k-policy confidence stops a round: add that policy or drop --draft-p-min",
+            ),
+            (
+                self.save_draft is not None and not self.learns,
+                "--save-draft writes what --method online learned: add --method online or drop --save-draft",
+            ),
+        ]
+        for bad, message in problems:
+            if bad:
+                raise SpecbenchError(message)
+
+    def validate_engines(self) -> None:
+        """What --engine allows: every error here comes before any model loads or engine starts."""
+        vllm, llama = "vllm" in self.engines, "llama-cpp" in self.engines
+        server = "server" in self.engines or llama
+        if server and len(self.engines) > 1:
+            alone = "llama-cpp" if llama else "server"
+            raise SpecbenchError(f"--engine {alone} runs alone: measure the other engines in a run of their own")
+        for name in [] if llama else self.methods:  # llama.cpp's names were checked by validate_llama_cpp
+            if name in SERVED and name not in METHODS and not vllm:
+                own = [m.name for m in METHODS.values() if m.counterpart == name]
+                hint = f" (specbench's own is {own[0]})" if own else ""
+                raise SpecbenchError(f"--method {name} is vLLM's: add --engine vllm{hint}")
+            if vllm and "torch" not in self.engines and name in METHODS and name not in SERVED:
+                if not METHODS[name].counterpart:
+                    raise SpecbenchError(
+                        f"--method {name} does not run in vLLM: choose from {', '.join(SERVED)}, "
+                        "or add torch to --engine"
+                    )
+        if "torch" in self.engines and max(self.concurrency) > 1:
+            raise SpecbenchError(
+                "specbench's loop decodes one request at a time: --concurrency above 1 needs --engine vllm or server"
+            )
+        if "torch" in self.engines and self.request_rate != OPTIONS["request_rate"].default:
+            raise SpecbenchError("--request-rate sends requests to a serving engine: add --engine vllm or server")
+        shared = ("engines", "concurrency", "request_rate", *(LLAMA_TAKES if llama else ()))
+        for panel, who, needed, engine in (
+            (ENGINE_PANEL, "the vLLM engine", vllm, "vllm"),
+            (SERVER_PANEL, "servers", "server" in self.engines, "server"),
+            (LLAMA_PANEL, "llama.cpp", llama, "llama-cpp"),
+        ):
+            given = [
+                o.flag
+                for o in OPTIONS.values()
+                if o.panel == panel and o.name not in shared and getattr(self, o.name) != o.default
+            ]  # fmt: skip
+            if given and not needed:
+                raise SpecbenchError(f"{', '.join(given)} set(s) {who}: add --engine {engine}")
+        if not (vllm or server):
+            return
+        prompts = self.num_prompts or (None if self.per_category else 10)  # --per-category: known once read
+        if prompts is not None and max(self.concurrency) > prompts:
+            raise SpecbenchError(
+                f"--concurrency {max(self.concurrency)} keeps that many requests in flight and needs as many prompts: "
+                f"raise --num-prompts to {max(self.concurrency)} or more (twice as many measure a steady state)"
+            )
+        if self.eta:
+            raise SpecbenchError(f"{'servers have' if server else 'vLLM has'} no eta sampling: drop --eta")
+        if llama:
+            return
+        if server:
+            self.validate_servers()
+            return
+        for step in self.served_plan:
+            step.method.check_served(self)
+        devices = self.tensor_parallel_size * self.pipeline_parallel_size
+        count, what = device_count(self.device)
+        if devices > count and self.distributed_executor_backend != "ray":
+            raise SpecbenchError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} x --pipeline-parallel-size "
+                f"{self.pipeline_parallel_size} needs {devices} devices and this machine has {count} {what}: "
+                "lower them, or spread over machines with --distributed-executor-backend ray"
+            )
+        if not available():
+            raise SpecbenchError(INSTALL)
+
+    def validate_llama_cpp(self) -> None:
+        """--engine llama-cpp's own rules: llama.cpp's methods, real weights, and a llama-server to start."""
+        if len(self.engines) > 1:
+            raise SpecbenchError("--engine llama-cpp runs alone: measure the other engines in a run of their own")
+        if unknown := [name for name in self.methods if name not in llama_method_names()]:
+            raise SpecbenchError(
+                f"--method {unknown[0]} does not run in llama.cpp: choose from draft, ngram (or llama.cpp's "
+                "ngram-map-k, ngram-map-k4v, ngram-mod) and eagle3"
+            )
+        if not self.served_plan:
+            raise SpecbenchError("--engine llama-cpp needs a speculative --method: draft, ngram or eagle3")
+        if self.random_weights:
+            raise SpecbenchError("--random-weights is for specbench's loop and vLLM: llama.cpp needs the weights")
+        find_server(self.llama_server)
+
+    def validate_servers(self) -> None:
+        """--engine server's own rules: a baseline, NAME=URL entries with distinct names, http(s) URLs."""
+        for flag, entries, example in (
+            ("--server", self.servers, "eagle3=http://127.0.0.1:8001/v1"),
+            (
+                "--launch",
+                self.launch,
+                "baseline='python -m vllm.entrypoints.openai.api_server --model M --port {port}'",
+            ),
+        ):
+            if bad := [entry for entry in entries if "=" not in entry or not entry.split("=", 1)[0].strip()]:
+                raise SpecbenchError(f"{flag} {bad[0]}: give NAME=..., e.g. {flag} {example}")
+        if bool(self.baseline_url) == (SERVER_BASELINE in self.launches):
+            raise SpecbenchError(
+                "--engine server needs one baseline, a server running the target alone: --baseline-url URL "
+                "(e.g. http://127.0.0.1:8000/v1) or --launch baseline=COMMAND"
+            )
+        if self.draft_url and SERVER_DRAFT in self.launches:
+            raise SpecbenchError("give the draft's server once: --draft-url or --launch draft=..., not both")
+        if not self.served_plan:
+            raise SpecbenchError(
+                "--engine server needs at least one server that speculates: --server NAME=URL or --launch NAME=COMMAND"
+            )
+        names = [server.method.name for server in self.served_plan]
+        if dupes := sorted({name for name in names if names.count(name) > 1} | ({SERVER_BASELINE} & set(names))):
+            raise SpecbenchError(f"--server {dupes[0]}: each server needs a name of its own, and not 'baseline'")
+        for given, url in (
+            [(f"--baseline-url {self.baseline_url}", self.baseline_url)]
+            + [(f"--draft-url {self.draft_url}", self.draft_url)]
+            + [(f"--server {name}={url}", url) for name, url in self.server_entries]
+        ):
+            if url is not None and not url.startswith(("http://", "https://")):
+                raise SpecbenchError(f"{given}: give the API's URL, e.g. http://127.0.0.1:8000/v1")
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+BenchConfig = make_dataclass(
+    "BenchConfig",
+    [(name, o.type, field(default_factory=lambda o=o: copy.copy(o.default))) for name, o in OPTIONS.items()],
+    bases=(_Run,),
+    namespace={"__doc__": "A run's configuration: one field per option in OPTIONS, with its default."},
+)
+BenchConfig.__module__ = __name__

@@ -1,0 +1,600 @@
+"""The command line: a thin layer that parses options, shows progress and hands off.
+
+The options of `run` (and of sweep-k and sweep-context, the same command with other defaults) are
+not written here: each comes from its declaration (options.RUN, or the method that owns it), read
+through config.OPTIONS.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import torch
+import typer
+from rich.console import Console
+from rich.logging import RichHandler
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from specbench import __version__
+from specbench.audit.broken import BROKEN
+from specbench.audit.run import audit, plan_of
+from specbench.audit.verdicts import FAIL, NOT_APPLICABLE, PASS
+from specbench.bench.config import OPTIONS, BenchConfig
+from specbench.bench.run import Results, benchmark
+from specbench.cli import flags
+from specbench.core import metrics
+from specbench.core.environment import read_config
+from specbench.core.errors import SpecbenchError, out_of_memory
+from specbench.core.options import AUDIT
+from specbench.methods.registry import LONG_CONTEXT, METHODS
+from specbench.methods.served import SERVED
+from specbench.models.costs import ForwardCosts
+from specbench.results.context import write_context
+from specbench.results.plot import plot_categories, plot_concurrency, plot_context, plot_online, plot_phases, plot_run
+from specbench.results.report import (
+    audit_table,
+    category_table,
+    context_table,
+    greedy_lines,
+    levels_table,
+    phase_table,
+    predicted_table,
+    serving_table,
+    summary_table,
+)
+from specbench.results.summary import predicted_rows
+from specbench.workloads.prompts import dataset_sources
+
+
+def _version(show: bool) -> None:
+    if show:
+        print(f"specbench {__version__}")
+        raise typer.Exit()
+
+
+app = typer.Typer(
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    no_args_is_help=False,
+    help="Run and benchmark speculative decoding: acceptance, cost ratio, measured and predicted speedup.",
+)
+
+
+@app.callback()
+def _root(
+    version: Annotated[
+        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
+    ] = False,
+) -> None:
+    """Run and benchmark speculative decoding: acceptance, cost ratio, measured and predicted speedup."""
+
+
+# Logs and CI output are not terminals: give tables room instead of rich's 80-column default.
+console = Console() if sys.stdout.isatty() else Console(width=150)
+err_console = Console(stderr=True)
+
+
+def _setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.WARNING, handlers=[RichHandler(console=err_console, show_path=False)], format="%(message)s"
+    )
+    logging.getLogger("specbench").setLevel(logging.INFO)
+    import transformers
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+
+
+def _slug(name: str) -> str:
+    return Path(name).stem.replace("/", "_") if name.endswith(".gguf") else name.rstrip("/").replace("/", "_")
+
+
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+
+
+def _prefill_bar(progress: Progress):
+    """A second bar for long prefills, shown while one runs: a callback for the benchmark."""
+    task = None
+
+    def show(done: int, total: int) -> None:
+        nonlocal task
+        if task is None:
+            task = progress.add_task("prefill (tokens)", total=total)
+        progress.update(task, completed=done, total=total, visible=done < total)
+
+    return show
+
+
+def _show(events, progress: Progress) -> None:
+    """Progress while the benchmark runs, then its tables and verdicts."""
+    results, task = None, None
+    with progress:
+        for event in events:
+            if isinstance(event, Results):
+                results = event
+            elif task is None:
+                task = progress.add_task(event.stage, total=None)
+            else:
+                progress.update(
+                    task, description=event.label or event.stage, completed=event.done, total=event.total or None
+                )
+    if results is None or not results.summary:
+        return
+    console.print(summary_table(results.summary, results.title))
+    if (serving := serving_table(results.summary)) is not None:
+        console.print(serving)
+    if (phases := phase_table(results.summary)) is not None:  # none for a serving engine's rows alone
+        console.print(phases)
+    if (levels := levels_table(results.summary)) is not None:
+        console.print(levels)
+    if results.categories:
+        console.print(category_table(results.categories))
+    if results.predicted:
+        console.print(predicted_table(results.predicted))
+    for method, picks in results.best_ks.items():
+        console.print(
+            f"best K for {method}: "
+            + ", ".join(f"{label} K={p['k']} ({p['speedup']:.2f}x)" for label, p in picks.items())
+        )
+    if results.forward:
+        console.print(f"forward: {results.forward}")
+    for path in results.plots:
+        console.print(f"plot: {path}")
+    for line in results.suggestions:
+        console.print(line)
+    if results.greedy:
+        for line in greedy_lines(results.summary):
+            console.print(line)
+    console.print(f"results in {results.out}/ (results.json, summary.csv, records.csv, ...)")
+
+
+ASSUMED_ALPHAS = [0.5, 0.6, 0.7, 0.8]  # --assume-alpha's default with --random-weights
+
+
+def run(out: Path | None = None, resume: bool = False, **given) -> None:
+    """Decode prompts with the baseline and each method at each K; write and show what was measured."""
+    _setup_logging()
+    values = {name: OPTIONS[name].value(text) for name, text in given.items()}
+    lengths = values["context_tokens"] if isinstance(values["context_tokens"], list) else [values["context_tokens"]]
+    values["context_tokens"] = lengths[0] if len(lengths) == 1 else 0  # a sweep sets each length in turn
+    if values["random_weights"] and not values["assume_alpha"]:
+        values["assume_alpha"] = list(ASSUMED_ALPHAS)
+    cfg = BenchConfig(**values)
+    if resume and out is None:
+        raise SpecbenchError("--resume needs --out DIR: the run directory to continue")
+    out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(cfg.target)}-{_slug(cfg.draft)}"
+    if len(lengths) == 1:
+        progress = _progress()
+        _show(benchmark(cfg, out, resume, prefill_progress=_prefill_bar(progress)), progress)
+        return
+    _sweep_context(cfg, lengths, out, resume)
+
+
+def _sweep_context(cfg: BenchConfig, lengths: list[int], out: Path, resume: bool) -> None:
+    """One run per context length, each in its own directory, then what they show together."""
+    runs = {}
+    for length in lengths:
+        runs[length] = out / f"context-{length}"
+        console.rule(f"context {length} tokens")
+        progress = _progress()
+        events = benchmark(
+            dataclasses.replace(cfg, context_tokens=length),
+            runs[length],
+            resume and (runs[length] / "meta.json").is_file(),  # a length the interruption never reached starts now
+            prefill_progress=_prefill_bar(progress),
+        )
+        _show(events, progress)
+    rows, wins = write_context(out, runs)
+    console.rule("by context length")
+    console.print(context_table(rows, wins))
+    console.print(f"plot: {plot_context(out)}")
+    console.print(f"results in {out}/ (context.csv, crossover.json, context.png; a directory per length)")
+
+
+def _command(defaults: dict | None = None):
+    """`run` with its flags built from the declarations (and other ``defaults``)."""
+    return flags.command(run, OPTIONS.values(), defaults, (flags.RUN_OUT, flags.RESUME))
+
+
+app.command("run")(_command())
+app.command("sweep-k", help="`run` with K swept over 1,2,3,4,6,8 by default: one baseline per prompt shared by all K.")(
+    _command({"ks": "1,2,3,4,6,8"})
+)
+app.command(
+    "sweep-context",
+    help="`run` on long code prompts at 1024, 2048, 4096 and 8064 tokens (--context-tokens) with speculative, "
+    "speculative-window, self-sparse and triforce at K=3 by default: a run per length, then context.csv, the context "
+    "length from which each method beats the baseline and speculative (crossover.json), and context.png.",
+)(
+    _command(
+        {
+            "dataset": "longcode",
+            "context_tokens": "1024,2048,4096,8064",
+            "methods": [",".join(LONG_CONTEXT)],
+            "ks": "3",
+            "num_prompts": 4,
+        }
+    )
+)
+
+
+def audit_command(out: Path | None = None, **given) -> None:
+    """Audit speculative decoding from outside: whether each subject (the speculative --method of any
+    --engine, --server, or a --broken one) returns what its engine's target alone returns: equal greedy
+    answers, and, at each sampling --setting, samples of the same law (a two-sample test against the
+    reference, with a control arm and the TV it could detect). Exit 0 when every subject passes, 1 when
+    one fails, 2 on bad input, 3 when one could not be judged (not exercised, inconclusive, underpowered)."""
+    _setup_logging()
+    cfg = BenchConfig(**{name: OPTIONS[name].value(text) for name, text in given.items() if name in OPTIONS})
+    cfg.validate()
+    plan = plan_of(cfg, {option.name: option.value(given[option.name]) for option in AUDIT})
+    out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-audit-{_slug(cfg.target)}"
+    report, progress, task = None, _progress(), None
+    with progress:
+        for event in audit(cfg, plan, out):
+            if isinstance(event, dict):
+                report = event
+            elif task is None:
+                task = progress.add_task(event.stage, total=None)
+            else:
+                progress.update(
+                    task, description=event.label or event.stage, completed=event.done, total=event.total or None
+                )
+    rows = report["rows"]
+    console.print(audit_table(rows, f"audit of {cfg.target}: {plan.samples} samples of {plan.length} tokens per arm"))
+    console.print(f"results in {out}/ (audit.json, samples.jsonl)")
+    subjects_rows = [r for r in rows if r["test"] != "control"]
+    if any(r["verdict"] == FAIL for r in subjects_rows):
+        raise typer.Exit(1)
+    if any(r["verdict"] not in (PASS, NOT_APPLICABLE) for r in rows):
+        raise typer.Exit(3)
+
+
+app.command("audit")(flags.command(audit_command, [*OPTIONS.values(), *AUDIT], extra=(flags.AUDIT_OUT,)))
+
+
+@app.command()
+def theory(
+    alpha: Annotated[
+        str, typer.Option(help="Acceptance alpha in [0, 1]; with --costs a comma-separated list.")
+    ] = "0.5,0.6,0.7,0.8",
+    c: Annotated[float | None, typer.Option(help="Cost ratio: draft step time / target step time (>= 0).")] = None,
+    ks: Annotated[
+        str, typer.Option("--k", "--ks", help="Lookaheads, comma-separated (as run's --k).")
+    ] = "1,2,3,4,5,6,7,8",
+    costs: Annotated[
+        Path | None,
+        typer.Option(
+            help="A run directory (or its verify_cost.csv): take c and each K's verification cost from what it "
+            "measured, and predict the speedup of every --alpha at every measured K (as predicted.csv)."
+        ),
+    ] = None,
+    format: Annotated[str, typer.Option(help="table or csv.", metavar="[table|csv]")] = "table",
+) -> None:
+    """The speedup formula alone (no models): per K, the optimum, and the break-even c; or, with
+    --costs, the speedup each alpha would give with a run's measured forward costs."""
+    if format not in ("table", "csv"):
+        raise SpecbenchError(f"--format {format!r}: use table or csv")
+    alphas = OPTIONS["assume_alpha"].value(alpha)
+    if not alphas or not all(0 <= a <= 1 for a in alphas):
+        raise SpecbenchError("--alpha must be in [0, 1]")
+    if costs is not None:
+        _theory_from_costs(alphas, costs, c, format)
+        return
+    if c is None or c < 0 or len(alphas) != 1:
+        raise SpecbenchError("give one --alpha and --c >= 0, or a run's measured costs with --costs RUN_DIR")
+    alpha = alphas[0]
+    k_list = OPTIONS["ks"].value(ks)
+    OPTIONS["ks"].validate(k_list)
+    rows = [(k, metrics.expected_tokens(alpha, k), metrics.predicted_speedup(alpha, c, k)) for k in k_list]
+    best, best_speedup = metrics.optimal_k(alpha, c, k_list)
+    if format == "csv":
+        print("alpha,c,k,expected_tokens,predicted_speedup")
+        for k, tokens, speedup in rows:
+            print(f"{alpha},{c},{k},{tokens:.6f},{speedup:.6f}")
+        return
+    table = Table(title=f"alpha={alpha}  c={c}", caption="speedup = (1-a^(K+1)) / ((1-a)(Kc+1))")
+    for name in ("K", "E\\[tokens]", "speedup"):
+        table.add_column(name, justify="right")
+    for k, tokens, speedup in rows:
+        table.add_row(str(k), f"{tokens:.3f}", f"[bold]{speedup:.3f}[/]" if k == best else f"{speedup:.3f}")
+    console.print(table)
+    console.print(f"optimal K = {best} with speedup {best_speedup:.3f}")
+    console.print(f"some K in this range beats the target alone while c < {metrics.max_useful_c(alpha, k_list):.4f}")
+
+
+def _theory_from_costs(alphas: list[float], path: Path, c: float | None, format: str) -> None:
+    import csv
+
+    file = path / "verify_cost.csv" if path.is_dir() else path
+    if c is not None:
+        raise SpecbenchError("--c and --costs exclude each other: --costs takes c from the run's draft forward")
+    try:
+        with open(file, newline="") as f:
+            costs = ForwardCosts.from_rows(list(csv.DictReader(f)))
+    except (OSError, KeyError, ValueError, IndexError):
+        raise SpecbenchError(f"{file} is not a verify_cost.csv written by `specbench run`") from None
+    if costs.draft_single is None or 1 not in costs.target:
+        raise SpecbenchError(f"{file} has no draft forward or no one-token target forward: run with a draft")
+    rows = predicted_rows(alphas, costs)
+    if format == "csv":
+        print(",".join(rows[0]))
+        for row in rows:
+            print(",".join(f"{v:.6g}" if isinstance(v, float) else str(v) for v in row.values()))
+        return
+    console.print(predicted_table(rows))
+
+
+@app.command("list")
+def list_(
+    what: Annotated[
+        str,
+        typer.Argument(
+            help="methods, models, datasets, broken or all.", metavar="[methods|models|datasets|broken|all]"
+        ),
+    ] = "all",
+) -> None:
+    """What specbench can run: the methods (with the options each owns), the model aliases, the datasets,
+    and the audit's known-broken subjects."""
+    if what not in ("methods", "models", "datasets", "broken", "all"):
+        raise SpecbenchError(f"specbench list {what}: use methods, models, datasets, broken or all")
+    if what in ("methods", "all"):
+        table = Table("method", "engine", "K", "draft model", "what it does", "its options", title="methods (--method)")
+        for m in [*METHODS.values(), *SERVED.values()]:
+            k = "tree" if m.takes_tree else f"K: {', '.join(m.k_policies)}" if m.takes_k else "-"
+            options = "\n".join(f"{o.flag} ({o.default})" for o in m.options) or "-"
+            table.add_row(m.name, m.engine, k, "yes" if m.needs_draft else "-", m.help, options)
+        console.print(table)
+        console.print("--engine vllm runs vLLM's methods, and for speculative and prompt-lookup vLLM's draft and ngram")
+    if what in ("models", "all"):
+        table = Table(
+            "alias", "source", "random weights", title="model aliases (--target, --draft; EAGLE heads: --speculator)"
+        )
+        for alias, entry in read_config("models.toml").items():
+            source = entry.get("hub") or entry.get("bundled") and "shipped with specbench" or entry.get("install", "")
+            table.add_row(alias, source, "yes" if "architecture" in entry else "-")
+        console.print(table)
+        console.print("or a hub id, a local checkpoint directory, or a .gguf file")
+    if what in ("datasets", "all"):
+        table = Table("dataset", "source", title="datasets (--dataset)")
+        for name, source in dataset_sources():
+            table.add_row(name, source)
+        console.print(table)
+    if what in ("broken", "all"):
+        table = Table("subject", "its bug", "seen in", title="known-broken subjects (specbench audit --broken)")
+        for subject in BROKEN.values():
+            table.add_row(subject.name, subject.help, subject.where)
+        console.print(table)
+
+
+@app.command()
+def compare(
+    baseline: Annotated[str, typer.Argument(help="Baseline run directory or summary.csv.")],
+    current: Annotated[str, typer.Argument(help="Current run directory or summary.csv.")],
+    tolerance: Annotated[
+        float, typer.Option(help="Relative tolerance for timing metrics (throughput, speedup, c).")
+    ] = 0.10,
+    abs_tolerance: Annotated[
+        float, typer.Option(help="Absolute tolerance for deterministic metrics (alpha, tau, acceptance_rate).")
+    ] = 0.01,
+    metric: Annotated[list[str] | None, typer.Option(help="Compare only this metric (repeatable).")] = None,
+    json: Annotated[str | None, typer.Option("--json", help="Write the verdict as JSON here.")] = None,
+    markdown: Annotated[str | None, typer.Option(help="Write a Markdown table here.")] = None,
+    confidence: Annotated[
+        float, typer.Option(help="Confidence of the paired-bootstrap interval of speedup and tokens/s changes.")
+    ] = 0.95,
+    allow_unjudged: Annotated[
+        bool,
+        typer.Option(
+            help="Pass although a metric could not be judged on any row (e.g. timings against another machine's "
+            "baseline); it is still reported as NOT JUDGED."
+        ),
+    ] = False,
+) -> None:
+    """Compare two runs.
+
+    Exit 0: pass; 1: a metric regressed or a row is missing; 2: unusable input; 3: a metric could not
+    be judged on any row (timings against a baseline from another machine), unless --allow-unjudged.
+    """
+    from specbench.results.compare import run_compare
+
+    raise typer.Exit(
+        run_compare(
+            baseline,
+            current,
+            tolerance,
+            abs_tolerance,
+            metric,
+            json,
+            markdown,
+            console,
+            confidence,
+            allow_unjudged=allow_unjudged,
+        )
+    )
+
+
+# distill shares these options with run: the same declarations.
+Target, Seed, Device = (flags.parameter(OPTIONS[name]).annotation for name in ("target", "seed", "device"))
+
+
+@app.command()
+def distill(
+    out: Annotated[Path, typer.Option(help="Directory for the draft checkpoint (and resumable training state).")],
+    target: Target = "smollm2-135m",
+    kind: Annotated[
+        str,
+        typer.Option(
+            help="draft: a small model (--draft DIR); eagle: an EAGLE-3 head over the target's features (--speculator DIR, Llama targets)."
+        ),
+    ] = "draft",
+    ttt_steps: Annotated[
+        int, typer.Option(help="eagle: steps of the training-time test (the head reads its own outputs).")
+    ] = 3,
+    head_intermediate: Annotated[int, typer.Option(help="eagle: the head's MLP width (0: the target's).")] = 0,
+    hidden_size: Annotated[int, typer.Option(help="Draft width.")] = 256,
+    layers: Annotated[int, typer.Option(help="Draft depth (decoder layers).")] = 2,
+    heads: Annotated[int, typer.Option(help="Attention heads.")] = 4,
+    kv_heads: Annotated[int, typer.Option(help="Key/value heads (grouped-query attention).")] = 2,
+    intermediate_size: Annotated[int, typer.Option(help="MLP width.")] = 768,
+    init: Annotated[
+        str,
+        typer.Option(
+            help="pca: start from a projection of the target's embeddings; random; or a checkpoint to go on training (its shape then wins over the size options): a draft's directory, or for --kind eagle a head's directory or alias."
+        ),
+    ] = "pca",
+    draft_vocab: Annotated[
+        int,
+        typer.Option(
+            help="The drafter's vocabulary: the N ids the target ranks first most often in the training data (0: all of them). Each id costs a row of the vocabulary projection, a large part of a drafter's step."
+        ),
+    ] = 0,
+    source: Annotated[
+        list[str] | None,
+        typer.Option(help="Training text: files or directories of .py (default: Python's standard library)."),
+    ] = None,
+    teacher_tokens: Annotated[
+        int, typer.Option(help="Tokens of --source the target labels with its top-k distribution (0: none).")
+    ] = 300_000,
+    top_k: Annotated[int, typer.Option(help="Teacher probabilities kept per position.")] = 32,
+    seq_len: Annotated[int, typer.Option(help="Training sequence length.")] = 256,
+    epochs: Annotated[float, typer.Option(help="Passes over the teacher data.")] = 3.0,
+    batch: Annotated[int, typer.Option(help="Sequences per optimiser step.")] = 8,
+    data: Annotated[
+        str,
+        typer.Option(
+            help="What the target answers: sharegpt (chat, less the conversations --dataset sharegpt evaluates), humaneval (function stubs from --source), or a conversation FILE; a mixture as sharegpt:3,humaneval:1. Spec-Bench's and MT-Bench's questions are held out."
+        ),
+    ] = "humaneval",
+    generate_prompts: Annotated[
+        int,
+        typer.Option(
+            help="Prompts of --data the target answers itself (chat-formatted like the evaluation's); 0 = none."
+        ),
+    ] = 1024,
+    max_prompt_tokens: Annotated[int, typer.Option(help="Longer prompts of --data are skipped.")] = 1024,
+    generate_new_tokens: Annotated[int, typer.Option(help="Tokens the target writes per prompt.")] = 128,
+    teacher_engine: Annotated[
+        str,
+        typer.Option(
+            help="Who writes the target's answers: torch (the target itself, batched generate), llama-cpp (llama.cpp's llama-server from the same weights; `make install-llama-cpp`) or vllm (vLLM in this process, from .venv-vllm; `make install-vllm`). Another engine's answers are checked against the torch target on the first batch."
+        ),
+    ] = "torch",
+    teacher_gguf: Annotated[
+        str | None,
+        typer.Option(
+            help="llama-cpp: the GGUF it serves (default: the target's own .gguf, else its checkpoint converted to f32 once).",
+            metavar="PATH",
+        ),
+    ] = None,
+    llama_server: Annotated[
+        str | None,
+        typer.Option(
+            help="llama-cpp: the llama-server binary (default: $LLAMA_CPP_DIR/bin, .llama-cpp/bin, then PATH).",
+            metavar="PATH",
+        ),
+    ] = None,
+    generate_batch: Annotated[int, typer.Option(help="Prompts the target answers at once.")] = 64,
+    sampled_fraction: Annotated[
+        float, typer.Option(help="Share of answer batches sampled at T=1; the rest are greedy.")
+    ] = 0.25,
+    generated_repeats: Annotated[
+        int, typer.Option(help="Times the target's own answers count per epoch (they match what it is evaluated on).")
+    ] = 4,
+    lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 2e-3,
+    seed: Seed = 0,
+    device: Device = "auto",
+) -> None:
+    """Train a small draft (or with --kind eagle an EAGLE-3 head) for TARGET from the target's own
+    next-token distributions.
+
+    Rerunning the same command resumes: stored teacher shards are kept, training continues
+    from the last saved step.
+    """
+    from specbench.models.load import load, resolve_device
+    from specbench.training import distill as distillation
+    from specbench.training.distill_eagle import distill_eagle
+
+    _setup_logging()
+    # Every option of this command but --source and --device is the DistillConfig field of its name.
+    given, fields = locals(), distillation.DistillConfig.__dataclass_fields__
+    cfg = distillation.DistillConfig(**{name: value for name, value in given.items() if name in fields})
+    if source:
+        cfg.sources = source
+    cfg.validate()
+    with console.status("loading the target"):
+        teacher = load(target, resolve_device(device), __import__("torch").float32)
+    progress = Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("{task.fields[loss]}"),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+    )
+    tasks: dict[str, int] = {}
+    last = None
+    with progress:
+        for p in (distill_eagle if cfg.trains_head else distillation.distill)(cfg, teacher):
+            last = p
+            if p.phase not in tasks:
+                label = {
+                    "generate": "target answers prompts",
+                    "student": "draft training (steps)",
+                    "features": "target features (sequences)",
+                    "head": "EAGLE head training (steps)",
+                }.get(p.phase, f"target labels {p.phase.split(':')[-1]} (sequences)")
+                tasks[p.phase] = progress.add_task(label, total=p.total, loss="")
+            loss = f"loss {p.loss:.3f}" if p.loss is not None else ""
+            if p.agreement is not None:
+                loss += f" held-out agreement {'/'.join(f'{a:.3f}' for a in (p.agreement, *p.later))}"
+            progress.update(tasks[p.phase], completed=p.done, total=p.total, loss=loss)
+    console.print(f"{kind} saved in {out}/ (use {'--speculator' if cfg.trains_head else '--draft'} {out})")
+    if last is not None and last.agreement is not None:
+        steps = f" (training-time test steps 0..{len(last.later)})" if last.later else ""
+        console.print(
+            f"top-1 agreement with held-out greedy answers of the target: {'/'.join(f'{a:.3f}' for a in (last.agreement, *last.later))}{steps} (step 0 estimates greedy alpha)"
+        )
+
+
+@app.command()
+def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written by run or sweep-k.")]) -> None:
+    """Redraw a run's figures from its CSVs: time per token by phase; for methods with K speedup vs
+    K, acceptance by position and verification cost; with --method online, alpha over the run."""
+
+    for path in (
+        plot_phases(run_dir),
+        plot_run(run_dir),
+        plot_online(run_dir),
+        plot_concurrency(run_dir),
+        plot_categories(run_dir),
+    ):
+        if path is not None:
+            console.print(f"wrote {path}")
+
+
+def main() -> None:
+    try:
+        app()
+    except (SpecbenchError, torch.OutOfMemoryError) as e:  # out of memory in any forward: the run kept its rows
+        said = out_of_memory(str(e)) if isinstance(e, torch.OutOfMemoryError) else e
+        err_console.print(f"[red]error:[/] {said}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        err_console.print("interrupted: rows measured so far are in the run directory")
+        sys.exit(130)

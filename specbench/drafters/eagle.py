@@ -1,0 +1,178 @@
+"""EAGLE drafting: chains, trees and EAGLE-2's dynamic trees from an EAGLE head
+(models/eagle_head.py) reading the target's own features.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specbench.decoding.decode import Draft
+from specbench.decoding.sampling import SamplingConfig, Verdict, argmax, confident, sample, warp
+from specbench.decoding.tree import tree_inputs
+from specbench.drafters.trees import tree_level, tree_parents
+from specbench.models.eagle_head import EagleHead, HeadCache
+
+
+class EagleDrafter:
+    """Drafts with an EAGLE head from the features ``target`` records (a chain of K, or a tree).
+
+    Between rounds it holds the pairs it has not read: the accepted tokens and the next one, each
+    with the target's feature of the position before it. ``shape`` drafts a tree of that shape
+    (as drafters.TreeDrafter: top-b children under greedy, b draws from q under sampling);
+    ``dynamic`` = (nodes, width) drafts EAGLE-2's dynamic tree (see ``_dynamic``); with ``p_min`` a
+    chain stops before the first token the head is not confident of (sampling.confident)."""
+
+    def __init__(
+        self,
+        head: EagleHead,
+        target,
+        width: int,
+        cfg: SamplingConfig,
+        generator: torch.Generator,
+        shape: tuple[int, ...] | None = None,
+        dynamic: tuple[int, int] | None = None,
+        p_min: float | None = None,
+    ):
+        self.head, self.target, self.width, self.cfg, self.generator = head, target, width, cfg, generator
+        self.shape, self.dynamic, self.p_min = shape, dynamic, p_min
+
+    def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
+        self.cache = HeadCache()
+        # The pair at position t: the target's feature there, and the token at t + 1.
+        self.tokens, self.features = torch.cat([prompt_ids[1:], first]), self.target.features
+
+    def _full(self, q: torch.Tensor) -> torch.Tensor:
+        """Rows over the draft vocabulary [n, draft_vocab] as rows over the target's [n, width]: zero
+        beyond it. Warping over the draft vocabulary is warping the full row with -inf beyond it."""
+        rows = q.new_zeros(len(q), self.width)
+        rows[:, self.head.draft_ids] = q
+        return rows
+
+    def _read_pending(self) -> torch.Tensor:
+        """Read the pairs not yet read; returns the layer's output at the newest [1, h]."""
+        self.base = self.cache.length
+        n = len(self.tokens)
+        positions = torch.arange(self.base, self.base + n, device=self.tokens.device)
+        out = self.head.step(self.tokens, self.head.fuse(self.features), positions, self.cache)
+        self.base += n
+        return out[-1:]
+
+    def propose(self, k: int) -> Draft:
+        if k == 0:
+            self.read = False
+            return Draft.chain(self.tokens[:0], None)
+        self.read = True
+        with torch.inference_mode():
+            out = self._read_pending()
+            if self.dynamic is not None:
+                return self._dynamic(out, k)
+            if self.shape is not None:
+                return self._tree(out)
+            return self._chain(out, k)
+
+    def _chain(self, out: torch.Tensor, k: int) -> Draft:
+        drafted, q_rows, forwards = [], [], 0
+        for _ in range(k):
+            if drafted:  # the head reads its last draft with its own output
+                position = torch.tensor([self.cache.length], device=out.device)
+                out = self.head.step(drafted[-1], out, position, self.cache)
+            forwards += 1
+            scores = self.head.draft_logits(out)
+            q = None if self.cfg.greedy else warp(scores, self.cfg)
+            if self.p_min is not None and not confident(scores.float().softmax(-1) if q is None else q, self.p_min):
+                break
+            if q is None:
+                chosen = argmax(scores)
+            else:
+                q_rows.append(q)
+                chosen = sample(q, self.generator)
+            drafted.append(self.head.draft_ids[chosen.view(-1)])
+        tokens = torch.cat(drafted) if drafted else self.tokens[:0]
+        q = self._full(torch.cat(q_rows)) if q_rows else None
+        return Draft.chain(tokens, q, forwards=forwards)
+
+    def _tree(self, out: torch.Tensor) -> Draft:
+        parents = tree_parents(self.shape)
+        positions, mask = tree_inputs(parents, self.base, out.device)
+        tokens, q_rows, start, rows = [], [], 0, out
+        for depth, branching in enumerate(self.shape):
+            level, q = tree_level(self.head.draft_logits(rows), branching, self.cfg, self.generator)
+            if q is not None:
+                q_rows.append(q)
+            level = self.head.draft_ids[level]
+            tokens.append(level)
+            end = start + len(level)
+            if depth + 1 < len(self.shape):
+                hidden = rows.repeat_interleave(branching, dim=0)  # each child reads its parent's output
+                rows = self.head.step(
+                    level, hidden, positions[start:end], self.cache, mask[start:end, : self.base + end]
+                )
+            start = end
+        q = self._full(torch.cat(q_rows)) if q_rows else None
+        return Draft(torch.cat(tokens), parents, q, forwards=len(self.shape))
+
+    def _dynamic(self, out: torch.Tensor, depth: int) -> Draft:
+        """EAGLE-2's dynamic tree, ``depth`` levels deep: at each level the ``width`` most probable
+        nodes of the last (by the product of the draft's probabilities along their branch) are read
+        in one forward and offer their ``width`` most probable children; of every node offered, the
+        ``nodes`` most probable make the tree. A node is never more probable than its parent (ties go
+        to the shallower), so the tree holds every chosen node's ancestors. The candidates are
+        deterministic given the draft (q is None), which tree verification takes exactly, under
+        sampling too."""
+        nodes, width = self.dynamic
+        tokens, parents, scores = [], [], []  # every node offered (a draft id), with its branch's log-probability
+        outs, frontier, read = {-1: out}, [-1], []  # the layer's output per node read; nodes in the cache
+        for level in range(depth):
+            rows = torch.cat([outs[n] for n in frontier])
+            offered = torch.log_softmax(self.head.draft_logits(rows).float(), dim=-1).topk(width)
+            new = []
+            for row, parent in enumerate(frontier):
+                above = scores[parent] if parent >= 0 else 0.0
+                for value, token in zip(offered.values[row].tolist(), offered.indices[row].tolist(), strict=True):
+                    new.append(len(tokens))
+                    tokens.append(token)
+                    parents.append(parent)
+                    scores.append(above + value)
+            if level + 1 == depth:
+                break
+            frontier = sorted(new, key=lambda n: -scores[n])[:width]
+            read += frontier
+            # Each reads the pending pairs and its ancestors (all read at earlier levels) and itself.
+            mask = torch.zeros(len(frontier), self.base + len(read), dtype=torch.bool, device=out.device)
+            mask[:, : self.base] = True
+            lineages = [_lineage(n, parents) for n in frontier]
+            for row, lineage in enumerate(lineages):
+                mask[row, [self.base + read.index(n) for n in lineage]] = True
+            positions = torch.tensor([self.base + len(lineage) - 1 for lineage in lineages], device=out.device)
+            ids = self.head.draft_ids[torch.tensor([tokens[n] for n in frontier], device=out.device)]
+            hidden = torch.cat([outs[parents[n]] for n in frontier])
+            result = self.head.step(ids, hidden, positions, self.cache, mask)
+            outs.update({n: result[row : row + 1] for row, n in enumerate(frontier)})
+        ranked = sorted(range(len(tokens)), key=lambda n: (-scores[n], len(_lineage(n, parents))))
+        chosen = sorted(ranked[:nodes])  # a parent was offered before its children: index order keeps it first
+        index = {n: i for i, n in enumerate(chosen)}
+        return Draft(
+            self.head.draft_ids[torch.tensor([tokens[n] for n in chosen], device=out.device)],
+            [index[parents[n]] if parents[n] >= 0 else -1 for n in chosen],
+            None,
+            forwards=depth,
+        )
+
+    def accepted(self, draft: Draft, verdict: Verdict) -> None:
+        # Its own entries of the round give way: the accepted tokens are read again with the target's features.
+        rows = [0] + [1 + i for i in verdict.path]
+        tokens, features = torch.cat([draft.on_path(verdict.path), verdict.next_token]), self.target.features[rows]
+        if self.read:
+            self.cache.crop(self.base)
+            self.tokens, self.features = tokens, features
+        else:  # it read nothing this round: what it had not read comes first
+            self.tokens, self.features = torch.cat([self.tokens, tokens]), torch.cat([self.features, features])
+
+
+def _lineage(node: int, parents: list[int]) -> list[int]:
+    """``node`` and its ancestors, the root's child first."""
+    chain = []
+    while node >= 0:
+        chain.append(node)
+        node = parents[node]
+    return chain[::-1]

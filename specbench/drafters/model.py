@@ -1,0 +1,87 @@
+"""A small model drafting a chain of K tokens, sampled from its own warped rows (its q)."""
+
+from __future__ import annotations
+
+import torch
+
+from specbench.decoding.decode import CausalLM, Draft
+from specbench.decoding.sampling import SamplingConfig, Verdict, adjust, argmax, confident, context_mask, sample, warp
+
+
+class ModelDrafter:
+    """Drafts a chain by sampling a small model autoregressively (it keeps its own KV cache).
+
+    With ``p_min`` it stops a round early, before the first token its row there is not confident of
+    (sampling.confident): the confidence policy's drafter. The forward that found that row counts
+    as drafting, and its cache then holds every token it drafted, with none pending.
+    """
+
+    def __init__(self, model: CausalLM, cfg: SamplingConfig, generator: torch.Generator, p_min: float | None = None):
+        self.model, self.cfg, self.generator, self.p_min = model, cfg, generator, p_min
+
+    def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
+        self.model.prefill(prompt_ids)
+        self.pending = first  # tokens the draft has not read yet
+        # Under a repetition penalty, the context's tokens (adjust reads them); the mask is made at the
+        # first forward, which gives the vocabulary's width.
+        self.context, self.seen = torch.cat([prompt_ids, first]), None
+
+    def propose(self, k: int) -> Draft:
+        if k == 0:  # a cascade may ask for nothing; what it has not read stays unread
+            return Draft.chain(self.pending[:0], None)
+        drafted, q_rows, forwards = [], [], 0
+        seen = None  # each row's context: the drafts so far too
+        for _ in range(k):
+            logits = self.model.forward(self.pending, last=1)[-1]
+            if self.seen is None and self.cfg.repetition_penalty != 1.0:
+                self.seen = context_mask(self.context, logits.shape[-1], self.cfg)
+            if seen is None and self.seen is not None:
+                seen = self.seen.clone()
+            logits = adjust(logits, self.cfg, seen)
+            forwards += 1
+            q = None if self.cfg.greedy else warp(logits, self.cfg)
+            if self.p_min is not None and not confident(logits.float().softmax(-1) if q is None else q, self.p_min):
+                self.pending = self.pending[:0]  # it has read every token it drafted
+                break
+            if q is None:
+                self.pending = argmax(logits)
+            else:
+                self.pending, q = self.draw(logits, q)
+                q_rows.append(q)
+            drafted.append(self.pending)
+            if seen is not None:
+                seen[self.pending] = True
+        tokens = torch.cat(drafted) if drafted else self.pending
+        return Draft.chain(tokens, torch.stack(q_rows) if q_rows else None, forwards=forwards)
+
+    def draw(self, logits: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The drafted token, and the row it is verified against: a sample of ``q``, and ``q``. (The
+        audit's deliberately broken drafters draw from one row and report another.)"""
+        return sample(q, self.generator), q
+
+    def accepted(self, draft: Draft, verdict: Verdict) -> None:
+        n, k = verdict.accepted, len(draft.tokens)
+        if self.seen is not None:
+            self.seen[draft.tokens[:n]] = True
+            self.seen[verdict.next_token] = True
+        if n < k:
+            # Its cache holds the drafts it read: all but the last, or all when it stopped early.
+            self.model.keep(range(n), k - len(self.pending))
+            self.pending = verdict.next_token
+        else:
+            # It reads what it has not yet (its last draft, if it did not stop early), then the target's token.
+            self.pending = torch.cat([self.pending, verdict.next_token])
+
+    def read_later(self, tokens: torch.Tensor) -> None:
+        """Tokens of a round another drafter proposed, as the target kept them: read with the next forward."""
+        if self.seen is not None:
+            self.seen[tokens] = True
+        self.pending = torch.cat([self.pending, tokens])
+
+    def rewind_to(self, length: int, tokens: torch.Tensor) -> None:
+        read = self.model.length  # the sequence it holds is what it read, then what is pending
+        if read > length:
+            self.model.keep([], read - length)
+            self.pending = tokens
+        else:
+            self.pending = torch.cat([self.pending[: length - read], tokens])

@@ -1,0 +1,2 @@
+"""Decoding methods: the Method base, the methods of specbench's loop (the registry), and the
+serving engines' methods."""

@@ -1,0 +1,537 @@
+"""Decoding methods as registered objects.
+
+A method (method.Method) says whether it takes a lookahead K, whether it needs the draft model, the
+options it owns, what its cost ratio c is, and how it decodes one prompt. Nothing outside this module
+names a method of specbench's loop (the serving engines' methods are in methods/served.py): adding one is a
+class here and an entry in METHODS.
+
+A method decodes with ``settings`` (engines/loop.Settings): the tokens to generate, the sampling,
+and its own options by name. ``cfg``, where a method checks or describes the run's options, is the
+run's configuration (config.BenchConfig, which is built from these methods' options, so this module
+cannot import it); ``costs`` its forward costs (costs.ForwardCosts).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+
+from specbench.core.errors import SpecbenchError
+from specbench.core.options import FIXED, K_POLICIES, Option, names_given
+from specbench.decoding.decode import autoregressive_decode
+from specbench.decoding.kv import SINKS
+from specbench.decoding.timing import TimedDrafter, TimedLM
+from specbench.drafters.cascade import CascadeDrafter
+from specbench.drafters.eagle import EagleDrafter
+from specbench.drafters.lookup import LookupOrModelDrafter, PromptLookupDrafter
+from specbench.drafters.model import ModelDrafter
+from specbench.drafters.trees import LookupTreeDrafter, TreeDrafter, tree_parents
+from specbench.engines.hf import hf_generate, hf_samples
+from specbench.methods.base import Decoder, Level, Method, SpeculativeLoop
+from specbench.methods.online import OnlineConfig, OnlineLearner, rejection
+from specbench.models.eagle_head import HeadLM
+from specbench.models.lm import HFCausalLM, SparseView, WindowLM
+from specbench.models.pair import Pair
+
+
+class Baseline(Method):
+    name, help, takes_k = "baseline", "the target alone, one token per forward with a KV cache (always runs)", False
+    adjusts_logits = True
+
+    def decode(self, pair, settings, step, ids, generator):
+        return autoregressive_decode(
+            pair.target_lm, ids, settings.max_new_tokens, settings.sampling, generator, pair.stop_ids
+        )
+
+
+class Speculative(SpeculativeLoop):
+    name, help, needs_draft = (
+        "speculative",
+        "specbench's loop: the draft model samples K tokens, one target forward verifies them",
+        True,
+    )
+    counterpart = "draft"
+    k_policies = K_POLICIES  # a ModelDrafter given step.p_min: it can stop where unsure
+    adjusts_logits = True  # a chain of its own model's rows
+
+    def c(self, costs):
+        return costs.c
+
+    def drafter(self, pair, settings, step, generator):
+        return ModelDrafter(pair.draft_lm, settings.sampling, generator, step.p_min(settings))
+
+
+KV_BUDGET = Option(
+    "kv_budget",
+    1024,
+    "self-sparse, triforce: KV-cache positions the target drafts over (the first 16, then per --kv-policy).",
+    low=2 * SINKS,
+    problem=f"--kv-budget must be at least {2 * SINKS} (the first {SINKS} tokens are always kept)",
+)
+KV_POLICY = Option(
+    "kv_policy",
+    "retrieval",
+    "self-sparse, triforce: retrieval (chunks of 8 tokens that the last prompt token's query scores highest, "
+    "per layer and head: TriForce's retrieval cache) or window (the most recent tokens: StreamingLLM).",
+    choices=("retrieval", "window"),
+)
+DRAFT_WINDOW = Option(
+    "draft_window",
+    256,
+    "triforce, speculative-window: the draft model's streaming window (sinks + recent tokens).",
+    low=2 * SINKS + 2,
+)
+
+
+def timed_draft(lm, pair: Pair, settings, step: Decoder, generator) -> ModelDrafter:
+    """A ModelDrafter of ``lm`` (a method's own drafting model) whose forwards are laps of the draft phase."""
+    return ModelDrafter(TimedLM(lm, pair.clock, "draft"), settings.sampling, generator, step.p_min(settings))
+
+
+def draft_window(pair: Pair, settings) -> WindowLM:
+    """The draft model over a streaming window of --draft-window positions (speculative-window, triforce)."""
+    lm = pair.draft_lm
+    return WindowLM(lm.model, lm.width, pair.draft.head_tokens, settings.draft_window, lm.fast)
+
+
+SELF_SPARSE_LEVEL = Level(
+    "self-sparse", lambda pair, settings: SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy)
+)
+DRAFT_WINDOW_LEVEL = Level("draft-window", draft_window)
+
+
+class SpeculativeWindow(SpeculativeLoop):
+    name, help, needs_draft = (
+        "speculative-window",
+        "speculative with the draft model over a streaming window of its cache (--draft-window: the first tokens and "
+        "the newest, at positions within the window): a draft trained on short sequences stays within them at "
+        "long contexts; the full target verifies",
+        True,
+    )
+    draft_level = "draft model over its window"
+    levels = (DRAFT_WINDOW_LEVEL,)
+    options = (DRAFT_WINDOW,)
+    k_policies = K_POLICIES  # a ModelDrafter given step.p_min: it can stop where unsure
+
+    def c(self, costs):
+        return costs.level_c(DRAFT_WINDOW_LEVEL.name)
+
+    def begin_run(self, pair, settings, step):
+        step.state = draft_window(pair, settings)
+
+    def drafter(self, pair, settings, step, generator):
+        return timed_draft(step.state, pair, settings, step, generator)
+
+
+class PromptLookup(SpeculativeLoop):
+    name, help = (
+        "prompt-lookup",
+        "K tokens copied from the latest match of the last n-gram in prompt and output; no draft model",
+    )
+    counterpart = "ngram"
+    adjusts_logits = True  # its candidates have no q; the target's rows are adjusted in verify
+
+    def c(self, costs):
+        return 0.0  # no draft model runs; its lookups are host-side bookkeeping
+
+    def drafter(self, pair, settings, step, generator):
+        return PromptLookupDrafter()
+
+
+class LookupOrDraft(SpeculativeLoop):
+    name, help, needs_draft = (
+        "lookup-or-draft",
+        "prompt lookup where the sequence repeats (its last --lookup-ngram or more tokens occurred before: up to "
+        "--lookup-k tokens that followed), the draft model's K tokens elsewhere; the target verifies either",
+        True,
+    )
+    inner_level, inner_beside = "prompt lookup", True  # beside the draft model: the target checks its rounds
+    chains = False  # a lookup round drafts up to --lookup-k tokens for free: the chain formulas do not apply
+    k_policies = K_POLICIES  # its model rounds are a ModelDrafter's, given step.p_min
+    adjusts_logits = True  # the model's rows are adjusted in drafting, lookup's candidates in verify
+    options = (
+        Option(
+            "lookup_k",
+            6,
+            "lookup-or-draft: the most tokens a round drafted by lookup proposes (a copy costs no forward, so it may "
+            "run longer than K).",
+            low=1,
+            problem="--lookup-k must be at least 1",
+        ),
+        Option(
+            "lookup_ngram",
+            2,
+            "lookup-or-draft: lookup drafts a round when the sequence's last N (to 3) tokens occurred before; 1 also "
+            "copies after a single repeated token.",
+            low=1,
+            problem="--lookup-ngram must be at least 1",
+        ),
+    )
+
+    def longest_draft(self, cfg, k: int) -> int:
+        return max(k, cfg.lookup_k)
+
+    def c(self, costs):
+        return costs.c  # one draft-model forward; lookup's rounds run none
+
+    def drafter(self, pair, settings, step, generator):
+        model = ModelDrafter(pair.draft_lm, settings.sampling, generator, step.p_min(settings))
+        return LookupOrModelDrafter(model, settings.lookup_k, settings.lookup_ngram)
+
+
+class Cascade(SpeculativeLoop):
+    name, help, needs_draft = (
+        "cascade",
+        "the draft model sped up by prompt lookup beneath it: lookup proposes, the draft checks the proposal in "
+        "one forward by exact speculative sampling, and its rows are the q of the target's verification; "
+        "--cascade-split M leaves the positions after the first M to lookup alone",
+        True,
+    )
+    inner_level = "prompt lookup"
+    options = (
+        Option(
+            "cascade_split",
+            0,
+            "cascade: the draft model (sped up by lookup) drafts the first M positions of a round (M at most K) and "
+            "prompt lookup alone the rest (a horizontal cascade); 0: the draft model drafts all K.",
+            low=0,
+            problem="--cascade-split must be >= 0 (0: the draft model drafts all K positions)",
+        ),
+    )
+
+    def check_options(self, cfg):
+        if cfg.cascade_split > min(cfg.ks):  # else a row would name a split that never applied
+            raise SpecbenchError(
+                f"--cascade-split {cfg.cascade_split} is more than --k {min(cfg.ks)}: the draft model drafts the first "
+                "M of a round's K positions and lookup the rest, so M must be at most K (every K of a sweep): lower it "
+                "(0: the draft model drafts all K)"
+            )
+
+    def c(self, costs):
+        return costs.c  # one of its draft-model forwards; it needs fewer of them than K per round
+
+    def drafter(self, pair, settings, step, generator):
+        lookup = TimedDrafter(PromptLookupDrafter(), pair.clock, "inner")
+        return CascadeDrafter(pair.draft_lm, settings.sampling, generator, settings.cascade_split or None, lower=lookup)
+
+
+TREES = Option(
+    "trees",
+    ["2,2"],
+    "Tree shape for --method tree and lookup-tree: the branching at each depth, e.g. 2,2,1 "
+    "(2 + 4 + 4 = 10 nodes, K = 3). Repeat to compare shapes.",
+    flags=("--tree",),
+    repeat=lambda given: [tree.replace(" ", "") for tree in given],
+    check=lambda trees: all(re.fullmatch(r"[1-9]\d*(,[1-9]\d*)*", tree) for tree in trees),
+    problem="--tree: give the branching at each depth, like 2,2,1",
+    recorded=False,  # the tree column holds the shape
+)
+
+
+class Tree(SpeculativeLoop):
+    name, help, takes_k, takes_tree, needs_draft = (
+        "tree",
+        "the draft model expands a token tree of the --tree shape (top-b children under greedy, b draws from q "
+        "under sampling); one target forward verifies the whole tree",
+        False,
+        True,
+        True,
+    )
+    options = (TREES,)
+    k_policies = (FIXED,)  # its shape is its lookahead
+
+    def c(self, costs):
+        return costs.c
+
+    def drafter(self, pair, settings, step, generator):
+        return TreeDrafter(pair.draft_lm, settings.sampling, generator, step.tree)
+
+
+class LookupTree(SpeculativeLoop):
+    name, help, takes_k, takes_tree = (
+        "lookup-tree",
+        "prompt lookup with every earlier continuation of the last n-gram, merged into a trie of at most the "
+        "--tree shape's nodes and depth; no draft model",
+        False,
+        True,
+    )
+    options = (TREES,)
+    k_policies = (FIXED,)  # its shape is its lookahead
+
+    def c(self, costs):
+        return 0.0
+
+    def drafter(self, pair, settings, step, generator):
+        return LookupTreeDrafter(nodes=len(tree_parents(step.tree)), depth=len(step.tree))
+
+
+class Online(Speculative):
+    name, help, learns = (
+        "online",
+        "speculative with a draft that learns as the run goes: every --online-every prompts it is trained on the "
+        "target's rows where the target rejected it (kept from verification); weights change between prompts only",
+        True,
+    )
+    options = (
+        Option("online_every", OnlineConfig.every, "online: update the draft after every N prompts.", low=1),
+        Option(
+            "online_steps",
+            OnlineConfig.steps,
+            "online: optimiser steps per update, over the lessons since the last one.",
+            low=1,
+        ),
+        Option(
+            "online_lr",
+            OnlineConfig.lr,
+            "online: learning rate of the draft's updates (AdamW).",
+            check=lambda lr: lr > 0,
+            problem="--online-lr must be positive",
+        ),
+        Option(
+            "save_draft",
+            None,
+            "online: write the updated draft here at the end (a checkpoint --draft loads; one k<K>/ directory per K, "
+            "k<K>-<policy>/ beside a fixed K's, when several rows learn). The shipped draft is never changed.",
+            recorded=False,
+        ),
+    )
+
+    def begin_run(self, pair, settings, step):
+        online = OnlineConfig(settings.online_every, settings.online_steps, settings.online_lr)
+        step.state = OnlineLearner(pair.draft, pair.draft_lm.width, online, pair.device, pair.draft_lm.fast is not None)
+
+    def drafter(self, pair, settings, step, generator):
+        return timed_draft(step.state.lm, pair, settings, step, generator)
+
+    def decode(self, pair, settings, step, ids, generator):
+        lessons = []
+
+        def keep(round_, at):
+            if (lesson := rejection(round_, at)) is not None:
+                lessons.append(lesson)
+
+        result = super().decode(pair, settings, step, ids, generator, on_round=keep)
+        result.lessons = lessons
+        return result
+
+    def after_prompt(self, step, ids, result):
+        return step.state.learn(ids, result)
+
+    def save(self, step, out):
+        step.state.save(out)
+
+
+class SelfSparse(SpeculativeLoop):
+    name, help = (
+        "self-sparse",
+        "the target drafts for itself over --kv-budget tokens of its KV cache (the first ones and the chunks its last "
+        "query scores highest, or with --kv-policy window the most recent); the full target verifies",
+    )
+
+    levels = (SELF_SPARSE_LEVEL,)
+    draft_level = "target over its KV budget"
+    options = (KV_BUDGET, KV_POLICY)
+    k_policies = K_POLICIES  # a ModelDrafter given step.p_min: it can stop where unsure
+
+    def c(self, costs):
+        return costs.level_c(SELF_SPARSE_LEVEL.name)
+
+    def begin_run(self, pair, settings, step):
+        step.state = SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy)
+
+    def drafter(self, pair, settings, step, generator):
+        step.state.watch()  # before the target's prefill, which comes next
+        return timed_draft(step.state, pair, settings, step, generator)
+
+
+class TriForce(SpeculativeLoop):
+    name, help, needs_draft = (
+        "triforce",
+        "two levels of speculation (TriForce): the draft model over a streaming window of its cache (--draft-window) "
+        "proposes --inner-k tokens at a time to the target over --kv-budget tokens of its cache (as self-sparse), "
+        "which checks them exactly; the full target verifies what that level drafted, its rows as q",
+        True,
+    )
+    draft_level = "target over its KV budget"
+    inner_level = "draft model over its window"
+    levels = (SELF_SPARSE_LEVEL, DRAFT_WINDOW_LEVEL)
+    options = (
+        KV_BUDGET,
+        KV_POLICY,
+        DRAFT_WINDOW,
+        Option("inner_k", 2, "triforce: draft-model tokens the middle level checks at a time.", low=1),
+    )
+
+    def c(self, costs):
+        return costs.level_c(SELF_SPARSE_LEVEL.name)  # a drafting step of the level the target verifies
+
+    def begin_run(self, pair, settings, step):
+        window = draft_window(pair, settings)
+        step.state = SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy), window
+
+    def drafter(self, pair, settings, step, generator):
+        view, window = step.state
+        view.watch()
+        lower = ModelDrafter(TimedLM(window, pair.clock, "inner"), settings.sampling, generator)
+        middle = TimedLM(view, pair.clock, "draft")
+        return CascadeDrafter(middle, settings.sampling, generator, lower=lower, inner_k=settings.inner_k)
+
+
+def _seed(generator: torch.Generator) -> int:
+    """transformers' generate samples from the global generator: seed it from this method's stream."""
+    return int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
+
+
+SPECULATOR = Option(
+    "speculator",
+    None,
+    "An EAGLE-3 head's checkpoint directory (the format vLLM and SGLang load; `specbench distill --kind eagle` "
+    "trains one) or a shipped head's alias: the head of --method eagle, eagle-tree and eagle-dynamic, and of "
+    "vLLM's eagle3 / eagle1. Default: the target's own head where specbench ships one (smollm2-135m-eagle).",
+)
+EAGLE_LEVEL = Level("eagle", lambda pair, settings: HeadLM(pair.head))
+
+
+class Eagle(SpeculativeLoop):
+    name, help = (
+        "eagle",
+        "EAGLE: a one-layer head (--speculator) drafts K tokens from the target's own features (EAGLE-3: three of its "
+        "layers, fused) and scores them with its own head over a reduced vocabulary; one target forward verifies them",
+    )
+    needs_speculator = True
+    counterpart = "eagle3"
+    draft_level = "EAGLE head"
+    levels = (EAGLE_LEVEL,)
+    options = (SPECULATOR,)
+    k_policies = K_POLICIES  # its chain stops where the head is unsure, given step.p_min
+
+    def c(self, costs):
+        return costs.level_c(EAGLE_LEVEL.name)
+
+    def shape(self, settings, step: Decoder) -> dict:
+        """How its drafter drafts: a chain (here, stopping where unsure under the confidence policy),
+        a fixed tree or a dynamic one."""
+        return {"p_min": step.p_min(settings)}
+
+    def drafter(self, pair, settings, step, generator):
+        drafter = EagleDrafter(
+            pair.head, pair.target_lm, pair.target_lm.width, settings.sampling, generator, **self.shape(settings, step)
+        )
+        return TimedDrafter(drafter, pair.clock, "draft")
+
+    def decode(self, pair, settings, step, ids, generator, on_round=None):
+        pair.target_lm.record_features(pair.head.config.taps)
+        try:
+            return super().decode(pair, settings, step, ids, generator, on_round)
+        finally:
+            pair.target_lm.record_features(None)
+
+
+class EagleTree(Eagle):
+    name, help, takes_k, takes_tree = (
+        "eagle-tree",
+        "EAGLE's head drafts a token tree of the --tree shape (top-b children under greedy, b draws from q under "
+        "sampling), one head forward per level; one target forward verifies the tree",
+        False,
+        True,
+    )
+    counterpart = ""
+    options = (SPECULATOR, TREES)
+    k_policies = (FIXED,)  # its shape is its lookahead
+
+    def shape(self, settings, step):
+        return {"shape": step.tree}
+
+
+class EagleDynamic(Eagle):
+    name, help = (
+        "eagle-dynamic",
+        "EAGLE-2's dynamic tree: K levels deep, the --dynamic-width most probable nodes of each level offer their "
+        "--dynamic-width most probable children, and the --dynamic-nodes most probable of all make the tree",
+    )
+    counterpart, shapes_tree = "", True
+    k_policies = (FIXED,)  # K is its depth; a round drafts a fixed number of nodes
+    options = (
+        SPECULATOR,
+        Option("dynamic_nodes", 5, "eagle-dynamic: draft tokens the target verifies per round.", low=1),
+        Option("dynamic_width", 2, "eagle-dynamic: nodes expanded per level, and children offered by each.", low=1),
+    )
+
+    def shape(self, settings, step):
+        return {"dynamic": (settings.dynamic_nodes, settings.dynamic_width)}
+
+
+# generate runs the eager forward (full head): hf-assisted's c is timed on it, not on the fast path.
+EAGER_TARGET = Level("eager-target", lambda pair, settings: HFCausalLM(pair.target.model, pair.width))
+EAGER_DRAFT = Level("eager-draft", lambda pair, settings: HFCausalLM(pair.draft.model, pair.width))
+
+
+class HFAssisted(Method):
+    name, help, needs_draft = (
+        "hf-assisted",
+        "transformers' generate(assistant_model=draft) with exactly K draft tokens per round",
+        True,
+    )
+    engine, adjusts_logits, levels = "hf", True, (EAGER_TARGET, EAGER_DRAFT)
+    reference = "hf-generate"  # transformers' own plain decoding, which runs whenever this does
+
+    def check(self, pair):
+        if pair.target.width != pair.draft.width:
+            raise SpecbenchError(
+                f"--method hf-assisted needs equal logit widths (target {pair.target.width}, draft {pair.draft.width}); "
+                "transformers would switch to a different (universal) algorithm: drop hf-assisted for this pair"
+            )
+
+    def c(self, costs):
+        return costs.level_c(EAGER_DRAFT.name) / costs.level_c(EAGER_TARGET.name)
+
+    def decode(self, pair, settings, step, ids, generator):
+        seed = _seed(generator)
+        return hf_generate(pair.target, ids, settings, seed, pair.stop_ids, pair.draft, step.k, pair.clock)
+
+
+class HFGenerate(Method):
+    name, help, takes_k = "hf-generate", "transformers' plain generate (checks that the baseline is as fast)", False
+    engine, adjusts_logits = "hf", True
+
+    def decode(self, pair, settings, step, ids, generator):
+        return hf_generate(pair.target, ids, settings, _seed(generator), pair.stop_ids, clock=pair.clock)
+
+    def decode_many(self, pair, settings, ids, count, seed):
+        """``count`` untimed samples of one prompt, in batches (the audit's reference arms)."""
+        return hf_samples(pair.target, ids, settings, seed, pair.stop_ids, count)
+
+
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Baseline(),
+        Speculative(),
+        SpeculativeWindow(),
+        PromptLookup(),
+        LookupOrDraft(),
+        Cascade(),
+        Tree(),
+        LookupTree(),
+        Online(),
+        SelfSparse(),
+        TriForce(),
+        Eagle(),
+        EagleTree(),
+        EagleDynamic(),
+        HFAssisted(),
+        HFGenerate(),
+    )
+}
+BASELINE = METHODS["baseline"]
+DEFAULT = [Speculative.name]  # what `specbench run` measures when no --method is given
+# What sweep-context runs by default: the one-level draft model, and the methods built for long contexts.
+LONG_CONTEXT = [Speculative.name, SpeculativeWindow.name, SelfSparse.name, TriForce.name]
+METHOD = Option(
+    "methods",
+    DEFAULT,
+    "Decoding methods, repeatable or comma-separated (`specbench list` describes each).",
+    flags=("--method",),
+    repeat=names_given,
+)

@@ -1,0 +1,382 @@
+"""EAGLE drafting: a one-layer head that drafts from the target's own features.
+
+The head is EAGLE-3's, in the checkpoint format vLLM and SGLang load (a ``config.json`` whose
+architecture is ``LlamaForCausalLMEagle3`` and a safetensors file of ``midlayer.*``, ``fc``,
+``norm``, ``lm_head`` and ``d2t``), so a head trained by ``specbench distill --kind eagle`` runs in
+vLLM too, and a published head runs here. For the pair at sequence position t it reads the target's
+feature there (the residual stream at a low, a middle and a high layer, fused by ``fc``; or with
+``use_aux_hidden_state`` off, the target's final normed states, as EAGLE-1) and the embedding of
+the token at t + 1; one decoder layer over its own KV cache predicts the target's next feature, and
+its head scores the token at t + 2 over a reduced vocabulary (``d2t`` maps each draft id to a target
+id). Every other id gets probability zero, so its rows are an exact q. Further ahead it reads its
+own prediction (the layer's output before the final norm) in place of the target's feature. After
+each verification the entries it drafted with are dropped, and the accepted tokens are read again
+with the features the target computed for them.
+
+This module knows torch and safetensors, not transformers: the target's features come from
+``lm.HFCausalLM.record_features``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specbench.core.errors import SpecbenchError
+from specbench.models.fast import Linear, can_pack, rms_norm, rope, swiglu
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"  # what config.json names: vLLM's and SGLang's EAGLE-3 loaders read it
+
+
+WEIGHTS = "model.safetensors"
+
+
+def default_taps(target_layers: int) -> tuple[int, ...]:
+    """vLLM's default layers for an EAGLE-3 head: a low, a middle and a high one (their inputs)."""
+    return (2, target_layers // 2, target_layers - 3)
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    hidden: int  # the head's width, which is the target's embedding width
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int  # the target's vocabulary
+    draft_vocab: int  # the ids the head scores (d2t maps them to target ids)
+    taps: tuple[int, ...]  # the target's layers whose inputs it reads; (layers,): its final normed states
+    target_hidden: int
+    eps: float = 1e-5
+    rope_theta: float = 10000.0
+    norm_before_residual: bool = False
+
+    @property
+    def fused(self) -> bool:
+        """Whether several of the target's layers are read, fused by ``fc`` (EAGLE-3); else EAGLE-1's one."""
+        return len(self.taps) > 1
+
+    def as_json(self, target_layers: int) -> dict:
+        """config.json in the published format, as vLLM and SGLang read it."""
+        aux = self.fused
+        return {
+            "architectures": [ARCHITECTURE],
+            "model_type": "llama",
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "num_hidden_layers": 1,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.eps,
+            "rope_theta": self.rope_theta,
+            "max_position_embeddings": 8192,
+            "tie_word_embeddings": False,
+            "vocab_size": self.vocab,
+            "draft_vocab_size": self.draft_vocab,
+            "target_hidden_size": self.target_hidden,
+            "norm_before_residual": self.norm_before_residual,
+            "eagle_config": {
+                "use_aux_hidden_state": aux,
+                **({"eagle_aux_hidden_state_layer_ids": list(self.taps)} if aux else {}),
+                "target_num_hidden_layers": target_layers,
+            },
+        }
+
+    @classmethod
+    def from_json(cls, config: dict, target_layers: int, where: str) -> HeadConfig:
+        architectures = config.get("architectures") or []
+        if not any("eagle3" in a.lower() for a in architectures):
+            raise SpecbenchError(
+                f"{where}: config.json names {architectures or 'no architecture'}, not an EAGLE-3 head "
+                f"({ARCHITECTURE}): give a head in the EAGLE-3 speculator format"
+            )
+        rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+        if rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
+            raise SpecbenchError(
+                f"{where}: the head's RoPE is {rope_params.get('rope_type')}; specbench reads default RoPE only"
+            )
+        eagle = config.get("eagle_config") or {}
+        if eagle.get("use_aux_hidden_state", True):
+            taps = tuple(eagle.get("eagle_aux_hidden_state_layer_ids") or default_taps(target_layers))
+        else:
+            taps = (target_layers,)
+        heads = config["num_attention_heads"]
+        return cls(
+            hidden=config["hidden_size"],
+            heads=heads,
+            kv_heads=config.get("num_key_value_heads", heads),
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            intermediate=config["intermediate_size"],
+            vocab=config["vocab_size"],
+            draft_vocab=config.get("draft_vocab_size") or config["vocab_size"],
+            taps=taps,
+            target_hidden=config.get("target_hidden_size") or config["hidden_size"],
+            eps=config.get("rms_norm_eps", 1e-5),
+            rope_theta=config.get("rope_theta") or rope_params.get("rope_theta", 10000.0),
+            norm_before_residual=bool(config.get("norm_before_residual", False)),
+        )
+
+
+class Norm(nn.Module):
+    def __init__(self, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(width))
+
+
+def _linear(into: int, out: int) -> nn.Linear:
+    return nn.Linear(into, out, bias=False)
+
+
+class HeadCache:
+    """The head's keys and values, [1, kv_heads, length, head_dim] each, appended in place."""
+
+    def __init__(self):
+        self.keys = self.values = None
+        self.length = 0
+
+    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = k.shape[2]
+        if self.keys is None or self.length + n > self.keys.shape[2]:
+            room = self.length + n + max(256, (self.length + n) // 4)
+            grown = [k.new_empty(*k.shape[:2], room, k.shape[3]) for _ in range(2)]
+            if self.keys is not None:
+                for new, old in zip(grown, (self.keys, self.values), strict=True):
+                    new[:, :, : self.length] = old[:, :, : self.length]
+            self.keys, self.values = grown
+        self.keys[:, :, self.length : self.length + n] = k
+        self.values[:, :, self.length : self.length + n] = v
+        self.length += n
+        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+
+    def crop(self, length: int) -> None:
+        self.length = length
+
+
+class EagleHead(nn.Module):
+    """The head's weights, named as the published format names them, and its forward.
+
+    ``embed`` is the target's token embedding (the format leaves it out unless the head has its own)."""
+
+    def __init__(self, config: HeadConfig, embed: torch.Tensor):
+        super().__init__()
+        c, h = config, config.hidden
+        self.config = config
+        self.fc = _linear(len(c.taps) * c.target_hidden, h) if c.fused else None
+        self.midlayer = nn.Module()
+        layer = self.midlayer
+        layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm = Norm(h), Norm(h), Norm(h)
+        layer.self_attn = nn.Module()
+        layer.self_attn.q_proj = _linear(2 * h, c.heads * c.head_dim)
+        layer.self_attn.k_proj = _linear(2 * h, c.kv_heads * c.head_dim)
+        layer.self_attn.v_proj = _linear(2 * h, c.kv_heads * c.head_dim)
+        layer.self_attn.o_proj = _linear(c.heads * c.head_dim, h)
+        layer.mlp = nn.Module()
+        layer.mlp.gate_proj, layer.mlp.up_proj = _linear(h, c.intermediate), _linear(h, c.intermediate)
+        layer.mlp.down_proj = _linear(c.intermediate, h)
+        self.norm = Norm(h)
+        self.lm_head = _linear(h, c.draft_vocab)
+        self.register_buffer("draft_ids", torch.arange(c.draft_vocab))  # the target id of each draft id
+        self.embed = embed.detach()
+        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        attention, mlp = layer.self_attn, layer.mlp
+        # The products by name: the modules' own (trained through), until pack() replaces them.
+        self.products = {
+            "qkv": lambda x: torch.cat([attention.q_proj(x), attention.k_proj(x), attention.v_proj(x)], dim=-1),
+            "o": attention.o_proj,
+            "gate_up": lambda x: torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1),
+            "down": mlp.down_proj,
+            "lm_head": self.lm_head,
+            "fc": self.fc,
+        }
+
+    def _apply(self, fn, recurse=True):
+        """``.to()``, ``.half()``, ``.cuda()``: the rotary frequencies follow the weights' device but stay
+        float32 (as transformers keeps its own). A position times a bfloat16 frequency is off by whole
+        radians past a few thousand positions, and the head's acceptance with it."""
+        inv_freq = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = inv_freq.to(self.inv_freq.device)
+        return self
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def pack(self) -> None:
+        """For inference on a CPU: every product through oneDNN's packed kernel, as the target's fast
+        forward runs (models/fast.py), q, k and v as one product and gate and up as another. Call it after
+        the weights are where they stay; training keeps the modules' own products."""
+        attention, mlp = self.midlayer.self_attn, self.midlayer.mlp
+
+        def packed(*modules):
+            return Linear.of(*(m.weight for m in modules), packed=True, padding={})
+
+        self.products = {
+            "qkv": packed(attention.q_proj, attention.k_proj, attention.v_proj),
+            "o": packed(attention.o_proj),
+            "gate_up": packed(mlp.gate_proj, mlp.up_proj),
+            "down": packed(mlp.down_proj),
+            "lm_head": packed(self.lm_head),
+            "fc": packed(self.fc) if self.fc is not None else None,
+        }
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """The target's features [n, len(taps) * target_hidden] as the layer reads them [n, hidden]."""
+        return features if self.fc is None else self.products["fc"](features)
+
+    def _rotary(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        angles = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq
+        angles = torch.cat([angles, angles], dim=-1)
+        dtype = self.lm_head.weight.dtype
+        return angles.cos().to(dtype)[None, None], angles.sin().to(dtype)[None, None]
+
+    def layer(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
+        """The decoder layer over n pairs (embeddings [n, h], features [n, h]) at ``positions``;
+        ``attend(q, k, v)`` ([1, heads or kv_heads, n, d]) is attention over whatever the caller keeps.
+        Returns its output before the final norm [n, h]: the feature the next step reads."""
+        c, layer = self.config, self.midlayer
+        normed = rms_norm(hidden, layer.hidden_norm.weight, c.eps)
+        residual = normed if c.norm_before_residual else hidden
+        x = torch.cat([rms_norm(embeds, layer.input_layernorm.weight, c.eps), normed], dim=-1)
+        qkv = self.products["qkv"](x)
+        cos, sin = self._rotary(positions)
+        q, k, v = rope(qkv, cos, sin, c.heads, c.kv_heads, c.head_dim)
+        attended = attend(q, k, v)
+        x = residual + self.products["o"](attended[0].transpose(0, 1).reshape(len(embeds), c.heads * c.head_dim))
+        normed = rms_norm(x, layer.post_attention_layernorm.weight, c.eps)
+        return x + self.products["down"](swiglu(self.products["gate_up"](normed)))
+
+    def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Scores over the draft vocabulary [n, draft_vocab] from the layer's output."""
+        return self.products["lm_head"](rms_norm(out, self.norm.weight, self.config.eps))
+
+    def step(
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        cache: HeadCache,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Append the pairs (``hidden`` [n, h], ``tokens`` [n]) to ``cache``; ``mask`` [n, cached + n]
+        bool says what each attends to (None: causal). Returns the layer's output [n, h]."""
+        n, grouped = len(tokens), self.config.kv_heads != self.config.heads
+
+        def attend(q, k, v):
+            keys, values = cache.update(k, v)
+            if mask is None and n > 1:  # a causal append: each pair sees the cache and the pairs before it
+                allowed = torch.ones(n, cache.length, dtype=torch.bool, device=q.device).tril(cache.length - n)
+            else:
+                allowed = mask
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=grouped)
+
+        return self.layer(self.embed[tokens], hidden, positions, attend)
+
+
+def read_head(path: Path, embed: torch.Tensor, target_layers: int, target_hidden: int, vocab: int) -> EagleHead:
+    """A head from its checkpoint directory, checked against the target it will draft for."""
+    from safetensors.torch import load_file
+
+    where = f"--speculator {path}"
+    config_file, weights_file = path / "config.json", path / WEIGHTS
+    if not config_file.is_file() or not weights_file.is_file():
+        raise SpecbenchError(
+            f"{where}: no config.json and {WEIGHTS} there; give an EAGLE-3 head's checkpoint directory"
+        )
+    config = HeadConfig.from_json(json.loads(config_file.read_text()), target_layers, where)
+    if config.hidden != embed.shape[1] or config.target_hidden != target_hidden:
+        raise SpecbenchError(
+            f"{where}: the head is {config.hidden} wide and reads features {config.target_hidden} wide; the target's "
+            f"embeddings are {embed.shape[1]} and its hidden states {target_hidden} wide: this head drafts for another target"
+        )
+    if config.vocab != vocab:
+        raise SpecbenchError(
+            f"{where}: the head's vocabulary has {config.vocab} ids and the target's {vocab}: this head drafts for another target"
+        )
+    if any(not 0 <= t <= target_layers for t in config.taps):
+        raise SpecbenchError(f"{where}: the head reads layers {list(config.taps)}; the target has {target_layers}")
+    weights = load_file(weights_file)
+    own_embed = weights.pop("embed_tokens.weight", None)
+    d2t = weights.pop("d2t", None)
+    weights.pop("t2d", None)
+    head = EagleHead(config, embed if own_embed is None else own_embed)
+    weights = {name.replace("layers.0.", "midlayer."): w for name, w in weights.items()}
+    missing, unexpected = head.load_state_dict(weights, strict=False)
+    missing = [m for m in missing if m != "draft_ids"]
+    if missing or unexpected:
+        raise SpecbenchError(
+            f"{where}: the weights do not match an EAGLE-3 head: missing {missing[:3]}, unknown {unexpected[:3]}"
+        )
+    if d2t is not None:
+        head.draft_ids.copy_(torch.arange(config.draft_vocab) + d2t.long())
+    return head.eval()
+
+
+def load_head(path: Path, target, pack: bool) -> EagleHead:
+    """The head in ``path`` checked against ``target`` (a transformers model), on its device and in
+    its dtype, its products packed (``pack``, where the CPU can) as the target's fast forward runs its own."""
+    config = target.config
+    embed = target.get_input_embeddings().weight
+    head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
+    head = head.to(embed.device, embed.dtype)
+    # The embedding is a plain tensor (the target's, or the head's own): .to() skips it.
+    head.embed = head.embed.to(embed.device, embed.dtype)
+    if pack and can_pack(head):
+        head.pack()
+    return head
+
+
+def save_head(head: EagleHead, path: Path, target_layers: int) -> None:
+    """The head in the published format (what read_head and vLLM load); the target's embedding stays out."""
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    state = {name: w.detach().half().contiguous() for name, w in head.state_dict().items() if name != "draft_ids"}
+    if head.config.draft_vocab < head.config.vocab:  # vLLM refuses a mapping for the full vocabulary
+        state["d2t"] = head.draft_ids - torch.arange(head.config.draft_vocab, device=head.draft_ids.device)
+    save_file({name: w.cpu() for name, w in state.items()}, str(path / WEIGHTS))
+    (path / "config.json").write_text(json.dumps(head.config.as_json(target_layers), indent=2) + "\n")
+
+
+class HeadLM:
+    """The head as the cost measurement times a drafting model (models/costs.py): a forward reads tokens, each
+    with a feature (zeros: the time does not depend on the values), and scores the next over the
+    draft vocabulary."""
+
+    def __init__(self, head: EagleHead):
+        self.head, self.device = head, head.lm_head.weight.device
+        self.reset()
+
+    def reset(self) -> None:
+        self.cache = HeadCache()
+
+    def prefill(self, prompt_ids: torch.Tensor) -> None:
+        self.reset()
+        self.forward(prompt_ids)
+
+    def forward(self, token_ids: torch.Tensor, last: int = 1, positions=None, mask=None) -> torch.Tensor:
+        n, start = len(token_ids), self.cache.length
+        hidden = self.head.embed.new_zeros(n, self.head.config.hidden)
+        positions = torch.arange(start, start + n, device=self.device)
+        return self.head.draft_logits(self.head.step(token_ids, hidden, positions, self.cache)[-last:])
+
+    def keep(self, path, new: int) -> None:
+        if list(path) != list(range(len(path))):
+            raise ValueError("the head's cost probe keeps a prefix only")
+        self.cache.crop(self.cache.length - new + len(path))
+
+    @property
+    def length(self) -> int:
+        return self.cache.length

@@ -1,0 +1,316 @@
+"""specbench's own forward for Llama-architecture models: the fast path (``--compile``).
+
+transformers' eager modeling runs each linear layer through a plain matrix product. On a CPU
+that product streams the weights in a layout that suits neither one row nor a few: on the 2-core
+AMD EPYC the LM head of SmolLM2-135M took 9.6 ms for one row, 22 ms for two and 32 ms for three,
+so a 3-token verification cost two one-token forwards. Here every weight is reordered once, at
+load, into oneDNN's blocked layout (what inductor's weight freezing does inside torch.compile):
+the same head then takes about 4 ms for any of 1 to 8 rows, the one-token forward half the time
+(29.9 against 59.8 ms), and forwards of 2 to 6 tokens about as long as one. On CUDA the
+elementwise work is compiled by torch.compile (inductor), which fuses the small kernels that
+bound an eager forward at batch 1; on an H100 that did not pay for a 7B target, whose steps are
+bound by launches (docs/results.md, On a GPU).
+
+The forward is written against the transformers model's own modules and cache object, so
+everything the engine does with a cache (append, crop, keep a tree path, the partial views of
+models/lm.py) works unchanged, and the arithmetic is transformers' own: with the plain weights its
+logits are bit-identical to the eager model's (a test checks); the packed kernels move them by
+float rounding only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specbench.models.load import available_memory
+
+log = logging.getLogger("specbench")
+
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # static: inv_freq is fixed at load
+
+
+def unsupported(model) -> str | None:
+    """Why ``model`` cannot take the fast path, or None when it can."""
+    config = model.config
+    if config.model_type != "llama":
+        return f"the fast path covers Llama-architecture models, not {config.model_type}"
+    if getattr(config, "hidden_act", "silu") != "silu" or config.attention_bias or config.mlp_bias:
+        return "the fast path covers Llama models with SiLU and no biases"
+    rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+    if rope not in ROPE_TYPES:
+        return f"the fast path covers static RoPE ({', '.join(ROPE_TYPES)}), not {rope}"
+    if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
+        return "the fast path runs a model on one device, not spread by --device-map"
+    return None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [out, in] reordered for oneDNN's linear kernel (CPU). The layout depends on the
+    row count it is packed for: packed for one row, SmolLM2-135M's linears took 27 ms for one row
+    and 38 for five on the 2-core AMD EPYC; packed for eight, 23 and 19."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PADDED_UP_TO)
+
+
+@dataclass
+class Linear:
+    """Linear maps with one input, their outputs concatenated (q, k and v; gate and up). Packed on
+    a CPU: one oneDNN weight for all (the packed copy is new memory anyway), and ``padding`` says
+    how many rows to run a product of n rows with (see padded_rows). Elsewhere the modules' own
+    weights, shared rather than copied, so a GPU holds the weights once."""
+
+    weights: list[torch.Tensor]
+    packed: bool
+    padding: dict[int, int]
+
+    @classmethod
+    def of(cls, *weights: torch.Tensor, packed: bool, padding: dict[int, int]) -> Linear:
+        weights = [w.detach() for w in weights]
+        return cls([pack(torch.cat(weights))], True, padding) if packed else cls(weights, False, padding)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            rows = x.shape[0]
+            padded = self.padding.get(rows, rows)
+            if padded > rows:
+                x = F.pad(x, (0, 0, 0, padded - rows))
+            return torch.ops.mkldnn._linear_pointwise(x, self.weights[0], None, "none", [], "")[:rows]
+        if len(self.weights) == 1:
+            return F.linear(x, self.weights[0])
+        return torch.cat([F.linear(x, weight) for weight in self.weights], dim=-1)
+
+
+PADDED_UP_TO = 8  # products of up to this many rows may run with more (a verification's sizes)
+PADDING_GAIN = 0.95  # padding is chosen when it takes at most this share of the unpadded time
+
+
+def padded_rows(linears: list[Linear], dtype: torch.dtype, repeats: int = 5) -> dict[int, int]:
+    """For each row count n up to PADDED_UP_TO, the row count m >= n whose product is fastest,
+    measured on ``linears`` (all of a model's, in forward order) with zero inputs.
+
+    oneDNN picks its kernel by the row count, and on a CPU the choice is uneven: on the 2-core
+    AMD EPYC SmolLM2-135M's linears took 22.7 ms for one row, 26.5 for two and 19-20 for three to
+    six, so a one-token forward is faster with its row padded to four. The sizes take turns within
+    every repeat, so a change in machine load moves them alike."""
+    sizes = range(1, PADDED_UP_TO + 1)
+    widths = {linear.weights[0].shape[1] for linear in linears}
+    inputs = {(n, width): torch.zeros(n, width, dtype=dtype) for n in sizes for width in widths}
+
+    def stack(n: int) -> None:
+        for linear in linears:
+            linear(inputs[n, linear.weights[0].shape[1]])
+
+    seconds = {n: [] for n in sizes}
+    for repeat in range(repeats + 1):  # the first round lets each size's kernel settle
+        for n in sizes:
+            start = time.perf_counter()
+            stack(n)
+            if repeat:
+                seconds[n].append(time.perf_counter() - start)
+    return fastest_rows({n: sorted(times)[len(times) // 2] for n, times in seconds.items()})
+
+
+def fastest_rows(seconds: dict[int, float]) -> dict[int, int]:
+    """For each row count n, the row count m >= n with the shortest time in ``seconds``; n itself
+    unless m saves more than 1 - PADDING_GAIN of n's time (so noise does not pick padding)."""
+    choice = {}
+    for n in seconds:
+        best = min((m for m in seconds if m >= n), key=seconds.get)
+        choice[n] = best if seconds[best] <= PADDING_GAIN * seconds[n] else n
+    return choice
+
+
+@dataclass
+class Layer:
+    attention_norm: torch.Tensor
+    qkv: Linear
+    out: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+def can_pack(model) -> bool:
+    """Whether ``model``'s weights can be held packed for oneDNN: on a CPU, in float32 or bfloat16,
+    with memory for the packed copy (transformers' modules keep theirs: hf-generate runs on them)."""
+    device, dtype = model.device, model.dtype
+    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    need, free = sum(p.numel() for p in model.parameters()) * dtype.itemsize, available_memory()
+    if free is not None and need > 0.8 * free:
+        log.warning(
+            "no memory for a packed copy of the weights (%.1f of %.1f GB free): the fast path runs unpacked",
+            need / 1e9,
+            free / 1e9,
+        )
+        return False
+    return True
+
+
+class FastLlama:
+    """A Llama model's decoder, run by specbench: ``hidden(ids, positions, cache, mask)`` returns
+    the final normed hidden states, as ``model.model(...).last_hidden_state`` would."""
+
+    def __init__(self, model, packed: bool | None = None, compiled: bool | None = None):
+        start = time.perf_counter()
+        config, base = model.config, model.model
+        self.device, self.dtype = model.device, model.dtype
+        self.packed = can_pack(model) if packed is None else packed
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.eps = config.rms_norm_eps
+        self.embedding = base.embed_tokens.weight.detach()
+        self.rotary = base.rotary_emb
+        self.norm = base.norm.weight.detach()
+        self.padding: dict[int, int] = {}  # rows -> rows to run them with (padded_rows), shared by every Linear
+        self.layers = [
+            Layer(
+                layer.input_layernorm.weight.detach(),  # plain tensors, as self.norm: one compiled graph for all
+                self.linear(attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight),
+                self.linear(attention.o_proj.weight),
+                layer.post_attention_layernorm.weight.detach(),
+                self.linear(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight),
+                self.linear(layer.mlp.down_proj.weight),
+            )
+            for layer, attention in ((layer, layer.self_attn) for layer in base.layers)
+        ]
+        self.head = self.linear(model.get_output_embeddings().weight)
+        if self.packed:
+            linears = [m for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+            self.padding.update(padded_rows([*linears, self.head], self.dtype))
+        self.intermediate = config.intermediate_size
+        self._rms, self._rope, self._swiglu = rms_norm, rope, swiglu
+        self.compiled = self.device.type == "cuda" if compiled is None else compiled
+        if self.compiled:  # the elementwise work around the matrix products, fused (launches bound batch 1)
+            self.compiled = self._compile()
+        self.build_seconds = time.perf_counter() - start  # compiling included: it never lands in a timed decode
+
+    def _compile(self) -> bool:
+        """Compile the elementwise functions and run them once at each shape class the loop uses (one
+        token; several, which dynamic shapes cover with one graph), so that compilation happens here,
+        before anything is timed, and not lazily in the first forward (a decode timed with --warmup 0).
+        Whether it worked: a missing compiler or Triton is one log line, and the eager functions run."""
+        try:
+            compiled = tuple(torch.compile(f, dynamic=True) for f in (rms_norm, rope, swiglu))
+            for n in (1, 2):
+                self._warm(n, *compiled)
+        except Exception as e:  # noqa: BLE001 - whatever the compiler raises, the eager path still runs
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            log.warning("torch.compile failed, the fast path runs its elementwise work eagerly: %s", reason)
+            return False
+        self._rms, self._rope, self._swiglu = compiled
+        return True
+
+    @torch.inference_mode()  # as the loop decodes: grad mode is part of what a compiled graph guards on
+    def _warm(self, n: int, rms, rotate, gated) -> None:
+        """Each compiled function once on zeros shaped as in an ``n``-token forward."""
+        hidden = self.embedding.shape[1]
+        x = torch.zeros(n, hidden, dtype=self.dtype, device=self.device)
+        cos, sin = self.rotary(x, torch.arange(n, device=self.device)[None])
+        qkv = torch.zeros(n, (self.heads + 2 * self.kv_heads) * self.head_dim, dtype=self.dtype, device=self.device)
+        rms(x, self.norm, self.eps)
+        rotate(qkv, cos[:, None], sin[:, None], self.heads, self.kv_heads, self.head_dim)
+        gated(torch.zeros(n, 2 * self.intermediate, dtype=self.dtype, device=self.device))
+
+    def linear(self, *weights: torch.Tensor) -> Linear:
+        """The linear maps of ``weights`` (same input) as this forward runs them."""
+        return Linear.of(*weights, packed=self.packed, padding=self.padding)
+
+    @property
+    def route(self) -> str:
+        """What runs the forward: the compile column's value."""
+        return "inductor" if self.compiled else "packed" if self.packed else "own"
+
+    def _decoder_layer(self, x, layer: Layer, i: int, cos, sin, cache, mask, queries):
+        n, heads, kv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
+        qkv = layer.qkv(self._rms(x, layer.attention_norm, self.eps))
+        if queries is not None:
+            queries[i] = qkv[-1, : heads * d].clone()  # before RoPE, as lm.take_queries expects
+        q, k, v = self._rope(qkv, cos, sin, heads, kv, d)
+        keys, values = cache.update(k, v, i)  # the cache object stays outside compiled code
+        attended = attend(q, keys, values, mask, grouped=self.device.type != "cuda")
+        x = x + layer.out(attended[0].transpose(0, 1).reshape(n, heads * d))
+        gate_up = layer.gate_up(self._rms(x, layer.mlp_norm, self.eps))
+        return x + layer.down(self._swiglu(gate_up))
+
+    def hidden(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache,
+        mask: torch.Tensor | None,
+        last: int,
+        queries: list | None = None,
+        taps: dict[int, torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
+        """``ids`` [n] at ``positions`` [n] on top of ``cache``; ``mask`` an additive [n, past + n] float
+        mask or None (one token, which attends to everything cached). Returns [last, hidden].
+
+        ``taps``' keys name layers whose input (the residual stream, [n, hidden]) is stored under
+        them, every row; key len(layers) takes the final normed states (an EAGLE head's features)."""
+        x = self.embedding[ids]
+        cos, sin = self.rotary(x, positions[None])  # transformers' own tables: same values as eager
+        cos, sin = cos[:, None], sin[:, None]
+        if mask is not None:
+            mask = mask[None, None]
+        for i, layer in enumerate(self.layers):
+            if taps is not None and i in taps:
+                taps[i] = x
+            x = self._decoder_layer(x, layer, i, cos, sin, cache, mask, queries)
+        if taps is not None and len(self.layers) in taps:
+            taps[len(self.layers)] = x = self._rms(x, self.norm, self.eps)
+            return x[-last:]
+        return self._rms(x[-last:], self.norm, self.eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, operation for operation (in float32, scaled in the input dtype)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv: int, d: int):
+    """Queries, keys and values [1, heads, n, d] from one fused projection [n, (heads + 2 kv) d],
+    queries and keys rotated by their positions' ``cos`` and ``sin`` [1, 1, n, d]."""
+    n = qkv.shape[0]
+    q = qkv[:, : heads * d].view(n, heads, d).transpose(0, 1)[None]
+    k = qkv[:, heads * d : (heads + kv) * d].view(n, kv, d).transpose(0, 1)[None]
+    v = qkv[:, (heads + kv) * d :].view(n, kv, d).transpose(0, 1)[None]
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, grouped: bool):
+    """Attention of queries [1, heads, n, d] over a cache of fewer key/value heads (grouped-query).
+
+    With ``grouped`` the kernel reads each key/value head for its group of queries (enable_gqa): on a
+    CPU that saves copying the cache. On CUDA only the flash kernel takes grouped heads, and it takes
+    no mask: a masked grouped call (every verification) falls back to the slow math kernel. So there a
+    masked call gets the key/value heads repeated, which the memory-efficient kernel attends with the
+    mask; a one-token forward has no mask and stays grouped, on flash."""
+    heads, kv = q.shape[1], keys.shape[1]
+    if kv == heads:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    if grouped or mask is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    group = heads // kv
+    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)

@@ -1,0 +1,465 @@
+"""A transformers model speaking the engine's protocol: its KV cache, shortlisted head, and views of
+the cache. (transformers' own generate, as an engine, is engines/hf.py.)"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from functools import cache
+
+import torch
+
+from specbench.decoding.kv import Window, retrieval_positions
+from specbench.models.fast import FastLlama, unsupported
+
+log = logging.getLogger("specbench")
+
+
+@cache
+def growing_layer():
+    """transformers' DynamicLayer, appending in place: keys and values are views of buffers with room
+    to spare, reallocated a quarter larger only when full. DynamicLayer concatenates, copying the
+    whole cache at every forward: at 8k tokens of SmolLM2-135M on a CPU, a fifth of a step."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            length, n = (self.keys.shape[-2] if self.keys.dim() == 4 else 0), key_states.shape[-2]
+            # keys and values may have been cut (crop) or replaced (a window's eviction) since the last update
+            held = self.buffers is not None and self.keys.data_ptr() == self.buffers[0].data_ptr()
+            if not held or length + n > self.buffers[0].shape[-2]:
+                room = length + n + max(256, (length + n) // 4)
+                self.buffers = tuple(
+                    self._grown(old, new, length, room)
+                    for old, new in ((self.keys, key_states), (self.values, value_states))
+                )
+            for buffer, new in zip(self.buffers, (key_states, value_states), strict=True):
+                buffer[:, :, length : length + n] = new
+            self.keys, self.values = (buffer[:, :, : length + n] for buffer in self.buffers)
+            return self.keys, self.values
+
+        @staticmethod
+        def _grown(old: torch.Tensor, new: torch.Tensor, length: int, room: int) -> torch.Tensor:
+            buffer = new.new_empty(*new.shape[:2], room, new.shape[-1])
+            if length:
+                buffer[:, :, :length] = old
+            return buffer
+
+    return GrowingLayer
+
+
+class HFCausalLM:
+    """A transformers model with its own DynamicCache, speaking the engine's protocol.
+
+    With ``head_tokens`` the vocabulary projection covers only those ids plus every id the
+    model has read since ``reset`` (so identifiers in the prompt stay predictable); the rest get
+    logit -inf. For a small draft the full projection is most of a forward's cost. Verification
+    stays exact: drafts come from, and are judged against, this restricted distribution.
+    """
+
+    prefill_chunk = 0  # a plain forward over more tokens than this runs in chunks of it (0: whole)
+    progress: Callable[[int, int], None] | None = None  # told (tokens done, tokens) after each chunk
+    feature_layers: tuple[int, ...] | None = None  # see record_features
+    features: torch.Tensor | None = None  # [n, len(feature_layers) * hidden]: the last forward's, every token
+    _taps: dict | None = None  # the forward under way fills it: layer -> [n, hidden]
+
+    def __init__(self, model, width: int, head_tokens: torch.Tensor | None = None, fast: FastLlama | None = None):
+        self.model = model
+        self.fast = fast  # specbench's own forward over the same weights (models/fast.py), or None: transformers'
+        self.fast_head = None  # (the shortlisted head, its linear map in the fast forward)
+        self.width = width  # logits beyond the shared width are dropped so p and q align
+        self.device = model.device
+        self.queries: list[torch.Tensor] | None = None  # see watch_queries
+        self.head_tokens = None if head_tokens is None else head_tokens[head_tokens < width].to(self.device)
+        if self.head_tokens is not None:  # gathered once; reset() returns to these without copying
+            self.shortlist_mask = torch.zeros(width, dtype=torch.bool, device=self.device)
+            self.shortlist_mask[self.head_tokens] = True
+            self.shortlist_head = self.model.get_output_embeddings().weight[self.head_tokens]
+        self.reset()
+
+    @classmethod
+    def loaded(cls, model, width: int, head_tokens: torch.Tensor | None, compile: bool, name: str) -> HFCausalLM:
+        """``model`` (called ``name`` in the log) on specbench's own forward where ``compile`` asks
+        for it and models/fast.py covers the model, else on transformers' eager one."""
+        fast = None
+        if compile and (reason := unsupported(model)):
+            log.info("%s runs transformers' eager forward: %s", name, reason)
+        elif compile:
+            fast = FastLlama(model)
+        return cls(model, width, head_tokens, fast)
+
+    def refresh(self, more_tokens: torch.Tensor) -> None:
+        """After the weights changed (online updates): gather the shortlisted head again from them,
+        with ``more_tokens`` added to the shortlist. Takes effect at the next ``reset``."""
+        if self.fast is not None:  # its packed copies of the weights are stale
+            self.fast = FastLlama(self.model, self.fast.packed, self.fast.compiled)
+        if self.head_tokens is None:
+            return  # the full projection reads the weights themselves
+        more = more_tokens.to(self.device)
+        more = more[(more < self.width) & ~self.shortlist_mask[more.clamp(max=self.width - 1)]].unique()
+        self.head_tokens = torch.cat([self.head_tokens, more])
+        self.shortlist_mask[more] = True
+        self.shortlist_head = self.model.get_output_embeddings().weight[self.head_tokens].detach()
+
+    def reset(self) -> None:
+        from transformers import DynamicCache
+        from transformers.cache_utils import DynamicLayer
+
+        self.cache = DynamicCache(config=self.model.config)
+        grow = growing_layer()
+        self.cache.layers = [grow() if type(layer) is DynamicLayer else layer for layer in self.cache.layers]
+        if self.head_tokens is not None:
+            self.in_head = self.shortlist_mask.clone()
+            self.head_ids, self.head = self.head_tokens, self.shortlist_head  # _read replaces, never mutates, them
+
+    @property
+    def length(self) -> int:
+        return self.cache.get_seq_length()
+
+    def _read(self, token_ids: torch.Tensor) -> None:
+        """Add ids the model reads to the shortlist."""
+        unseen = ~self.in_head[token_ids]
+        if unseen.any():  # rarely, once the prompt is read: one cheap test rather than a unique() per forward
+            new = token_ids[unseen].unique()
+            self.in_head[new] = True
+            self.head_ids = torch.cat([self.head_ids, new])
+            self.head = torch.cat([self.head, self.model.get_output_embeddings().weight[new]])
+
+    def _inputs(self, token_ids: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None) -> dict:
+        """Keyword arguments of the model call; without positions and mask, exactly the linear decode's."""
+        inputs = {"input_ids": token_ids.view(1, -1), "past_key_values": self.cache, "use_cache": True}
+        if positions is None and mask is None:
+            return inputs
+        n, past = token_ids.shape[0], self.cache.get_seq_length()
+        if positions is None:
+            positions = torch.arange(past, past + n, device=self.device)
+        inputs["position_ids"] = positions.to(self.device).view(1, -1)  # transformers feeds these to RoPE as given
+        if mask is not None:  # a 4D mask reaches attention untouched
+            inputs["attention_mask"] = self._additive(mask, past)[None, None]
+        return inputs
+
+    def _additive(self, mask: torch.Tensor, past: int) -> torch.Tensor:
+        """A bool mask [n, past + n] as attention takes it: additive, in the model's dtype (eager
+        attention adds a mask to the scores, so a bool would be added as 0/1; sdpa accepts this too)."""
+        n = mask.shape[0]
+        if mask.shape != (n, past + n):
+            raise ValueError(f"mask has shape {tuple(mask.shape)}, expected ({n}, {past + n})")
+        dtype = self.model.dtype
+        additive = torch.zeros(mask.shape, dtype=dtype, device=self.device)
+        return additive.masked_fill_(~mask.to(self.device), torch.finfo(dtype).min)
+
+    def prefill(self, prompt_ids: torch.Tensor) -> None:
+        """Start a new sequence with the prompt."""
+        self.reset()
+        self.forward(prompt_ids, last=1)
+
+    def record_features(self, layers: tuple[int, ...] | None) -> None:
+        """From the next forward on, keep in ``features`` the inputs of these decoder layers (index
+        len(layers): the final normed states) side by side, for every token a forward reads, as an
+        EAGLE head drafts from them; None stops (the copies cost a little, so only a head's decode pays)."""
+        self.feature_layers, self.features = layers, None
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        token_ids: torch.Tensor,
+        last: int = 1,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        n, chunk = len(token_ids), self.prefill_chunk
+        if positions is not None or mask is not None or not chunk or n <= chunk:
+            return self._forward(token_ids, last, positions, mask)
+        # A long prompt in chunks: attention's memory grows with chunk x context, not context^2.
+        tail = max(last, n - (n - 1) // chunk * chunk)  # the final chunk, which yields the logits
+        features = []
+        for start in range(0, n - tail, chunk):
+            self._forward(token_ids[start : min(start + chunk, n - tail)], 1, None, None)
+            features.append(self.features)
+            if self.progress is not None:
+                self.progress(min(start + chunk, n - tail), n)
+        logits = self._forward(token_ids[n - tail :], last, None, None)
+        if self.feature_layers is not None:
+            self.features = torch.cat([*features, self.features])
+        if self.progress is not None:
+            self.progress(n, n)
+        return logits
+
+    def watch_queries(self) -> None:
+        """Record each layer's query at the newest position of the next forwards (a retrieval view
+        of this cache scores its chunks with them)."""
+        self.queries = [None] * len(self.model.base_model.layers)
+
+    def take_queries(self) -> list[torch.Tensor]:
+        """The recorded queries, [heads, head_dim] per layer, rotated to the newest position as
+        attention rotates them (RoPE); recording stops."""
+        config = self.model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        position = torch.tensor([[self.length - 1]], device=self.device)
+        queries, self.queries = self.queries, None
+        rotated = []
+        for query in queries:
+            q = query.view(1, heads, 1, head_dim)
+            cos, sin = self.model.base_model.rotary_emb(q, position_ids=position)
+            halves = torch.cat([-q[..., head_dim // 2 :], q[..., : head_dim // 2]], dim=-1)
+            rotated.append((q * cos[:, None] + halves * sin[:, None])[0, :, 0])
+        return rotated
+
+    def _forward(
+        self, token_ids: torch.Tensor, last: int, positions: torch.Tensor | None, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        self._taps = None if self.feature_layers is None else dict.fromkeys(self.feature_layers)
+        hooks = [] if self.fast is not None else self._hooks()  # the fast forward records them itself
+        try:
+            logits = self._call(token_ids, last, positions, mask)
+        finally:
+            for hook in hooks:
+                hook.remove()
+        if self._taps is not None:
+            self.features = torch.cat([self._taps[i] for i in self.feature_layers], dim=-1)
+        return logits
+
+    def _hooks(self) -> list:
+        """Forward hooks on transformers' modules that record queries and features (see watch_queries
+        and record_features)."""
+        base, hooks = self.model.base_model, []
+        if self.queries is not None:
+            hooks += [
+                layer.self_attn.q_proj.register_forward_hook(
+                    lambda _module, _inputs, output, i=i: self.queries.__setitem__(i, output[0, -1].detach().clone())
+                )
+                for i, layer in enumerate(base.layers)
+            ]
+        for i in self._taps or ():
+            if i < len(base.layers):
+                hook = base.layers[i].register_forward_pre_hook(
+                    lambda _module, args, kwargs, i=i: self._taps.__setitem__(
+                        i, (args[0] if args else kwargs["hidden_states"])[0]
+                    ),
+                    with_kwargs=True,
+                )
+            else:
+                hook = base.norm.register_forward_hook(lambda _m, _i, out, i=i: self._taps.__setitem__(i, out[0]))
+            hooks.append(hook)
+        return hooks
+
+    def _call(
+        self, token_ids: torch.Tensor, last: int, positions: torch.Tensor | None, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self.fast is not None:
+            return self._fast_call(token_ids, last, positions, mask)
+        inputs = self._inputs(token_ids, positions, mask)
+        if self.head_tokens is None:
+            out = self.model(**inputs, logits_to_keep=last)
+            return out.logits[0, :, : self.width]
+        self._read(token_ids)
+        hidden = self.model.base_model(**inputs).last_hidden_state[0, -last:]
+        logits = torch.full((last, self.width), float("-inf"), dtype=hidden.dtype, device=self.device)
+        logits[:, self.head_ids] = hidden @ self.head.T
+        return logits
+
+    def _fast_call(
+        self, token_ids: torch.Tensor, last: int, positions: torch.Tensor | None, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        n, past = token_ids.shape[0], self.cache.get_seq_length()
+        if positions is None:
+            positions = torch.arange(past, past + n, device=self.device)
+        if mask is None and n > 1:  # a causal append: each token sees the cache and the tokens before it
+            mask = torch.ones(n, past + n, dtype=torch.bool, device=self.device).tril(past)
+        if mask is not None:
+            mask = self._additive(mask, past)
+        ids = token_ids.to(self.device)
+        hidden = self.fast.hidden(ids, positions.to(self.device), self.cache, mask, last, self.queries, self._taps)
+        if self.head_tokens is None:
+            return self.fast.logits(hidden)[:, : self.width]
+        self._read(ids)
+        if self.fast_head is None or self.fast_head[0] is not self.head:  # the shortlist grew: pack it again
+            self.fast_head = self.head, self.fast.linear(self.head)
+        logits = torch.full((last, self.width), float("-inf"), dtype=hidden.dtype, device=self.device)
+        logits[:, self.head_ids] = self.fast_head[1](hidden)
+        return logits
+
+    @torch.inference_mode()  # the cache holds inference tensors, which only change in place in this mode
+    def keep(self, path: Sequence[int], new: int) -> None:
+        """Of the newest ``new`` cache positions keep those at offsets ``path`` (ascending), in order.
+
+        The shortlist keeps every id read, dropped ones included: it stays exact because drafts
+        are sampled from, and verified against, the same restricted distribution.
+        """
+        path = list(path)
+        if path != list(range(len(path))):
+            offsets = torch.tensor(path, device=self.device)
+            for layer in self.cache.layers:
+                if not layer.is_initialized:
+                    continue
+                start = layer.keys.shape[-2] - new
+                index = (offsets + start).to(layer.keys.device)  # a device map may put layers on other GPUs
+                for states in (layer.keys, layer.values):  # [batch, heads, length, dim]
+                    states[:, :, start : start + len(path)] = states.index_select(2, index)
+        if new > len(path):
+            self.cache.crop(-(new - len(path)))  # transformers 5.x: a negative count removes that many positions
+
+
+class PartialLM(HFCausalLM):
+    """A model whose cache holds part of the sequence it reads, as ``window`` (a kv.Window) keeps
+    account; ``length`` is the sequence's."""
+
+    def __init__(self, model, width: int, head_tokens, window: Window, fast: FastLlama | None = None):
+        self.window = window
+        super().__init__(model, width, head_tokens, fast)
+
+    def reset(self) -> None:
+        super().reset()
+        self.window.read = 0
+
+    @property
+    def length(self) -> int:
+        return self.window.read
+
+    @torch.inference_mode()
+    def keep(self, path: Sequence[int], new: int) -> None:
+        super().keep(path, new)
+        self.window.read -= new - len(path)
+
+
+class CacheView(PartialLM):
+    """A model over a part of a sequence's KV cache. Its cache holds fewer positions than the
+    sequence, so it gives each token its true position (RoPE) itself. With ``streaming`` it keeps
+    only the sinks and the most recent positions, ``budget`` in all, cutting the window back every
+    EVICT_SLACK tokens (the target over a window of its own cache)."""
+
+    def __init__(
+        self,
+        model,
+        width: int,
+        head_tokens=None,
+        budget: int = 0,
+        streaming: bool = False,
+        fast: FastLlama | None = None,
+    ):
+        self.streaming = streaming
+        super().__init__(model, width, head_tokens, Window(budget), fast)
+
+    def _call(self, token_ids, last, positions, mask):
+        if mask is not None:
+            raise ValueError("a cache view drafts chains: it takes no tree mask")
+        if self.streaming:
+            self._evict(len(token_ids))
+        read = self.window.read
+        positions = torch.arange(read, read + len(token_ids), device=self.device)
+        logits = super()._call(token_ids, last, positions, None)
+        self.window.read += len(token_ids)
+        return logits
+
+    def _evict(self, incoming: int) -> None:
+        """Cut the window back to the sinks and the newest positions, leaving room for ``incoming``."""
+        held = self.cache.get_seq_length()
+        if not self.window.overflows(held, incoming):
+            return
+        kept = self.window.kept(held, incoming)
+        for layer in self.cache.layers:
+            if layer.is_initialized:
+                index = kept.to(layer.keys.device)  # a device map may put layers on other GPUs
+                layer.keys, layer.values = layer.keys.index_select(2, index), layer.values.index_select(2, index)
+
+
+class SparseView(CacheView):
+    """The target over a part of its own KV cache (self-speculation): the sinks and the chunks its
+    last query scores highest (TriForce's retrieval cache), or a recent window. Built from the full
+    cache after the target's prefill, once per sequence; the tokens it drafts are appended.
+
+    As in TriForce, every token the target has read since is held with the target's own keys and
+    values (computed over the whole cache), not the view's: before each forward the view takes them
+    over from the target's cache, in place of its own entries for those positions, and skips the
+    input tokens they cover. So after a round that accepted every draft it reads only the target's
+    bonus token, never its own last draft with it (a 2-token forward costs 1.5-2 one-token ones on
+    some CPUs). Its drafts stay its own samples, so verification stays exact."""
+
+    def __init__(self, full: HFCausalLM, budget: int, policy: str):
+        self.full, self.policy = full, policy
+        super().__init__(full.model, full.width, None, budget, streaming=policy == "window", fast=full.fast)
+
+    def watch(self) -> None:
+        """Call before the target's prefill: retrieval scores chunks with the last prompt token's queries."""
+        if self.policy == "retrieval":
+            self.full.watch_queries()
+
+    @torch.inference_mode()
+    def prefill(self, prompt_ids: torch.Tensor) -> None:
+        if self.full.length != len(prompt_ids):
+            raise ValueError("a sparse view is built from the target's cache right after its prefill")
+        self.reset()
+        queries = self.full.take_queries() if self.policy == "retrieval" else None
+        for i, layer in enumerate(self.full.cache.layers):
+            keys, values = layer.keys, layer.values  # [1, kv_heads, length, head_dim]
+            kv_heads, length = keys.shape[1], keys.shape[2]
+            if queries is None:
+                chosen = self.window.kept(length).to(keys.device).expand(kv_heads, -1)
+            else:
+                chosen = retrieval_positions(queries[i], keys[0], self.window.budget)
+            index = chosen[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
+            self.cache.update(keys.gather(2, index), values.gather(2, index), i)
+        self.window.read = self.verified = len(prompt_ids)
+
+    def _call(self, token_ids, last, positions, mask):
+        read = self.window.read
+        self._take_verified()
+        return super()._call(token_ids[self.window.read - read :], last, positions, mask)
+
+    def _take_verified(self) -> None:
+        """Hold the positions the target has read since the last call with the target's keys and values."""
+        upto = self.full.length
+        if upto <= self.verified or self.window.read > upto:  # nothing new, or drafts of its own past it (mid-round)
+            return
+        # The view's entries from the last verified position on are its newest (its own reading of
+        # those tokens, and drafts): they give way to the target's.
+        drop = self.window.read - self.verified
+        if drop:
+            self.cache.crop(-drop)
+        for i, layer in enumerate(self.full.cache.layers):
+            self.cache.update(layer.keys[:, :, self.verified : upto], layer.values[:, :, self.verified : upto], i)
+        self.window.read = self.verified = upto
+
+
+class WindowLM(PartialLM):
+    """A (small) model over a streaming window of the sequence (StreamingLLM; TriForce's bottom
+    level): its cache holds the first tokens and the most recent ones, ``budget`` in all. As in
+    StreamingLLM, positions are those within its cache, not in the sequence, so a draft trained on
+    short sequences never reads a position beyond ``budget + EVICT_SLACK`` (the shipped draft, trained
+    on 256-token sequences, accepts 0.58 at 200 tokens of context and 0.26 at 800 with true
+    positions). When the window is full it reads itself again from its tokens, the sinks and the
+    newest, at positions 0..: a forward of at most ``budget`` tokens every ``EVICT_SLACK`` tokens.
+    A long prompt is read the same way, as its window only. ``length`` is the sequence's."""
+
+    def __init__(self, model, width: int, head_tokens=None, budget: int = 256, fast: FastLlama | None = None):
+        super().__init__(model, width, head_tokens, Window(budget), fast)
+
+    def reset(self) -> None:
+        super().reset()
+        self.ids: list[int] = []  # the tokens in its cache, in order
+
+    def _call(self, token_ids, last, positions, mask):
+        if mask is not None:
+            raise ValueError("a window model drafts chains: it takes no tree mask")
+        read, ids = self.window.read + len(token_ids), token_ids.tolist()
+        if self.window.overflows(len(self.ids), len(ids)):
+            every = self.ids + ids
+            ids = [every[i] for i in self.window.kept(len(every)).tolist()]
+            HFCausalLM.reset(self)  # empties the cache only: the window still counts the whole sequence read
+            self.ids, token_ids = [], torch.tensor(ids, dtype=token_ids.dtype, device=self.device)
+        logits = super()._call(token_ids, last, None, None)  # positions follow the cache: within the window
+        self.ids += ids
+        self.window.read = read
+        return logits
+
+    @torch.inference_mode()
+    def keep(self, path: Sequence[int], new: int) -> None:
+        super().keep(path, new)
+        if new:
+            tail = self.ids[len(self.ids) - new :]
+            self.ids[len(self.ids) - new :] = [tail[i] for i in path]

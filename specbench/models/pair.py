@@ -1,0 +1,278 @@
+"""The loaded pair and the prompts' token ids: what every method decodes with, and on.
+
+The one place a run's models are loaded and its prompts encoded; methods, cost measurement and the
+benchmark take the Pair from here. Loading runs one way: models.load_models resolves and loads
+everything model-side in one call, then the EAGLE head and each model's forward are built on it;
+encoding reads only the Pair.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from specbench.core.errors import SpecbenchError
+from specbench.decoding.timing import PhaseClock, TimedLM
+from specbench.models.eagle_head import EagleHead, load_head
+from specbench.models.lm import HFCausalLM
+from specbench.models.load import LoadedModel, Wanted, load_models
+from specbench.workloads.prompts import Prompt, Turn, some, turns_of
+
+log = logging.getLogger("specbench")
+
+
+@dataclass
+class Pair:
+    """The loaded target, and the draft when a method needs one."""
+
+    target: LoadedModel
+    target_lm: HFCausalLM | None  # None when only another engine (vLLM) decodes: no weights here
+    draft: LoadedModel | None
+    draft_lm: HFCausalLM | None
+    device: torch.device
+    dtype: torch.dtype
+    width: int  # the logit width target and draft share
+    prompt_tokenizer: object | None  # what encodes the prompts (models.Loaded.prompt_tokenizer)
+    clock: PhaseClock | None = None  # set on a timed pair: what methods lap their own timed parts on
+    head: EagleHead | None = None  # the --speculator head, when an EAGLE method decodes here
+
+    @property
+    def stop_ids(self) -> frozenset[int]:
+        return self.target.stop_ids
+
+    def without_weights(self) -> Pair:
+        """This pair with the weights freed (moved to the meta device; shapes and configs stay),
+        before another engine loads its own copy onto the same memory."""
+        for model in (self.target, self.draft):
+            if model is not None:
+                model.model.to("meta")
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return replace(self, target_lm=None, draft_lm=None)
+
+    def timed(self, clock: PhaseClock) -> Pair:
+        """This pair with every forward of its models lapped on ``clock``."""
+        draft_lm = TimedLM(self.draft_lm, clock, "draft") if self.draft_lm else None
+        return replace(self, target_lm=TimedLM(self.target_lm, clock, "verify"), draft_lm=draft_lm, clock=clock)
+
+
+def load_pair(wanted: Wanted, compile: bool = True, threads: int = 0) -> Pair:
+    """The models ``wanted`` says, loaded once (models.load_models), wrapped for specbench's loop: its
+    own forward where ``compile`` allows (lm.HFCausalLM.loaded), and the EAGLE head of
+    ``wanted.speculator``. ``threads``: torch's CPU threads (0 leaves torch's choice)."""
+    if threads:
+        torch.set_num_threads(threads)
+    loaded = load_models(wanted)
+    target, draft, width = loaded.target, loaded.draft, loaded.width
+    pair = Pair(target, None, draft, None, loaded.device, loaded.dtype, width, loaded.prompt_tokenizer)
+    if not wanted.weights:  # only vLLM decodes: it loads the weights, this process needs their shapes
+        return pair
+    head = load_head(loaded.speculator, target.model, compile) if loaded.speculator else None
+    target_lm = HFCausalLM.loaded(target.model, width, None, compile, target.name)
+    draft_lm = HFCausalLM.loaded(draft.model, width, draft.head_tokens, compile, draft.name) if draft else None
+    return replace(pair, target_lm=target_lm, draft_lm=draft_lm, head=head)
+
+
+@dataclass
+class Conversations:
+    """The run's prompts as the benchmark decodes them: every turn of every conversation (a row
+    each; ``turns[i]`` is prompt_index i), the first turns' token ids, and the token ids of a later
+    turn, rendered after the earlier answers of whichever method decodes it."""
+
+    turns: list[Turn]
+    first: list[torch.Tensor]  # each conversation's first turn (random ids with --random-weights)
+    tokenizer: object | None
+    chat: bool  # rendered with the target's chat template, or as plain text
+    room: int | None  # the most prompt tokens that leave room for --max-new-tokens and a full draft
+    longest: int  # a bound on the prompt tokens of any turn, for an engine's context length
+
+    def ids(self, turn: Turn, answers: list[str]) -> torch.Tensor:
+        """Token ids of ``turn`` after ``answers``, the decoding method's own to the turns before it."""
+        if turn.turn == 1:
+            return self.first[turn.conversation]
+        ids = encode_turn(self.tokenizer, turn.prompt, answers, self.chat)
+        if self.room is not None and len(ids) > self.room:
+            raise SpecbenchError(
+                f"turn {turn.turn} of prompt {turn.prompt.id} is {len(ids)} tokens after the answers before it, over the "
+                f"{self.room} the context window leaves: lower --max-new-tokens or --max-turns"
+            )
+        return ids.to(self.first[turn.conversation].device)
+
+    def messages(self, turn: Turn, answers: list[str]) -> list[dict]:
+        """``turn`` after ``answers`` as chat messages, for a server that renders its own template."""
+        return chat_messages(turn.prompt, answers)
+
+    def answer(self, tokens: list[int]) -> str:
+        """A decoded answer as the next turn's conversation holds it (its text without special tokens)."""
+        return self.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+
+    @property
+    def hash(self) -> str:
+        """A short hash of what the prompts encode to: two runs are comparable only when it is equal.
+        (The first turns' ids, then each later user turn's, encoded alone.)"""
+        later = [
+            self.tokenizer(text, return_tensors="pt").input_ids[0]
+            for turn in self.turns
+            if turn.turn > 1
+            for text in [turn.prompt.turns[turn.turn - 1]]
+        ]
+        return prompts_hash(self.first + later)
+
+
+PLAIN_USER, PLAIN_ASSISTANT = "User:", "Assistant:"  # the rendering without a chat template
+
+
+def chat_messages(prompt: Prompt, answers: list[str]) -> list[dict]:
+    """Turn len(answers) + 1 of ``prompt`` after ``answers`` as chat messages."""
+    messages = []
+    for user, answer in zip(prompt.turns, answers, strict=False):
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+    return messages + [{"role": "user", "content": prompt.turns[len(answers)]}]
+
+
+def encode_turn(tokenizer, prompt: Prompt, answers: list[str], chat: bool) -> torch.Tensor:
+    """Token ids of turn len(answers) + 1 of ``prompt`` after ``answers``: through the chat template,
+    or without one the dataset's raw first prompt where it has one, else the conversation as plain
+    text ("User: ...", blank line, "Assistant: ...", ending with "Assistant:")."""
+    n = len(answers)
+    if chat:
+        messages = chat_messages(prompt, answers)
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    if n == 0 and prompt.text is not None:
+        return tokenizer(prompt.text, return_tensors="pt").input_ids[0]
+    exchanges = [
+        f"{PLAIN_USER} {user}\n\n{PLAIN_ASSISTANT} {answer}\n\n"
+        for user, answer in zip(prompt.turns, answers, strict=False)
+    ]
+    text = "".join(exchanges) + f"{PLAIN_USER} {prompt.turns[n]}\n\n{PLAIN_ASSISTANT}"
+    return tokenizer(text, return_tensors="pt").input_ids[0]
+
+
+@dataclass(frozen=True)
+class Rendering:
+    """How a run's prompts become token ids, and how much room their answers need."""
+
+    max_new_tokens: int
+    widest: int  # the most tokens of one target forward (K + 1, or a tree's nodes + 1)
+    chat: str = "auto"  # --chat: on, off, or auto (the target's template when it has one)
+    context_tokens: int = 0  # a long dataset's prompt length: code to continue as it is (0: not one)
+    random_weights: bool = False  # random ids, as many as each prompt encodes to (or prompt_tokens)
+    prompt_tokens: int = 0
+    seed: int = 0  # of the random ids
+    new_tokens_flag: str = "--max-new-tokens"  # the option that set max_new_tokens, for the error that names it
+
+
+def encode_prompts(pair: Pair, prompts: list[Prompt], how: Rendering) -> Conversations:
+    """The run's conversations: each first turn encoded, and the turns that fit the context window.
+
+    A rendered prompt whose first turn leaves no room for --max-new-tokens and a full draft is left out
+    (a raw one is cut from the left), and
+    a conversation ends before a turn that could outgrow the window (its user turns plus
+    --max-new-tokens for each answer before it), each counted in one line; a run left with nothing
+    is an error. With random weights the ids are random, as many per prompt as its first turn
+    encodes to (or --prompt-tokens), and only first turns are decoded (later ones would continue
+    random text).
+    """
+    models = [pair.target] + ([pair.draft] if pair.draft else [])
+    windows = [m.context_window for m in models if m.context_window]
+    room = min(windows) - how.max_new_tokens - how.widest if windows else None
+    if room is not None and room < 1:
+        raise SpecbenchError(
+            f"{how.new_tokens_flag} {how.max_new_tokens} plus K does not fit the context window of {min(windows)} "
+            f"tokens: lower {how.new_tokens_flag}"
+        )
+    if how.context_tokens and room is not None and how.context_tokens > room:
+        raise SpecbenchError(
+            f"--context-tokens {how.context_tokens} with --max-new-tokens {how.max_new_tokens} and K does not fit the "
+            f"context window of the models ({room} tokens of prompt fit): lower --context-tokens"
+        )
+    if how.random_weights and how.prompt_tokens:  # random prompts of one length: no tokenizer needed
+        length = min(how.prompt_tokens, room or how.prompt_tokens)
+        tokenizer, chat, first = None, False, [torch.zeros(length, dtype=torch.long)] * len(prompts)
+    else:
+        tokenizer = pair.prompt_tokenizer
+        if tokenizer is None:  # random weights with no tokenizer at hand, or a checkpoint saved without one
+            fix = "pass --prompt-tokens N" if how.random_weights else "save its tokenizer beside the weights"
+            raise SpecbenchError(f"no tokenizer to encode the prompts for {pair.target.name}: {fix}")
+        chat = uses_chat(tokenizer, how.chat, how.context_tokens > 0, pair.target.name)
+        first = [_first_ids(tokenizer, prompt, how.context_tokens, chat, room) for prompt in prompts]
+    fits = [room is None or len(ids) <= room for ids in first]
+    if not any(fits):
+        raise SpecbenchError(
+            f"every prompt is longer than the {room} tokens the context window leaves beside --max-new-tokens "
+            f"{how.max_new_tokens} and K: lower --max-new-tokens"
+        )
+    if not all(fits):
+        too_long = [p.id for p, fit in zip(prompts, fits, strict=True) if not fit]
+        log.warning(
+            "%d prompt(s) longer than the %d tokens the context window leaves are left out: %s",
+            len(too_long),
+            room,
+            some(too_long),
+        )
+    prompts = [p for p, fit in zip(prompts, fits, strict=True) if fit]
+    first = [ids for ids, fit in zip(first, fits, strict=True) if fit]
+    if how.random_weights:
+        prompts = [replace(p, turns=p.turns[:1]) for p in prompts]
+        generator = torch.Generator().manual_seed(how.seed)
+        first = [torch.randint(pair.width, (len(ids),), generator=generator) for ids in first]
+    longest = max(map(len, first))
+    capped = 0
+    for i, prompt in enumerate(prompts):
+        for n in range(2, len(prompt.turns) + 1):
+            # Each earlier answer adds at most --max-new-tokens (its text re-encodes to about as many).
+            bound = len(encode_turn(tokenizer, prompt, [""] * (n - 1), chat)) + (n - 1) * how.max_new_tokens
+            if room is not None and bound > room:
+                prompts[i] = replace(prompt, turns=prompt.turns[: n - 1])
+                capped += 1
+                break
+            longest = max(longest, bound)
+    if capped:
+        log.warning(
+            "%d conversation(s) end early: a later turn could outgrow the context window (lower --max-new-tokens "
+            "to keep it)",
+            capped,
+        )
+    return Conversations(
+        turns_of(prompts),
+        [ids.to(pair.device) for ids in first],
+        tokenizer,
+        chat,
+        room,
+        longest,
+    )
+
+
+def uses_chat(tokenizer, chat: str, long: bool, target: str) -> bool:
+    """Whether prompts go through the target's chat template: --chat ``chat`` (on requires one); auto
+    uses it when there is one, but not for a ``long`` dataset's code, continued as it is."""
+    used = chat == "on" or (chat == "auto" and tokenizer.chat_template is not None and not long)
+    if used and tokenizer.chat_template is None:
+        raise SpecbenchError(f"--chat on, but {target}'s tokenizer has no chat template: use --chat off")
+    return used
+
+
+def _first_ids(tokenizer, prompt: Prompt, context_tokens: int, chat: bool, room: int | None) -> torch.Tensor:
+    """A prompt's first turn. A raw prompt (text to continue) is cut from the left to what fits, as
+    its continuation depends on its end, and a long dataset's to --context-tokens; a rendered
+    conversation is kept whole (cutting it would cut its template)."""
+    ids = encode_turn(tokenizer, prompt, [], chat)
+    if not chat and prompt.text is not None and room is not None:
+        ids = ids[-room:]
+    if context_tokens:
+        ids = ids[-context_tokens:]
+    if len(ids) == 0:
+        raise SpecbenchError(f"prompt {prompt.id} encodes to no tokens: remove it from the dataset")
+    return ids
+
+
+def prompts_hash(prompt_ids: list[torch.Tensor]) -> str:
+    """A short hash of the encoded prompts: two runs are comparable only when it is equal."""
+    digest = hashlib.sha256()
+    for ids in prompt_ids:
+        digest.update(ids.to(torch.int64).cpu().numpy().tobytes() + b"|")
+    return digest.hexdigest()[:16]

@@ -1,0 +1,351 @@
+"""Results on screen: the rich tables of a run, a context sweep and predictions."""
+
+from __future__ import annotations
+
+import math
+
+from rich.table import Table
+
+from specbench.methods.registry import BASELINE, METHODS
+from specbench.methods.served import SERVED_BASELINE
+from specbench.results import schema
+from specbench.results.context import CONTENDERS
+from specbench.results.schema import OWN_ENGINES
+from specbench.results.summary import decoder_label, missing, row_label
+
+
+def summary_table(rows: list[dict], title: str) -> Table:
+    """The summary's headed columns, less those that say nothing here: a column empty (or plain, as a
+    fixed K policy) in every row, and a configuration column (engine, concurrency, tree) with one
+    value for all of them."""
+    cells = {c.name: [schema.fmt(c.name, row.get(c.name)) for row in rows] for c in schema.TABLE}
+    shown = [
+        c
+        for c in schema.TABLE
+        if c.name == "method"
+        or (
+            any(cell not in ("-", c.plain) for cell in cells[c.name])
+            and (c.kind != schema.CONFIG or len(set(cells[c.name])) > 1)
+        )
+    ]
+    table = Table(title=title)
+    for column in shown:
+        table.add_column(column.header, justify="right")
+    for i in range(len(rows)):
+        table.add_row(*(cells[column.name][i] for column in shown))
+    return table
+
+
+SERVING = (
+    ("engine", "engine"),
+    ("concurrency", "conc"),
+    ("request_rate", "req/s"),
+    ("method", "method"),
+    ("k", "K"),
+    ("spec_tokens_per_s", "tok/s"),
+    ("throughput", "all tok/s"),
+    ("speedup", "speedup"),
+    ("predicted_speedup", "predicted"),
+    ("throughput_speedup", "all x"),
+    ("vs_specbench", "x specbench"),
+    ("ttft_p50_ms", "ttft p50"),
+    ("tpot_p50_ms", "tpot p50"),
+    ("tpot_p99_ms", "tpot p99"),
+    ("itl_p99_ms", "itl p99"),
+    ("alpha_estimate", "alpha~"),
+    ("tau", "tau"),
+    ("c", "c"),
+    ("c_implied", "c implied"),
+    ("acceptance_source", "from"),
+    ("outputs_match", "= base"),
+    ("structural", "structural"),
+    ("failed", "failed"),
+)
+
+
+def serving_table(rows: list[dict]) -> Table | None:
+    """Requests in flight: per engine, method, K and concurrency, each request's tokens/s and all of
+    them together, with time to first token and per output token (ms). None for a run without vLLM."""
+    if all(row["engine"] in OWN_ENGINES for row in rows):
+        return None
+    table = Table(*(header for _, header in SERVING), title="engines and requests in flight")
+    for column in table.columns:
+        column.justify = "right"
+    for row in rows:
+        table.add_row(*(schema.fmt(name, row.get(name)) for name, _ in SERVING))
+    return table
+
+
+def greedy_lines(rows: list[dict]) -> list[str]:
+    """What a greedy run's summary rows say of exactness, a line each: the decoders whose outputs part
+    from their baseline's where no near-tie explains it (a losslessness bug), those whose divergences
+    have no label, and the near-ties (the target's two likeliest tokens within what rounding flips)."""
+    structural, unlabelled, ties = [], [], []
+    for row in rows:
+        parted = row["num_prompts"] - row["outputs_match"]
+        if not parted > 0:  # equal outputs, or none compared (NaN)
+            continue
+        label = decoder_label(row)
+        if missing(row["structural"]):
+            unlabelled.append(f"{label} ({int(parted)})")
+            continue
+        if row["structural"]:
+            structural.append(f"{label} ({int(row['structural'])} of {int(row['num_prompts'])})")
+        if near := int(parted - row["structural"]):
+            ties.append((label, near))
+    lines = []
+    if structural:
+        lines.append(
+            f"greedy outputs with structural divergences from the baseline (not lossless): {', '.join(structural)}"
+        )
+    if unlabelled:
+        lines.append(
+            f"greedy outputs differing from the baseline with no label (no margin was taken): {', '.join(unlabelled)}"
+        )
+    if not structural and not unlabelled:
+        lines.append(
+            "greedy outputs: no structural divergence from the baseline"
+            if ties
+            else "greedy outputs: every method equals the baseline"
+        )
+    if ties:
+        lines.append(
+            f"near-ties, not failures: {sum(n for _, n in ties)} greedy outputs parted from the baseline where the "
+            "target's two likeliest tokens were within what rounding flips (a K+1-token forward rounds differently "
+            f"from a one-token one): {', '.join(f'{label} ({n})' for label, n in ties)}"
+        )
+    return lines
+
+
+def k_cell(row: dict) -> str:
+    """K as a table shows it, with the policy that chose it round by round when that is not fixed."""
+    policy = row.get("k_policy")
+    shown = schema.fmt("k", row["k"])
+    return f"{shown} {policy}" if policy and policy != schema.BY_NAME["k_policy"].plain else shown
+
+
+def phase_table(rows: list[dict]) -> Table | None:
+    """Where each method's time went: milliseconds per generated token, phase by phase (inner only
+    when a method has a level beneath its draft model). None when no row is specbench's loop's."""
+    rows = [row for row in rows if row["engine"] in OWN_ENGINES]  # a serving engine's time is not split into phases
+    if not rows:
+        return None
+    phases = [name for name in schema.PHASES if name != "inner_s" or any(row[name] for row in rows)]
+    names = (f"{name.removesuffix('_s')} ms" for name in phases)
+    table = Table("method", "K", "tree", *names, "total ms", "other %")
+    table.title = "time per generated token"
+    for column in table.columns:
+        column.justify = "right"
+    for row in rows:
+        per_token = [1000 * row[name] / row["new_tokens"] for name in phases]
+        cells = [f"{ms:.2f}" for ms in per_token]
+        other = row["other_s"] / (row["method_s"] - row["prefill_s"])  # of the decode proper
+        key = (row["method"], k_cell(row), schema.fmt("tree", row.get("tree")))
+        table.add_row(*key, *cells, f"{sum(per_token):.2f}", f"{other:.1%}")
+    return table
+
+
+def levels_table(rows: list[dict]) -> Table | None:
+    """For methods of several levels (cascade, triforce), a row per level, top down: its forwards,
+    the tokens it proposed to the level above and how many that level accepted, the output tokens it
+    chose, and its time per output token. None when no row has a level beneath its drafting model."""
+    nested = [row for row in rows if not math.isnan(row["inner_drafted"])]  # NaN for one-level methods
+    if not nested:
+        return None
+    table = Table(
+        "method",
+        "K",
+        "options",
+        "level",
+        "forwards",
+        "proposed",
+        "accepted",
+        "acceptance",
+        "output tokens",
+        "ms/token",
+        title="levels: what each level ran, proposed, had accepted and chose, and its time",
+        caption="accepted: by the level above (lookup-or-draft's lookup: by the target); output tokens: the tokens "
+        "of the output the level chose (the target adds one of its own per forward); ms/token: the level's time over every output token. With --cascade-split, "
+        "lookup's tokens after the split go to the target unchecked: output tokens count them, proposed does not",
+    )
+    for column in table.columns:
+        column.justify = "right"
+    for row in nested:
+        method, tokens = METHODS[row["method"]], row["new_tokens"]
+        levels = [
+            (
+                "target",
+                row["target_forwards"],
+                None,
+                None,
+                tokens - row["accepted"],
+                row["prefill_s"] + row["verify_s"],
+            ),
+            (
+                method.draft_level,
+                row["draft_forwards"],
+                row["drafted"] - (row["inner_drafted"] if method.inner_beside else 0),  # its own rounds' tokens
+                row["accepted"] - (row["from_inner"] if method.inner_beside else 0),
+                row["accepted"] - row["from_inner"],
+                row["draft_s"],
+            ),
+            (
+                method.inner_level,
+                row["inner_forwards"],
+                row["inner_drafted"],
+                row["inner_accepted"],
+                row["from_inner"],
+                row["inner_s"],
+            ),
+        ]
+        for depth, (level, forwards, proposed, accepted, chosen, seconds) in enumerate(levels):
+            table.add_row(
+                row["method"] if depth == 0 else "",
+                k_cell(row) if depth == 0 else "",
+                (row.get("options") or "-") if depth == 0 else "",
+                level,
+                f"{forwards:.0f}",
+                "-" if proposed is None else f"{proposed:.0f}",
+                "-" if accepted is None else f"{accepted:.0f}",
+                f"{accepted / proposed:.3f}" if proposed else "-",
+                f"{chosen:.0f}",
+                f"{1000 * seconds / tokens:.2f}",
+            )
+    return table
+
+
+def context_table(rows: list[dict], wins: dict[str, dict]) -> Table:
+    """context.csv on screen: per context length, the target's step and each method's c, acceptance
+    at each level and speedups; the crossovers in the caption."""
+    table = Table(
+        "context",
+        "method",
+        "target step ms",
+        "c",
+        "alpha",
+        "acceptance",
+        "lower acc.",
+        "speedup",
+        "decode x",
+        "vs spec.",
+        title="by context length (decode x: speedup with both prefills left out)",
+    )
+    for column in table.columns:
+        column.justify = "right"
+
+    def cell(value, spec=".3f"):
+        return "-" if missing(value) else format(value, spec)
+
+    for row in rows:
+        table.add_row(
+            str(row["context_tokens"]),
+            row_label(row),
+            cell(row["target_step_ms"], ".1f"),
+            cell(row["c"]),
+            cell(row["alpha"]),
+            cell(row["acceptance_rate"]),
+            cell(row["inner_acceptance"]),
+            cell(row["speedup"]),
+            cell(row["decode_speedup"]),
+            cell(row["vs_speculative"]),
+        )
+
+    def since(length):
+        return "never" if length is None else f"from {length} tokens"
+
+    lines = ["wins (decode speedup above the rival's at that length and every longer one measured):"]
+    for label, found in wins.items():
+        text = f"{label}: over the baseline {since(found['beats_baseline_from'])}"
+        if label.split()[0] != CONTENDERS[1]:
+            text += f", over speculative {since(found['beats_speculative_from'])}"
+        lines.append(text)
+    table.caption = "\n".join(lines)
+    return table
+
+
+def predicted_table(rows: list[dict]) -> Table:
+    """predicted.csv on screen: a row per assumed alpha, a column per K, the speedup with the measured
+    verification cost (the classic formula's, which counts it as one step, in brackets); the best K
+    of each alpha in bold."""
+    ks = sorted({row["k"] for row in rows})
+    table = Table("alpha", *(f"K={k}" for k in ks), title="predicted speedup at an assumed alpha")
+    table.caption = (
+        f"c = {rows[0]['c']:.3f}, verify_ratio = "
+        + " ".join(f"{r['verify_ratio']:.2f}" for r in rows if r["alpha"] == rows[0]["alpha"])
+        + " (K=1..) measured; in brackets the classic formula, which counts a verification as one step"
+    )
+    for column in table.columns:
+        column.justify = "right"
+    for alpha in dict.fromkeys(row["alpha"] for row in rows):
+        by_k = {row["k"]: row for row in rows if row["alpha"] == alpha}
+        best = max(by_k, key=lambda k: by_k[k]["predicted_speedup_verify"])
+        cells = [
+            f"{'[bold]' if k == best else ''}{by_k[k]['predicted_speedup_verify']:.2f}{'[/]' if k == best else ''}"
+            f" \\[{by_k[k]['predicted_speedup']:.2f}]"
+            for k in ks
+        ]
+        table.add_row(f"{alpha:g}", *cells)
+    return table
+
+
+def category_table(rows: list[dict]) -> Table:
+    """categories.csv on screen: a row per decoder (the baselines left out), a column per category,
+    each cell the speedup over the baseline on that category's prompts and tau."""
+    group_by = rows[0]["group_by"]
+    categories = list(dict.fromkeys(str(row["category"]) for row in rows))
+    table = Table(
+        "method",
+        *categories,
+        title=f"by {group_by.replace('_', ' ')}: speedup over the baseline, and tau",
+        caption="tau: tokens per target forward; categories.csv has every column (alpha, acceptance, c, ...) and "
+        "categories.png draws this table",
+    )
+    for column in table.columns[1:]:
+        column.justify = "right"
+    cells: dict[str, dict[str, str]] = {}
+    for row in rows:
+        if row["method"] not in (BASELINE.name, SERVED_BASELINE.name):
+            cells.setdefault(decoder_label(row), {})[str(row["category"])] = (
+                f"{row['speedup']:.2f}x {schema.fmt('tau', row['tau'])}"
+            )
+    for label, by_category in cells.items():
+        table.add_row(label, *(by_category.get(category, "-") for category in categories))
+    return table
+
+
+def audit_table(rows: list[dict], title: str) -> Table:
+    """`specbench audit`'s verdicts: a row per subject (and control) and setting, then the probes."""
+
+    def number(value, digits: int = 3) -> str:
+        return "" if value is None or (isinstance(value, float) and math.isnan(value)) else f"{value:.{digits}g}"
+
+    table = Table(
+        title=title,
+        caption="TV: the bias-corrected distance [95% interval] (the plug-in; what two samples of one law show)",
+    )
+    for header in ("subject", "setting", "verdict", "p (Holm)", "TV", "detectable TV", "N", "s", "evidence"):
+        table.add_column(header, justify="left" if header in ("subject", "setting", "evidence") else "right")
+    for row in rows:
+        verdict = row["verdict"]
+        style = "bold red" if verdict == "FAIL" else "green" if verdict == "pass" else "yellow"
+        setting = row["setting"] if row["test"] in ("greedy", "sampling", "control") else f"probe: {row['test']}"
+        tv = (
+            f"{row['tv_corrected']:.3f} [{row['tv_low']:.3f}, {row['tv_high']:.3f}] "
+            f"({row['tv']:.3f}; {row['tv_noise']:.3f})"
+            if "tv" in row
+            else ""
+        )
+        size = f"{row['samples']} x {row['prompts']}" if "samples" in row else str(row.get("prompts", ""))
+        evidence = "; ".join(part for part in (row.get("equal", ""), row["evidence"]) if part)
+        table.add_row(
+            row["subject"] + (f" [{row['broken']}]" if row.get("broken") else ""),
+            setting,
+            f"[{style}]{verdict}[/]",
+            number(row.get("p"), 2),
+            tv,
+            number(row.get("detectable_tv")),
+            size,
+            "" if "seconds" not in row else f"{row['seconds']:.0f}",
+            evidence,
+        )
+    return table

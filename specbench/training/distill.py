@@ -1,0 +1,532 @@
+"""Distil a small draft model from a target that has none.
+
+Three resumable phases, all seeded:
+1. teacher: the target reads Python source that is already on the machine (the standard
+   library; never an evaluation set) and its top-k next-token distribution is stored in shards
+   (--teacher-tokens; 0 skips it, as chat data wants);
+2. generate: the target answers the prompts of --data (training/distill_data.py: ShareGPT chat,
+   HumanEval-shaped function stubs from those sources, a user's file, or a weighted mixture),
+   asked the way the evaluation asks; its top-k distribution at every answer position is kept as
+   it generates. This is the text the draft will be asked to predict, so it weighs most;
+3. student: a small Llama sharing the target's tokenizer learns those distributions (a KL loss
+   against the renormalised top-k), starting from a PCA projection of the target's embeddings
+   or from an earlier draft.
+
+The result is a plain transformers checkpoint in half precision that ``--draft DIR`` loads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import sysconfig
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+
+from specbench.core.errors import SpecbenchError
+from specbench.core.files import replacing
+from specbench.engines import llamacpp
+from specbench.models.load import LoadedModel, speculator_dir
+from specbench.models.student import Example, collate, kd_loss, labelled_logits, save_checkpoint
+from specbench.training import teacher
+from specbench.training.distill_data import answered_prompts, parse_data
+from specbench.workloads.sources import source_files
+
+log = logging.getLogger("specbench")
+
+SHARD_SEQUENCES = 64
+KINDS = {"draft": "a draft", "eagle": "an EAGLE head"}  # what --kind trains
+
+
+@dataclass
+class DistillConfig:
+    out: Path
+    target: str = "smollm2-135m"
+    hidden_size: int = 256
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    intermediate_size: int = 768
+    # A draft: "pca" (project the target's embeddings), "random" (transformers' init) or a draft's directory.
+    # A head: "pca" or "random" start afresh (distill_eagle.new_head); a head's directory or alias goes on training.
+    init: str = "pca"
+    draft_vocab: int = 0  # the drafter's vocabulary: the ids the teacher ranks first most often (0: all of them)
+    seq_len: int = 256
+    teacher_tokens: int = 300_000
+    teacher_batch: int = 8
+    top_k: int = 32
+    epochs: float = 3.0
+    batch: int = 8
+    lr: float = 2e-3
+    warmup_steps: int = 30
+    save_every: int = 50
+    eval_every: int = 200
+    seed: int = 0
+    sources: list[str] = field(default_factory=lambda: [sysconfig.get_paths()["stdlib"]])
+    # Conversations the target writes itself: prompts of --data (training/distill_data.py), sent through the
+    # chat template as the evaluation's prompts are (never the evaluation's own questions).
+    data: str = "humaneval"
+    max_prompt_tokens: int = 1024
+    teacher_engine: str = "torch"  # who writes the answers (training/teacher.py): torch, llama-cpp or vllm
+    teacher_gguf: str | None = None  # llama-cpp: the GGUF it serves (default: the target's own)
+    llama_server: str | None = None  # llama-cpp: the llama-server binary (default: engines/llamacpp.find_server)
+    generate_prompts: int = 1024
+    generate_new_tokens: int = 128
+    generate_batch: int = 64
+    sampled_fraction: float = 0.25
+    generated_repeats: int = 4  # in-distribution text, so it counts this many times per epoch
+    kind: str = "draft"  # "draft": a small model; "eagle": an EAGLE-3 head (training/distill_eagle.py)
+    ttt_steps: int = 3  # eagle: steps of EAGLE-3's training-time test (the head reads its own outputs)
+    head_intermediate: int = 0  # eagle: the head's MLP width (0: the target's)
+
+    @property
+    def goes_on(self) -> bool:
+        """Whether training starts from --init's checkpoint (a draft's, or for --kind eagle a head's)."""
+        return self.init not in ("pca", "random")
+
+    @property
+    def trains_head(self) -> bool:
+        """Whether it trains an EAGLE head (training/distill_eagle.py) rather than a draft."""
+        return self.kind != "draft"
+
+    def validate(self) -> None:
+        if self.goes_on and self.trains_head:
+            try:
+                speculator_dir(self.init)
+            except SpecbenchError:
+                raise SpecbenchError(
+                    f"--init {self.init}: for --kind eagle use pca, random, or an EAGLE head's directory or alias to go on training"
+                ) from None
+        elif self.goes_on and not (Path(self.init) / "config.json").is_file():
+            raise SpecbenchError(
+                f"--init {self.init}: use pca, random, or the directory of a draft checkpoint to go on training"
+            )
+        if self.draft_vocab < 0:
+            raise SpecbenchError("--draft-vocab must be at least 0 (0: every id the target ranks first)")
+        if self.kind not in KINDS:
+            raise SpecbenchError(f"--kind {self.kind}: use draft or eagle")
+        if self.top_k < 1:
+            raise SpecbenchError("--top-k must be at least 1: the teacher's probabilities kept per position")
+        if self.ttt_steps < 1 or self.head_intermediate < 0:
+            raise SpecbenchError("--ttt-steps must be at least 1 and --head-intermediate at least 0")
+        existing = self.out / "config.json"
+        if existing.is_file():
+            head = any("eagle" in a.lower() for a in json.loads(existing.read_text()).get("architectures") or [])
+            if head != self.trains_head:
+                raise SpecbenchError(
+                    f"--out {self.out} holds {'an EAGLE head' if head else 'a draft'}, and --kind {self.kind} trains "
+                    f"{KINDS[self.kind]}: give another --out"
+                )
+        if not 0 <= self.sampled_fraction <= 1:
+            raise SpecbenchError("--sampled-fraction must lie between 0 and 1")
+        if self.hidden_size % self.heads or self.heads % self.kv_heads:
+            raise SpecbenchError("--hidden-size must divide by --heads, and --heads by --kv-heads")
+        if self.hidden_size <= 0 or self.layers <= 0 or 0 < self.teacher_tokens < self.seq_len or self.epochs <= 0:
+            raise SpecbenchError("sizes and --epochs must be positive, --teacher-tokens 0 or at least --seq-len")
+        if self.max_prompt_tokens < 1 or self.generate_prompts < 0:
+            raise SpecbenchError("--max-prompt-tokens must be positive and --generate-prompts at least 0")
+        parse_data(self.data)
+        if self.teacher_engine not in teacher.ENGINES:
+            raise SpecbenchError(f"--teacher-engine {self.teacher_engine}: use {' or '.join(teacher.ENGINES)}")
+        teacher.check_installed(self.teacher_engine)
+        if self.teacher_gguf and not Path(self.teacher_gguf).expanduser().is_file():
+            raise SpecbenchError(f"--teacher-gguf {self.teacher_gguf}: no such file; give the target's .gguf")
+
+
+@dataclass
+class Progress:
+    phase: str  # "teacher:<shard dir>", "generate", "student"; for a head "features" and "head"
+    done: int
+    total: int
+    loss: float | None = None
+    agreement: float | None = None  # the student's top-1 agreement with held-out greedy answers
+    later: tuple[float, ...] = ()  # a head's: the same at training-time test steps 1, 2, ...
+
+
+def token_stream(tokenizer, files: list[Path], seed: int) -> Iterator[int]:
+    """Token ids of the files in a seeded random order, each file closed by EOS (when the tokenizer has one)."""
+    order = list(files)
+    random.Random(seed).shuffle(order)
+    for path in order:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        yield from tokenizer(text).input_ids
+        if tokenizer.eos_token_id is not None:  # a tokenizer without one runs the files together
+            yield tokenizer.eos_token_id
+
+
+def is_sampled(cfg: DistillConfig, batch: int) -> bool:
+    """Whether answer batch ``batch`` is sampled at T=1: a ``sampled_fraction`` share, spread evenly."""
+    return math.floor((batch + 1) * cfg.sampled_fraction) > math.floor(batch * cfg.sampled_fraction)
+
+
+def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
+    """The target answers the chat prompts, a batch per shard; existing shards are kept.
+
+    Each answer is stored with the target's top-k log-probabilities at every answer position,
+    recorded while it generates (training/teacher.py: by the torch target or by llama.cpp serving the same
+    weights), so these tokens need no second labelling pass. A share of the batches is sampled at
+    T=1, the rest greedy, as the default benchmark is.
+    """
+    out_dir = cfg.out / "generated"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    chosen, prompts = answered_prompts(
+        target.tokenizer, cfg.data, cfg.generate_prompts, cfg.sources, cfg.seed, cfg.max_prompt_tokens
+    )
+    # Prompts of similar length share a batch, so little compute goes on left padding.
+    order = sorted(range(len(chosen)), key=lambda i: (len(prompts[i]), i))
+    batches = [order[i : i + cfg.generate_batch] for i in range(0, len(order), cfg.generate_batch)]
+    paths = [out_dir / f"{b:04d}.pt" for b in range(len(batches))]
+    if all(path.exists() for path in paths):
+        yield Progress("generate", len(chosen), len(chosen))
+        return
+    longest = max(map(len, prompts))
+    checked = cfg.teacher_engine == "torch"  # another engine's answers are checked on its first shard
+    dropped = written = 0
+    with answering(cfg, target, longest) as answer:
+        for b, rows in enumerate(batches):
+            done = min((b + 1) * cfg.generate_batch, len(chosen))
+            if paths[b].exists():
+                yield Progress("generate", done, len(chosen))
+                continue
+            asked = [prompts[i] for i in rows]
+            answers = answer(asked, is_sampled(cfg, b), cfg.seed * 100_003 + b)
+            if not checked:
+                teacher.same_weights(cfg.teacher_engine, cfg.target, target, asked, answers, cfg.out / "generated")
+                checked = True
+            dropped += sum(a.dropped for a in answers)
+            written += sum(len(a.tokens) for a in answers)
+            docs = [
+                {
+                    "ids": torch.tensor(asked[r] + a.tokens).int(),
+                    "prompt_len": len(asked[r]),
+                    "top_logp": a.top_logp,
+                    "top_idx": a.top_idx,
+                    "source": chosen[index].source,
+                }
+                for r, (index, a) in enumerate(zip(rows, answers, strict=True))
+            ]
+            with replacing(paths[b]) as tmp:
+                torch.save(docs, tmp)
+            yield Progress("generate", done, len(chosen))
+    if dropped:
+        log.info(
+            "%s gave no log-probabilities for %d answer tokens inside multi-byte characters: the answers end "
+            "before them (%d tokens kept)",
+            cfg.teacher_engine,
+            dropped,
+            written,
+        )
+
+
+@contextmanager
+def answering(cfg: DistillConfig, target: LoadedModel, longest: int) -> Iterator[teacher.Answerer]:
+    """The --teacher-engine that answers the prompts (the longest of ``longest`` tokens), open for the phase."""
+    if cfg.teacher_engine == "torch":
+        yield teacher.torch_answers(target, cfg.generate_new_tokens, cfg.top_k)
+        return
+    if cfg.teacher_engine == "vllm":
+        context = longest + cfg.generate_new_tokens
+        with teacher.vllm_answers(
+            target, cfg.generate_batch, context, cfg.generate_new_tokens, cfg.top_k, cfg.seed
+        ) as answer:
+            yield answer
+        return
+    server = llamacpp.find_server(cfg.llama_server)
+    gguf = teacher.gguf_of(cfg.teacher_gguf, cfg.target, target, server)
+    log.info("llama.cpp's llama-server answers the prompts from %s", gguf)
+    context = longest + cfg.generate_new_tokens + llamacpp.SLACK
+    with teacher.llama_cpp_answers(
+        target, gguf, server, cfg.generate_batch, context, cfg.generate_new_tokens, cfg.top_k, cfg.out
+    ) as answer:
+        yield answer
+
+
+def teacher_shards(
+    cfg: DistillConfig, target: LoadedModel, stream: Iterator[int], n_tokens: int, shard_dir: Path
+) -> Iterator[Progress]:
+    """Store the target's top-k log-probabilities over a token stream; existing shards are kept."""
+    shard_dir.mkdir(parents=True, exist_ok=True)
+    n_seqs = n_tokens // cfg.seq_len
+    n_shards = math.ceil(n_seqs / SHARD_SEQUENCES)
+    phase = f"teacher:{shard_dir.name}"
+    for shard in range(n_shards):
+        path = shard_dir / f"{shard:04d}.pt"
+        count = min(SHARD_SEQUENCES, n_seqs - shard * SHARD_SEQUENCES)
+        ids = [next(stream, None) for _ in range(count * cfg.seq_len)]
+        if None in ids:
+            raise SpecbenchError(
+                f"the sources hold fewer than {n_tokens} tokens: lower --teacher-tokens or add --source"
+            )
+        if path.exists():
+            yield Progress(phase, shard * SHARD_SEQUENCES + count, n_seqs)
+            continue
+        ids = torch.tensor(ids).view(count, cfg.seq_len)
+        top_logp, top_idx = [], []
+        with torch.inference_mode():
+            for start in range(0, count, cfg.teacher_batch):
+                batch = ids[start : start + cfg.teacher_batch].to(target.model.device)
+                logp = target.model(input_ids=batch).logits.float().log_softmax(-1)
+                values, indices = logp.topk(cfg.top_k, dim=-1)
+                top_logp.append(values.half().cpu())
+                top_idx.append(indices.int().cpu())
+                yield Progress(phase, shard * SHARD_SEQUENCES + start + len(batch), n_seqs)
+        with replacing(path) as tmp:
+            torch.save({"ids": ids.int(), "top_logp": torch.cat(top_logp), "top_idx": torch.cat(top_idx)}, tmp)
+
+
+def draft_config(cfg: DistillConfig, target: LoadedModel):
+    from transformers import LlamaConfig
+
+    t = target.model.config
+    return LlamaConfig(
+        vocab_size=target.width,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=t.max_position_embeddings,
+        rope_parameters=getattr(t, "rope_parameters", None),
+        rms_norm_eps=t.rms_norm_eps,
+        tie_word_embeddings=True,
+        bos_token_id=t.bos_token_id,
+        eos_token_id=t.eos_token_id,
+        pad_token_id=getattr(t, "pad_token_id", None),
+    )
+
+
+def pca_embeddings(target_embeddings: torch.Tensor, width: int) -> torch.Tensor:
+    """The target's token embeddings projected on their top ``width`` principal directions.
+
+    Rescaled to the usual init's standard deviation, so the draft starts with a vocabulary
+    geometry the target learned instead of noise.
+    """
+    centred = target_embeddings.float() - target_embeddings.float().mean(0)
+    _, _, v = torch.pca_lowrank(centred, q=width, center=False, niter=4)
+    projected = centred @ v[:, :width]
+    return projected / projected.std() * 0.02 * math.sqrt(width / 64)
+
+
+def new_student(cfg: DistillConfig, target: LoadedModel):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    torch.manual_seed(cfg.seed)
+    if cfg.goes_on:  # a draft checkpoint to go on training
+        student = AutoModelForCausalLM.from_pretrained(cfg.init, dtype=torch.float32)
+        if student.get_output_embeddings().weight.shape[0] < target.width:
+            raise SpecbenchError(
+                f"--init {cfg.init}: its vocabulary is narrower than the target's; start from pca instead"
+            )
+        return student
+    student = LlamaForCausalLM(draft_config(cfg, target))
+    if cfg.init == "pca":
+        embeddings = target.model.get_input_embeddings().weight.detach()[: target.width]
+        with torch.no_grad():
+            student.get_input_embeddings().weight.copy_(pca_embeddings(embeddings, cfg.hidden_size))
+    return student
+
+
+def data_shards(cfg: DistillConfig) -> list[Path]:
+    """The stored teacher and generated shards, in the order training reads them."""
+    return [path for name in ("teacher", "generated") for path in sorted((cfg.out / name).glob("*.pt"))]
+
+
+def shard_sequences(path: Path) -> list[torch.Tensor]:
+    """The token ids of each sequence in a teacher or generated shard."""
+    shard = torch.load(path)
+    return list(shard["ids"]) if isinstance(shard, dict) else [doc["ids"] for doc in shard]
+
+
+def load_examples(cfg: DistillConfig, features: Path | None = None) -> tuple[list[Example], list[Example]]:
+    """Training examples (the target's answers repeated ``generated_repeats`` times) and a
+    held-out set: every 16th answer if it is greedy, on which top-1 agreement estimates greedy alpha.
+    With ``features`` (a directory laid out as the data), each example carries its stored features."""
+
+    def stored(path: Path, count: int) -> list:
+        return torch.load(features / path.parent.name / path.name) if features else [None] * count
+
+    source = []
+    for path in sorted((cfg.out / "teacher").glob("*.pt")):
+        shard = torch.load(path)
+        source += [
+            Example(ids, 0, logp, idx, features=f)
+            for ids, logp, idx, f in zip(
+                shard["ids"], shard["top_logp"], shard["top_idx"], stored(path, len(shard["ids"])), strict=True
+            )
+        ]
+    answers, held_out = [], []
+    for path in sorted((cfg.out / "generated").glob("*.pt")):
+        greedy = not is_sampled(cfg, int(path.stem))
+        docs = torch.load(path)
+        for doc, f in zip(docs, stored(path, len(docs)), strict=True):
+            # The distribution of answer token j conditions on the prompt and answer[:j], so it
+            # is learned at the position just before that token.
+            example = Example(doc["ids"], doc["prompt_len"] - 1, doc["top_logp"], doc["top_idx"], features=f)
+            (held_out if greedy and (len(answers) + len(held_out)) % 16 == 0 else answers).append(example)
+    if not source and not answers:
+        raise SpecbenchError(f"no teacher data in {cfg.out}: raise --teacher-tokens or --generate-prompts")
+    return source + answers * cfg.generated_repeats, held_out
+
+
+def epoch_batches(lengths: list[int], batch: int, seed: int) -> list[list[int]]:
+    """A seeded shuffle cut into batches of similar length (sorted within windows of 32 batches),
+    so little compute goes on padding; the batches themselves come in random order."""
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(lengths), generator=generator).tolist()
+    batches = []
+    for i in range(0, len(order), batch * 32):
+        window = sorted(order[i : i + batch * 32], key=lengths.__getitem__)
+        batches += [window[j : j + batch] for j in range(0, len(window), batch)]
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]
+
+
+def agreement(student, examples: list[Example], batch: int) -> float | None:
+    """How often the student's top token is the teacher's, over the labelled positions."""
+    if not examples:
+        return None
+    hits = total = 0.0
+    student.eval()
+    with torch.inference_mode():
+        for i in range(0, len(examples), batch):
+            b = collate(examples[i : i + batch])
+            hits += (labelled_logits(student, b).argmax(-1) == b["top_idx"][b["labelled"]][:, 0]).sum().item()
+            total += b["labelled"].sum().item()
+    student.train()
+    return hits / total
+
+
+def train_student(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
+    """Train (or resume training) the student on the stored teacher data."""
+    examples, held_out = load_examples(cfg)
+    student = new_student(cfg, target)
+
+    def batch_loss(rows: list[int]) -> torch.Tensor:
+        b = collate([examples[i] for i in rows])
+        return kd_loss(labelled_logits(student, b), b["top_logp"][b["labelled"]], b["top_idx"][b["labelled"]])
+
+    held = yield from optimise(
+        cfg, student, [len(e.ids) for e in examples], batch_loss, lambda: (agreement(student, held_out, cfg.batch),)
+    )
+    save_draft(student, target, cfg, held[0] if held else None, head_tokens(examples, cfg.draft_vocab))
+
+
+def optimise(cfg: DistillConfig, model, lengths: list[int], batch_loss, evaluate, phase: str = "student"):
+    """Train ``model`` on ``cfg.epochs`` passes of seeded batches of examples of these ``lengths``
+    (AdamW, warmup, cosine decay), resuming from train_state.pt; ``batch_loss(rows)`` is the loss of
+    the examples at rows, ``evaluate()`` the held-out agreements (a tuple), saved with the state.
+    Yields Progress; returns the last agreements."""
+    per_epoch = len(epoch_batches(lengths, cfg.batch, 0))
+    total = math.ceil(per_epoch * cfg.epochs)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(1.0, (s + 1) / cfg.warmup_steps) * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)),
+    )
+    state_path = cfg.out / "train_state.pt"
+    step, held = 0, None
+    if state_path.exists():
+        state = torch.load(state_path)
+        try:
+            model.load_state_dict(state["model"])
+        except RuntimeError:  # shapes differ: the options that size the model changed between runs
+            raise SpecbenchError(
+                f"{state_path} was saved by a run with a model of another shape (--init, --draft-vocab or the size "
+                "options): run again with that run's options, or give another --out"
+            ) from None
+        optimizer.load_state_dict(state["optimizer"])
+        schedule.load_state_dict(state["schedule"])
+        step, held = state["step"], state.get("agreement")
+        held = (held,) if isinstance(held, float) else held  # a state saved before agreements were tuples
+    model.train()
+    batches, batches_epoch = [], -1
+    while step < total:
+        epoch, offset = divmod(step, per_epoch)
+        if epoch != batches_epoch:
+            batches, batches_epoch = epoch_batches(lengths, cfg.batch, cfg.seed * 1000 + epoch), epoch
+        loss = batch_loss(batches[offset])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        step += 1
+        if step % cfg.eval_every == 0 or step == total:
+            held = evaluate()
+            model.train()
+        if step % cfg.save_every == 0 or step == total:
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "schedule": schedule.state_dict(),
+            }
+            with replacing(state_path) as tmp:
+                torch.save({**state, "step": step, "agreement": held}, tmp)
+        first, later = (held[0], tuple(held[1:])) if held else (None, ())
+        yield Progress(phase, step, total, loss.item(), first, later)
+    return held
+
+
+def head_tokens(examples: list[Example], limit: int = 0) -> list[int]:
+    """The ids that are the teacher's top choice somewhere in the training data, sorted: the
+    drafter's vocabulary (a few thousand of the target's tens of thousands of ids). With ``limit``,
+    only the ``limit`` most frequent of them (ties to the lower id): the vocabulary projection is
+    much of a small drafter's step, and the rarest ids are first choices at few positions."""
+    ids, counts = torch.cat([e.top_idx[:, 0] for e in examples]).unique(return_counts=True)  # ids ascending
+    if 0 < limit < len(ids):  # a stable sort keeps the lower id first among equal counts
+        ids = ids[torch.sort(-counts, stable=True).indices[:limit]]
+    return sorted(ids.tolist())
+
+
+def save_draft(
+    student, target: LoadedModel, cfg: DistillConfig, held_out_agreement: float | None, shortlist: list[int]
+) -> None:
+    """The distilled draft (see save_checkpoint) and distill.json, its recipe."""
+    save_checkpoint(student, target.tokenizer, cfg.out, shortlist)
+    meta = recipe(cfg)
+    c = student.config  # a draft trained further keeps its own shape, whatever the size options said
+    shape = {
+        "hidden_size": c.hidden_size,
+        "layers": c.num_hidden_layers,
+        "heads": c.num_attention_heads,
+        "kv_heads": c.num_key_value_heads,
+        "intermediate_size": c.intermediate_size,
+    }
+    meta.update(shape, held_out_greedy_agreement=held_out_agreement, head_tokens=len(shortlist))
+    earlier = Path(cfg.init) / "distill.json"
+    if earlier.is_file():  # a draft trained further keeps the recipe it started from
+        meta["init_recipe"] = json.loads(earlier.read_text())
+    (cfg.out / "distill.json").write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def recipe(cfg: DistillConfig) -> dict:
+    """The options a checkpoint was trained with, as distill.json starts."""
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+
+
+def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Iterator[Progress]:
+    """The teacher and generate phases, then ``train`` (a draft's student phase, or distill_eagle's)."""
+    cfg.validate()
+    if cfg.top_k > target.width:
+        # A k beyond the vocabulary asks for every probability, and keeping the whole vocabulary gives
+        # exactly that (transformers' top-k sampling clamps k alike); refusing would only make the user
+        # look the size up. The recipe records the k used.
+        log.info(
+            "--top-k %d is more than %s's %d ids: the teacher keeps all of them", cfg.top_k, cfg.target, target.width
+        )
+        cfg = replace(cfg, top_k=target.width)
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    if cfg.teacher_tokens:
+        stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
+        yield from teacher_shards(cfg, target, stream, cfg.teacher_tokens, cfg.out / "teacher")
+    if cfg.generate_prompts:
+        yield from generated_shards(cfg, target)
+    yield from train(cfg, target)
