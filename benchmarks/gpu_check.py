@@ -132,7 +132,6 @@ class Check:
     sizes: Sizes
     dry: bool
     env: dict[str, str]
-    timeout: int | None = None  # --step-timeout: overrides every step's own
     bandwidth: float | None = None  # bytes/s of a device-to-device copy, read + written
     deadline: float = 0.0  # when the step under way is out of time (time.monotonic)
 
@@ -406,7 +405,6 @@ def host_reads(check: Check) -> Outcome:
     cases = [(f"{d}, T={t}", d, t) for d in ("draft model", "prompt lookup", "baseline") for t in (0.0, 1.0)]
     for label, drafting, temperature in cases:
         cfg, generator = SamplingConfig(temperature=temperature), torch.Generator(device).manual_seed(0)
-        syncs = 0
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if device.type == "cuda":
@@ -527,11 +525,11 @@ def normal(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def missing_packages() -> list[str]:
+def not_installed(names: list[str]) -> list[str]:
     from importlib.metadata import PackageNotFoundError, version
 
     gone = []
-    for name in declared():
+    for name in names:
         try:
             version(name)
         except PackageNotFoundError:
@@ -542,15 +540,7 @@ def missing_packages() -> list[str]:
 def install_from(wheels: Path, site: Path) -> str:
     """Every distribution in ``wheels`` that is not installed here, into ``site`` (no index, no
     dependency resolution: the folder holds what a stock image lacks, dependencies included)."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    names = sorted({normal(w.name.split("-")[0]) for w in wheels.glob("*.whl")})
-    wanted = []
-    for name in names:
-        try:
-            version(name)
-        except PackageNotFoundError:
-            wanted.append(name)
+    wanted = not_installed(sorted({normal(w.name.split("-")[0]) for w in wheels.glob("*.whl")}))
     if wanted:
         pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--find-links", str(wheels)]
         done = subprocess.run([*pip, "--target", str(site), *wanted], capture_output=True, text=True)
@@ -609,7 +599,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = dry_sizes(folder) if args.dry else GPU
 
     site = Path(tempfile.mkdtemp(prefix="specbench-gpu-check-site-"))
-    gone = missing_packages()
+    gone = not_installed(declared())
     packages = "specbench's dependencies all installed"
     if args.wheels is not None:
         packages = install_from(args.wheels.resolve(), site)
@@ -631,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"gpu-check on {title} -> {folder}")
     for key, value in machine:
         console.print(f"  {key}: {value}")
-    check = Check(folder, sizes, args.dry, env, args.step_timeout, bandwidth)
+    check = Check(folder, sizes, args.dry, env, bandwidth)
     results = []
     for key, name, step in [s for s in STEPS if s[0] in args.steps]:
         limit = args.step_timeout or sizes.timeouts[key]
