@@ -11,7 +11,8 @@ from specbench.decoding.sampling import SamplingConfig, warp
 from specbench.drafters.cascade import CascadeDrafter
 from specbench.drafters.lookup import PromptLookupDrafter
 from specbench.drafters.model import ModelDrafter
-from specbench.drafters.trees import LookupTreeDrafter, TreeDrafter, tree_parents
+from specbench.drafters.propose import tree_parents
+from specbench.drafters.trees import LookupTreeDrafter, TreeDrafter
 from specbench.methods.online import rejection
 
 from .toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, VOCAB, ToyLM, chi_square_p, law_p

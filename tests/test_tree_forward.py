@@ -266,7 +266,7 @@ def test_the_growing_cache_appends_in_place_and_scores_as_transformers_own(targe
         lm.forward(prompt)
     layer = grown.cache.layers[0]
     assert type(layer).__name__ == "GrowingLayer" and type(plain.cache.layers[0]).__name__ == "DynamicLayer"
-    buffer = layer.buffers[0].data_ptr()
+    buffer = layer.grown.buffers[0].data_ptr()
     nodes = torch.tensor([5, 6, 7, 8, 9, 10, 11])
     for step in range(12):  # tree rounds kept down to a path, chain rounds cropped, single tokens
         positions, mask = tree_inputs(PARENTS, plain.length, CPU)
@@ -283,4 +283,4 @@ def test_the_growing_cache_appends_in_place_and_scores_as_transformers_own(targe
         torch.testing.assert_close(*logits)
         assert grown.length == plain.length
     torch.testing.assert_close(layer.keys, plain.cache.layers[0].keys)
-    assert layer.buffers[0].data_ptr() == buffer  # 200 + 24 tokens fit the first buffer: never copied again
+    assert layer.grown.buffers[0].data_ptr() == buffer  # 200 + 24 tokens fit the first buffer: never copied again

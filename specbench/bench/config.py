@@ -25,7 +25,7 @@ from specbench.core.options import (
 )
 from specbench.decoding.kv import SINKS
 from specbench.decoding.sampling import SamplingConfig
-from specbench.drafters.trees import tree_parents
+from specbench.drafters.propose import tree_parents
 from specbench.engines import Sampling
 from specbench.engines.llamacpp import find_server
 from specbench.engines.loop import Settings

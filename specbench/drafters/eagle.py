@@ -7,9 +7,8 @@ from __future__ import annotations
 import torch
 
 from specbench.decoding.decode import Draft
-from specbench.decoding.sampling import SamplingConfig, Verdict, argmax, confident, sample, warp
-from specbench.decoding.tree import tree_inputs
-from specbench.drafters.trees import tree_level, tree_parents
+from specbench.decoding.sampling import SamplingConfig, Verdict
+from specbench.drafters.propose import propose_chain, propose_tree
 from specbench.models.eagle_head import EagleHead, HeadCache
 
 
@@ -71,45 +70,25 @@ class EagleDrafter:
             return self._chain(out, k)
 
     def _chain(self, out: torch.Tensor, k: int) -> Draft:
-        drafted, q_rows, forwards = [], [], 0
-        for _ in range(k):
-            if drafted:  # the head reads its last draft with its own output
+        def row_after(token: torch.Tensor | None) -> torch.Tensor:
+            nonlocal out
+            if token is not None:  # the head reads its last draft with its own output
                 position = torch.tensor([self.cache.length], device=out.device)
-                out = self.head.step(drafted[-1], out, position, self.cache)
-            forwards += 1
-            scores = self.head.draft_logits(out)
-            q = None if self.cfg.greedy else warp(scores, self.cfg)
-            if self.p_min is not None and not confident(scores.float().softmax(-1) if q is None else q, self.p_min):
-                break
-            if q is None:
-                chosen = argmax(scores)
-            else:
-                q_rows.append(q)
-                chosen = sample(q, self.generator)
-            drafted.append(self.head.draft_ids[chosen.view(-1)])
-        tokens = torch.cat(drafted) if drafted else self.tokens[:0]
-        q = self._full(torch.cat(q_rows)) if q_rows else None
-        return Draft.chain(tokens, q, forwards=forwards)
+                out = self.head.step(self.head.draft_ids[token], out, position, self.cache)
+            return self.head.draft_logits(out)[0]
+
+        chain = propose_chain(k, row_after, self.cfg, self.generator, self.p_min)
+        tokens = self.head.draft_ids[torch.cat(chain.tokens)] if chain.tokens else self.tokens[:0]
+        return Draft.chain(tokens, None if chain.q is None else self._full(chain.q), forwards=chain.forwards)
 
     def _tree(self, out: torch.Tensor) -> Draft:
-        parents = tree_parents(self.shape)
-        positions, mask = tree_inputs(parents, self.base, out.device)
-        tokens, q_rows, start, rows = [], [], 0, out
-        for depth, branching in enumerate(self.shape):
-            level, q = tree_level(self.head.draft_logits(rows), branching, self.cfg, self.generator)
-            if q is not None:
-                q_rows.append(q)
-            level = self.head.draft_ids[level]
-            tokens.append(level)
-            end = start + len(level)
-            if depth + 1 < len(self.shape):
-                hidden = rows.repeat_interleave(branching, dim=0)  # each child reads its parent's output
-                rows = self.head.step(
-                    level, hidden, positions[start:end], self.cache, mask[start:end, : self.base + end]
-                )
-            start = end
-        q = self._full(torch.cat(q_rows)) if q_rows else None
-        return Draft(torch.cat(tokens), parents, q, forwards=len(self.shape))
+        def read(level, out, branching, positions, mask):  # each child reads its parent's output
+            return self.head.step(level, out.repeat_interleave(branching, dim=0), positions, self.cache, mask)
+
+        tokens, parents, q = propose_tree(
+            self.shape, self.base, out, self.head.draft_logits, read, self.cfg, self.generator, self.head.draft_ids
+        )
+        return Draft(tokens, parents, None if q is None else self._full(q), forwards=len(self.shape))
 
     def _dynamic(self, out: torch.Tensor, depth: int) -> Draft:
         """EAGLE-2's dynamic tree, ``depth`` levels deep: at each level the ``width`` most probable

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from specbench.decoding.decode import CausalLM, Draft
-from specbench.decoding.sampling import SamplingConfig, Verdict, adjust, argmax, confident, context_mask, sample, warp
+from specbench.decoding.sampling import SamplingConfig, Verdict, adjust, context_mask, sample
+from specbench.drafters.propose import propose_chain
 
 
 class ModelDrafter:
@@ -29,30 +30,26 @@ class ModelDrafter:
     def propose(self, k: int) -> Draft:
         if k == 0:  # a cascade may ask for nothing; what it has not read stays unread
             return Draft.chain(self.pending[:0], None)
-        drafted, q_rows, forwards = [], [], 0
         seen = None  # each row's context: the drafts so far too
-        for _ in range(k):
+
+        def row_after(token: torch.Tensor | None) -> torch.Tensor:
+            nonlocal seen
+            if token is not None:
+                self.pending = token
+                if seen is not None:
+                    seen[token] = True
             logits = self.model.forward(self.pending, last=1)[-1]
             if self.seen is None and self.cfg.repetition_penalty != 1.0:
                 self.seen = context_mask(self.context, logits.shape[-1], self.cfg)
             if seen is None and self.seen is not None:
                 seen = self.seen.clone()
-            logits = adjust(logits, self.cfg, seen)
-            forwards += 1
-            q = None if self.cfg.greedy else warp(logits, self.cfg)
-            if self.p_min is not None and not confident(logits.float().softmax(-1) if q is None else q, self.p_min):
-                self.pending = self.pending[:0]  # it has read every token it drafted
-                break
-            if q is None:
-                self.pending = argmax(logits)
-            else:
-                self.pending, q = self.draw(logits, q)
-                q_rows.append(q)
-            drafted.append(self.pending)
-            if seen is not None:
-                seen[self.pending] = True
-        tokens = torch.cat(drafted) if drafted else self.pending
-        return Draft.chain(tokens, torch.stack(q_rows) if q_rows else None, forwards=forwards)
+            return adjust(logits, self.cfg, seen)
+
+        chain = propose_chain(k, row_after, self.cfg, self.generator, self.p_min, self.draw)
+        # It has read every token it drafted when it stopped early; else all but the last.
+        self.pending = self.pending[:0] if chain.stopped else chain.tokens[-1]
+        tokens = torch.cat(chain.tokens) if chain.tokens else self.pending
+        return Draft.chain(tokens, chain.q, forwards=chain.forwards)
 
     def draw(self, logits: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafted token, and the row it is verified against: a sample of ``q``, and ``q``. (The

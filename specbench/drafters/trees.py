@@ -1,4 +1,4 @@
-"""Token trees: their shape, a level drawn from a model's rows, and trees drafted by a model or by lookup."""
+"""Token trees drafted by a small model, one forward per level, or by prompt lookup."""
 
 from __future__ import annotations
 
@@ -8,33 +8,9 @@ from collections.abc import Sequence
 import torch
 
 from specbench.decoding.decode import CausalLM, Draft
-from specbench.decoding.sampling import SamplingConfig, Verdict, sample, warp
-from specbench.decoding.tree import tree_inputs
+from specbench.decoding.sampling import SamplingConfig, Verdict
 from specbench.drafters.lookup import PromptLookupDrafter
-
-
-def tree_parents(shape: Sequence[int]) -> list[int]:
-    """Parents of a full tree in level order: ``shape[d]`` children for every node at depth d
-    (the root, the last accepted token, is -1). ``(1,) * K`` is a chain of K."""
-    parents, level = [], [-1]
-    for branching in shape:
-        start = len(parents)
-        parents += [parent for parent in level for _ in range(branching)]
-        level = list(range(start, len(parents)))
-    return parents
-
-
-def tree_level(
-    rows: torch.Tensor, branching: int, cfg: SamplingConfig, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``branching`` children for each row of logits [n, V], each row's together (as tree_parents
-    numbers them): its top-b ids under greedy, b independent draws from its warped row under
-    sampling. Returns the ids [n * b] and the q row each was drawn from (None under greedy)."""
-    if cfg.greedy:
-        return rows.topk(branching, dim=-1).indices.flatten(), None
-    q = warp(rows, cfg)
-    drawn = sample(q.unsqueeze(1).expand(-1, branching, -1), generator).flatten()  # b races per row: no host read
-    return drawn, q.repeat_interleave(branching, dim=0)
+from specbench.drafters.propose import propose_tree, tree_parents
 
 
 class TreeDrafter:
@@ -57,22 +33,14 @@ class TreeDrafter:
     def propose(self, k: int) -> Draft:
         self.read = len(self.pending)
         rows = self.model.forward(self.pending, last=1)
-        base = self.model.length
-        positions, mask = tree_inputs(self.parents, base, rows.device)
-        tokens, q_rows, start = [], [], 0
-        for depth, branching in enumerate(self.shape):
-            level, q = tree_level(rows, branching, self.cfg, self.generator)
-            if q is not None:
-                q_rows.append(q)
-            tokens.append(level)
-            end = start + len(level)
-            if depth + 1 < len(self.shape):
-                rows = self.model.forward(
-                    level, last=len(level), positions=positions[start:end], mask=mask[start:end, : base + end]
-                )
-            start = end
-        q = torch.cat(q_rows) if q_rows else None
-        return Draft(torch.cat(tokens), self.parents, q, forwards=len(self.shape))
+
+        def read(level, rows, branching, positions, mask):
+            return self.model.forward(level, last=len(level), positions=positions, mask=mask)
+
+        tokens, parents, q = propose_tree(
+            self.shape, self.model.length, rows, lambda rows: rows, read, self.cfg, self.generator
+        )
+        return Draft(tokens, parents, q, forwards=len(self.shape))
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         kept = [n for n in verdict.path if n < self.inner]

@@ -24,6 +24,13 @@ from specbench.models.lm import HFCausalLM
 from specbench.models.pair import Pair
 
 
+def method_label(method: str, k: int | None, shape: str, k_policy: str) -> str:
+    """A decoder in one label, as progress, tables and verdicts name it: the method with its K or its
+    tree shape, and its lookahead policy when K is not fixed."""
+    label = f"{method} tree={shape}" if shape else f"{method} K={k}" if k else method
+    return label if k_policy in ("", FIXED) else f"{label} {k_policy}"
+
+
 @dataclass(eq=False)
 class Decoder:
     """One way of decoding a prompt: a method with its lookahead K (a tree's depth), tree shape and
@@ -48,10 +55,7 @@ class Decoder:
 
     @property
     def label(self) -> str:
-        if self.tree:
-            return f"{self.method.name} tree={self.shape}"
-        label = f"{self.method.name} K={self.k}" if self.k else self.method.name
-        return label if self.k_policy == FIXED else f"{label} {self.k_policy}"
+        return method_label(self.method.name, self.k, self.shape, self.k_policy)
 
     def settings(self, cfg) -> str:
         """The ``options`` column: the method's own settings, and the confidence policy's threshold."""

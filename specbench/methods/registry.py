@@ -26,7 +26,8 @@ from specbench.drafters.cascade import CascadeDrafter
 from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.lookup import LookupOrModelDrafter, PromptLookupDrafter
 from specbench.drafters.model import ModelDrafter
-from specbench.drafters.trees import LookupTreeDrafter, TreeDrafter, tree_parents
+from specbench.drafters.propose import tree_parents
+from specbench.drafters.trees import LookupTreeDrafter, TreeDrafter
 from specbench.engines.hf import hf_generate, hf_samples
 from specbench.methods.base import Decoder, Level, Method, SpeculativeLoop
 from specbench.methods.online import OnlineConfig, OnlineLearner, rejection

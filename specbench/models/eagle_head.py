@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specbench.core.errors import SpecbenchError
+from specbench.decoding.kv import GrowingKV
 from specbench.models.fast import Linear, can_pack, rms_norm, rope, swiglu
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what config.json names: vLLM's and SGLang's EAGLE-3 loaders read it
@@ -135,25 +136,16 @@ def _linear(into: int, out: int) -> nn.Linear:
 
 
 class HeadCache:
-    """The head's keys and values, [1, kv_heads, length, head_dim] each, appended in place."""
+    """The head's keys and values, [1, kv_heads, length, head_dim] each, appended in place (GrowingKV);
+    a crop only moves ``length``."""
 
     def __init__(self):
-        self.keys = self.values = None
-        self.length = 0
+        self.grown, self.held, self.length = GrowingKV(), None, 0
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n = k.shape[2]
-        if self.keys is None or self.length + n > self.keys.shape[2]:
-            room = self.length + n + max(256, (self.length + n) // 4)
-            grown = [k.new_empty(*k.shape[:2], room, k.shape[3]) for _ in range(2)]
-            if self.keys is not None:
-                for new, old in zip(grown, (self.keys, self.values), strict=True):
-                    new[:, :, : self.length] = old[:, :, : self.length]
-            self.keys, self.values = grown
-        self.keys[:, :, self.length : self.length + n] = k
-        self.values[:, :, self.length : self.length + n] = v
-        self.length += n
-        return self.keys[:, :, : self.length], self.values[:, :, : self.length]
+        self.held = self.grown.append(self.held, self.length, k, v)
+        self.length += k.shape[2]
+        return self.held
 
     def crop(self, length: int) -> None:
         self.length = length

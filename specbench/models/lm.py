@@ -9,7 +9,7 @@ from functools import cache
 
 import torch
 
-from specbench.decoding.kv import Window, retrieval_positions
+from specbench.decoding.kv import GrowingKV, Window, retrieval_positions
 from specbench.models.fast import FastLlama, unsupported
 
 log = logging.getLogger("specbench")
@@ -17,37 +17,22 @@ log = logging.getLogger("specbench")
 
 @cache
 def growing_layer():
-    """transformers' DynamicLayer, appending in place: keys and values are views of buffers with room
-    to spare, reallocated a quarter larger only when full. DynamicLayer concatenates, copying the
-    whole cache at every forward: at 8k tokens of SmolLM2-135M on a CPU, a fifth of a step."""
+    """transformers' DynamicLayer, appending in place (decoding.kv.GrowingKV) where DynamicLayer concatenates."""
     from transformers.cache_utils import DynamicLayer
 
     class GrowingLayer(DynamicLayer):
-        buffers: tuple[torch.Tensor, torch.Tensor] | None = None
+        grown: GrowingKV | None = None
 
         def update(self, key_states, value_states, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            length, n = (self.keys.shape[-2] if self.keys.dim() == 4 else 0), key_states.shape[-2]
+            if self.grown is None:
+                self.grown = GrowingKV()
             # keys and values may have been cut (crop) or replaced (a window's eviction) since the last update
-            held = self.buffers is not None and self.keys.data_ptr() == self.buffers[0].data_ptr()
-            if not held or length + n > self.buffers[0].shape[-2]:
-                room = length + n + max(256, (length + n) // 4)
-                self.buffers = tuple(
-                    self._grown(old, new, length, room)
-                    for old, new in ((self.keys, key_states), (self.values, value_states))
-                )
-            for buffer, new in zip(self.buffers, (key_states, value_states), strict=True):
-                buffer[:, :, length : length + n] = new
-            self.keys, self.values = (buffer[:, :, : length + n] for buffer in self.buffers)
+            length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
+            held = (self.keys, self.values) if length else None
+            self.keys, self.values = self.grown.append(held, length, key_states, value_states)
             return self.keys, self.values
-
-        @staticmethod
-        def _grown(old: torch.Tensor, new: torch.Tensor, length: int, room: int) -> torch.Tensor:
-            buffer = new.new_empty(*new.shape[:2], room, new.shape[-1])
-            if length:
-                buffer[:, :, :length] = old
-            return buffer
 
     return GrowingLayer
 

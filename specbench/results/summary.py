@@ -19,7 +19,7 @@ from specbench.core.options import FIXED
 from specbench.decoding.decode import DecodeResult
 from specbench.decoding.timing import Phases
 from specbench.engines.loop import Measurement
-from specbench.methods.base import Decoder
+from specbench.methods.base import Decoder, method_label
 from specbench.methods.online import Learned
 from specbench.methods.registry import BASELINE
 from specbench.models.costs import ForwardCosts
@@ -411,11 +411,14 @@ def missing(value) -> bool:
 
 
 def row_label(row: dict) -> str:
-    label = row["method"] if missing(row["k"]) else f"{row['method']} K={int(row['k'])}"
-    if isinstance(tree := row.get("tree"), str) and tree:
-        label = f"{row['method']} tree={tree}"
-    policy = row.get("k_policy")
-    return f"{label} {policy}" if isinstance(policy, str) and policy not in ("", FIXED) else label
+    """The label of the decoder that wrote a row (methods.base.method_label), its empty cells read as NaN or None."""
+    tree, policy = row.get("tree"), row.get("k_policy")
+    return method_label(
+        row["method"],
+        None if missing(row["k"]) else int(row["k"]),
+        tree if isinstance(tree, str) else "",
+        policy if isinstance(policy, str) else "",
+    )
 
 
 def decoder_label(row: dict) -> str:
