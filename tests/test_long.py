@@ -146,7 +146,7 @@ class BottomRowsPassedUp(CascadeDrafter):
         q, position = draft.q.clone(), 0
         for proposal in proposals:  # each inner round emits its accepted lower tokens, then one of its own
             taken = 0
-            while taken < len(proposal.tokens) and draft.from_inner[position + taken]:
+            while taken < len(proposal.tokens) and self.from_lower[position + taken]:
                 q[position + taken] = proposal.q[taken]
                 taken += 1
             position += taken + 1
@@ -210,7 +210,7 @@ def test_greedy_long_context_methods_equal_the_greedy_baseline(target):
         result = speculative_decode(target_lm, drafter, PROMPT, 3, 24, greedy, torch.Generator())
         assert result.tokens == want
         if isinstance(drafter, CascadeDrafter):  # triforce: the windowed model ran, and proposed to the middle level
-            assert result.inner_forwards >= result.inner_drafted > 0
+            assert result.beneath.forwards >= result.beneath.drafted > 0
 
 
 # ---------------------------------------------------------------- the views themselves

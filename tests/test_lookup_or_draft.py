@@ -8,7 +8,8 @@ import torch
 
 from specbench.decoding.decode import Draft, autoregressive_decode, speculative_decode
 from specbench.decoding.sampling import SamplingConfig
-from specbench.drafters.lookup import LookupOrModelDrafter
+from specbench.drafters.chained import FirstThatDrafts
+from specbench.drafters.lookup import PromptLookupDrafter
 from specbench.drafters.model import ModelDrafter
 
 from .toy import P_FLOOR, VOCAB, ToyLM, chi_square_p
@@ -16,16 +17,17 @@ from .toy import P_FLOOR, VOCAB, ToyLM, chi_square_p
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-class CountedRounds(LookupOrModelDrafter):
-    """Counts which drafter drafted each round, so a test can show it exercised both."""
+class CountedRounds(FirstThatDrafts):
+    """lookup-or-draft's drafters in turn (prompt lookup, then the model), counting which drafted each
+    round, so a test can show it exercised both."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.rounds = Counter()
+    def __init__(self, model: ModelDrafter, lookup_k: int, shortest: int = 2):
+        super().__init__([PromptLookupDrafter(shortest=shortest, lookahead=lookup_k), model])
+        self.model, self.rounds = model, Counter()
 
     def propose(self, k: int) -> Draft:
         draft = super().propose(k)
-        self.rounds["lookup" if self.by_lookup else "model"] += 1
+        self.rounds["model" if self.drafted_by is self.model else "lookup"] += 1
         return draft
 
 
@@ -35,14 +37,14 @@ class LookupTokensWithModelRows(CountedRounds):
 
     def propose(self, k: int) -> Draft:
         draft = super().propose(k)
-        if not self.by_lookup:
+        if self.drafted_by is self.model:
             return draft
-        self.by_lookup = False  # the model's state follows its own round
+        self.drafted_by = self.model  # the model's state follows its own round
         model = self.model.propose(len(draft.tokens))
         return Draft.chain(draft.tokens, model.q, forwards=model.forwards)
 
 
-def hybrid(cfg: SamplingConfig, kind=CountedRounds, lookup_k: int = 3, shortest: int = 2) -> LookupOrModelDrafter:
+def hybrid(cfg: SamplingConfig, kind=CountedRounds, lookup_k: int = 3, shortest: int = 2) -> CountedRounds:
     model = ModelDrafter(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7))
     return kind(model, lookup_k, shortest)
 
@@ -82,8 +84,8 @@ def test_greedy_lookup_or_draft_equals_greedy_baseline_on_toy(k, lookup_k, adjus
     got = speculative_decode(target, drafter, prompt, k, 40, adjusted, g)
     assert got.tokens == want
     assert drafter.rounds["lookup"] > 0 and drafter.rounds["model"] > 0
-    # from_inner counts lookup's tokens in the output; the model's forwards come from its rounds only.
-    assert 0 < got.from_inner <= got.accepted and got.inner_drafted > 0
+    # beneath.kept counts lookup's tokens in the output; the model's forwards come from its rounds only.
+    assert 0 < got.beneath.kept <= got.accepted and got.beneath.drafted > 0
     assert got.draft_forwards == k * drafter.rounds["model"]
     assert max(got.draft_counts) <= max(k, lookup_k)
 
@@ -98,4 +100,4 @@ def test_the_model_reads_lookups_rounds_so_the_target_as_its_own_draft_is_always
         drafter = CountedRounds(ModelDrafter(ToyLM(12, seed=seed, scale=0.5), cfg, torch.Generator()), 4)
         result = speculative_decode(target, drafter, prompt, k, 80, cfg, torch.Generator())
         assert drafter.rounds["lookup"] > 5 and drafter.rounds["model"] > 1
-        assert result.accepted - result.from_inner == result.drafted - result.inner_drafted  # every model token
+        assert result.accepted - result.beneath.kept == result.drafted - result.beneath.drafted  # every model token

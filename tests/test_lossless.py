@@ -321,14 +321,14 @@ def test_a_cascade_counts_what_each_level_contributed():
     vertical = speculative_decode(
         target, CascadeDrafter(ToyLM(5, seed=3), cfg, torch.Generator()), prompt, 4, 40, cfg, torch.Generator()
     )
-    assert vertical.accepted == vertical.drafted and 0 < vertical.from_inner == vertical.inner_accepted
-    assert vertical.inner_accepted <= vertical.inner_drafted
+    assert vertical.accepted == vertical.drafted and 0 < vertical.beneath.kept == vertical.beneath.accepted
+    assert vertical.beneath.accepted <= vertical.beneath.drafted
     # With a split the tokens after the first one are lookup's alone: offered to the target directly.
     split = speculative_decode(
         target, CascadeDrafter(ToyLM(5, seed=3), cfg, torch.Generator(), split=1), prompt, 4, 40, cfg, torch.Generator()
     )
-    assert split.inner_drafted == 0 and split.draft_forwards == split.target_forwards - 1  # one model token a round
-    assert split.from_inner == split.accepted - split.draft_forwards
+    assert split.beneath.drafted == 0 and split.draft_forwards == split.target_forwards - 1  # one model token a round
+    assert split.beneath.kept == split.accepted - split.draft_forwards
 
 
 @pytest.mark.parametrize("split", [None, 1])

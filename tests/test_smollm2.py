@@ -77,7 +77,7 @@ def test_greedy_self_speculation_equals_greedy_target_at_2k_tokens(target):
     window = ModelDrafter(WindowLM(draft.model, target.width, draft.head_tokens, 256), greedy, g)
     triforce = CascadeDrafter(view, greedy, g, lower=window, inner_k=2)
     got = speculative_decode(t_lm, triforce, ids, 3, 24, greedy, g, target.stop_ids)
-    assert got.tokens == want and got.inner_forwards > 0, "triforce"
+    assert got.tokens == want and got.beneath.forwards > 0, "triforce"
     window = WindowLM(draft.model, target.width, draft.head_tokens, 256)
     got = speculative_decode(t_lm, ModelDrafter(window, greedy, g), ids, 3, 24, greedy, g, target.stop_ids)
     assert got.tokens == want and len(window.ids) <= 256 + EVICT_SLACK, "speculative-window"

@@ -72,16 +72,10 @@ class Draft:
     parents: list[int]  # each token's parent: an index into tokens, or -1 for the last accepted token
     q: torch.Tensor | None  # [n, V] rows the tokens were sampled from; None for deterministic candidates
     forwards: int = 0  # draft-model forwards it cost
-    # A drafter with a level beneath it (a cascade): which tokens that level proposed, how many
-    # tokens it offered the drafter's model this round and the model accepted, and its own forwards.
-    from_inner: list[bool] | None = None
-    inner_drafted: int = 0
-    inner_accepted: int = 0
-    inner_forwards: int = 0
 
     @classmethod
-    def chain(cls, tokens: torch.Tensor, q: torch.Tensor | None, forwards: int = 0, **inner) -> Draft:
-        return cls(tokens, list(range(-1, len(tokens) - 1)), q, forwards, **inner)
+    def chain(cls, tokens: torch.Tensor, q: torch.Tensor | None, forwards: int = 0) -> Draft:
+        return cls(tokens, list(range(-1, len(tokens) - 1)), q, forwards)
 
     @cached_property  # asked several times a round; a draft is never changed after it is made
     def is_chain(self) -> bool:
@@ -93,7 +87,10 @@ class Draft:
 
 
 class Drafter(Protocol):
-    """Proposes drafts for one sequence and learns which of its tokens the target kept."""
+    """Proposes drafts for one sequence and learns which of its tokens the target kept.
+
+    A drafter with a level beneath it (a cascade, or drafters tried in turn) also keeps that level's
+    counts in ``beneath`` (a Beneath, new at each ``start``), which speculative_decode returns."""
 
     def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
         """A new sequence: the prompt and the first token the target generated."""
@@ -114,7 +111,21 @@ class LowerDrafter(Drafter, Protocol):
 
 
 @dataclass
+class Beneath:
+    """What the level beneath a drafter did over a decode: a cascade's lower drafter, or the drafters
+    tried before the last in a FirstThatDrafts (lookup-or-draft's prompt lookup)."""
+
+    drafted: int = 0  # tokens it proposed
+    accepted: int = 0  # of them, those the level above accepted (for drafters tried in turn, the target)
+    forwards: int = 0  # its model forwards (none for prompt lookup)
+    kept: int = 0  # accepted draft tokens that it had proposed
+
+
+@dataclass
 class DecodeResult:
+    """A decode's output and what its rounds added up to; ``observe`` takes each round (in the spirit of
+    vLLM's SpecDecodingStats.observe_draft)."""
+
     tokens: list[int]  # generated ids, prompt excluded
     target_forwards: int = 0  # calls of the target (prefill included)
     draft_forwards: int = 0  # calls of the draft model after its prefill
@@ -125,12 +136,26 @@ class DecodeResult:
     accept_counts: list[int] = field(default_factory=list)  # accepted drafts per verify step
     draft_counts: list[int] = field(default_factory=list)  # drafted tokens per verify step
     rank_counts: list[int] = field(default_factory=list)  # accepted nodes by their rank among siblings
-    inner_drafted: int = 0  # tokens a cascade's bottom level proposed to the draft model
-    inner_accepted: int = 0  # of them, those the draft model accepted
-    from_inner: int = 0  # accepted draft tokens that the bottom level had proposed
-    inner_forwards: int = 0  # model forwards of the bottom level (none for prompt lookup)
+    beneath: Beneath | None = None  # the drafter's level beneath, if it has one
     past_stop: int = 0  # forwards run after the decode had ended (the baseline's chunked reads), not counted
-    lessons: list = field(default_factory=list)  # what an online method learns from (see methods/online.py)
+
+    def observe(self, draft: Draft, verdict: Verdict) -> None:
+        """Count one round: one target forward, the draft's forwards and tokens, what was accepted, and
+        the rank among its siblings of each accepted node (in a chain every node is a first child).
+        ``beta_sum`` may become a device tensor under sampling: summed there, read once at the end."""
+        self.target_forwards += 1
+        self.draft_forwards += draft.forwards
+        self.drafted += len(draft.tokens)
+        self.draft_counts.append(len(draft.tokens))
+        self.accepted += verdict.accepted
+        self.tested += verdict.tested
+        self.accept_counts.append(verdict.accepted)
+        self.beta_sum = self.beta_sum + verdict.beta_sum
+        siblings = {} if draft.is_chain else children(draft.parents)
+        for node in verdict.path:
+            rank = siblings[draft.parents[node]].index(node) if siblings else 0
+            self.rank_counts += [0] * (rank + 1 - len(self.rank_counts))
+            self.rank_counts[rank] += 1
 
 
 def _end(tokens: list[int], new_from: int, max_new_tokens: int, stop_ids: frozenset[int]) -> int | None:
@@ -304,42 +329,24 @@ def speculative_decode(
     if seen is not None:
         seen[last] = True
     drafter.start(prompt_ids, last)
-    result = DecodeResult(tokens=[int(last)], target_forwards=1)
+    result = DecodeResult(tokens=[int(last)], target_forwards=1, beneath=getattr(drafter, "beneath", None))
     if _end(result.tokens, 0, max_new_tokens, stop_ids) is not None:
         return result
-    beta_sum = 0.0  # becomes a device tensor under sampling: summed there, read once at the end
     while True:
         ask = k if schedule is None else min(k, max_new_tokens - len(result.tokens))
-        step = speculative_round(target, drafter, last, ask, cfg, generator, seen, rule)
-        verdict, last = step.verdict, step.verdict.next_token
+        round_ = speculative_round(target, drafter, last, ask, cfg, generator, seen, rule)
+        verdict, last = round_.verdict, round_.verdict.next_token
         if seen is not None:
-            seen[step.emitted] = True
+            seen[round_.emitted] = True
         if schedule is not None:
-            k = schedule(k, len(step.draft.tokens), verdict.accepted)
-        result.target_forwards += 1
-        result.draft_forwards += step.draft.forwards
-        result.drafted += len(step.draft.tokens)
-        result.draft_counts.append(len(step.draft.tokens))
-        result.accepted += verdict.accepted
-        result.tested += verdict.tested
-        result.accept_counts.append(verdict.accepted)
-        result.inner_drafted += step.draft.inner_drafted
-        result.inner_accepted += step.draft.inner_accepted
-        result.inner_forwards += step.draft.inner_forwards
-        if step.draft.from_inner is not None:
-            result.from_inner += sum(step.draft.from_inner[node] for node in verdict.path)
-        siblings = {} if step.draft.is_chain else children(step.draft.parents)  # in a chain every node is a 1st child
-        for node in verdict.path:
-            rank = siblings[step.draft.parents[node]].index(node) if siblings else 0
-            result.rank_counts += [0] * (rank + 1 - len(result.rank_counts))
-            result.rank_counts[rank] += 1
-        beta_sum = beta_sum + verdict.beta_sum
+            k = schedule(k, len(round_.draft.tokens), verdict.accepted)
+        result.observe(round_.draft, verdict)
         new_from = len(result.tokens)
         if on_round is not None:
-            on_round(step, new_from)
-        result.tokens += step.emitted_ids
+            on_round(round_, new_from)
+        result.tokens += round_.emitted_ids
         end = _end(result.tokens, new_from, max_new_tokens, stop_ids)
         if end is not None:
             del result.tokens[end:]
-            result.beta_sum = float(beta_sum)
+            result.beta_sum = float(result.beta_sum)
             return result

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from specbench.decoding.decode import CausalLM, Draft, LowerDrafter, speculative_round
+from specbench.decoding.decode import Beneath, CausalLM, Draft, LowerDrafter, speculative_round
 from specbench.decoding.sampling import SamplingConfig, Verdict
 from specbench.drafters.lookup import PromptLookupDrafter
 
@@ -19,7 +19,8 @@ class CascadeDrafter:
     proposal drawn independently of the target's check.
 
     ``lower`` is prompt lookup unless given (a ModelDrafter makes TriForce's bottom level);
-    ``inner_k`` caps its proposal per check (None: as many tokens as positions are left).
+    ``inner_k`` caps its proposal per check (None: as many tokens as positions are left). What the
+    lower level proposed and what the model and the target kept of it is counted in ``beneath``.
     """
 
     def __init__(
@@ -40,11 +41,12 @@ class CascadeDrafter:
         self.lower.start(prompt_ids, first)
         self.pending = first  # tokens the model has not read yet
         self.length = len(prompt_ids) + len(first)  # the sequence so far, pending tokens included
+        self.beneath = Beneath()
 
     def propose(self, k: int) -> Draft:
         self.unread = len(self.pending)
         self.drafted = k if self.split is None else min(self.split, k)  # the model's tokens; it reads all but the last
-        tokens, rows, from_inner, have, offered, taken, lower_forwards = [], [], [], 0, 0, 0, 0
+        tokens, rows, from_lower, have = [], [], [], 0
         while have < self.drafted:
             # A round with m lower tokens emits at most m + 1: never more than the positions left.
             ask = self.drafted - have - 1
@@ -61,25 +63,20 @@ class CascadeDrafter:
             if inner.p is not None:
                 rows.append(inner.p[: len(emitted)])  # the row each emitted token was chosen from
             # The accepted lower tokens came from beneath; the model itself chose the last one.
-            from_inner += [True] * inner.verdict.accepted + [False]
-            offered, taken = offered + len(inner.draft.tokens), taken + inner.verdict.accepted
-            lower_forwards += inner.draft.forwards
+            from_lower += [True] * inner.verdict.accepted + [False]
+            self.beneath.drafted += len(inner.draft.tokens)
+            self.beneath.accepted += inner.verdict.accepted
+            self.beneath.forwards += inner.draft.forwards
             self.pending, have = inner.verdict.next_token, have + len(emitted)
         tail = self.lower.propose(k - self.drafted).tokens if k > self.drafted else tokens[0][:0]
         if rows and len(tail):
             rows.append(torch.nn.functional.one_hot(tail, rows[0].shape[-1]).to(rows[0].dtype))
-        return Draft.chain(
-            torch.cat([*tokens, tail]),
-            torch.cat(rows) if rows else None,
-            forwards=len(tokens),
-            from_inner=from_inner + [True] * len(tail),
-            inner_drafted=offered,
-            inner_accepted=taken,
-            inner_forwards=lower_forwards,
-        )
+        self.from_lower = from_lower + [True] * len(tail)  # which of the draft's tokens came from beneath
+        return Draft.chain(torch.cat([*tokens, tail]), torch.cat(rows) if rows else None, forwards=len(tokens))
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         n = verdict.accepted
+        self.beneath.kept += sum(self.from_lower[:n])
         if n < self.drafted:
             self.model.keep(range(self.unread + n), self.unread + self.drafted - 1)
             self.pending = verdict.next_token

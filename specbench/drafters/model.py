@@ -69,8 +69,10 @@ class ModelDrafter:
             # It reads what it has not yet (its last draft, if it did not stop early), then the target's token.
             self.pending = torch.cat([self.pending, verdict.next_token])
 
-    def read_later(self, tokens: torch.Tensor) -> None:
-        """Tokens of a round another drafter proposed, as the target kept them: read with the next forward."""
+    def read_round(self, draft: Draft, verdict: Verdict) -> None:
+        """A round another drafter proposed (drafters.chained): the tokens the target kept are read
+        with the next forward."""
+        tokens = torch.cat([draft.on_path(verdict.path), verdict.next_token])
         if self.seen is not None:
             self.seen[tokens] = True
         self.pending = torch.cat([self.pending, tokens])

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import torch
@@ -37,13 +37,25 @@ class Lesson:
     top_idx: torch.Tensor  # [TOP_K] their token ids
 
 
-def rejection(step: Round, at: int, top_k: int = TOP_K) -> Lesson | None:
+@dataclass
+class Lessons(DecodeResult):
+    """An online decode's result: what it decoded, and the lessons of its rounds, which the learner
+    takes after the prompt (from the timed repeat that was kept)."""
+
+    lessons: list[Lesson] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, result: DecodeResult, lessons: list[Lesson]) -> Lessons:
+        return cls(**{f.name: getattr(result, f.name) for f in fields(result)}, lessons=lessons)
+
+
+def rejection(round_: Round, at: int, top_k: int = TOP_K) -> Lesson | None:
     """The lesson of a chain round whose first emitted token is output token ``at``: the target's
     row at the first rejected draft token, or None when it accepted them all."""
-    n = step.verdict.accepted
-    if n == len(step.draft.tokens):
+    n = round_.verdict.accepted
+    if n == len(round_.draft.tokens):
         return None
-    top = step.logits[n].float().log_softmax(-1).topk(min(top_k, step.logits.shape[-1]))
+    top = round_.logits[n].float().log_softmax(-1).topk(min(top_k, round_.logits.shape[-1]))
     return Lesson(at + n, top.values, top.indices)
 
 
@@ -86,7 +98,7 @@ class OnlineLearner:
         self.buffer: list[Example] = []
         self.prompts = self.updates = 0
 
-    def learn(self, prompt_ids: torch.Tensor, result: DecodeResult) -> Learned:
+    def learn(self, prompt_ids: torch.Tensor, result: Lessons) -> Learned:
         """Keep the prompt's lessons; every ``every`` prompts, update the draft on those gathered."""
         self.prompts += 1
         lessons = [lesson for lesson in result.lessons if lesson.position <= len(result.tokens)]

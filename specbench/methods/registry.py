@@ -23,14 +23,15 @@ from specbench.decoding.decode import autoregressive_decode
 from specbench.decoding.kv import SINKS
 from specbench.decoding.timing import TimedDrafter, TimedLM
 from specbench.drafters.cascade import CascadeDrafter
+from specbench.drafters.chained import FirstThatDrafts
 from specbench.drafters.eagle import EagleDrafter
-from specbench.drafters.lookup import LookupOrModelDrafter, PromptLookupDrafter
+from specbench.drafters.lookup import PromptLookupDrafter
 from specbench.drafters.model import ModelDrafter
 from specbench.drafters.propose import tree_parents
 from specbench.drafters.trees import LookupTreeDrafter, TreeDrafter
 from specbench.engines.hf import hf_generate, hf_samples
 from specbench.methods.base import Decoder, Level, Method, SpeculativeLoop
-from specbench.methods.online import OnlineConfig, OnlineLearner, rejection
+from specbench.methods.online import Lessons, OnlineConfig, OnlineLearner, rejection
 from specbench.models.eagle_head import HeadLM
 from specbench.models.lm import HFCausalLM, SparseView, WindowLM
 from specbench.models.pair import Pair
@@ -178,7 +179,8 @@ class LookupOrDraft(SpeculativeLoop):
 
     def drafter(self, pair, settings, step, generator):
         model = ModelDrafter(pair.draft_lm, settings.sampling, generator, step.p_min(settings))
-        return LookupOrModelDrafter(model, settings.lookup_k, settings.lookup_ngram)
+        lookup = PromptLookupDrafter(shortest=settings.lookup_ngram, lookahead=settings.lookup_k)
+        return FirstThatDrafts([lookup, model])
 
 
 class Cascade(SpeculativeLoop):
@@ -313,8 +315,7 @@ class Online(Speculative):
                 lessons.append(lesson)
 
         result = super().decode(pair, settings, step, ids, generator, on_round=keep)
-        result.lessons = lessons
-        return result
+        return Lessons.of(result, lessons)
 
     def after_prompt(self, step, ids, result):
         return step.state.learn(ids, result)

@@ -160,8 +160,9 @@ def _hist(counts: list[int], least: int = 0) -> str:
 def _inner(result: DecodeResult, beside: bool) -> dict:
     """The counts of a drafter's bottom level (a cascade's prompt lookup). A level ``beside`` the
     drafting model proposes to the target, so what it had accepted is what reached the output."""
-    counts = {name: getattr(result, name) for name in INNER}
-    return {**counts, "inner_accepted": result.from_inner} if beside else counts
+    level = result.beneath
+    accepted = level.kept if beside else level.accepted
+    return dict(zip(INNER, (level.drafted, accepted, level.kept, level.forwards), strict=True))
 
 
 INNER = ("inner_drafted", "inner_accepted", "from_inner", "inner_forwards")
