@@ -159,7 +159,7 @@ DEFAULT_CLIENTS = ("specbench", "vllm")
 def server_client(url: str, concurrency: int, count: int, tokens: int, input_len: int, out: str) -> None:
     """Send ``count`` requests through specbench's Server (the --engine server client) and write
     what it measured of each to ``out`` (JSON). Runs in a child process."""
-    from specbench.engines import Sampling
+    from specbench.decoding.sampling import Sampling
     from specbench.engines.server import Server
 
     sampling = Sampling(max_new_tokens=tokens, temperature=0.0, top_k=0, top_p=1.0, seed=0, stop_ids=())

@@ -387,7 +387,7 @@ def host_reads(check: Check) -> Outcome:
     import torch
 
     from specbench.decoding.decode import STOP_CHECK, autoregressive_decode, speculative_decode
-    from specbench.decoding.sampling import SamplingConfig
+    from specbench.decoding.sampling import Sampling
     from specbench.drafters.lookup import PromptLookupDrafter
     from specbench.drafters.model import ModelDrafter
     from specbench.models.lm import HFCausalLM
@@ -404,7 +404,7 @@ def host_reads(check: Check) -> Outcome:
     figures, problems = {}, []
     cases = [(f"{d}, T={t}", d, t) for d in ("draft model", "prompt lookup", "baseline") for t in (0.0, 1.0)]
     for label, drafting, temperature in cases:
-        cfg, generator = SamplingConfig(temperature=temperature), torch.Generator(device).manual_seed(0)
+        sampling, generator = Sampling(temperature=temperature), torch.Generator(device).manual_seed(0)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             if device.type == "cuda":
@@ -412,12 +412,14 @@ def host_reads(check: Check) -> Outcome:
             try:
                 with HostReads() as reads:
                     if drafting == "baseline":
-                        result = autoregressive_decode(target, prompt, 40, cfg, generator)
+                        result = autoregressive_decode(target, prompt, 40, sampling, generator)
                     else:
                         drafter = (
-                            ModelDrafter(draft, cfg, generator) if drafting == "draft model" else PromptLookupDrafter()
+                            ModelDrafter(draft, sampling, generator)
+                            if drafting == "draft model"
+                            else PromptLookupDrafter()
                         )
-                        result = speculative_decode(target, drafter, prompt, 3, 40, cfg, generator)
+                        result = speculative_decode(target, drafter, prompt, 3, 40, sampling, generator)
             finally:
                 if device.type == "cuda":
                     torch.cuda.set_sync_debug_mode("default")

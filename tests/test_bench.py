@@ -148,7 +148,7 @@ def test_each_lookahead_policy_is_a_row_of_its_own_exact_under_greedy_and_resume
         "hf-assisted takes only --k-policy fixed: no heuristic rows",  # it runs fixed K instead
         "vllm draft takes only --k-policy fixed: no heuristic rows",
     ]
-    assert [step.k_policy for step in served.plan if step.method.name == "hf-assisted"] == ["fixed", "fixed"]
+    assert [decoder.k_policy for decoder in served.plan if decoder.method.name == "hf-assisted"] == ["fixed", "fixed"]
     summary = pd.DataFrame(results.summary).set_index(["method", "k", "k_policy"])
     assert set(summary.loc["speculative"].index) == {
         (k, p) for k in (1, 3) for p in ("heuristic", "fixed", "confidence")
@@ -254,7 +254,7 @@ def test_the_contributing_example_method_is_exact_and_registers(monkeypatch, one
     from specbench.bench import config
     from specbench.core.errors import SpecbenchError
     from specbench.decoding.decode import autoregressive_decode, speculative_decode
-    from specbench.decoding.sampling import SamplingConfig
+    from specbench.decoding.sampling import Sampling
     from specbench.methods import registry
 
     from .toy import P_FLOOR, VOCAB, ToyLM, chi_square_p
@@ -271,14 +271,14 @@ def test_the_contributing_example_method_is_exact_and_registers(monkeypatch, one
     monkeypatch.setattr(config, "METHODS", extended)
     (option,) = repeat.options
     assert config.declared()["repeat_last"] is option and option.default == 1
-    assert repeat.settings(SimpleNamespace(repeat_last=3)) == "repeat_last=3"
+    assert repeat.options_column(SimpleNamespace(repeat_last=3)) == "repeat_last=3"
     with pytest.raises(SpecbenchError, match="^--repeat-last .*$"):
         option.validate(0)
     assert repeat.drafter(None, SimpleNamespace(repeat_last=3), None, None).last == 3
     # Exact under sampling while it cycles (2 tokens, K=3), and greedy equality.
     drafter = namespace["RepeatDrafter"](2)
-    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 3, SamplingConfig(temperature=1.0)) > P_FLOOR
-    target, prompt, greedy = ToyLM(5, seed=3), torch.tensor([1, 4]), SamplingConfig(0.0)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 3, Sampling(temperature=1.0)) > P_FLOOR
+    target, prompt, greedy = ToyLM(5, seed=3), torch.tensor([1, 4]), Sampling(0.0)
     want = autoregressive_decode(target, prompt, 30, greedy, torch.Generator()).tokens
     assert (
         speculative_decode(target, namespace["RepeatDrafter"](3), prompt, 3, 30, greedy, torch.Generator()).tokens

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks.client_overhead import block_errors, run_record, serial_of, up_to, vllm_record, within
 from benchmarks.stub_server import Stub
-from specbench.engines import Sampling
+from specbench.decoding.sampling import Sampling
 from specbench.engines.server import Server
 
 

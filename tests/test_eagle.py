@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specbench.decoding.decode import autoregressive_decode, heuristic_k, speculative_decode
-from specbench.decoding.sampling import SamplingConfig, warp
+from specbench.decoding.sampling import Sampling, warp
 from specbench.drafters import trees
 from specbench.drafters.eagle import EagleDrafter
 from specbench.models.eagle_head import WEIGHTS, HeadLM, load_head, read_head, save_head
@@ -41,7 +41,7 @@ def head_for(target, path):
 
 
 def sampled_p(target, drafter_of, k: int = 2, schedule=None) -> float:
-    cfg, generator = SamplingConfig(temperature=1.0), torch.Generator().manual_seed(0)
+    cfg, generator = Sampling(temperature=1.0), torch.Generator().manual_seed(0)
     drafter = drafter_of(cfg, generator)
     target.record_features(drafter.head.config.taps)
     prompt = torch.tensor(PROMPT)
@@ -178,7 +178,7 @@ class SampledLooking(EagleDrafter):
 
     def _dynamic(self, out, depth):
         draft = super()._dynamic(out, depth)
-        q = self._full(warp(self.head.draft_logits(out), self.cfg)).expand(len(draft.tokens), -1)
+        q = self._full(warp(self.head.draft_logits(out), self.sampling)).expand(len(draft.tokens), -1)
         return dataclasses.replace(draft, q=q)
 
 
@@ -191,7 +191,7 @@ def test_the_test_catches_a_dynamic_tree_judged_as_sampled(law, one_thread):
 def test_eagle_chain_gives_the_target_law_quickly(law, one_thread):
     """The fast set's check: a third of the samples, chains only (the slow tests cover the rest)."""
     target, head = law
-    cfg, generator = SamplingConfig(temperature=1.0), torch.Generator().manual_seed(1)
+    cfg, generator = Sampling(temperature=1.0), torch.Generator().manual_seed(1)
     drafter = EagleDrafter(head, target, 3, cfg, generator)
     target.record_features(head.config.taps)
     counts = Counter(
@@ -204,7 +204,7 @@ def test_eagle_chain_gives_the_target_law_quickly(law, one_thread):
 @pytest.mark.parametrize("how", [*SHAPES, *POLICIES])
 def test_greedy_eagle_equals_the_greedy_target(law, how, tmp_path):
     target, _ = law
-    cfg, generator = SamplingConfig(), torch.Generator()
+    cfg, generator = Sampling(), torch.Generator()
     options, schedule = POLICIES[how] if how in POLICIES else (SHAPES[how], None)
     accepted = 0
     for seed in range(6):  # heads of several seeds, so that some drafts are accepted and some rejected

@@ -73,15 +73,15 @@ def test_records_and_summary_of_requests_in_flight():
     base = [Served(0, [5, 6, 7, 8], 0.0, 0.1, 0.4, None), Served(1, [5, 6], 0.0, 0.1, 0.2, None)]
     # The draft's request 1 diverges at token 1; both ran at once from t=0.
     draft = [Served(0, [5, 6, 7, 8], 0.0, 0.05, 0.2, [1, 0, 1], 4), Served(1, [5, 9], 0.0, 0.05, 0.15, [1, 0, 0], 2)]
-    step = Decoder(SERVED["draft"], 2)
+    decoder = Decoder(SERVED["draft"], 2)
     load = (2, math.inf)
     rows = [serving.record(prompts[i], i, [1], Decoder(SERVED_BASELINE), load, base[i], base[i]) for i in range(2)]
-    rows += [serving.record(prompts[i], i, [1], step, load, draft[i], base[i]) for i in range(2)]
+    rows += [serving.record(prompts[i], i, [1], decoder, load, draft[i], base[i]) for i in range(2)]
     assert set(rows[0]) == set(schema.RECORDS)
     first = rows[2]
     assert first["speedup"] == pytest.approx((4 / 0.2) / (4 / 0.4))
     assert first["ttft_ms"] == pytest.approx(50) and first["tpot_ms"] == pytest.approx(1000 * 0.15 / 3)
-    # two verify steps and the prefill: 3 forwards for 4 tokens (the second step was cut at the limit)
+    # two verify steps and the prefill: 3 forwards for 4 tokens (the second decoder was cut at the limit)
     assert (first["accepted"], first["target_forwards"], first["tau"]) == (2, 3, 4 / 3)
     assert (rows[3]["outputs_match"], rows[3]["first_divergence"]) == (False, 1)
     costs = [serving.decode_cost([10.0], "vllm", "target"), serving.decode_cost([2.0], "vllm", "draft")]
@@ -103,8 +103,8 @@ def test_a_served_row_per_method_and_k_when_the_plan_has_a_decoder_per_k():
     base = Served(0, [5, 6, 7], 0.0, 0.1, 0.3, None)
     load = (1, math.inf)
     rows = [serving.record(turn, 0, [1], Decoder(SERVED_BASELINE), load, base, base)]
-    for step in cfg.served_plan:
-        rows.append(serving.record(turn, 0, [1], step, load, Served(0, [5, 6, 7], 0.0, 0.1, 0.2, [1, 1], 2), base))
+    for decoder in cfg.served_plan:
+        rows.append(serving.record(turn, 0, [1], decoder, load, Served(0, [5, 6, 7], 0.0, 0.1, 0.2, [1, 1], 2), base))
     costs = [serving.decode_cost([10.0], "vllm", "target"), serving.decode_cost([2.0], "vllm", "draft")]
     columns = run_columns(cfg, {"target": "t", "draft": "d", "dataset": "x"})
     summary = serving.summarize(rows, costs, [], [cfg.served_baseline, *cfg.served_plan], cfg.loads, columns)

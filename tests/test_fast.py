@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from specbench.decoding.decode import speculative_decode
-from specbench.decoding.sampling import SamplingConfig
+from specbench.decoding.sampling import Sampling
 from specbench.decoding.tree import tree_inputs
 from specbench.drafters.model import ModelDrafter
 from specbench.models.fast import PADDED_UP_TO, FastLlama, attend, fastest_rows, padded_rows, unsupported
@@ -144,7 +144,7 @@ def test_models_beyond_the_fast_path_say_why(tmp_path):
 
 def sampled_law_p(target: LawLM, draft: LawLM, k: int, samples: int = SAMPLES) -> float:
     device = target.device
-    cfg, generator = SamplingConfig(temperature=1.0), torch.Generator(device=device).manual_seed(0)
+    cfg, generator = Sampling(temperature=1.0), torch.Generator(device=device).manual_seed(0)
     drafter = ModelDrafter(draft, cfg, generator)
     from collections import Counter
 

@@ -17,7 +17,7 @@ from scipy.stats import chisquare
 from specbench.core.errors import SpecbenchError
 from specbench.decoding.decode import autoregressive_decode, speculative_decode
 from specbench.decoding.kv import EVICT_SLACK, SINKS, retrieval_positions, window_positions
-from specbench.decoding.sampling import SamplingConfig, warp
+from specbench.decoding.sampling import Sampling, warp
 from specbench.drafters.cascade import CascadeDrafter
 from specbench.drafters.model import ModelDrafter
 from specbench.models.lm import HFCausalLM, SparseView, WindowLM
@@ -73,7 +73,7 @@ def target():
     return tiny3(seed=2)
 
 
-def exact_law(model, cfg: SamplingConfig) -> dict[tuple, float]:
+def exact_law(model, cfg: Sampling) -> dict[tuple, float]:
     """The probability of every continuation of LENGTH tokens when sampling from ``model`` alone."""
     sequences = list(itertools.product(range(3), repeat=LENGTH))
     ids = torch.cat([PROMPT.expand(len(sequences), -1), torch.tensor(sequences)], dim=1)
@@ -84,7 +84,7 @@ def exact_law(model, cfg: SamplingConfig) -> dict[tuple, float]:
     return {seq: float(p) for seq, p in zip(sequences, chosen.prod(-1), strict=True)}
 
 
-def chi_square_p(target, make_drafter, k: int, cfg: SamplingConfig, prepare=lambda drafter: None) -> float:
+def chi_square_p(target, make_drafter, k: int, cfg: Sampling, prepare=lambda drafter: None) -> float:
     law = exact_law(target, cfg)
     target_lm, generator = HFCausalLM(target, 3), torch.Generator().manual_seed(0)
     drafter = make_drafter(target_lm, generator)
@@ -98,7 +98,7 @@ def chi_square_p(target, make_drafter, k: int, cfg: SamplingConfig, prepare=lamb
     return chisquare([counts[s] for s in cells], [law[s] / mass * SAMPLES for s in cells]).pvalue
 
 
-def self_sparse(policy: str, cfg: SamplingConfig):
+def self_sparse(policy: str, cfg: Sampling):
     def make(target_lm, generator):
         return ModelDrafter(SparseView(target_lm, BUDGET, policy), cfg, generator)
 
@@ -109,7 +109,7 @@ def watch(drafter):  # as the methods do before each decode: retrieval needs the
     drafter.model.watch()
 
 
-def triforce(cfg: SamplingConfig, drafter_class=CascadeDrafter, inner_k: int = 1):
+def triforce(cfg: Sampling, drafter_class=CascadeDrafter, inner_k: int = 1):
     def make(target_lm, generator):
         window = WindowLM(tiny3(seed=5, layers=1), 3, budget=WINDOW)
         lower = ModelDrafter(window, cfg, generator)
@@ -118,15 +118,13 @@ def triforce(cfg: SamplingConfig, drafter_class=CascadeDrafter, inner_k: int = 1
     return make
 
 
-@pytest.mark.parametrize(
-    "policy,cfg", [("retrieval", SamplingConfig(1.0)), ("window", SamplingConfig(temperature=0.8, top_k=2))]
-)
+@pytest.mark.parametrize("policy,cfg", [("retrieval", Sampling(1.0)), ("window", Sampling(temperature=0.8, top_k=2))])
 @pytest.mark.slow
 def test_self_sparse_matches_target_law(target, policy, cfg):
     assert chi_square_p(target, self_sparse(policy, cfg), 2, cfg, watch) > P_FLOOR
 
 
-@pytest.mark.parametrize("cfg,inner_k", [(SamplingConfig(1.0), 1), (SamplingConfig(temperature=1.2, top_p=0.9), 2)])
+@pytest.mark.parametrize("cfg,inner_k", [(Sampling(1.0), 1), (Sampling(temperature=1.2, top_p=0.9), 2)])
 @pytest.mark.slow
 def test_triforce_matches_target_law(target, cfg, inner_k):
     assert chi_square_p(target, triforce(cfg, inner_k=inner_k), 3, cfg, watch) > P_FLOOR
@@ -156,18 +154,18 @@ class BottomRowsPassedUp(CascadeDrafter):
 
 @pytest.mark.slow
 def test_the_test_catches_a_middle_level_that_passes_up_the_wrong_rows(target):
-    cfg = SamplingConfig(1.0)
+    cfg = Sampling(1.0)
     assert chi_square_p(target, triforce(cfg, BottomRowsPassedUp, inner_k=2), 3, cfg, watch) < P_FLOOR
 
 
-def window_draft(cfg: SamplingConfig, drafter_class=ModelDrafter):
+def window_draft(cfg: Sampling, drafter_class=ModelDrafter):
     def make(target_lm, generator):
         return drafter_class(WindowLM(tiny3(seed=5, layers=1), 3, budget=WINDOW), cfg, generator)
 
     return make
 
 
-@pytest.mark.parametrize("cfg", [SamplingConfig(1.0), SamplingConfig(temperature=0.8, top_p=0.9)])
+@pytest.mark.parametrize("cfg", [Sampling(1.0), Sampling(temperature=0.8, top_p=0.9)])
 @pytest.mark.slow
 def test_speculative_with_a_window_draft_matches_target_law(target, cfg):
     assert chi_square_p(target, window_draft(cfg), 3, cfg) > P_FLOOR
@@ -179,14 +177,14 @@ class WholeSequenceRows(ModelDrafter):
 
     def start(self, prompt_ids, first):
         super().start(prompt_ids, first)
-        self.whole = ModelDrafter(HFCausalLM(self.model.model, 3), self.cfg, self.generator)
+        self.whole = ModelDrafter(HFCausalLM(self.model.model, 3), self.sampling, self.generator)
         self.whole.start(prompt_ids, first)
 
     def propose(self, k):
         draft = super().propose(k)
         logits = self.whole.model.forward(torch.cat([self.whole.pending, draft.tokens[:-1]]), last=k)
         self.whole.pending = draft.tokens[-1:]  # it has read what the window model read
-        draft.q = warp(logits, self.cfg)
+        draft.q = warp(logits, self.sampling)
         return draft
 
     def accepted(self, draft, verdict):
@@ -196,12 +194,12 @@ class WholeSequenceRows(ModelDrafter):
 
 @pytest.mark.slow
 def test_the_test_catches_a_window_draft_that_hands_up_rows_over_the_whole_sequence(target):
-    cfg = SamplingConfig(1.0)
+    cfg = Sampling(1.0)
     assert chi_square_p(target, window_draft(cfg, WholeSequenceRows), 3, cfg) < P_FLOOR
 
 
 def test_greedy_long_context_methods_equal_the_greedy_baseline(target):
-    greedy, target_lm = SamplingConfig(0.0), HFCausalLM(target, 3)
+    greedy, target_lm = Sampling(0.0), HFCausalLM(target, 3)
     want = autoregressive_decode(target_lm, PROMPT, 24, greedy, torch.Generator()).tokens
     views = (self_sparse("retrieval", greedy), self_sparse("window", greedy), triforce(greedy, inner_k=2))
     for make, prepare in [(make, watch) for make in views] + [(window_draft(greedy), lambda drafter: None)]:

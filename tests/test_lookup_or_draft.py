@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from specbench.decoding.decode import Draft, autoregressive_decode, speculative_decode
-from specbench.decoding.sampling import SamplingConfig
+from specbench.decoding.sampling import Sampling
 from specbench.drafters.chained import FirstThatDrafts
 from specbench.drafters.lookup import PromptLookupDrafter
 from specbench.drafters.model import ModelDrafter
@@ -44,7 +44,7 @@ class LookupTokensWithModelRows(CountedRounds):
         return Draft.chain(draft.tokens, model.q, forwards=model.forwards)
 
 
-def hybrid(cfg: SamplingConfig, kind=CountedRounds, lookup_k: int = 3, shortest: int = 2) -> CountedRounds:
+def hybrid(cfg: Sampling, kind=CountedRounds, lookup_k: int = 3, shortest: int = 2) -> CountedRounds:
     model = ModelDrafter(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7))
     return kind(model, lookup_k, shortest)
 
@@ -52,9 +52,9 @@ def hybrid(cfg: SamplingConfig, kind=CountedRounds, lookup_k: int = 3, shortest:
 @pytest.mark.parametrize(
     "cfg,shortest",
     [
-        (SamplingConfig(temperature=1.0), 2),
-        pytest.param(SamplingConfig(temperature=1.0), 1, marks=pytest.mark.slow),
-        pytest.param(SamplingConfig(temperature=0.7, top_k=2), 2, marks=pytest.mark.slow),
+        (Sampling(temperature=1.0), 2),
+        pytest.param(Sampling(temperature=1.0), 1, marks=pytest.mark.slow),
+        pytest.param(Sampling(temperature=0.7, top_k=2), 2, marks=pytest.mark.slow),
     ],
 )
 def test_lookup_or_draft_matches_target_law(cfg, shortest):
@@ -64,16 +64,14 @@ def test_lookup_or_draft_matches_target_law(cfg, shortest):
 
 
 def test_the_test_catches_lookup_tokens_passed_up_with_the_models_rows():
-    cfg = SamplingConfig(temperature=1.0)
+    cfg = Sampling(temperature=1.0)
     broken = hybrid(cfg, LookupTokensWithModelRows)
     assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 2, cfg) < P_FLOOR
     assert broken.rounds["lookup"] > 1000
 
 
 @pytest.mark.parametrize("k,lookup_k", [(1, 4), (2, 6), (4, 2)])
-@pytest.mark.parametrize(
-    "adjusted", [SamplingConfig(0.0), SamplingConfig(0.0, repetition_penalty=1.6, logit_bias=((2, 0.5),))]
-)
+@pytest.mark.parametrize("adjusted", [Sampling(0.0), Sampling(0.0, repetition_penalty=1.6, logit_bias=((2, 0.5),))])
 def test_greedy_lookup_or_draft_equals_greedy_baseline_on_toy(k, lookup_k, adjusted):
     target, prompt = ToyLM(5, seed=3), torch.tensor([1, 4, 0, 2, 1, 4])
     noisy = ToyLM(5, seed=3)  # the target plus noise: agrees often, not always
@@ -94,7 +92,7 @@ def test_greedy_lookup_or_draft_equals_greedy_baseline_on_toy(k, lookup_k, adjus
 def test_the_model_reads_lookups_rounds_so_the_target_as_its_own_draft_is_always_accepted(k):
     # Greedy, with the target as the draft model: a model round is accepted in full only if the
     # model's cache holds every token the target kept, lookup's rounds' included.
-    cfg, g = SamplingConfig(0.0), torch.Generator().manual_seed(0)
+    cfg, g = Sampling(0.0), torch.Generator().manual_seed(0)
     for seed in range(3):
         target, prompt = ToyLM(12, seed=seed, scale=0.5), torch.randint(0, 12, (40,), generator=g)
         drafter = CountedRounds(ModelDrafter(ToyLM(12, seed=seed, scale=0.5), cfg, torch.Generator()), 4)

@@ -7,7 +7,7 @@ import torch
 
 from specbench.decoding import decode, sampling
 from specbench.decoding.decode import Draft, autoregressive_decode, speculative_decode
-from specbench.decoding.sampling import SamplingConfig, warp
+from specbench.decoding.sampling import Sampling, warp
 from specbench.drafters.cascade import CascadeDrafter
 from specbench.drafters.lookup import PromptLookupDrafter
 from specbench.drafters.model import ModelDrafter
@@ -23,10 +23,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize(
     "cfg,k",
     [
-        (SamplingConfig(temperature=1.0), 1),  # the fast suite's check of the sampled chain verifier
-        pytest.param(SamplingConfig(temperature=1.0), 3, marks=pytest.mark.slow),
-        pytest.param(SamplingConfig(temperature=0.7, top_k=2), 2, marks=pytest.mark.slow),
-        pytest.param(SamplingConfig(temperature=1.3, top_p=0.8), 2, marks=pytest.mark.slow),
+        (Sampling(temperature=1.0), 1),  # the fast suite's check of the sampled chain verifier
+        pytest.param(Sampling(temperature=1.0), 3, marks=pytest.mark.slow),
+        pytest.param(Sampling(temperature=0.7, top_k=2), 2, marks=pytest.mark.slow),
+        pytest.param(Sampling(temperature=1.3, top_p=0.8), 2, marks=pytest.mark.slow),
     ],
 )
 def test_speculative_sampling_matches_target_law(cfg, k):
@@ -37,7 +37,7 @@ def test_speculative_sampling_matches_target_law(cfg, k):
 def test_prompt_lookup_drafting_matches_target_law():
     # One-hot drafts proposed from n-gram matches; with 3 tokens, matches are frequent.
     lookup = PromptLookupDrafter(max_ngram=2)
-    assert chi_square_p(ToyLM(VOCAB, seed=1), lookup, 3, SamplingConfig(temperature=1.0)) > P_FLOOR
+    assert chi_square_p(ToyLM(VOCAB, seed=1), lookup, 3, Sampling(temperature=1.0)) > P_FLOOR
 
 
 class ShortlistedToy(ToyLM):
@@ -52,9 +52,7 @@ class ShortlistedToy(ToyLM):
 @pytest.mark.slow
 def test_a_draft_blind_to_a_token_still_gives_the_target_law():
     # q is zero on token 1, which the target often picks: only the residual can produce it.
-    assert (
-        chi_square_p(ToyLM(VOCAB, seed=1), ShortlistedToy(VOCAB, seed=2), 2, SamplingConfig(temperature=1.0)) > P_FLOOR
-    )
+    assert chi_square_p(ToyLM(VOCAB, seed=1), ShortlistedToy(VOCAB, seed=2), 2, Sampling(temperature=1.0)) > P_FLOOR
 
 
 def _verify_with_residual_p(draft_tokens, q, p, generator):
@@ -76,12 +74,12 @@ def _verify_with_stale_bonus(draft_tokens, q, p, generator):
 @pytest.mark.slow
 def test_the_test_catches_a_broken_verifier(monkeypatch, broken):
     monkeypatch.setattr(decode, "verify_chain_sampled", broken)
-    assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 1, SamplingConfig(temperature=1.0)) < P_FLOOR
+    assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 1, Sampling(temperature=1.0)) < P_FLOOR
 
 
 def test_identical_draft_accepts_everything_and_earns_the_bonus():
     target = ToyLM(VOCAB, seed=1)
-    cfg, g = SamplingConfig(1.0), torch.Generator().manual_seed(0)
+    cfg, g = Sampling(1.0), torch.Generator().manual_seed(0)
     result = speculative_decode(target, ModelDrafter(ToyLM(VOCAB, seed=1), cfg, g), torch.tensor(PROMPT), 3, 21, cfg, g)
     assert result.accept_counts == [3] * 5  # 1 token from prefill, then 5 rounds of K + 1 = 4
     assert len(result.tokens) == 21
@@ -91,9 +89,9 @@ def test_identical_draft_accepts_everything_and_earns_the_bonus():
 @pytest.mark.parametrize(
     "cfg",
     [
-        SamplingConfig(temperature=1.0, repetition_penalty=2.0),  # the fast suite's: rows see their drafts
-        pytest.param(SamplingConfig(temperature=0.8, min_p=0.3), marks=pytest.mark.slow),
-        pytest.param(SamplingConfig(temperature=1.0, logit_bias=((1, 1.5), (2, -1.0))), marks=pytest.mark.slow),
+        Sampling(temperature=1.0, repetition_penalty=2.0),  # the fast suite's: rows see their drafts
+        pytest.param(Sampling(temperature=0.8, min_p=0.3), marks=pytest.mark.slow),
+        pytest.param(Sampling(temperature=1.0, logit_bias=((1, 1.5), (2, -1.0))), marks=pytest.mark.slow),
     ],
 )
 def test_repetition_penalty_min_p_and_logit_bias_keep_the_target_law(cfg):
@@ -110,7 +108,7 @@ def test_repetition_penalty_min_p_and_logit_bias_keep_the_target_law(cfg):
 def test_the_test_catches_a_penalty_blind_to_the_rounds_drafts(monkeypatch):
     """A verifier whose rows are penalised for the context before the round only, not for the drafts
     before them in the round: the law moves."""
-    cfg = SamplingConfig(temperature=1.0, repetition_penalty=3.0)
+    cfg = Sampling(temperature=1.0, repetition_penalty=3.0)
     assert chi_square_p(ToyLM(VOCAB, seed=5), ToyLM(VOCAB, seed=1), 3, cfg) > P_FLOOR
     monkeypatch.setattr(decode, "_seen_rows", lambda seen, tokens: seen.expand(len(tokens) + 1, -1))
     assert chi_square_p(ToyLM(VOCAB, seed=5), ToyLM(VOCAB, seed=1), 3, cfg) < P_FLOOR
@@ -118,9 +116,7 @@ def test_the_test_catches_a_penalty_blind_to_the_rounds_drafts(monkeypatch):
 
 @pytest.mark.parametrize("k", [1, 2, 5])
 @pytest.mark.parametrize("drafter", ["model", "prompt-lookup"])
-@pytest.mark.parametrize(
-    "adjusted", [SamplingConfig(0.0), SamplingConfig(0.0, repetition_penalty=1.6, logit_bias=((2, 0.5),))]
-)
+@pytest.mark.parametrize("adjusted", [Sampling(0.0), Sampling(0.0, repetition_penalty=1.6, logit_bias=((2, 0.5),))])
 def test_greedy_speculative_equals_greedy_baseline_on_toy(k, drafter, adjusted):
     target, prompt = ToyLM(5, seed=3), torch.tensor([1, 4])
     if drafter == "model":  # the target plus noise: agrees often, not always
@@ -138,7 +134,7 @@ def test_greedy_speculative_equals_greedy_baseline_on_toy(k, drafter, adjusted):
 
 def test_stop_token_ends_both_decoders_at_the_same_place():
     target, draft, prompt = ToyLM(5, seed=3), ToyLM(5, seed=4), torch.tensor([1, 4])
-    greedy, g = SamplingConfig(0.0), torch.Generator()
+    greedy, g = Sampling(0.0), torch.Generator()
     full = autoregressive_decode(target, prompt, 30, greedy, g).tokens
     stop = frozenset({full[7]})
     cut = full[: full.index(full[7]) + 1]
@@ -149,12 +145,12 @@ def test_stop_token_ends_both_decoders_at_the_same_place():
 # ---------------------------------------------------------------- trees
 
 SAMPLED_TREES = [
-    (SamplingConfig(temperature=1.0), (2, 2)),  # the fast suite's check of the sampled tree verifier
-    pytest.param(SamplingConfig(temperature=1.0), (3, 1, 1), marks=pytest.mark.slow),
-    pytest.param(SamplingConfig(temperature=0.8, top_k=2), (2, 2), marks=pytest.mark.slow),
-    pytest.param(SamplingConfig(temperature=1.2, top_p=0.85), (3, 1, 1), marks=pytest.mark.slow),
-    pytest.param(SamplingConfig(temperature=1.0, eta=0.2), (2, 2), marks=pytest.mark.slow),
-    pytest.param(SamplingConfig(temperature=1.3, top_k=2, eta=0.1), (3, 1, 1), marks=pytest.mark.slow),
+    (Sampling(temperature=1.0), (2, 2)),  # the fast suite's check of the sampled tree verifier
+    pytest.param(Sampling(temperature=1.0), (3, 1, 1), marks=pytest.mark.slow),
+    pytest.param(Sampling(temperature=0.8, top_k=2), (2, 2), marks=pytest.mark.slow),
+    pytest.param(Sampling(temperature=1.2, top_p=0.85), (3, 1, 1), marks=pytest.mark.slow),
+    pytest.param(Sampling(temperature=1.0, eta=0.2), (2, 2), marks=pytest.mark.slow),
+    pytest.param(Sampling(temperature=1.3, top_k=2, eta=0.1), (3, 1, 1), marks=pytest.mark.slow),
 ]
 
 
@@ -167,10 +163,10 @@ def test_tree_of_children_drawn_from_q_gives_the_target_law(cfg, shape):
 @pytest.mark.parametrize(
     "cfg,shape",
     [
-        (SamplingConfig(temperature=1.0), (2, 2)),
-        (SamplingConfig(temperature=1.0), (3, 1, 1)),
-        (SamplingConfig(temperature=1.2, top_p=0.85), (2, 2)),
-        (SamplingConfig(temperature=1.0, eta=0.2), (3, 1, 1)),
+        (Sampling(temperature=1.0), (2, 2)),
+        (Sampling(temperature=1.0), (3, 1, 1)),
+        (Sampling(temperature=1.2, top_p=0.85), (2, 2)),
+        (Sampling(temperature=1.0, eta=0.2), (3, 1, 1)),
     ],
 )
 @pytest.mark.slow
@@ -182,7 +178,7 @@ def test_tree_of_deterministic_candidates_gives_the_target_law(cfg, shape):
 @pytest.mark.slow
 def test_the_test_catches_a_tree_verifier_that_keeps_p_after_a_rejection(monkeypatch):
     monkeypatch.setattr(sampling, "residual", lambda p_row, q_row: p_row)
-    cfg = SamplingConfig(temperature=1.0)
+    cfg = Sampling(temperature=1.0)
     drafter = TreeDrafter(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(5), (2, 2))
     assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, cfg) < P_FLOOR
 
@@ -191,12 +187,12 @@ def test_the_test_catches_a_tree_verifier_that_keeps_p_after_a_rejection(monkeyp
 def test_the_test_catches_a_tree_verifier_that_does_not_renormalise(monkeypatch):
     monkeypatch.setattr(sampling, "normalised", lambda weights: weights)
     drafter = LookupTreeDrafter(nodes=6, depth=2, max_ngram=2)
-    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, SamplingConfig(temperature=1.0)) < P_FLOOR
+    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, Sampling(temperature=1.0)) < P_FLOOR
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (3, 1, 1), (2, 2, 1), (4,)])
 def test_greedy_tree_decoding_equals_the_greedy_baseline_on_toy(shape):
-    target, prompt, greedy = ToyLM(5, seed=3), torch.tensor([1, 4]), SamplingConfig(0.0)
+    target, prompt, greedy = ToyLM(5, seed=3), torch.tensor([1, 4]), Sampling(0.0)
     draft = ToyLM(5, seed=3)
     draft.table = draft.table + 1.5 * torch.randn(draft.table.shape, generator=torch.Generator().manual_seed(9))
     want = autoregressive_decode(target, prompt, 30, greedy, torch.Generator()).tokens
@@ -213,19 +209,19 @@ def test_eta_truncation_is_transformers_eta_warper():
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(0)) * 3
     for eta in (0.01, 0.1, 0.3):
-        ours = sampling.warp(logits, SamplingConfig(temperature=1.0, eta=eta)) > 0
+        ours = sampling.warp(logits, Sampling(temperature=1.0, eta=eta)) > 0
         theirs = torch.isfinite(EtaLogitsWarper(eta)(None, logits.clone()))
         assert torch.equal(ours, theirs) and (~ours).any()  # it truncates, exactly where transformers does
 
 
 CASCADE_CONFIGS = [
-    SamplingConfig(temperature=1.0),
-    SamplingConfig(temperature=0.7, top_k=2),
-    SamplingConfig(temperature=1.3, top_p=0.8),
+    Sampling(temperature=1.0),
+    Sampling(temperature=0.7, top_k=2),
+    Sampling(temperature=1.3, top_p=0.8),
 ]
 
 
-def cascade(cfg: SamplingConfig, split: int | None = None, draft: ToyLM | None = None) -> CascadeDrafter:
+def cascade(cfg: Sampling, split: int | None = None, draft: ToyLM | None = None) -> CascadeDrafter:
     return CascadeDrafter(draft or ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7), split, ngram=2)
 
 
@@ -261,14 +257,14 @@ def _unchecked_round(target, drafter, last, k, cfg, generator):
 
 @pytest.mark.slow
 def test_the_test_catches_a_cascade_that_passes_up_the_wrong_rows():
-    cfg = SamplingConfig(temperature=1.0)
+    cfg = Sampling(temperature=1.0)
     broken = CascadeWithStaleQ(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7), None, 2)
     assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 3, cfg) < P_FLOOR
 
 
 @pytest.mark.slow
 def test_the_test_catches_a_cascade_whose_inner_check_is_not_exact(monkeypatch):
-    cfg = SamplingConfig(temperature=1.0)
+    cfg = Sampling(temperature=1.0)
     draft = ToyLM(VOCAB, seed=2)
     exact = decode.speculative_round
 
@@ -279,7 +275,7 @@ def test_the_test_catches_a_cascade_whose_inner_check_is_not_exact(monkeypatch):
     assert chi_square_p(ToyLM(VOCAB, seed=1), cascade(cfg, draft=draft), 3, cfg) < P_FLOOR
 
 
-def three_levels(cfg: SamplingConfig, inner_k: int) -> CascadeDrafter:
+def three_levels(cfg: Sampling, inner_k: int) -> CascadeDrafter:
     """TriForce's shape on toys: a middle model checks the proposals of a small model beneath it."""
     lower = ModelDrafter(ToyLM(VOCAB, seed=3), cfg, torch.Generator().manual_seed(8))
     return CascadeDrafter(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7), lower=lower, inner_k=inner_k)
@@ -300,13 +296,13 @@ class LowerRowsPassedUp(CascadeDrafter):
         draft = super().propose(k)
         read = self.model.seen[: len(self.model.seen) - (k - 1)]  # the middle model read all but its last token
         contexts = [read + draft.tokens[:i].tolist() for i in range(k)]
-        rows = [warp(self.lower.model.logits_after(context), self.cfg) for context in contexts]
+        rows = [warp(self.lower.model.logits_after(context), self.sampling) for context in contexts]
         return decode.Draft.chain(draft.tokens, torch.stack(rows), draft.forwards)
 
 
 @pytest.mark.slow
 def test_the_test_catches_a_middle_level_whose_rows_are_not_passed_up():
-    cfg = SamplingConfig(temperature=1.0)
+    cfg = Sampling(temperature=1.0)
     broken = LowerRowsPassedUp(
         ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7), lower=three_levels(cfg, 1).lower
     )
@@ -316,7 +312,7 @@ def test_the_test_catches_a_middle_level_whose_rows_are_not_passed_up():
 def test_a_cascade_counts_what_each_level_contributed():
     # Greedy, with the target as its own draft model: the target accepts every token the draft model
     # ends with, so every lookup token the draft model accepted reaches the output.
-    cfg, prompt = SamplingConfig(temperature=0.0), torch.tensor([1, 4, 1, 4, 1])
+    cfg, prompt = Sampling(temperature=0.0), torch.tensor([1, 4, 1, 4, 1])
     target = ToyLM(5, seed=3)
     vertical = speculative_decode(
         target, CascadeDrafter(ToyLM(5, seed=3), cfg, torch.Generator()), prompt, 4, 40, cfg, torch.Generator()
@@ -333,7 +329,7 @@ def test_a_cascade_counts_what_each_level_contributed():
 
 @pytest.mark.parametrize("split", [None, 1])
 def test_greedy_cascade_equals_greedy_target(split):
-    cfg = SamplingConfig(temperature=0.0)
+    cfg = Sampling(temperature=0.0)
     target, prompt = ToyLM(VOCAB, seed=1), torch.tensor(PROMPT)
     generator = torch.Generator().manual_seed(0)
     expected = autoregressive_decode(target, prompt, 12, cfg, generator).tokens
@@ -352,8 +348,8 @@ class ToyLearner:
     def __init__(self, draft: ToyLM, rate: float = 0.5):
         self.draft, self.rate, self.lessons = draft, rate, []
 
-    def keep(self, step, at):
-        if (lesson := rejection(step, at)) is not None:
+    def keep(self, round_, at):
+        if (lesson := rejection(round_, at)) is not None:
             self.lessons.append(lesson)
 
     def update(self, tokens: list[int]) -> None:
@@ -367,7 +363,7 @@ class ToyLearner:
         self.lessons = []
 
 
-def online_counts(target: ToyLM, drafter, learner: ToyLearner, k: int, cfg: SamplingConfig, samples: int = SAMPLES):
+def online_counts(target: ToyLM, drafter, learner: ToyLearner, k: int, cfg: Sampling, samples: int = SAMPLES):
     """Sequences sampled one after another, the draft updated between them, and the acceptance rate
     over the last thousand."""
     generator, prompt, counts, rates = torch.Generator().manual_seed(0), torch.tensor(PROMPT), Counter(), []
@@ -382,9 +378,9 @@ def online_counts(target: ToyLM, drafter, learner: ToyLearner, k: int, cfg: Samp
 @pytest.mark.parametrize(
     "cfg",
     [
-        SamplingConfig(1.0),  # the fast suite's check of a draft that changes between sequences
-        pytest.param(SamplingConfig(temperature=0.8, top_k=2), marks=pytest.mark.slow),
-        pytest.param(SamplingConfig(temperature=1.2, top_p=0.85), marks=pytest.mark.slow),
+        Sampling(1.0),  # the fast suite's check of a draft that changes between sequences
+        pytest.param(Sampling(temperature=0.8, top_k=2), marks=pytest.mark.slow),
+        pytest.param(Sampling(temperature=1.2, top_p=0.85), marks=pytest.mark.slow),
     ],
 )
 def test_a_draft_updated_between_sequences_gives_the_target_law(cfg):
@@ -409,13 +405,13 @@ class RowsFromTheUpdatedCopy(ModelDrafter):
     def propose(self, k):
         draft = super().propose(k)
         read = self.model.seen[: len(self.model.seen) - (k - 1)]  # what it had read before its first token
-        rows = [warp(self.updated.logits_after(read + draft.tokens[:i].tolist()), self.cfg) for i in range(k)]
+        rows = [warp(self.updated.logits_after(read + draft.tokens[:i].tolist()), self.sampling) for i in range(k)]
         return Draft.chain(draft.tokens, torch.stack(rows), draft.forwards)
 
 
 @pytest.mark.slow
 def test_the_test_catches_rows_read_from_an_updated_copy_of_the_draft():
-    cfg = SamplingConfig(1.0)
+    cfg = Sampling(1.0)
     target, draft, updated = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), ToyLM(VOCAB, seed=2)
     updated.table = 0.5 * (draft.table + target.table)  # one update's worth closer to the target
     drafter = RowsFromTheUpdatedCopy(draft, cfg, torch.Generator().manual_seed(5), updated)
@@ -427,14 +423,14 @@ def test_the_test_catches_rows_read_from_an_updated_copy_of_the_draft():
 # A p_min per setting that about half of the toy draft's rows fall below, so rounds stop anywhere
 # from their first position to their last.
 CONFIDENCE = [
-    (SamplingConfig(temperature=1.0), 0.7),  # the fast suite's check of the confidence stop
-    pytest.param(SamplingConfig(temperature=0.7, top_k=2), 0.8, marks=pytest.mark.slow),
-    pytest.param(SamplingConfig(temperature=1.3, top_p=0.8), 0.7, marks=pytest.mark.slow),
-    pytest.param(SamplingConfig(temperature=1.0, eta=0.2), 0.7, marks=pytest.mark.slow),
+    (Sampling(temperature=1.0), 0.7),  # the fast suite's check of the confidence stop
+    pytest.param(Sampling(temperature=0.7, top_k=2), 0.8, marks=pytest.mark.slow),
+    pytest.param(Sampling(temperature=1.3, top_p=0.8), 0.7, marks=pytest.mark.slow),
+    pytest.param(Sampling(temperature=1.0, eta=0.2), 0.7, marks=pytest.mark.slow),
 ]
 
 
-def unsure_drafter(cfg: SamplingConfig, p_min: float, drafter=ModelDrafter) -> ModelDrafter:
+def unsure_drafter(cfg: Sampling, p_min: float, drafter=ModelDrafter) -> ModelDrafter:
     return drafter(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(5), p_min=p_min)
 
 
@@ -444,7 +440,7 @@ def test_a_draft_that_stops_where_it_is_unsure_gives_the_target_law(cfg, p_min):
 
 
 def test_the_confidence_stop_drafts_from_none_to_k_and_an_empty_round_is_one_target_step():
-    cfg = SamplingConfig(temperature=1.0)
+    cfg = Sampling(temperature=1.0)
     result = speculative_decode(
         ToyLM(VOCAB, seed=1), unsure_drafter(cfg, 0.7), torch.tensor(PROMPT), 3, 40, cfg, torch.Generator()
     )
@@ -463,7 +459,7 @@ class ArgmaxWhereUnsure(ModelDrafter):
         draft = super().propose(k)
         if len(draft.tokens) == k:
             return draft
-        row = warp(self.model.logits_after(self.model.seen), self.cfg)
+        row = warp(self.model.logits_after(self.model.seen), self.sampling)
         self.pending = sampling.argmax(row)  # unread, as a drafter's last token is
         q = row[None] if draft.q is None else torch.cat([draft.q, row[None]])
         return Draft.chain(torch.cat([draft.tokens, self.pending]), q, draft.forwards)
@@ -471,16 +467,16 @@ class ArgmaxWhereUnsure(ModelDrafter):
 
 @pytest.mark.slow
 def test_the_test_catches_a_confidence_stop_that_drafts_the_unsure_token():
-    cfg = SamplingConfig(temperature=1.0)
+    cfg = Sampling(temperature=1.0)
     broken = unsure_drafter(cfg, 0.7, drafter=ArgmaxWhereUnsure)
     assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 3, cfg) < P_FLOOR
 
 
 HEURISTIC = [
-    (SamplingConfig(temperature=1.0), 1),  # the fast suite's check of a K set by past verdicts
-    pytest.param(SamplingConfig(temperature=1.0), 2, marks=pytest.mark.slow),
-    pytest.param(SamplingConfig(temperature=0.7, top_k=2), 1, marks=pytest.mark.slow),
-    pytest.param(SamplingConfig(temperature=1.3, top_p=0.8), 2, marks=pytest.mark.slow),
+    (Sampling(temperature=1.0), 1),  # the fast suite's check of a K set by past verdicts
+    pytest.param(Sampling(temperature=1.0), 2, marks=pytest.mark.slow),
+    pytest.param(Sampling(temperature=0.7, top_k=2), 1, marks=pytest.mark.slow),
+    pytest.param(Sampling(temperature=1.3, top_p=0.8), 2, marks=pytest.mark.slow),
 ]
 
 
@@ -492,7 +488,7 @@ def test_a_lookahead_set_by_past_verdicts_gives_the_target_law(cfg, k):
 @pytest.mark.slow
 def test_a_lookahead_set_by_past_verdicts_over_prompt_lookup_gives_the_target_law():
     # Deterministic candidates, and rounds without a match that draft nothing.
-    cfg = SamplingConfig(temperature=1.0)
+    cfg = Sampling(temperature=1.0)
     lookup = PromptLookupDrafter(max_ngram=2)
     assert chi_square_p(ToyLM(VOCAB, seed=1), lookup, 2, cfg, schedule=decode.heuristic_k) > P_FLOOR
 
@@ -500,7 +496,7 @@ def test_a_lookahead_set_by_past_verdicts_over_prompt_lookup_gives_the_target_la
 def test_the_heuristic_schedule_is_transformers():
     assert [decode.heuristic_k(4, 4, 4), decode.heuristic_k(4, 4, 3), decode.heuristic_k(1, 1, 0)] == [6, 3, 1]
     assert decode.heuristic_k(3, 0, 0) == 3  # a round without a draft leaves K alone
-    cfg, g = SamplingConfig(temperature=1.0), torch.Generator()
+    cfg, g = Sampling(temperature=1.0), torch.Generator()
     itself = ModelDrafter(ToyLM(VOCAB, seed=1), cfg, g)
     same = speculative_decode(
         ToyLM(VOCAB, seed=1), itself, torch.tensor(PROMPT), 1, 34, cfg, g, schedule=decode.heuristic_k
@@ -514,17 +510,17 @@ def _round_cut_at_the_new_k(exact):
     dropping the verdict's last tokens (the correction, after a rejection at the last position)."""
 
     def cut(target, drafter, last, k, cfg, generator, *rest):
-        step = exact(target, drafter, last, k, cfg, generator, *rest)
-        emitted, n = step.emitted, step.verdict.accepted
-        keep = min(len(emitted), decode.heuristic_k(k, len(step.draft.tokens), n))
+        round_ = exact(target, drafter, last, k, cfg, generator, *rest)
+        emitted, n = round_.emitted, round_.verdict.accepted
+        keep = min(len(emitted), decode.heuristic_k(k, len(round_.draft.tokens), n))
         if keep == len(emitted):
-            return step
+            return round_
         # The new last token is an accepted draft the target has read: it reads it again next round.
         target.keep(range(keep - 1), n)
         told = drafter.model.length + len(drafter.pending)
         drafter.rewind_to(told - (len(emitted) - keep) - 1, emitted[keep - 1 : keep])
-        verdict = sampling.Verdict(step.verdict.path[: keep - 1], emitted[keep - 1 : keep], 0.0, 0)
-        return decode.Round(step.draft, verdict, step.logits, step.p)
+        verdict = sampling.Verdict(round_.verdict.path[: keep - 1], emitted[keep - 1 : keep], 0.0, 0)
+        return decode.Round(round_.draft, verdict, round_.logits, round_.p)
 
     return cut
 
@@ -532,5 +528,5 @@ def _round_cut_at_the_new_k(exact):
 @pytest.mark.slow
 def test_the_test_catches_a_schedule_that_cuts_a_round_at_the_new_k(monkeypatch):
     monkeypatch.setattr(decode, "speculative_round", _round_cut_at_the_new_k(decode.speculative_round))
-    cfg = SamplingConfig(temperature=1.0)
+    cfg = Sampling(temperature=1.0)
     assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 2, cfg, schedule=decode.heuristic_k) < P_FLOOR

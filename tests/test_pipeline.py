@@ -9,7 +9,7 @@ import torch
 
 from specbench.core import metrics
 from specbench.decoding.decode import autoregressive_decode, heuristic_k, speculative_decode
-from specbench.decoding.sampling import SamplingConfig
+from specbench.decoding.sampling import Sampling
 from specbench.drafters.model import ModelDrafter
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import load, shared_width
@@ -36,11 +36,11 @@ def test_shared_width_slices_the_padded_draft(tiny_pair, padded_draft):
     assert draft_lm.model.get_output_embeddings().weight.shape[0] == target.width + 16
     assert target_lm.width == draft_lm.width == target.width
     prompt = target.tokenizer("def add(a, b):\n", return_tensors="pt").input_ids[0]
-    greedy, g = SamplingConfig(0.0), torch.Generator()
+    greedy, g = Sampling(0.0), torch.Generator()
     want = autoregressive_decode(target_lm, prompt, 30, greedy, g).tokens
     assert speculative_decode(target_lm, ModelDrafter(draft_lm, greedy, g), prompt, 3, 30, greedy, g).tokens == want
     sampled = speculative_decode(
-        target_lm, ModelDrafter(draft_lm, SamplingConfig(1.0), g), prompt, 3, 30, SamplingConfig(1.0), g
+        target_lm, ModelDrafter(draft_lm, Sampling(1.0), g), prompt, 3, 30, Sampling(1.0), g
     ).tokens
     assert max(sampled) < target.width
 
@@ -64,7 +64,7 @@ def test_greedy_speculative_with_a_shortlisted_draft_equals_the_baseline(tiny_pa
     target, target_lm, draft_lm = wrapped(tiny_pair)
     short = HFCausalLM(draft_lm.model, draft_lm.width, torch.arange(0, draft_lm.width, 2))
     prompt = target.tokenizer("def add(a, b):\n", return_tensors="pt").input_ids[0]
-    greedy, g = SamplingConfig(0.0), torch.Generator()
+    greedy, g = Sampling(0.0), torch.Generator()
     want = autoregressive_decode(target_lm, prompt, 40, greedy, g).tokens
     assert speculative_decode(target_lm, ModelDrafter(short, greedy, g), prompt, 3, 40, greedy, g).tokens == want
 
@@ -73,7 +73,7 @@ def test_greedy_speculative_with_a_shortlisted_draft_equals_the_baseline(tiny_pa
 def test_greedy_speculative_equals_greedy_baseline_on_tiny_transformers_pair(tiny_pair, k):
     target, target_lm, draft_lm = wrapped(tiny_pair)
     prompt = target.tokenizer("def add(a, b):\n", return_tensors="pt").input_ids[0]
-    greedy, g = SamplingConfig(0.0), torch.Generator()
+    greedy, g = Sampling(0.0), torch.Generator()
     want = autoregressive_decode(target_lm, prompt, 40, greedy, g).tokens
     got = speculative_decode(target_lm, ModelDrafter(draft_lm, greedy, g), prompt, k, 40, greedy, g)
     assert got.tokens == want
@@ -86,7 +86,7 @@ def test_greedy_lookahead_policies_equal_the_greedy_baseline_on_tiny_transformer
 ):
     # The untied target writes varied text: the draft is often rejected, and often unsure where a round starts.
     target, target_lm, draft_lm = wrapped((untied_target, tiny_pair[1]))
-    greedy, g = SamplingConfig(0.0), torch.Generator()
+    greedy, g = Sampling(0.0), torch.Generator()
     lengths = set()
     for text in ("def add(a, b):\n", "class Stack:\n    def push(self, item):\n", "for k in range(3):\n"):
         prompt = target.tokenizer(text, return_tensors="pt").input_ids[0]
@@ -103,7 +103,7 @@ def test_baseline_matches_transformers_generate(tiny_pair):
     target, target_lm, _ = wrapped(tiny_pair)
     prompt = target.tokenizer("class Point:\n", return_tensors="pt").input_ids
     generated = target.model.generate(prompt, max_new_tokens=25, do_sample=False, eos_token_id=None, pad_token_id=0)
-    mine = autoregressive_decode(target_lm, prompt[0], 25, SamplingConfig(0.0), torch.Generator()).tokens
+    mine = autoregressive_decode(target_lm, prompt[0], 25, Sampling(0.0), torch.Generator()).tokens
     assert mine == generated[0, prompt.shape[1] :].tolist()
 
 

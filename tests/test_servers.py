@@ -14,7 +14,8 @@ import pytest
 from benchmarks.stub_server import Stub, answer, steps_of
 from specbench.audit.run import Arm, Group
 from specbench.audit.verdicts import probe_rows
-from specbench.engines import Sampling, arrivals
+from specbench.decoding.sampling import Sampling
+from specbench.engines import arrivals
 from specbench.engines.server import Reply, Server, parse_counters
 
 from .helpers import one_line_error, specbench

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specbench.decoding.decode import autoregressive_decode, speculative_decode
-from specbench.decoding.sampling import SamplingConfig
+from specbench.decoding.sampling import Sampling
 from specbench.drafters.model import ModelDrafter
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import load, local_dir, resolve, shared_width
@@ -40,7 +40,7 @@ def test_gguf_conversion_is_cached(target):
 def test_greedy_speculative_equals_greedy_target_on_smollm2(tmp_path_factory, target):
     prompt = load_prompts("humaneval", 1)[0]
     ids = target.tokenizer(prompt.text, return_tensors="pt").input_ids[0]
-    greedy, g = SamplingConfig(0.0), torch.Generator()
+    greedy, g = Sampling(0.0), torch.Generator()
     want = autoregressive_decode(HFCausalLM(target.model, target.width), ids, 40, greedy, g, target.stop_ids).tokens
     for name, draft_spec in drafts(tmp_path_factory, target):
         draft = load(draft_spec, CPU, F32)
@@ -61,7 +61,7 @@ def test_greedy_self_speculation_equals_greedy_target_at_2k_tokens(target):
 
     prompt = load_prompts("longcode", 1, context_tokens=2048, seed=0)[0]
     ids = target.tokenizer(prompt.text, return_tensors="pt").input_ids[0][-2048:]
-    greedy, g = SamplingConfig(0.0), torch.Generator()
+    greedy, g = Sampling(0.0), torch.Generator()
     t_lm = HFCausalLM(target.model, target.width)
     t_lm.prefill_chunk = 512
     want = autoregressive_decode(t_lm, ids, 24, greedy, g, target.stop_ids).tokens
@@ -101,7 +101,7 @@ def test_greedy_eagle_equals_greedy_target_on_smollm2(tmp_path, target):
     config = target.model.config
     prompt = load_prompts("humaneval", 1)[0]
     ids = target.tokenizer(prompt.text, return_tensors="pt").input_ids[0]
-    greedy, g = SamplingConfig(0.0), torch.Generator()
+    greedy, g = Sampling(0.0), torch.Generator()
     for name, path in (("random", random), ("shipped", speculator_dir(default_speculator("smollm2-135m")))):
         head = read_head(path, target.model.get_input_embeddings().weight, 30, config.hidden_size, config.vocab_size)
         assert head.config.taps == (2, 15, 27)

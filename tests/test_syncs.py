@@ -12,7 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from specbench.decoding.decode import STOP_CHECK, autoregressive_decode, speculative_decode
-from specbench.decoding.sampling import SamplingConfig, sample
+from specbench.decoding.sampling import Sampling, sample
 from specbench.decoding.timing import PhaseClock, TimedLM
 from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.lookup import PromptLookupDrafter
@@ -88,7 +88,7 @@ ON = [pytest.param("models", id="cpu"), pytest.param("cuda_models", id="cuda", m
 def test_a_chain_round_reads_the_device_once(request, pair, temperature, drafting):
     target, draft = request.getfixturevalue(pair)
     device = target.device
-    cfg, generator = SamplingConfig(temperature=temperature), torch.Generator(device=device).manual_seed(0)
+    cfg, generator = Sampling(temperature=temperature), torch.Generator(device=device).manual_seed(0)
     drafter = ModelDrafter(draft, cfg, generator) if drafting == "draft model" else PromptLookupDrafter()
     with HostReads() as reads:
         result = speculative_decode(target, drafter, PROMPT.to(device), 3, 40, cfg, generator)
@@ -107,7 +107,7 @@ def test_an_eagle_chain_round_reads_the_device_once(tmp_path, temperature):
     embed = target.model.get_input_embeddings().weight
     head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
     target.record_features(head.config.taps)
-    cfg, generator = SamplingConfig(temperature=temperature), torch.Generator().manual_seed(0)
+    cfg, generator = Sampling(temperature=temperature), torch.Generator().manual_seed(0)
     drafter = EagleDrafter(head, target, 3, cfg, generator)
     with HostReads() as reads:
         result = speculative_decode(target, drafter, torch.tensor([0, 2, 1]), 3, 30, cfg, generator)
@@ -119,7 +119,7 @@ def test_an_eagle_chain_round_reads_the_device_once(tmp_path, temperature):
 @pytest.mark.parametrize("pair", ON)
 def test_the_baseline_reads_its_tokens_once_every_stop_check(request, pair, temperature):
     target, _ = request.getfixturevalue(pair)
-    cfg, device = SamplingConfig(temperature=temperature), target.device
+    cfg, device = Sampling(temperature=temperature), target.device
     with HostReads() as reads:
         result = autoregressive_decode(target, PROMPT.to(device), 40, cfg, torch.Generator(device).manual_seed(0))
     assert len(result.tokens) == 40 and result.target_forwards == 40 and result.past_stop == 0
@@ -130,7 +130,7 @@ def test_the_baseline_stops_at_its_stop_token_and_its_time_ends_there(untied_tar
     """A stop token found late (at the next read) ends the decode where it was chosen: the tokens, the
     forwards and the clock's laps are those of a decode that read every token."""
     target = HFCausalLM(*_lm(untied_target))  # it writes varied text: a token can stop it mid-chunk
-    cfg = SamplingConfig()
+    cfg = Sampling()
     free = autoregressive_decode(target, PROMPT, 24, cfg, torch.Generator()).tokens
     # The first token not seen before, after the first: forwards run past it before the first read.
     at = next(i for i in range(1, STOP_CHECK - 1) if free[i] not in free[:i])

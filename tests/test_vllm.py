@@ -71,14 +71,14 @@ def test_engines_side_by_side_on_the_same_prompts(vllm_pair, prompts_file, tmp_p
 
 
 def test_vllm_counters_equal_the_sum_of_its_per_request_histograms(vllm_pair):
-    from specbench.engines import Sampling
+    from specbench.decoding.sampling import Sampling
     from specbench.engines.vllm import Engine, EngineSpec
 
     spec = {"method": "draft_model", "model": vllm_pair[1], "num_speculative_tokens": 3}
     requests = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [17, 18]]
     with Engine(EngineSpec(vllm_pair[0], "float32", 0, 64, 2, spec, extra={"enforce_eager": True})) as engine:
         before = engine.counters()
-        served = list(engine.run(requests, 2, Sampling(16, 0.0, 0, 1.0, 0, ())))
+        served = list(engine.run(requests, 2, Sampling(max_new_tokens=16)))
         after = engine.counters()
     assert sorted(s.index for s in served) == [0, 1, 2, 3] and all(len(s.tokens) == 16 for s in served)
     # vLLM's per-step counts arrived: no more steps rejected a draft than accepted fewer than K.

@@ -11,7 +11,7 @@ import torch
 from scipy.stats import chisquare
 
 from specbench.decoding.decode import speculative_decode
-from specbench.decoding.sampling import SamplingConfig, adjust, context_mask, warp
+from specbench.decoding.sampling import Sampling, adjust, context_mask, warp
 from specbench.drafters.model import ModelDrafter
 
 VOCAB, LENGTH, PROMPT = 3, 4, [0, 2]
@@ -61,7 +61,7 @@ class ToyLM:
             self.seen[-new:] = [tail[i] for i in path]
 
 
-def exact_distribution(model: ToyLM, prompt: list[int], length: int, cfg: SamplingConfig) -> dict[tuple, float]:
+def exact_distribution(model: ToyLM, prompt: list[int], length: int, cfg: Sampling) -> dict[tuple, float]:
     """Probability of every continuation of ``length`` tokens when sampling from ``model`` alone."""
     law = {}
     for seq in itertools.product(range(model.vocab), repeat=length):
@@ -74,7 +74,7 @@ def exact_distribution(model: ToyLM, prompt: list[int], length: int, cfg: Sampli
     return law
 
 
-def chi_square_p(target: ToyLM, draft, k: int, cfg: SamplingConfig, seed: int = 0, schedule=None) -> float:
+def chi_square_p(target: ToyLM, draft, k: int, cfg: Sampling, seed: int = 0, schedule=None) -> float:
     """p-value of the sequences sampled by speculative decoding against the target's exact law;
     ``draft`` is a drafter, or a model that drafts by sampling; ``schedule`` sets K round by round."""
     generator = torch.Generator().manual_seed(seed)
@@ -87,7 +87,7 @@ def chi_square_p(target: ToyLM, draft, k: int, cfg: SamplingConfig, seed: int = 
     return law_p(target, cfg, counts)
 
 
-def law_p(target: ToyLM, cfg: SamplingConfig, counts: Counter) -> float:
+def law_p(target: ToyLM, cfg: Sampling, counts: Counter) -> float:
     """p-value of sampled sequence counts (any number) against the target's exact law of LENGTH tokens after PROMPT."""
     law = exact_distribution(target, PROMPT, LENGTH, cfg)
     assert set(counts) <= {s for s, p in law.items() if p > 0}, "sampled a sequence the target cannot produce"

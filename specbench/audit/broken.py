@@ -29,7 +29,7 @@ from dataclasses import replace
 import torch
 
 from specbench.decoding.decode import verify
-from specbench.decoding.sampling import SamplingConfig, Verdict, argmax, sample, warp
+from specbench.decoding.sampling import Sampling, Verdict, argmax, sample, warp
 from specbench.drafters.model import ModelDrafter
 from specbench.methods.registry import Speculative
 
@@ -41,34 +41,34 @@ class ArgmaxDrafter(ModelDrafter):
 
 class TemperatureOneDrafter(ModelDrafter):
     def draw(self, logits, q):
-        return sample(q, self.generator), warp(logits, SamplingConfig(temperature=1.0))
+        return sample(q, self.generator), warp(logits, Sampling(temperature=1.0))
 
 
 class UntruncatedDrafter(ModelDrafter):
     def draw(self, logits, q):
-        return sample(q, self.generator), warp(logits, SamplingConfig(temperature=self.cfg.temperature))
+        return sample(q, self.generator), warp(logits, Sampling(temperature=self.sampling.temperature))
 
 
 class Bfloat16Drafter(ModelDrafter):
     def draw(self, logits, q):
-        return sample(warp(logits.to(torch.bfloat16).float(), self.cfg), self.generator), q
+        return sample(warp(logits.to(torch.bfloat16).float(), self.sampling), self.generator), q
 
 
-def greedy_verify(draft, target_logits, cfg: SamplingConfig, generator, seen=None):
+def greedy_verify(draft, target_logits, sampling: Sampling, generator, seen=None):
     """verify(), as if the temperature were 0."""
-    verdict, _ = verify(draft, target_logits, replace(cfg, temperature=0.0), generator, seen)
+    verdict, _ = verify(draft, target_logits, replace(sampling, temperature=0.0), generator, seen)
     return verdict, None
 
 
-def miscounted_verify(draft, target_logits, cfg: SamplingConfig, generator, seen=None):
+def miscounted_verify(draft, target_logits, sampling: Sampling, generator, seen=None):
     """verify(), but a rejected draft is counted as accepted: it stays, and the next token comes from
     the target's row after it (the bonus row when it was the last)."""
-    verdict, p = verify(draft, target_logits, cfg, generator, seen)
+    verdict, p = verify(draft, target_logits, sampling, generator, seen)
     n = verdict.accepted
     if n == len(draft.tokens):
         return verdict, p
-    row = target_logits[n + 1] if cfg.greedy else p[n + 1]
-    following = argmax(row) if cfg.greedy else sample(row, generator)
+    row = target_logits[n + 1] if sampling.greedy else p[n + 1]
+    following = argmax(row) if sampling.greedy else sample(row, generator)
     return Verdict([*verdict.path, n], following, verdict.beta_sum, verdict.tested), p
 
 
@@ -80,8 +80,8 @@ class Broken(Speculative):
     counterpart = ""
     where = ""  # the engine and issue that shipped the bug
 
-    def drafter(self, pair, settings, step, generator):
-        return self.drafter_class(pair.draft_lm, settings.sampling, generator, step.p_min(settings))
+    def drafter(self, pair, settings, decoder, generator):
+        return self.drafter_class(pair.draft_lm, settings.sampling, generator, decoder.p_min(settings))
 
 
 def broken(name: str, help: str, where: str, **what) -> Broken:
@@ -91,9 +91,9 @@ def broken(name: str, help: str, where: str, **what) -> Broken:
 
 
 class PenaltyIgnored(Broken):
-    def decode(self, pair, settings, step, ids, generator, on_round=None):
+    def decode(self, pair, settings, decoder, ids, generator, on_round=None):
         blind = replace(settings.sampling, repetition_penalty=1.0)
-        return super().decode(pair, replace(settings, sampling=blind), step, ids, generator, on_round)
+        return super().decode(pair, replace(settings, sampling=blind), decoder, ids, generator, on_round)
 
 
 BROKEN: dict[str, Broken] = {

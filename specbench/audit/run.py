@@ -39,18 +39,19 @@ from specbench.audit.broken import BROKEN
 from specbench.audit.verdicts import BAN, divergences, judge
 from specbench.bench.config import BenchConfig
 from specbench.bench.run import launch_llama_cpp, load_inputs, serving_run
-from specbench.bench.serve import Step, opened
+from specbench.bench.serve import Progress, opened
 from specbench.core.errors import SpecbenchError
 from specbench.core.files import write_text
 from specbench.core.machine import environment
 from specbench.core.options import AUDIT
-from specbench.engines import Sampling, Served
+from specbench.decoding.sampling import Sampling
+from specbench.engines import Served
 from specbench.engines.loop import Loop
 from specbench.methods.base import Decoder
 from specbench.methods.registry import BASELINE, METHODS
 from specbench.models.pair import Conversations, Pair, Rendering, encode_prompts
 
-# What a --setting may set: engines.Sampling's fields.
+# What a --setting may set: decoding.sampling.Sampling's fields.
 KNOBS = {
     "temperature": float,
     "top_k": int,
@@ -82,9 +83,7 @@ class Setting:
         return dict(self.knobs)["temperature"] == 0
 
     def sampling(self, tokens: int, seed: int, stop_ids: tuple[int, ...], **more) -> Sampling:
-        knobs = {"top_k": 0, "top_p": 1.0, **dict(self.knobs)}
-        warp = (knobs.pop("temperature"), knobs.pop("top_k"), knobs.pop("top_p"))
-        return Sampling(tokens, *warp, seed, stop_ids, **knobs, **more)
+        return Sampling(max_new_tokens=tokens, seed=seed, stop_ids=stop_ids, **dict(self.knobs), **more)
 
 
 def parse_setting(text: str) -> Setting:
@@ -223,7 +222,7 @@ def subjects_of(cfg: BenchConfig, broken: list) -> list[Subject]:
         if decoder.method.drafts:
             reference = METHODS[decoder.method.reference] if decoder.method.reference else BASELINE
             found.append(Subject(decoder, Decoder(reference)))
-    found += [Subject(step, cfg.served_baseline) for step in cfg.served_plan]
+    found += [Subject(decoder, cfg.served_baseline) for decoder in cfg.served_plan]
     found += [Subject(Decoder(b, max(cfg.ks)), Decoder(BASELINE), b.where) for b in broken]
     return found
 
@@ -347,7 +346,7 @@ def overrun(tokens: list[int], stop: str, decode) -> int | None:
 
 def answer(
     sampler: Sampler, engine, name: str, arm: int, plan: AuditPlan, prompts, greedy_ids, ban, stop=None
-) -> Iterator[Step]:
+) -> Iterator[Progress]:
     """Everything one arm answers: the greedy answers to ``greedy_ids``, N samples of each of ``prompts``
     at each sampling setting, then, with a ``ban`` ({token: bias}), the logit-bias probe, and from a
     serving engine its first greedy answer's logprobs and, with ``stop`` ((text, decode)), the
@@ -358,7 +357,7 @@ def answer(
         todo = greedy_ids if setting.greedy else prompts
         try:
             for p, ids in enumerate(todo):
-                yield Step(f"{name}: {setting.text}", p, len(todo))
+                yield Progress(f"{name}: {setting.text}", p, len(todo))
                 if setting.greedy:
                     got = sampler.draw(engine, name, setting, p, ids, 1, first_index(arm, s, p, 1), longest)
                     answers.greedy.setdefault(setting.text, []).append(got[0].tokens)
@@ -373,7 +372,7 @@ def answer(
         answers.drafted[setting.text] = drafted(served)
         answers.seconds[setting.text] = time.perf_counter() - began
     if ban and prompts and plan.sampled:
-        yield Step(f"{name}: logit-bias probe")
+        yield Progress(f"{name}: logit-bias probe")
         first, biased = first_index(arm, 999, 0, plan.samples), tuple(ban.items())
         try:
             got = sampler.draw(
@@ -383,7 +382,7 @@ def answer(
         except SpecbenchError as e:
             answers.refused["logit-bias"] = str(e)
     if not isinstance(engine, Loop) and greedy_ids:
-        yield Step(f"{name}: greedy logprobs")
+        yield Progress(f"{name}: greedy logprobs")
         greedy, first = parse_setting("greedy"), first_index(arm, 998, 0, 1)
         try:
             got = sampler.draw(engine, name, greedy, 0, greedy_ids[0], 1, first, min(plan.greedy_tokens), logprobs=1)
@@ -391,7 +390,7 @@ def answer(
         except SpecbenchError as e:
             answers.refused["logprobs"] = str(e)
     if stop and not isinstance(engine, Loop) and (greedy_ids if plan.greedy else prompts):
-        yield Step(f"{name}: stop-string probe")
+        yield Progress(f"{name}: stop-string probe")
         answers.overruns = []
         text, decode = stop
         # Greedy where the plan has it: deterministic answers, and speculation's longest accepted runs.
@@ -409,7 +408,7 @@ def answer(
     return answers
 
 
-def pick_prompts(sampler: Sampler, engine, plan: AuditPlan, candidates: list) -> Iterator[Step]:
+def pick_prompts(sampler: Sampler, engine, plan: AuditPlan, candidates: list) -> Iterator[Progress]:
     """The prompts of the sampling tests: of ``candidates``, those whose pilot sample (PILOT answers of
     the reference at the first sampling setting) is neither near-deterministic (a test would see
     nothing, and rounds would never reject) nor all distinct (a test would have no power): the share
@@ -417,7 +416,7 @@ def pick_prompts(sampler: Sampler, engine, plan: AuditPlan, candidates: list) ->
     pilot's most frequent token)."""
     shares, tokens = [], Counter()
     for c, ids in enumerate(candidates):
-        yield Step("picking prompts (pilot samples of the reference)", c, len(candidates))
+        yield Progress("picking prompts (pilot samples of the reference)", c, len(candidates))
         first = first_index(PILOT_ARM, 0, c, PILOT)
         got = sampler.draw(engine, "pilot", plan.sampled[0], c, ids, PILOT, first, plan.length)
         answers = [tuple(x.tokens) for x in got]
@@ -450,14 +449,14 @@ class Group:
     stop_string: str | None = None  # the stop-string probe's string (None: not probed)
 
 
-def audit(cfg: BenchConfig, plan: AuditPlan, out: Path) -> Iterator[Step | dict]:
+def audit(cfg: BenchConfig, plan: AuditPlan, out: Path) -> Iterator[Progress | dict]:
     """Run ``plan`` on the models and engines of ``cfg`` into ``out``; yields Steps, then the report
     (what audit.json holds: the plan, the seed, the prompts, every test and every verdict)."""
     check(plan)
     out.mkdir(parents=True, exist_ok=True)
     (out / "samples.jsonl").unlink(missing_ok=True)
     cfg.warmup = 0  # a warm-up would only take time
-    yield Step("loading models and prompts")
+    yield Progress("loading models and prompts")
     pair, prompts = load_inputs(cfg)
     # The longest greedy answer sets the room prompts need.
     conversations = encode_prompts(pair, prompts, new_tokens(cfg, plan, pair))
@@ -491,12 +490,12 @@ def grouped(subjects: list[Subject]) -> dict[Decoder, list[Subject]]:
     return dict(groups.values())
 
 
-def audit_group(sampler, pair, cfg, conversations, plan, reference, subjects, out) -> Iterator[Step]:
+def audit_group(sampler, pair, cfg, conversations, plan, reference, subjects, out) -> Iterator[Progress]:
     """One reference, its control and its subjects, answering. Returns the Group."""
     candidates = conversations.first
     greedy_ids = candidates[: plan.prompts]
     name = f"{reference.method.engine} {reference.method.name}"
-    yield Step(f"starting {name}")
+    yield Progress(f"starting {name}")
     with engine_of(pair, cfg, conversations, reference, out) as engine:
         picked, shares, frequent = [], [], None
         if plan.sampled:
@@ -508,7 +507,7 @@ def audit_group(sampler, pair, cfg, conversations, plan, reference, subjects, ou
         control = yield from answer(sampler, engine, "control", CONTROL, plan, prompts, greedy_ids, {})
     arms = []
     for j, subject in enumerate(subjects):
-        yield Step(f"starting {subject.name}")
+        yield Progress(f"starting {subject.name}")
         with engine_of(pair, cfg, conversations, subject.decoder, out) as engine:
             probe = ban if subject.decoder.method.adjusts_logits else {}
             arms.append(
@@ -521,7 +520,7 @@ def audit_group(sampler, pair, cfg, conversations, plan, reference, subjects, ou
     group = Group(name, picked, shares, frequent, sampler.stop_ids, ref, control, arms, subjects, {}, stop and stop[0])
     wanted = {key for arm in [control, *arms] for key in divergences(ref, arm)}
     if wanted:
-        yield Step(f"labelling {len(wanted)} greedy divergences by the reference's margins")
+        yield Progress(f"labelling {len(wanted)} greedy divergences by the reference's margins")
         with engine_of(pair, cfg, conversations, reference, out) as engine:
             group.margins = {key: engine.margin_at(greedy_ids[key[1]].tolist(), key[2]) for key in sorted(wanted)}
     return group

@@ -8,7 +8,7 @@ in ``validate``; a single option's rules live in its declaration.
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, field, make_dataclass
+from dataclasses import asdict, field, make_dataclass, replace
 
 from specbench.core.errors import SpecbenchError
 from specbench.core.options import (
@@ -24,9 +24,8 @@ from specbench.core.options import (
     Option,
 )
 from specbench.decoding.kv import SINKS
-from specbench.decoding.sampling import SamplingConfig
+from specbench.decoding.sampling import Sampling
 from specbench.drafters.propose import tree_parents
-from specbench.engines import Sampling
 from specbench.engines.llamacpp import find_server
 from specbench.engines.loop import Settings
 from specbench.engines.vllm import INSTALL, available, device_count
@@ -102,8 +101,8 @@ class _Run:
     @property
     def policy_notes(self) -> list[str]:
         """A line for each method of the run that drafts but cannot take every --k-policy asked for."""
-        own = [(step.method, step.method.name) for step in self.plan]
-        served = [(step.method, f"{step.method.engine} {step.method.name}") for step in self.served_plan]
+        own = [(decoder.method, decoder.method.name) for decoder in self.plan]
+        served = [(decoder.method, f"{decoder.method.engine} {decoder.method.name}") for decoder in self.served_plan]
         lines = []
         for method, who in dict.fromkeys(own + served):
             dropped = [policy for policy in self.k_policies if policy not in method.k_policies]
@@ -156,7 +155,7 @@ class _Run:
         """The server of the draft alone, for c: --draft-url, or the one --launch draft=... starts (under
         --engine llama-cpp, a llama-server of the draft's GGUF when a method drafts with it)."""
         if "llama-cpp" in self.engines:
-            drafts = any(step.method.needs_draft for step in self.served_plan)
+            drafts = any(decoder.method.needs_draft for decoder in self.served_plan)
             return LlamaCpp(SERVER_DRAFT, draft_alone=True) if drafts else None
         if self.draft_url or SERVER_DRAFT in self.launches:
             return Remote(SERVER_DRAFT, self.draft_url or "", False, self.launches.get(SERVER_DRAFT, ""))
@@ -175,13 +174,13 @@ class _Run:
         stay within the prompt, --max-new-tokens and this.)"""
         return 1 + max(
             [max(self.ks)]
-            + [len(tree_parents(step.tree)) for step in self.plan if step.tree]
-            + [step.method.longest_draft(self, step.k) for step in self.plan if step.k]
+            + [len(tree_parents(decoder.tree)) for decoder in self.plan if decoder.tree]
+            + [decoder.method.longest_draft(self, decoder.k) for decoder in self.plan if decoder.k]
         )
 
     @property
     def needs_draft(self) -> bool:
-        return any(step.method.needs_draft for step in self.plan + self.served_plan)
+        return any(decoder.method.needs_draft for decoder in self.plan + self.served_plan)
 
     @property
     def wanted(self) -> Wanted:
@@ -211,22 +210,28 @@ class _Run:
     @property
     def needs_speculator(self) -> bool:
         """Whether an EAGLE head decodes in specbench's loop (vLLM loads its own)."""
-        return any(step.method.needs_speculator for step in self.plan)
+        return any(decoder.method.needs_speculator for decoder in self.plan)
 
     @property
     def learns(self) -> bool:
-        return any(step.method.learns for step in self.plan)
+        return any(decoder.method.learns for decoder in self.plan)
 
     @property
-    def sampling(self) -> SamplingConfig:
-        return SamplingConfig(self.temperature, self.top_k, self.top_p, self.eta)
+    def sampling(self) -> Sampling:
+        """The run's sampling: the warp, the tokens to generate and the seed."""
+        return Sampling(
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            eta=self.eta,
+            max_new_tokens=self.max_new_tokens,
+            seed=self.seed,
+        )
 
     def requests(self, stop_ids) -> Sampling:
-        """What every engine samples with: the tokens to generate, the warp, the seed and the ids that
-        end an answer (``stop_ids``, the target's)."""
-        return Sampling(
-            self.max_new_tokens, self.temperature, self.top_k, self.top_p, self.seed, tuple(sorted(stop_ids)), self.eta
-        )
+        """What every engine samples with: the run's sampling and the ids that end an answer
+        (``stop_ids``, the target's)."""
+        return replace(self.sampling, stop_ids=tuple(sorted(stop_ids)))
 
     def options_of(self, method) -> dict:
         """The options ``method`` decodes with in specbench's loop: its own, and --draft-p-min (where
@@ -251,7 +256,7 @@ class _Run:
             if name in METHODS:
                 METHODS[name].check_options(self)
         if "llama-cpp" in self.engines:
-            heads = [step.method.name for step in self.served_plan if step.method.needs_speculator]
+            heads = [decoder.method.name for decoder in self.served_plan if decoder.method.needs_speculator]
         else:
             heads = [name for name in self.methods if (METHODS.get(name) or SERVED[name]).needs_speculator]
         if heads and not self.speculator:  # the target's own head, where models.toml names one
@@ -356,8 +361,8 @@ class _Run:
         if server:
             self.validate_servers()
             return
-        for step in self.served_plan:
-            step.method.check_served(self)
+        for decoder in self.served_plan:
+            decoder.method.check_served(self)
         devices = self.tensor_parallel_size * self.pipeline_parallel_size
         count, what = device_count(self.device)
         if devices > count and self.distributed_executor_backend != "ray":

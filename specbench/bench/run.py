@@ -2,7 +2,7 @@
 
 It is the one module that reads the run's configuration (config.BenchConfig) and the one that
 writes the run directory (rundir.RunWriter): each stage below it is handed only what it needs
-(results.RunColumns, serve.ServingRun, engines.Sampling, the prompts). It loads the pair and the
+(results.RunColumns, serve.ServingRun, decoding.sampling.Sampling, the prompts). It loads the pair and the
 prompts, measures the forward costs, warms up, decodes every prompt with the baseline and each
 method in specbench's loop (decode_all) and, untimed, labels each greedy output that parted from the
 baseline's (label_divergences), then sends every turn to the serving engines (bench/serve.py, whose
@@ -22,13 +22,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specbench.bench.config import BenchConfig
-from specbench.bench.serve import Answer, Counters, ServingRun, Step, draft_alone, margins, serve_all
+from specbench.bench.serve import Answer, Counters, Progress, ServingRun, draft_alone, margins, serve_all
 from specbench.core.environment import cache_dir
 from specbench.core.errors import SpecbenchError
 from specbench.core.machine import environment
 from specbench.core.options import FIXED
+from specbench.decoding.sampling import Sampling
 from specbench.decoding.timing import MEMORY_SOURCES, PeakMemory
-from specbench.engines import Sampling, llamacpp
+from specbench.engines import llamacpp
 from specbench.engines.loop import Loop
 from specbench.engines.vllm import EngineSpec, vllm_version
 from specbench.methods.base import Decoder
@@ -83,8 +84,8 @@ def load_inputs(cfg: BenchConfig) -> tuple[Pair, list]:
         max_turns=cfg.max_turns,
     )
     pair = load_pair(cfg.wanted, cfg.compile, cfg.threads)
-    for step in cfg.plan:
-        step.method.check(pair)
+    for decoder in cfg.plan:
+        decoder.method.check(pair)
     return pair, prompts
 
 
@@ -107,7 +108,7 @@ def benchmark(
     out: Path,
     resume: bool = False,
     prefill_progress: Callable[[int, int], None] | None = None,
-) -> Iterator[Step | Results]:
+) -> Iterator[Progress | Results]:
     """Run ``cfg`` into the run directory ``out``, yielding Steps as it goes and Results at the end.
 
     With ``resume``, a run interrupted in ``out`` with the same configuration continues: prompts
@@ -123,7 +124,7 @@ def benchmark(
         )
     writer = RunWriter(out)  # fails on an unusable directory before anything is loaded
     previous = writer.previous_run(cfg.as_dict()) if resume else None
-    yield Step("loading models and prompts")
+    yield Progress("loading models and prompts")
     pair, conversations = prepare(cfg)
     turns, prompt_ids = conversations.turns, conversations.first
     for lm in (pair.target_lm, pair.draft_lm):
@@ -171,15 +172,17 @@ def benchmark(
     run = serving_run(cfg, pair, conversations, out) if cfg.served_baseline is not None else None
     served = [run.baseline, *run.plan] if run is not None else []
     columns = run_columns(cfg, run_info)
-    for step in plan:
-        step.method.begin_run(pair, cfg.settings_of(step.method), step)
+    for decoder in plan:
+        decoder.method.begin_run(pair, cfg.settings_of(decoder.method), decoder)
     costs = None  # specbench's loop's forward costs; vLLM's are in engine_costs
     if own and previous is not None and previous.costs:
         costs = ForwardCosts.from_rows(previous.costs)
     elif own:
-        yield Step("measuring forward costs (c, verify_ratio)")
+        yield Progress("measuring forward costs (c, verify_ratio)")
         levels = {
-            level.name: level.build(pair, cfg.settings_of(step.method)) for step in plan for level in step.method.levels
+            level.name: level.build(pair, cfg.settings_of(decoder.method))
+            for decoder in plan
+            for level in decoder.method.levels
         }
         costs = measure_costs(pair, prompt_ids, levels, cfg.widest, cfg.max_new_tokens, cfg.cost_repeats)
         writer.write_csv("verify_cost.csv", costs.rows())
@@ -226,10 +229,10 @@ def benchmark(
         writer.write_json("results.json", results_document(meta, summary, records, categories, cfg.group_by))
         writer.close()
         if cfg.save_draft:  # what was learned is kept, also when the run was interrupted
-            learners = [step for step in plan if step.method.learns]
-            for step in learners:
-                row = f"k{step.k}" if step.k_policy == FIXED else f"k{step.k}-{step.k_policy}"
-                step.method.save(step, Path(cfg.save_draft) / (row if len(learners) > 1 else ""))
+            learners = [decoder for decoder in plan if decoder.method.learns]
+            for decoder in learners:
+                row = f"k{decoder.k}" if decoder.k_policy == FIXED else f"k{decoder.k}-{decoder.k_policy}"
+                decoder.method.save(decoder, Path(cfg.save_draft) / (row if len(learners) > 1 else ""))
     picks = {} if cfg.random_weights else best_ks(summary)
     if picks:
         writer.write_json("best_k.json", picks)
@@ -283,7 +286,7 @@ def run_columns(cfg: BenchConfig, run_info: dict) -> RunColumns:
             return f"spec_type={decoder.method.spec_type or 'none'}{sampling},gguf={cfg.gguf_type},api={cfg.api}"
         if decoder.method.engine == "vllm":
             return ",".join(part for part in (parallel, extra) if part)
-        return decoder.settings(cfg)
+        return decoder.options_column(cfg)
 
     sampling = {name: getattr(cfg, name) for name in ("temperature", "top_k", "top_p", "eta", "seed", "max_new_tokens")}
     return RunColumns(run_info, sampling, options, cfg.random_weights)
@@ -387,7 +390,7 @@ def decode_all(
     learning: list[dict],
     done: set[int],
     summaries: Callable[[], object],
-) -> Iterator[Step]:
+) -> Iterator[Progress]:
     """specbench's loop: every turn not in ``done``, by the baseline (``loops[0]``) and each decoder of
     the plan, each a Loop engine of its own, after ``warmup`` untimed decodes of the first prompt.
     A later turn of a conversation is rendered after the decoder's own answers to the turns before it
@@ -396,7 +399,7 @@ def decode_all(
     turns, text_of = conversations.turns, decoded_text(loops[0].pair)
     todo = [i for i in range(len(turns)) if i not in done]
     if todo:  # a resumed run with nothing left to decode only writes its summary again
-        yield Step("warming up")
+        yield Progress("warming up")
         for _ in range(warmup):  # untimed, so allocation, kernel choice and caches settle first
             for loop in loops:  # a method that learns learns nothing here: it learns in after_prompt
                 list(loop.run(conversations.first[:1], 1, sampling, indices=[0]))
@@ -431,7 +434,7 @@ def decode_all(
                 learning.append(online_row(records[-1], learned))
                 writer.write_csv("online.csv", learning)
             finished += 1
-            yield Step("decoding", finished, total, decoder.label)
+            yield Progress("decoding", finished, total, decoder.label)
             if time.monotonic() - written > SUMMARY_EVERY_S:
                 summaries()
                 written = time.monotonic()
@@ -439,7 +442,7 @@ def decode_all(
 
 def label_divergences(
     loops: list[Loop], conversations: Conversations, records: list[dict], writer: RunWriter
-) -> Iterator[Step]:
+) -> Iterator[Progress]:
     """specbench's loop under plain greedy, after every timed decode: each output that parted from its
     reference's (the baseline's, or its engine's own: method.reference) is labelled near-tie or
     structural by the target's two likeliest tokens where they part, read along the reference's
@@ -449,7 +452,7 @@ def label_divergences(
     todo = [r for r in records if r["engine"] in OWN_ENGINES and r["first_divergence"] >= 0 and not r["divergence"]]
     if not todo:
         return
-    yield Step(f"labelling {len(todo)} greedy divergences by the target's margins")
+    yield Progress(f"labelling {len(todo)} greedy divergences by the target's margins")
     methods = {loop.decoder.method.name: loop.decoder.method for loop in loops}
     answers = {
         (o["prompt_index"], o["method"]): o["token_ids"]
@@ -468,8 +471,8 @@ def label_divergences(
             for j, earlier in enumerate(turns)
             if earlier.conversation == turn.conversation and earlier.turn < turn.turn
         ]
-        first, second, step = loops[0].top_two(conversations.ids(turn, before), at, answers[(index, reference)])
-        labels.append(serving.divergence_kind(first - second, serving.near_tie_bound(step)))
+        first, second, spacing = loops[0].top_two(conversations.ids(turn, before), at, answers[(index, reference)])
+        labels.append(serving.divergence_kind(first - second, serving.near_tie_bound(spacing)))
     for r, label in zip(todo, labels, strict=True):
         r["divergence"] = label
     writer.rewrite_records(records)
@@ -484,7 +487,7 @@ def serve_rows(
     engine_costs: list[dict],
     counters: list[dict],
     text_of: Callable[[list[int]], str],
-) -> Iterator[Step]:
+) -> Iterator[Progress]:
     """The serving engines' part (serve.serve_all): each answer becomes a records.csv row and an
     outputs.jsonl line as it comes, each block's counters a counters.csv row; a resumed run skips
     the finished ``blocks``. Then, for servers under greedy, each divergent output is labelled
@@ -531,7 +534,7 @@ def serve_rows(
             ]
             found = []
             for event in margins(run, conversations, asked):
-                if isinstance(event, Step):
+                if isinstance(event, Progress):
                     yield event
                 else:
                     found.append(event)
@@ -550,7 +553,7 @@ def serve_rows(
     if wanted and "draft" not in timed:
         alone = []
         for event in draft_alone(run, conversations):
-            if isinstance(event, Step):
+            if isinstance(event, Progress):
                 yield event
             elif not event.error:
                 alone.append(event.tpot_ms)

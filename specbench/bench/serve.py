@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specbench.core.errors import SpecbenchError
-from specbench.engines import Sampling, Served
+from specbench.decoding.sampling import Sampling
+from specbench.engines import Served
 from specbench.engines.launch import launched
 from specbench.engines.server import Server
 from specbench.engines.vllm import Engine, EngineSpec
@@ -29,7 +30,7 @@ log = logging.getLogger("specbench")
 
 
 @dataclass
-class Step:
+class Progress:
     """What the benchmark is doing: a stage, and for decoding how far it got."""
 
     stage: str
@@ -102,7 +103,7 @@ def serve_all(
     conversations: Conversations,
     finished: set[tuple],
     kept: dict[tuple[int, float], dict[int, Served]],
-) -> Iterator[Step | Answer | Counters]:
+) -> Iterator[Progress | Answer | Counters]:
     """Every turn through each engine at each load: the baseline first, then each method (vLLM: at
     each K, an engine each; servers: each server). Blocks in ``finished`` (block keys, see
     ``block_key``) are skipped; ``kept`` holds the baseline's requests a resumed run kept, by load.
@@ -114,7 +115,9 @@ def serve_all(
         todo = [load for load in run.loads if block_key(decoder, load) not in finished]
         if not todo:
             continue
-        yield Step(f"starting {run.engine}: {decoder.label}" + (" (a minute or two)" if run.engine == "vllm" else ""))
+        yield Progress(
+            f"starting {run.engine}: {decoder.label}" + (" (a minute or two)" if run.engine == "vllm" else "")
+        )
         failed = []
         with opened(run, conversations, decoder) as engine:
             for load in todo:
@@ -139,7 +142,7 @@ def serve_all(
 
 def serve_block(
     engine, decoder: Decoder, load, conversations: Conversations, sampling: Sampling, api: str, baselines: dict
-) -> Iterator[Step | Answer]:
+) -> Iterator[Progress | Answer]:
     """Every turn through ``engine`` at one load (concurrency, request rate), in waves by turn. The
     baseline's own requests go into ``baselines`` (prompt index -> Served)."""
     turns, is_baseline = conversations.turns, decoder.method.takes_k is False
@@ -169,24 +172,24 @@ def serve_block(
                 turn, index, ids[n].tolist(), decoder, load, served, served if is_baseline else baselines.get(index)
             )
             finished += 1
-            yield Step("decoding", finished, len(turns), f"{decoder.method.engine} {decoder.label}, {_load(load)}")
+            yield Progress("decoding", finished, len(turns), f"{decoder.method.engine} {decoder.label}, {_load(load)}")
 
 
 def margins(
     run: ServingRun, conversations: Conversations, asked: list[tuple[list[int], int]]
-) -> Iterator[Step | float | None]:
+) -> Iterator[Progress | float | None]:
     """The baseline's top-two log-probability margin at each (prompt ids, position) of ``asked``, in
     order, asked of it untimed (a launched baseline is started again for it)."""
-    yield Step(f"labelling {len(asked)} divergent outputs by the baseline's logprobs")
+    yield Progress(f"labelling {len(asked)} divergent outputs by the baseline's logprobs")
     with opened(replace(run, warmup=0), conversations, run.baseline) as engine:
         for ids, position in asked:
             yield engine.margin_at(ids, position)
 
 
-def draft_alone(run: ServingRun, conversations: Conversations) -> Iterator[Step | Served]:
+def draft_alone(run: ServingRun, conversations: Conversations) -> Iterator[Progress | Served]:
     """The draft model alone at one request in flight, each first turn once, for c (vLLM: an engine
     of the draft; servers: the draft's server)."""
-    yield Step(f"starting {run.engine}: the draft model alone, for c")
+    yield Progress(f"starting {run.engine}: the draft model alone, for c")
     with opened(run, conversations, None) as engine:
         yield from engine.run([ids.tolist() for ids in conversations.first], 1, run.sampling)
 

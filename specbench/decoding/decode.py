@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from specbench.decoding.sampling import (
-    SamplingConfig,
+    Sampling,
     Verdict,
     adjust,
     children,
@@ -177,7 +177,7 @@ def autoregressive_decode(
     model: CausalLM,
     prompt_ids: torch.Tensor,
     max_new_tokens: int,
-    cfg: SamplingConfig,
+    sampling: Sampling,
     generator: torch.Generator,
     stop_ids: frozenset[int] = frozenset(),
 ) -> DecodeResult:
@@ -189,11 +189,11 @@ def autoregressive_decode(
     them (timing.PhaseClock.stop): its time is the time to its stop token, as when reading each token."""
     model.reset()
     logits = model.forward(prompt_ids, last=1)[-1]
-    seen = context_mask(prompt_ids, logits.shape[-1], cfg)  # the context, for a repetition penalty
+    seen = context_mask(prompt_ids, logits.shape[-1], sampling)  # the context, for a repetition penalty
     decoded = torch.empty(max_new_tokens, dtype=torch.long, device=logits.device)
     result, n = DecodeResult(tokens=[]), 0
     while True:
-        token = next_token(adjust(logits, cfg, seen), cfg, generator)
+        token = next_token(adjust(logits, sampling, seen), sampling, generator)
         if seen is not None:
             seen[token] = True
         decoded[n : n + 1] = token
@@ -234,21 +234,21 @@ class Round:
 def verify(
     draft: Draft,
     target_logits: torch.Tensor,
-    cfg: SamplingConfig,
+    sampling: Sampling,
     generator: torch.Generator,
     seen: torch.Tensor | None = None,
 ) -> tuple[Verdict, torch.Tensor | None]:
     """The verdict on ``draft`` from the target's logits at the root and every draft token; ``seen``
     masks the context before the root (a repetition penalty's; a chain's rows add its drafts)."""
-    if cfg.adjusts:
+    if sampling.adjusts:
         if not draft.is_chain:
             raise ValueError("a tree's rows take no repetition penalty or logit bias")
-        target_logits = adjust(target_logits, cfg, _seen_rows(seen, draft.tokens))
-    if cfg.greedy:
+        target_logits = adjust(target_logits, sampling, _seen_rows(seen, draft.tokens))
+    if sampling.greedy:
         if draft.is_chain:
             return verify_chain_greedy(draft.tokens, target_logits), None
         return verify_tree_greedy(draft.tokens, draft.parents, target_logits), None
-    p = warp(target_logits, cfg)
+    p = warp(target_logits, sampling)
     if draft.is_chain:
         return verify_chain_sampled(draft.tokens, draft.q, p, generator), p
     return verify_tree_sampled(draft.tokens, draft.parents, draft.q, p, generator), p
@@ -259,7 +259,7 @@ def speculative_round(
     drafter: Drafter,
     last: torch.Tensor,
     k: int,
-    cfg: SamplingConfig,
+    sampling: Sampling,
     generator: torch.Generator,
     seen: torch.Tensor | None = None,
     rule: Callable = verify,
@@ -278,7 +278,7 @@ def speculative_round(
         target_logits = target.forward(ids, last=n + 1, positions=positions, mask=mask)
     else:
         raise ValueError("a tree is verified after exactly one unread token")
-    verdict, p = rule(draft, target_logits, cfg, generator, seen)
+    verdict, p = rule(draft, target_logits, sampling, generator, seen)
     target.keep(list(range(read)) + [read + i for i in verdict.path], read + n)
     drafter.accepted(draft, verdict)
     return Round(draft, verdict, target_logits, p)
@@ -300,7 +300,7 @@ def speculative_decode(
     prompt_ids: torch.Tensor,
     k: int,
     max_new_tokens: int,
-    cfg: SamplingConfig,
+    sampling: Sampling,
     generator: torch.Generator,
     stop_ids: frozenset[int] = frozenset(),
     on_round: Callable[[Round, int], None] | None = None,
@@ -324,8 +324,8 @@ def speculative_decode(
         raise ValueError("k must be >= 1")
     target.reset()
     logits = target.forward(prompt_ids, last=1)[-1]
-    seen = context_mask(prompt_ids, logits.shape[-1], cfg)  # the context, for a repetition penalty
-    last = next_token(adjust(logits, cfg, seen), cfg, generator)
+    seen = context_mask(prompt_ids, logits.shape[-1], sampling)  # the context, for a repetition penalty
+    last = next_token(adjust(logits, sampling, seen), sampling, generator)
     if seen is not None:
         seen[last] = True
     drafter.start(prompt_ids, last)
@@ -334,7 +334,7 @@ def speculative_decode(
         return result
     while True:
         ask = k if schedule is None else min(k, max_new_tokens - len(result.tokens))
-        round_ = speculative_round(target, drafter, last, ask, cfg, generator, seen, rule)
+        round_ = speculative_round(target, drafter, last, ask, sampling, generator, seen, rule)
         verdict, last = round_.verdict, round_.verdict.next_token
         if seen is not None:
             seen[round_.emitted] = True

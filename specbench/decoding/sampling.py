@@ -13,15 +13,27 @@ import torch
 
 
 @dataclass(frozen=True)
-class SamplingConfig:
+class Sampling:
+    """How to sample, one type from the command line to the sampler: the warp and the logits'
+    adjustments that specbench's loop applies, the penalties that only vLLM and servers apply, and what
+    a request to an engine also says (tokens to generate, seed, stop ids and strings, log-probabilities)."""
+
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    eta: float = 0.0  # eta sampling's epsilon (0 = off)
+    eta: float = 0.0  # eta sampling's epsilon (0 = off): specbench's loop and transformers only
     min_p: float = 0.0  # drop tokens below min_p times the likeliest one's probability (0 = off)
     # Context-dependent adjustments of the logits, before the warp and before greedy's argmax (adjust):
     repetition_penalty: float = 1.0  # a token already in the context: logit / penalty (x penalty below 0)
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    presence_penalty: float = 0.0  # vLLM and servers only
+    frequency_penalty: float = 0.0  # vLLM and servers only
+    # What a request to an engine says besides (the decode loops take their length and stop ids as arguments):
+    max_new_tokens: int = 0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()
+    logprobs: int = 0  # how many of the likeliest tokens' log-probabilities to return per position
+    stop: tuple[str, ...] = ()  # stop strings: vLLM and servers only (specbench's loop stops on ids)
 
     @property
     def greedy(self) -> bool:
@@ -34,28 +46,28 @@ class SamplingConfig:
         return self.repetition_penalty != 1.0 or bool(self.logit_bias)
 
 
-def adjust(logits: torch.Tensor, cfg: SamplingConfig, seen: torch.Tensor | None) -> torch.Tensor:
+def adjust(logits: torch.Tensor, sampling: Sampling, seen: torch.Tensor | None) -> torch.Tensor:
     """The logits after the logit bias and the repetition penalty (transformers' and vLLM's rule: a
     token in the context has its logit divided by the penalty, or multiplied when negative); ``seen``
     is a boolean mask of the tokens in each row's context (prompt and output so far), shaped like
     ``logits``. Both the target's rows and the draft's go through it, at the same contexts, before
     the warp or greedy's argmax: that is what keeps speculative decoding exact under them."""
-    if not cfg.adjusts:
+    if not sampling.adjusts:
         return logits
     logits = logits.float().clone()
-    if cfg.repetition_penalty != 1.0 and seen is not None:
-        penalized = torch.where(logits < 0, logits * cfg.repetition_penalty, logits / cfg.repetition_penalty)
+    if sampling.repetition_penalty != 1.0 and seen is not None:
+        penalized = torch.where(logits < 0, logits * sampling.repetition_penalty, logits / sampling.repetition_penalty)
         logits = torch.where(seen, penalized, logits)
-    for token, bias in cfg.logit_bias:
+    for token, bias in sampling.logit_bias:
         if token < logits.shape[-1]:
             logits[..., token] += bias
     return logits
 
 
-def context_mask(ids: torch.Tensor, width: int, cfg: SamplingConfig) -> torch.Tensor | None:
+def context_mask(ids: torch.Tensor, width: int, sampling: Sampling) -> torch.Tensor | None:
     """The mask of the tokens in ``ids`` over a vocabulary of ``width`` (ids beyond it are left out),
-    for adjust(); None when ``cfg`` has no repetition penalty (nothing reads it)."""
-    if cfg.repetition_penalty == 1.0:
+    for adjust(); None when ``sampling`` has no repetition penalty (nothing reads it)."""
+    if sampling.repetition_penalty == 1.0:
         return None
     mask = torch.zeros(width, dtype=torch.bool, device=ids.device)
     mask[ids[ids < width]] = True
@@ -73,35 +85,35 @@ def seen_rows(seen: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor |
     return rows
 
 
-def warp(logits: torch.Tensor, cfg: SamplingConfig) -> torch.Tensor:
+def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p, min-p and eta, over the last dimension (float32)."""
-    if cfg.greedy:
+    if sampling.greedy:
         raise ValueError("warp() is for sampling; greedy decoding uses argmax")
-    logits = logits.float() / cfg.temperature
+    logits = logits.float() / sampling.temperature
     vocab = logits.shape[-1]
-    if 0 < cfg.top_k < vocab:
-        kth_largest = torch.topk(logits, cfg.top_k, dim=-1).values[..., -1:]
+    if 0 < sampling.top_k < vocab:
+        kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth_largest, float("-inf"))
-    if cfg.top_p < 1.0:
+    if sampling.top_p < 1.0:
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
         # Keep the smallest prefix whose mass reaches top_p: a token is dropped when the mass
         # strictly before it already reaches top_p (so the most likely token always stays).
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= cfg.top_p
+        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= sampling.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    if cfg.eta > 0:
+    if sampling.eta > 0:
         # Eta sampling (Hewitt et al. 2022), as transformers' EtaLogitsWarper: drop tokens below
         # min(eta, sqrt(eta) * exp(-entropy)), never the most likely one.
         probs = logits.softmax(-1)
         entropy = -torch.special.xlogy(probs, probs).sum(-1, keepdim=True)
-        cutoff = torch.clamp(math.sqrt(cfg.eta) * torch.exp(-entropy), max=cfg.eta)
+        cutoff = torch.clamp(math.sqrt(sampling.eta) * torch.exp(-entropy), max=sampling.eta)
         drop = (probs < cutoff) & (logits < logits.max(-1, keepdim=True).values)
         logits = logits.masked_fill(drop, float("-inf"))
-    if cfg.min_p > 0:
+    if sampling.min_p > 0:
         # As vLLM's and transformers' min-p: relative to the likeliest token after the other cuts.
         probs = logits.softmax(-1)
-        logits = logits.masked_fill(probs < cfg.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
+        logits = logits.masked_fill(probs < sampling.min_p * probs.max(-1, keepdim=True).values, float("-inf"))
     return logits.softmax(-1)
 
 
@@ -125,11 +137,11 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return (probs.float() / races.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1, keepdim=True)
 
 
-def next_token(logits: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator) -> torch.Tensor:
+def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
     """The next token for a 1-D logits vector, as a 1-element tensor (no host sync)."""
-    if cfg.greedy:
+    if sampling.greedy:
         return argmax(logits)
-    return sample(warp(logits, cfg), generator)
+    return sample(warp(logits, sampling), generator)
 
 
 def confident(probs: torch.Tensor, p_min: float) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specbench.decoding.decode import Beneath, CausalLM, Draft, LowerDrafter, speculative_round
-from specbench.decoding.sampling import SamplingConfig, Verdict
+from specbench.decoding.sampling import Sampling, Verdict
 from specbench.drafters.lookup import PromptLookupDrafter
 
 
@@ -26,14 +26,14 @@ class CascadeDrafter:
     def __init__(
         self,
         model: CausalLM,
-        cfg: SamplingConfig,
+        sampling: Sampling,
         generator: torch.Generator,
         split: int | None = None,
         ngram: int = 3,
         lower: LowerDrafter | None = None,
         inner_k: int | None = None,
     ):
-        self.model, self.cfg, self.generator, self.split, self.inner_k = model, cfg, generator, split, inner_k
+        self.model, self.sampling, self.generator, self.split, self.inner_k = model, sampling, generator, split, inner_k
         self.lower = lower if lower is not None else PromptLookupDrafter(ngram)
 
     def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
@@ -55,7 +55,7 @@ class CascadeDrafter:
                 self.lower,
                 self.pending,
                 ask if self.inner_k is None else min(ask, self.inner_k),
-                self.cfg,
+                self.sampling,
                 self.generator,
             )
             emitted = inner.emitted

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from specbench.decoding.decode import Draft
-from specbench.decoding.sampling import SamplingConfig, Verdict
+from specbench.decoding.sampling import Sampling, Verdict
 from specbench.drafters.propose import propose_chain, propose_tree
 from specbench.models.eagle_head import EagleHead, HeadCache
 
@@ -26,13 +26,13 @@ class EagleDrafter:
         head: EagleHead,
         target,
         width: int,
-        cfg: SamplingConfig,
+        sampling: Sampling,
         generator: torch.Generator,
         shape: tuple[int, ...] | None = None,
         dynamic: tuple[int, int] | None = None,
         p_min: float | None = None,
     ):
-        self.head, self.target, self.width, self.cfg, self.generator = head, target, width, cfg, generator
+        self.head, self.target, self.width, self.sampling, self.generator = head, target, width, sampling, generator
         self.shape, self.dynamic, self.p_min = shape, dynamic, p_min
 
     def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
@@ -77,7 +77,7 @@ class EagleDrafter:
                 out = self.head.step(self.head.draft_ids[token], out, position, self.cache)
             return self.head.draft_logits(out)[0]
 
-        chain = propose_chain(k, row_after, self.cfg, self.generator, self.p_min)
+        chain = propose_chain(k, row_after, self.sampling, self.generator, self.p_min)
         tokens = self.head.draft_ids[torch.cat(chain.tokens)] if chain.tokens else self.tokens[:0]
         return Draft.chain(tokens, None if chain.q is None else self._full(chain.q), forwards=chain.forwards)
 
@@ -86,7 +86,7 @@ class EagleDrafter:
             return self.head.step(level, out.repeat_interleave(branching, dim=0), positions, self.cache, mask)
 
         tokens, parents, q = propose_tree(
-            self.shape, self.base, out, self.head.draft_logits, read, self.cfg, self.generator, self.head.draft_ids
+            self.shape, self.base, out, self.head.draft_logits, read, self.sampling, self.generator, self.head.draft_ids
         )
         return Draft(tokens, parents, None if q is None else self._full(q), forwards=len(self.shape))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from specbench.decoding.decode import CausalLM, Draft
-from specbench.decoding.sampling import SamplingConfig, Verdict, adjust, context_mask, sample
+from specbench.decoding.sampling import Sampling, Verdict, adjust, context_mask, sample
 from specbench.drafters.propose import propose_chain
 
 
@@ -17,8 +17,8 @@ class ModelDrafter:
     as drafting, and its cache then holds every token it drafted, with none pending.
     """
 
-    def __init__(self, model: CausalLM, cfg: SamplingConfig, generator: torch.Generator, p_min: float | None = None):
-        self.model, self.cfg, self.generator, self.p_min = model, cfg, generator, p_min
+    def __init__(self, model: CausalLM, sampling: Sampling, generator: torch.Generator, p_min: float | None = None):
+        self.model, self.sampling, self.generator, self.p_min = model, sampling, generator, p_min
 
     def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
         self.model.prefill(prompt_ids)
@@ -39,13 +39,13 @@ class ModelDrafter:
                 if seen is not None:
                     seen[token] = True
             logits = self.model.forward(self.pending, last=1)[-1]
-            if self.seen is None and self.cfg.repetition_penalty != 1.0:
-                self.seen = context_mask(self.context, logits.shape[-1], self.cfg)
+            if self.seen is None and self.sampling.repetition_penalty != 1.0:
+                self.seen = context_mask(self.context, logits.shape[-1], self.sampling)
             if seen is None and self.seen is not None:
                 seen = self.seen.clone()
-            return adjust(logits, self.cfg, seen)
+            return adjust(logits, self.sampling, seen)
 
-        chain = propose_chain(k, row_after, self.cfg, self.generator, self.p_min, self.draw)
+        chain = propose_chain(k, row_after, self.sampling, self.generator, self.p_min, self.draw)
         # It has read every token it drafted when it stopped early; else all but the last.
         self.pending = self.pending[:0] if chain.stopped else chain.tokens[-1]
         tokens = torch.cat(chain.tokens) if chain.tokens else self.pending

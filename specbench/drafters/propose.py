@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from specbench.decoding.sampling import SamplingConfig, argmax, confident, sample, warp
+from specbench.decoding.sampling import Sampling, argmax, confident, sample, warp
 from specbench.decoding.tree import tree_inputs
 
 
@@ -27,7 +27,7 @@ class Chain(NamedTuple):
 def propose_chain(
     k: int,
     row_after: Callable[[torch.Tensor | None], torch.Tensor],
-    cfg: SamplingConfig,
+    sampling: Sampling,
     generator: torch.Generator,
     p_min: float | None = None,
     draw: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None,
@@ -42,7 +42,7 @@ def propose_chain(
     for _ in range(k):
         logits = row_after(drafted[-1] if drafted else None)
         forwards += 1
-        q = None if cfg.greedy else warp(logits, cfg)
+        q = None if sampling.greedy else warp(logits, sampling)
         if p_min is not None and not confident(logits.float().softmax(-1) if q is None else q, p_min):
             return Chain(drafted, torch.stack(q_rows) if q_rows else None, forwards, True)
         if q is None:
@@ -66,14 +66,14 @@ def tree_parents(shape: Sequence[int]) -> list[int]:
 
 
 def tree_level(
-    rows: torch.Tensor, branching: int, cfg: SamplingConfig, generator: torch.Generator
+    rows: torch.Tensor, branching: int, sampling: Sampling, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``branching`` children for each row of logits [n, V], each row's together (as tree_parents
     numbers them): its top-b ids under greedy, b independent draws from its warped row under
     sampling. Returns the ids [n * b] and the q row each was drawn from (None under greedy)."""
-    if cfg.greedy:
+    if sampling.greedy:
         return rows.topk(branching, dim=-1).indices.flatten(), None
-    q = warp(rows, cfg)
+    q = warp(rows, sampling)
     drawn = sample(q.unsqueeze(1).expand(-1, branching, -1), generator).flatten()  # b races per row: no host read
     return drawn, q.repeat_interleave(branching, dim=0)
 
@@ -84,7 +84,7 @@ def propose_tree(
     state: torch.Tensor,
     logits_of: Callable[[torch.Tensor], torch.Tensor],
     read: Callable[..., torch.Tensor],
-    cfg: SamplingConfig,
+    sampling: Sampling,
     generator: torch.Generator,
     ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
@@ -98,7 +98,7 @@ def propose_tree(
     positions, mask = tree_inputs(parents, base, state.device)
     tokens, q_rows, start = [], [], 0
     for depth, branching in enumerate(shape):
-        level, q = tree_level(logits_of(state), branching, cfg, generator)
+        level, q = tree_level(logits_of(state), branching, sampling, generator)
         if q is not None:
             q_rows.append(q)
         if ids is not None:

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from specbench.decoding.decode import CausalLM, Draft
-from specbench.decoding.sampling import SamplingConfig, Verdict
+from specbench.decoding.sampling import Sampling, Verdict
 from specbench.drafters.lookup import PromptLookupDrafter
 from specbench.drafters.propose import propose_tree, tree_parents
 
@@ -21,8 +21,8 @@ class TreeDrafter:
     one forward with the tree mask, so a node sees only its own ancestors; the leaves are never read.
     """
 
-    def __init__(self, model: CausalLM, cfg: SamplingConfig, generator: torch.Generator, shape: Sequence[int]):
-        self.model, self.cfg, self.generator, self.shape = model, cfg, generator, tuple(shape)
+    def __init__(self, model: CausalLM, sampling: Sampling, generator: torch.Generator, shape: Sequence[int]):
+        self.model, self.sampling, self.generator, self.shape = model, sampling, generator, tuple(shape)
         self.parents = tree_parents(self.shape)
         self.inner = len(self.parents) - math.prod(self.shape)  # the nodes it reads: all but the leaves
 
@@ -38,7 +38,7 @@ class TreeDrafter:
             return self.model.forward(level, last=len(level), positions=positions, mask=mask)
 
         tokens, parents, q = propose_tree(
-            self.shape, self.model.length, rows, lambda rows: rows, read, self.cfg, self.generator
+            self.shape, self.model.length, rows, lambda rows: rows, read, self.sampling, self.generator
         )
         return Draft(tokens, parents, q, forwards=len(self.shape))
 

@@ -35,28 +35,6 @@ from dataclasses import dataclass, field
 from specbench.core.errors import SpecbenchError
 
 
-@dataclass
-class Sampling:
-    max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int
-    stop_ids: tuple[int, ...]
-    eta: float = 0.0  # eta-sampling epsilon: specbench's loop and transformers only
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0  # vLLM and servers only
-    frequency_penalty: float = 0.0  # vLLM and servers only
-    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
-    logprobs: int = 0  # how many of the likeliest tokens' log-probabilities to return per position
-    stop: tuple[str, ...] = ()  # stop strings: vLLM and servers only (specbench's loop stops on ids)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-
 def margin(top: list[float] | None) -> float | None:
     """How far apart, in log-probability, the two likeliest tokens at a position were (None: not given)."""
     if not top or len(top) < 2:

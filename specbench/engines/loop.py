@@ -21,9 +21,9 @@ import torch
 
 from specbench.core.errors import SpecbenchError
 from specbench.decoding.decode import DecodeResult
-from specbench.decoding.sampling import SamplingConfig
+from specbench.decoding.sampling import Sampling
 from specbench.decoding.timing import PeakMemory, PhaseClock, Phases, synchronize
-from specbench.engines import Sampling, Served, margin, request_seed
+from specbench.engines import Served, margin, request_seed
 
 
 @dataclass
@@ -43,7 +43,7 @@ class Settings:
     ``settings.kv_budget`` reads an option; one the method did not declare is an AttributeError."""
 
     max_new_tokens: int
-    sampling: SamplingConfig
+    sampling: Sampling
     options: Mapping[str, object] = field(default_factory=dict)
 
     def __getattr__(self, name: str):
@@ -67,16 +67,7 @@ class Loop:
         self.timed = pair.timed(self.clock)
 
     def settings(self, sampling: Sampling) -> Settings:
-        warp = SamplingConfig(
-            sampling.temperature,
-            sampling.top_k,
-            sampling.top_p,
-            sampling.eta,
-            sampling.min_p,
-            sampling.repetition_penalty,
-            sampling.logit_bias,
-        )
-        return Settings(sampling.max_new_tokens, warp, self.options)
+        return Settings(sampling.max_new_tokens, sampling, self.options)
 
     def run(
         self,

@@ -26,7 +26,8 @@ from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
 from specbench.core.errors import SpecbenchError
-from specbench.engines import LoopThread, Sampling, Served, arrivals, margin, request_seed
+from specbench.decoding.sampling import Sampling
+from specbench.engines import LoopThread, Served, arrivals, margin, request_seed
 
 API_KEY_ENV = "OPENAI_API_KEY"  # where --api-key-env looks by default, as the OpenAI client does
 KEEPALIVE_S = 2.0  # seconds an idle connection is kept for the next request (see _open)

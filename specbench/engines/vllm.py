@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from specbench.core.errors import SpecbenchError
-from specbench.engines import LoopThread, Sampling, Served, arrivals, first_line, margin, request_seed
+from specbench.decoding.sampling import Sampling
+from specbench.engines import LoopThread, Served, arrivals, first_line, margin, request_seed
 
 INSTALL = (
     "--engine vllm needs vLLM, which lives in an environment of its own: run `make install-vllm` "
@@ -210,7 +211,7 @@ class Engine:
     def margin_at(self, request: list[int], position: int) -> float | None:
         """How far apart, in log-probability, the two likeliest tokens were at ``position`` of the
         engine's greedy answer to ``request``, untimed."""
-        greedy = Sampling(position + 1, 0.0, 0, 1.0, 0, (), logprobs=2)
+        greedy = Sampling(max_new_tokens=position + 1, logprobs=2)
         served = next(self.run([request], 1, greedy))
         return margin(served.logprobs[position]) if served.logprobs and len(served.logprobs) > position else None
 

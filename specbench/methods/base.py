@@ -57,10 +57,10 @@ class Decoder:
     def label(self) -> str:
         return method_label(self.method.name, self.k, self.shape, self.k_policy)
 
-    def settings(self, cfg) -> str:
+    def options_column(self, cfg) -> str:
         """The ``options`` column: the method's own settings, and the confidence policy's threshold."""
         policy = f"draft_p_min={cfg.draft_p_min}" if self.k_policy == CONFIDENCE else ""
-        return ",".join(part for part in (self.method.settings(cfg), policy) if part)
+        return ",".join(part for part in (self.method.options_column(cfg), policy) if part)
 
     @property
     def schedule(self) -> Callable[[int, int, int], int] | None:
@@ -113,7 +113,7 @@ class Method:
     def check_options(self, cfg) -> None:
         """Raise SpecbenchError when the run's options do not fit this method (before any model loads)."""
 
-    def settings(self, cfg) -> str:
+    def options_column(self, cfg) -> str:
         """Its own options' values, for the ``options`` column."""
         return ",".join(f"{o.name}={getattr(cfg, o.name)}" for o in self.options if o.recorded)
 
@@ -121,20 +121,20 @@ class Method:
         """Cost of one drafting step in one-token target forwards (NaN: the method does not draft)."""
         return math.nan
 
-    def begin_run(self, pair: Pair, settings: Settings, step: Decoder) -> None:
-        """Set up ``step.state`` before the first prompt (methods that learn, or keep a view of the cache)."""
+    def begin_run(self, pair: Pair, settings: Settings, decoder: Decoder) -> None:
+        """Set up ``decoder.state`` before the first prompt (methods that learn, or keep a view of the cache)."""
 
     def decode(
-        self, pair: Pair, settings: Settings, step: Decoder, ids: torch.Tensor, generator: torch.Generator
+        self, pair: Pair, settings: Settings, decoder: Decoder, ids: torch.Tensor, generator: torch.Generator
     ) -> DecodeResult:
         """Decode one prompt; ``pair`` is timed (pair.clock is lapped around every model forward)."""
         raise NotImplementedError
 
-    def after_prompt(self, step: Decoder, ids: torch.Tensor, result: DecodeResult) -> Learned | None:
+    def after_prompt(self, decoder: Decoder, ids: torch.Tensor, result: DecodeResult) -> Learned | None:
         """Work between prompts, after a prompt's timed decodes (methods that learn)."""
         return None
 
-    def save(self, step: Decoder, out: Path) -> None:
+    def save(self, decoder: Decoder, out: Path) -> None:
         """Write what the method learned (--save-draft)."""
 
 
@@ -146,22 +146,22 @@ class SpeculativeLoop(Method):
     k_policies = (FIXED, HEURISTIC)
     rule = staticmethod(verify)  # the verification (engine.verify; the audit's broken subjects have their own)
 
-    def drafter(self, pair: Pair, settings: Settings, step: Decoder, generator: torch.Generator) -> Drafter:
+    def drafter(self, pair: Pair, settings: Settings, decoder: Decoder, generator: torch.Generator) -> Drafter:
         raise NotImplementedError
 
-    def decode(self, pair, settings, step, ids, generator, on_round=None):
-        drafter = self.drafter(pair, settings, step, generator)
+    def decode(self, pair, settings, decoder, ids, generator, on_round=None):
+        drafter = self.drafter(pair, settings, decoder, generator)
         return speculative_decode(
             pair.target_lm,
             drafter,
             ids,
-            step.k,
+            decoder.k,
             settings.max_new_tokens,
             settings.sampling,
             generator,
             pair.stop_ids,
             on_round,
-            step.schedule,
+            decoder.schedule,
             self.rule,
         )
 

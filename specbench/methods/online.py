@@ -81,8 +81,8 @@ class Learned:
 class OnlineLearner:
     """A run's learning copy of the draft: ``lm`` decodes, a float32 ``student`` trains."""
 
-    def __init__(self, draft: LoadedModel, width: int, cfg: OnlineConfig, device: torch.device, fast: bool = False):
-        self.draft, self.cfg, self.device = draft, cfg, device
+    def __init__(self, draft: LoadedModel, width: int, online: OnlineConfig, device: torch.device, fast: bool = False):
+        self.draft, self.online, self.device = draft, online, device
         self.student = copy.deepcopy(draft.model).to(device=device, dtype=torch.float32).train()
         # The shipped draft is never changed: both copies are the learner's own.
         decoding = copy.deepcopy(draft.model).eval()
@@ -94,7 +94,7 @@ class OnlineLearner:
         learned = [p for p in self.student.parameters() if id(p) not in embeddings]
         for p in self.student.parameters():
             p.requires_grad_(id(p) not in embeddings)
-        self.optimizer = torch.optim.AdamW(learned, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(learned, lr=online.lr, betas=(0.9, 0.95), weight_decay=0.0)
         self.buffer: list[Example] = []
         self.prompts = self.updates = 0
 
@@ -110,7 +110,7 @@ class OnlineLearner:
             top_idx = torch.stack([lesson.top_idx for lesson in lessons]).cpu()
             self.buffer.append(Example(ids, 0, top_logp, top_idx, positions))
         train_s = 0.0
-        if self.prompts % self.cfg.every == 0 and self.buffer:
+        if self.prompts % self.online.every == 0 and self.buffer:
             synchronize(self.device)
             start = time.perf_counter()
             self.update()
@@ -121,7 +121,7 @@ class OnlineLearner:
     def update(self) -> None:
         batch = {name: tensor.to(self.device) for name, tensor in collate(self.buffer).items()}
         labelled = batch["labelled"]
-        for _ in range(self.cfg.steps):
+        for _ in range(self.online.steps):
             loss = kd_loss(
                 labelled_logits(self.student, batch), batch["top_logp"][labelled], batch["top_idx"][labelled]
             )
@@ -140,7 +140,7 @@ class OnlineLearner:
         """The updated draft as a checkpoint that ``--draft DIR`` loads, with its grown shortlist."""
         shortlist = None if self.lm.head_tokens is None else sorted(self.lm.head_tokens.tolist())
         meta = {
-            **asdict(self.cfg),
+            **asdict(self.online),
             "started_from": str(self.draft.path),
             "prompts": self.prompts,
             "updates": self.updates,

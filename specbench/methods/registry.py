@@ -41,7 +41,7 @@ class Baseline(Method):
     name, help, takes_k = "baseline", "the target alone, one token per forward with a KV cache (always runs)", False
     adjusts_logits = True
 
-    def decode(self, pair, settings, step, ids, generator):
+    def decode(self, pair, settings, decoder, ids, generator):
         return autoregressive_decode(
             pair.target_lm, ids, settings.max_new_tokens, settings.sampling, generator, pair.stop_ids
         )
@@ -54,14 +54,14 @@ class Speculative(SpeculativeLoop):
         True,
     )
     counterpart = "draft"
-    k_policies = K_POLICIES  # a ModelDrafter given step.p_min: it can stop where unsure
+    k_policies = K_POLICIES  # a ModelDrafter given decoder.p_min: it can stop where unsure
     adjusts_logits = True  # a chain of its own model's rows
 
     def c(self, costs):
         return costs.c
 
-    def drafter(self, pair, settings, step, generator):
-        return ModelDrafter(pair.draft_lm, settings.sampling, generator, step.p_min(settings))
+    def drafter(self, pair, settings, decoder, generator):
+        return ModelDrafter(pair.draft_lm, settings.sampling, generator, decoder.p_min(settings))
 
 
 KV_BUDGET = Option(
@@ -86,9 +86,9 @@ DRAFT_WINDOW = Option(
 )
 
 
-def timed_draft(lm, pair: Pair, settings, step: Decoder, generator) -> ModelDrafter:
+def timed_draft(lm, pair: Pair, settings, decoder: Decoder, generator) -> ModelDrafter:
     """A ModelDrafter of ``lm`` (a method's own drafting model) whose forwards are laps of the draft phase."""
-    return ModelDrafter(TimedLM(lm, pair.clock, "draft"), settings.sampling, generator, step.p_min(settings))
+    return ModelDrafter(TimedLM(lm, pair.clock, "draft"), settings.sampling, generator, decoder.p_min(settings))
 
 
 def draft_window(pair: Pair, settings) -> WindowLM:
@@ -114,16 +114,16 @@ class SpeculativeWindow(SpeculativeLoop):
     draft_level = "draft model over its window"
     levels = (DRAFT_WINDOW_LEVEL,)
     options = (DRAFT_WINDOW,)
-    k_policies = K_POLICIES  # a ModelDrafter given step.p_min: it can stop where unsure
+    k_policies = K_POLICIES  # a ModelDrafter given decoder.p_min: it can stop where unsure
 
     def c(self, costs):
         return costs.level_c(DRAFT_WINDOW_LEVEL.name)
 
-    def begin_run(self, pair, settings, step):
-        step.state = draft_window(pair, settings)
+    def begin_run(self, pair, settings, decoder):
+        decoder.state = draft_window(pair, settings)
 
-    def drafter(self, pair, settings, step, generator):
-        return timed_draft(step.state, pair, settings, step, generator)
+    def drafter(self, pair, settings, decoder, generator):
+        return timed_draft(decoder.state, pair, settings, decoder, generator)
 
 
 class PromptLookup(SpeculativeLoop):
@@ -137,7 +137,7 @@ class PromptLookup(SpeculativeLoop):
     def c(self, costs):
         return 0.0  # no draft model runs; its lookups are host-side bookkeeping
 
-    def drafter(self, pair, settings, step, generator):
+    def drafter(self, pair, settings, decoder, generator):
         return PromptLookupDrafter()
 
 
@@ -150,7 +150,7 @@ class LookupOrDraft(SpeculativeLoop):
     )
     inner_level, inner_beside = "prompt lookup", True  # beside the draft model: the target checks its rounds
     chains = False  # a lookup round drafts up to --lookup-k tokens for free: the chain formulas do not apply
-    k_policies = K_POLICIES  # its model rounds are a ModelDrafter's, given step.p_min
+    k_policies = K_POLICIES  # its model rounds are a ModelDrafter's, given decoder.p_min
     adjusts_logits = True  # the model's rows are adjusted in drafting, lookup's candidates in verify
     options = (
         Option(
@@ -177,8 +177,8 @@ class LookupOrDraft(SpeculativeLoop):
     def c(self, costs):
         return costs.c  # one draft-model forward; lookup's rounds run none
 
-    def drafter(self, pair, settings, step, generator):
-        model = ModelDrafter(pair.draft_lm, settings.sampling, generator, step.p_min(settings))
+    def drafter(self, pair, settings, decoder, generator):
+        model = ModelDrafter(pair.draft_lm, settings.sampling, generator, decoder.p_min(settings))
         lookup = PromptLookupDrafter(shortest=settings.lookup_ngram, lookahead=settings.lookup_k)
         return FirstThatDrafts([lookup, model])
 
@@ -214,7 +214,7 @@ class Cascade(SpeculativeLoop):
     def c(self, costs):
         return costs.c  # one of its draft-model forwards; it needs fewer of them than K per round
 
-    def drafter(self, pair, settings, step, generator):
+    def drafter(self, pair, settings, decoder, generator):
         lookup = TimedDrafter(PromptLookupDrafter(), pair.clock, "inner")
         return CascadeDrafter(pair.draft_lm, settings.sampling, generator, settings.cascade_split or None, lower=lookup)
 
@@ -247,8 +247,8 @@ class Tree(SpeculativeLoop):
     def c(self, costs):
         return costs.c
 
-    def drafter(self, pair, settings, step, generator):
-        return TreeDrafter(pair.draft_lm, settings.sampling, generator, step.tree)
+    def drafter(self, pair, settings, decoder, generator):
+        return TreeDrafter(pair.draft_lm, settings.sampling, generator, decoder.tree)
 
 
 class LookupTree(SpeculativeLoop):
@@ -265,8 +265,8 @@ class LookupTree(SpeculativeLoop):
     def c(self, costs):
         return 0.0
 
-    def drafter(self, pair, settings, step, generator):
-        return LookupTreeDrafter(nodes=len(tree_parents(step.tree)), depth=len(step.tree))
+    def drafter(self, pair, settings, decoder, generator):
+        return LookupTreeDrafter(nodes=len(tree_parents(decoder.tree)), depth=len(decoder.tree))
 
 
 class Online(Speculative):
@@ -300,28 +300,30 @@ class Online(Speculative):
         ),
     )
 
-    def begin_run(self, pair, settings, step):
+    def begin_run(self, pair, settings, decoder):
         online = OnlineConfig(settings.online_every, settings.online_steps, settings.online_lr)
-        step.state = OnlineLearner(pair.draft, pair.draft_lm.width, online, pair.device, pair.draft_lm.fast is not None)
+        decoder.state = OnlineLearner(
+            pair.draft, pair.draft_lm.width, online, pair.device, pair.draft_lm.fast is not None
+        )
 
-    def drafter(self, pair, settings, step, generator):
-        return timed_draft(step.state.lm, pair, settings, step, generator)
+    def drafter(self, pair, settings, decoder, generator):
+        return timed_draft(decoder.state.lm, pair, settings, decoder, generator)
 
-    def decode(self, pair, settings, step, ids, generator):
+    def decode(self, pair, settings, decoder, ids, generator):
         lessons = []
 
         def keep(round_, at):
             if (lesson := rejection(round_, at)) is not None:
                 lessons.append(lesson)
 
-        result = super().decode(pair, settings, step, ids, generator, on_round=keep)
+        result = super().decode(pair, settings, decoder, ids, generator, on_round=keep)
         return Lessons.of(result, lessons)
 
-    def after_prompt(self, step, ids, result):
-        return step.state.learn(ids, result)
+    def after_prompt(self, decoder, ids, result):
+        return decoder.state.learn(ids, result)
 
-    def save(self, step, out):
-        step.state.save(out)
+    def save(self, decoder, out):
+        decoder.state.save(out)
 
 
 class SelfSparse(SpeculativeLoop):
@@ -334,17 +336,17 @@ class SelfSparse(SpeculativeLoop):
     levels = (SELF_SPARSE_LEVEL,)
     draft_level = "target over its KV budget"
     options = (KV_BUDGET, KV_POLICY)
-    k_policies = K_POLICIES  # a ModelDrafter given step.p_min: it can stop where unsure
+    k_policies = K_POLICIES  # a ModelDrafter given decoder.p_min: it can stop where unsure
 
     def c(self, costs):
         return costs.level_c(SELF_SPARSE_LEVEL.name)
 
-    def begin_run(self, pair, settings, step):
-        step.state = SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy)
+    def begin_run(self, pair, settings, decoder):
+        decoder.state = SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy)
 
-    def drafter(self, pair, settings, step, generator):
-        step.state.watch()  # before the target's prefill, which comes next
-        return timed_draft(step.state, pair, settings, step, generator)
+    def drafter(self, pair, settings, decoder, generator):
+        decoder.state.watch()  # before the target's prefill, which comes next
+        return timed_draft(decoder.state, pair, settings, decoder, generator)
 
 
 class TriForce(SpeculativeLoop):
@@ -368,12 +370,12 @@ class TriForce(SpeculativeLoop):
     def c(self, costs):
         return costs.level_c(SELF_SPARSE_LEVEL.name)  # a drafting step of the level the target verifies
 
-    def begin_run(self, pair, settings, step):
+    def begin_run(self, pair, settings, decoder):
         window = draft_window(pair, settings)
-        step.state = SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy), window
+        decoder.state = SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy), window
 
-    def drafter(self, pair, settings, step, generator):
-        view, window = step.state
+    def drafter(self, pair, settings, decoder, generator):
+        view, window = decoder.state
         view.watch()
         lower = ModelDrafter(TimedLM(window, pair.clock, "inner"), settings.sampling, generator)
         middle = TimedLM(view, pair.clock, "draft")
@@ -406,26 +408,31 @@ class Eagle(SpeculativeLoop):
     draft_level = "EAGLE head"
     levels = (EAGLE_LEVEL,)
     options = (SPECULATOR,)
-    k_policies = K_POLICIES  # its chain stops where the head is unsure, given step.p_min
+    k_policies = K_POLICIES  # its chain stops where the head is unsure, given decoder.p_min
 
     def c(self, costs):
         return costs.level_c(EAGLE_LEVEL.name)
 
-    def shape(self, settings, step: Decoder) -> dict:
+    def shape(self, settings, decoder: Decoder) -> dict:
         """How its drafter drafts: a chain (here, stopping where unsure under the confidence policy),
         a fixed tree or a dynamic one."""
-        return {"p_min": step.p_min(settings)}
+        return {"p_min": decoder.p_min(settings)}
 
-    def drafter(self, pair, settings, step, generator):
+    def drafter(self, pair, settings, decoder, generator):
         drafter = EagleDrafter(
-            pair.head, pair.target_lm, pair.target_lm.width, settings.sampling, generator, **self.shape(settings, step)
+            pair.head,
+            pair.target_lm,
+            pair.target_lm.width,
+            settings.sampling,
+            generator,
+            **self.shape(settings, decoder),
         )
         return TimedDrafter(drafter, pair.clock, "draft")
 
-    def decode(self, pair, settings, step, ids, generator, on_round=None):
+    def decode(self, pair, settings, decoder, ids, generator, on_round=None):
         pair.target_lm.record_features(pair.head.config.taps)
         try:
-            return super().decode(pair, settings, step, ids, generator, on_round)
+            return super().decode(pair, settings, decoder, ids, generator, on_round)
         finally:
             pair.target_lm.record_features(None)
 
@@ -442,8 +449,8 @@ class EagleTree(Eagle):
     options = (SPECULATOR, TREES)
     k_policies = (FIXED,)  # its shape is its lookahead
 
-    def shape(self, settings, step):
-        return {"shape": step.tree}
+    def shape(self, settings, decoder):
+        return {"shape": decoder.tree}
 
 
 class EagleDynamic(Eagle):
@@ -460,7 +467,7 @@ class EagleDynamic(Eagle):
         Option("dynamic_width", 2, "eagle-dynamic: nodes expanded per level, and children offered by each.", low=1),
     )
 
-    def shape(self, settings, step):
+    def shape(self, settings, decoder):
         return {"dynamic": (settings.dynamic_nodes, settings.dynamic_width)}
 
 
@@ -488,16 +495,16 @@ class HFAssisted(Method):
     def c(self, costs):
         return costs.level_c(EAGER_DRAFT.name) / costs.level_c(EAGER_TARGET.name)
 
-    def decode(self, pair, settings, step, ids, generator):
+    def decode(self, pair, settings, decoder, ids, generator):
         seed = _seed(generator)
-        return hf_generate(pair.target, ids, settings, seed, pair.stop_ids, pair.draft, step.k, pair.clock)
+        return hf_generate(pair.target, ids, settings, seed, pair.stop_ids, pair.draft, decoder.k, pair.clock)
 
 
 class HFGenerate(Method):
     name, help, takes_k = "hf-generate", "transformers' plain generate (checks that the baseline is as fast)", False
     engine, adjusts_logits = "hf", True
 
-    def decode(self, pair, settings, step, ids, generator):
+    def decode(self, pair, settings, decoder, ids, generator):
         return hf_generate(pair.target, ids, settings, _seed(generator), pair.stop_ids, clock=pair.clock)
 
     def decode_many(self, pair, settings, ids, count, seed):

@@ -147,10 +147,10 @@ def divergence_kind(margin: float | None, bound: float = NEAR_TIE) -> str:
     return "near-tie" if margin <= bound else "structural"
 
 
-def near_tie_bound(step: float) -> float:
+def near_tie_bound(spacing: float) -> float:
     """The largest top-two margin (nats) of a near-tie where the logits' dtype rounds in steps of
-    ``step``: NEAR_TIE, or TIE_STEPS steps where that is more (bfloat16 above a logit of 1)."""
-    return max(NEAR_TIE, TIE_STEPS * step)
+    ``spacing``: NEAR_TIE, or TIE_STEPS steps where that is more (bfloat16 above a logit of 1)."""
+    return max(NEAR_TIE, TIE_STEPS * spacing)
 
 
 def block(records: list[dict], engine: str, method: str, load: tuple[int, float]) -> list[dict]:

@@ -24,7 +24,8 @@ import torch
 
 from specbench.core.environment import cache_dir
 from specbench.core.errors import SpecbenchError
-from specbench.engines import Sampling, Served, llamacpp
+from specbench.decoding.sampling import Sampling
+from specbench.engines import Served, llamacpp
 from specbench.engines import vllm as vllm_engine
 from specbench.engines.launch import launched
 from specbench.models.load import LoadedModel, model_dir, resolve
@@ -242,7 +243,11 @@ def vllm_answers(target: LoadedModel, slots: int, context: int, new_tokens: int,
 
         def answer(prompts: list[list[int]], sampled: bool, seed: int) -> list[TeacherAnswer]:
             sampling = Sampling(
-                new_tokens, 1.0 if sampled else 0.0, 0, 1.0, seed, tuple(target.stop_ids), logprobs=top_k
+                temperature=1.0 if sampled else 0.0,
+                max_new_tokens=new_tokens,
+                seed=seed,
+                stop_ids=tuple(target.stop_ids),
+                logprobs=top_k,
             )
             served = sorted(engine.run(prompts, slots, sampling), key=lambda s: s.index)
             return [served_answer(s, top_k, target.stop_ids) for s in served]
