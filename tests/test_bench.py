@@ -4,13 +4,14 @@ import dataclasses
 import json
 import logging
 import re
+import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 from rich.console import Console
 
-from specbench.bench.config import BenchConfig
+from specbench.bench.config import FIELDS_BEGIN, FIELDS_END, OPTIONS, BenchConfig, fields_source
 from specbench.bench.run import Results, benchmark
 from specbench.methods.registry import METHODS
 from specbench.results import schema
@@ -50,6 +51,19 @@ def outputs(out: Path) -> list[dict]:
 
 
 @pytest.mark.slow
+def test_the_configuration_declares_one_field_per_option_as_the_declarations_write_it():
+    source = Path(sys.modules[BenchConfig.__module__].__file__).read_text()
+    block = source[source.index(FIELDS_BEGIN) + len(FIELDS_BEGIN) : source.index(FIELDS_END)]
+    assert block == fields_source(), "run python -m specbench.bench.config to rewrite BenchConfig's fields"
+    fields = {f.name: f for f in dataclasses.fields(BenchConfig)}
+    assert list(fields) == list(OPTIONS)
+    assert fields["ks"].type == "list[int]" and fields["assume_alpha"].type == "list[float]"
+    assert fields["dataset_path"].type == "str | None" and fields["engine_args"].type == "dict"
+    first, second = BenchConfig(), BenchConfig()
+    first.ks.append(8)  # each configuration has lists of its own
+    assert second.ks == OPTIONS["ks"].default == [4]
+
+
 def test_a_k_list_sweeps_and_writes_best_k_and_the_plot(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "run"
     result = on_tiny_pair(

@@ -1,14 +1,15 @@
 """The run configuration: one field per declared option (options.RUN and every method's own).
 
-BenchConfig is built from the declarations, so an option added to a method appears here, on the
-command line and in meta.json without another edit. Rules that tie several options together live
-in ``validate``; a single option's rules live in its declaration.
+BenchConfig's field lines are written from the declarations (``python -m specbench.bench.config``), so
+an option added to a method appears here, on the command line and in meta.json with no other edit
+by hand, and an editor and a type checker see every field. Rules that tie several options together
+live in ``validate``; a single option's rules live in its declaration.
 """
 
 from __future__ import annotations
 
 import copy
-from dataclasses import asdict, field, make_dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 
 from specbench.core.errors import SpecbenchError
 from specbench.core.options import (
@@ -69,8 +70,95 @@ LLAMA_TAKES = ("api", "request_timeout")
 MIN_CONTEXT = 2 * SINKS
 
 
-class _Run:
-    """What a configuration derives from its options (the fields come from OPTIONS)."""
+def option_default(name: str):
+    """A configuration field's default: a copy of its option's, so that no two configurations share a list."""
+    return field(default_factory=lambda: copy.copy(OPTIONS[name].default))
+
+
+def fields_source() -> str:
+    """BenchConfig's field lines as they must read between its markers: one per option in OPTIONS."""
+    return "".join(f'    {name}: {o.annotation} = option_default("{name}")\n' for name, o in OPTIONS.items())
+
+
+FIELDS_BEGIN, FIELDS_END = "    # the fields, from OPTIONS\n", "    # end of the fields\n"
+
+
+@dataclass
+class BenchConfig:
+    """A run's configuration: one field per option in OPTIONS, with its default, and what it derives
+    from them. The field lines are written from the declarations (``python -m specbench.bench.config``
+    rewrites them; tests/test_bench.py fails while they differ), so an editor and a type checker see
+    every field while each option is still declared once, where it belongs."""
+
+    # the fields, from OPTIONS
+    methods: list[str] = option_default("methods")
+    target: str = option_default("target")
+    draft: str = option_default("draft")
+    ks: list[int] = option_default("ks")
+    k_policies: list[str] = option_default("k_policies")
+    draft_p_min: float = option_default("draft_p_min")
+    dataset: str = option_default("dataset")
+    dataset_path: str | None = option_default("dataset_path")
+    prompt_field: str = option_default("prompt_field")
+    num_prompts: int | None = option_default("num_prompts")
+    categories: list[str] = option_default("categories")
+    per_category: int = option_default("per_category")
+    max_turns: int = option_default("max_turns")
+    group_by: str = option_default("group_by")
+    max_new_tokens: int = option_default("max_new_tokens")
+    temperature: float = option_default("temperature")
+    top_k: int = option_default("top_k")
+    top_p: float = option_default("top_p")
+    eta: float = option_default("eta")
+    seed: int = option_default("seed")
+    device: str = option_default("device")
+    dtype: str = option_default("dtype")
+    repeats: int = option_default("repeats")
+    warmup: int = option_default("warmup")
+    cost_repeats: int = option_default("cost_repeats")
+    threads: int = option_default("threads")
+    chat: str = option_default("chat")
+    random_weights: bool = option_default("random_weights")
+    prompt_tokens: int = option_default("prompt_tokens")
+    assume_alpha: list[float] = option_default("assume_alpha")
+    device_map: str | None = option_default("device_map")
+    context_tokens: int = option_default("context_tokens")
+    compile: bool = option_default("compile")
+    prefill_chunk: int = option_default("prefill_chunk")
+    engines: list[str] = option_default("engines")
+    concurrency: list[int] = option_default("concurrency")
+    tensor_parallel_size: int = option_default("tensor_parallel_size")
+    pipeline_parallel_size: int = option_default("pipeline_parallel_size")
+    distributed_executor_backend: str | None = option_default("distributed_executor_backend")
+    engine_args: dict = option_default("engine_args")
+    baseline_url: str | None = option_default("baseline_url")
+    servers: list[str] = option_default("servers")
+    launch: list[str] = option_default("launch")
+    draft_url: str | None = option_default("draft_url")
+    request_rate: list[float] = option_default("request_rate")
+    api: str = option_default("api")
+    api_key_env: str = option_default("api_key_env")
+    request_timeout: float = option_default("request_timeout")
+    llama_server: str | None = option_default("llama_server")
+    gguf_type: str = option_default("gguf_type")
+    draft_sampling: list[str] = option_default("draft_sampling")
+    llama_threads: int = option_default("llama_threads")
+    draft_window: int = option_default("draft_window")
+    lookup_k: int = option_default("lookup_k")
+    lookup_ngram: int = option_default("lookup_ngram")
+    cascade_split: int = option_default("cascade_split")
+    trees: list[str] = option_default("trees")
+    online_every: int = option_default("online_every")
+    online_steps: int = option_default("online_steps")
+    online_lr: float = option_default("online_lr")
+    save_draft: str | None = option_default("save_draft")
+    kv_budget: int = option_default("kv_budget")
+    kv_policy: str = option_default("kv_policy")
+    inner_k: int = option_default("inner_k")
+    speculator: str | None = option_default("speculator")
+    dynamic_nodes: int = option_default("dynamic_nodes")
+    dynamic_width: int = option_default("dynamic_width")
+    # end of the fields
 
     @property
     def shapes(self) -> list[tuple[int, ...]]:
@@ -427,10 +515,17 @@ class _Run:
         return asdict(self)
 
 
-BenchConfig = make_dataclass(
-    "BenchConfig",
-    [(name, o.type, field(default_factory=lambda o=o: copy.copy(o.default))) for name, o in OPTIONS.items()],
-    bases=(_Run,),
-    namespace={"__doc__": "A run's configuration: one field per option in OPTIONS, with its default."},
-)
-BenchConfig.__module__ = __name__
+def write_fields(path: str = __file__) -> bool:
+    """Rewrite BenchConfig's field lines in ``path`` from OPTIONS; whether they changed."""
+    with open(path) as f:
+        text = f.read()
+    start, end = text.index(FIELDS_BEGIN) + len(FIELDS_BEGIN), text.index(FIELDS_END)
+    if text[start:end] == fields_source():
+        return False
+    with open(path, "w") as f:
+        f.write(text[:start] + fields_source() + text[end:])
+    return True
+
+
+if __name__ == "__main__":
+    print("rewrote BenchConfig's fields" if write_fields() else "BenchConfig's fields are those of OPTIONS")

@@ -60,7 +60,7 @@ class Option:
     metavar: str = ""
     parse: Callable[[str], Any] | None = None
     repeat: Callable[[list[str]], list[str]] | None = None
-    kind: type = str  # the type of an option whose default is None
+    kind: type = str  # the type of an option whose default is None, or of a list's elements when it is empty
     recorded: bool = True
     panel: str = ""  # the --help section it is listed in (empty: the general options, or its method's)
 
@@ -72,6 +72,16 @@ class Option:
     def type(self) -> type:
         """The configuration value's type."""
         return self.kind | None if self.default is None else type(self.default)
+
+    @property
+    def annotation(self) -> str:
+        """The configuration field's type as bench/config.py declares it (a list's elements named)."""
+        if self.default is None:
+            return f"{self.kind.__name__} | None"
+        if isinstance(self.default, list):
+            kinds = sorted({type(value).__name__ for value in self.default} or {self.kind.__name__})
+            return f"list[{' | '.join(kinds)}]"
+        return type(self.default).__name__
 
     @property
     def text_default(self) -> Any:
@@ -295,6 +305,7 @@ RUN: tuple[Option, ...] = (
         "Comma-separated alphas: predicted.csv and a table of the speedup each would give at each K, from the "
         "measured forward costs (default 0.5,0.6,0.7,0.8 with --random-weights).",
         parse=float_list,
+        kind=float,
         check=lambda alphas: all(0 <= a < 1 for a in alphas),
         problem="--assume-alpha values must lie in [0, 1)",
     ),

@@ -140,7 +140,7 @@ class DistillConfig:
 
 
 @dataclass
-class Progress:
+class TrainingProgress:
     phase: str  # "teacher:<shard dir>", "generate", "student"; for a head "features" and "head"
     done: int
     total: int
@@ -168,7 +168,7 @@ def is_sampled(cfg: DistillConfig, batch: int) -> bool:
     return math.floor((batch + 1) * cfg.sampled_fraction) > math.floor(batch * cfg.sampled_fraction)
 
 
-def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
+def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[TrainingProgress]:
     """The target answers the chat prompts, a batch per shard; existing shards are kept.
 
     Each answer is stored with the target's top-k log-probabilities at every answer position,
@@ -186,7 +186,7 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
     batches = [order[i : i + cfg.generate_batch] for i in range(0, len(order), cfg.generate_batch)]
     paths = [out_dir / f"{b:04d}.pt" for b in range(len(batches))]
     if all(path.exists() for path in paths):
-        yield Progress("generate", len(chosen), len(chosen))
+        yield TrainingProgress("generate", len(chosen), len(chosen))
         return
     longest = max(map(len, prompts))
     checked = cfg.teacher_engine == "torch"  # another engine's answers are checked on its first shard
@@ -195,7 +195,7 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
         for b, rows in enumerate(batches):
             done = min((b + 1) * cfg.generate_batch, len(chosen))
             if paths[b].exists():
-                yield Progress("generate", done, len(chosen))
+                yield TrainingProgress("generate", done, len(chosen))
                 continue
             asked = [prompts[i] for i in rows]
             answers = answer(asked, is_sampled(cfg, b), cfg.seed * 100_003 + b)
@@ -216,7 +216,7 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progre
             ]
             with replacing(paths[b]) as tmp:
                 torch.save(docs, tmp)
-            yield Progress("generate", done, len(chosen))
+            yield TrainingProgress("generate", done, len(chosen))
     if dropped:
         log.info(
             "%s gave no log-probabilities for %d answer tokens inside multi-byte characters: the answers end "
@@ -252,7 +252,7 @@ def answering(cfg: DistillConfig, target: LoadedModel, longest: int) -> Iterator
 
 def teacher_shards(
     cfg: DistillConfig, target: LoadedModel, stream: Iterator[int], n_tokens: int, shard_dir: Path
-) -> Iterator[Progress]:
+) -> Iterator[TrainingProgress]:
     """Store the target's top-k log-probabilities over a token stream; existing shards are kept."""
     shard_dir.mkdir(parents=True, exist_ok=True)
     n_seqs = n_tokens // cfg.seq_len
@@ -267,7 +267,7 @@ def teacher_shards(
                 f"the sources hold fewer than {n_tokens} tokens: lower --teacher-tokens or add --source"
             )
         if path.exists():
-            yield Progress(phase, shard * SHARD_SEQUENCES + count, n_seqs)
+            yield TrainingProgress(phase, shard * SHARD_SEQUENCES + count, n_seqs)
             continue
         ids = torch.tensor(ids).view(count, cfg.seq_len)
         top_logp, top_idx = [], []
@@ -278,7 +278,7 @@ def teacher_shards(
                 values, indices = logp.topk(cfg.top_k, dim=-1)
                 top_logp.append(values.half().cpu())
                 top_idx.append(indices.int().cpu())
-                yield Progress(phase, shard * SHARD_SEQUENCES + start + len(batch), n_seqs)
+                yield TrainingProgress(phase, shard * SHARD_SEQUENCES + start + len(batch), n_seqs)
         with replacing(path) as tmp:
             torch.save({"ids": ids.int(), "top_logp": torch.cat(top_logp), "top_idx": torch.cat(top_idx)}, tmp)
 
@@ -404,7 +404,7 @@ def agreement(student, examples: list[Example], batch: int) -> float | None:
     return hits / total
 
 
-def train_student(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
+def train_student(cfg: DistillConfig, target: LoadedModel) -> Iterator[TrainingProgress]:
     """Train (or resume training) the student on the stored teacher data."""
     examples, held_out = load_examples(cfg)
     student = new_student(cfg, target)
@@ -423,7 +423,7 @@ def optimise(cfg: DistillConfig, model, lengths: list[int], batch_loss, evaluate
     """Train ``model`` on ``cfg.epochs`` passes of seeded batches of examples of these ``lengths``
     (AdamW, warmup, cosine decay), resuming from train_state.pt; ``batch_loss(rows)`` is the loss of
     the examples at rows, ``evaluate()`` the held-out agreements (a tuple), saved with the state.
-    Yields Progress; returns the last agreements."""
+    Yields TrainingProgress; returns the last agreements."""
     per_epoch = len(epoch_batches(lengths, cfg.batch, 0))
     total = math.ceil(per_epoch * cfg.epochs)
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
@@ -471,7 +471,7 @@ def optimise(cfg: DistillConfig, model, lengths: list[int], batch_loss, evaluate
             with replacing(state_path) as tmp:
                 torch.save({**state, "step": step, "agreement": held}, tmp)
         first, later = (held[0], tuple(held[1:])) if held else (None, ())
-        yield Progress(phase, step, total, loss.item(), first, later)
+        yield TrainingProgress(phase, step, total, loss.item(), first, later)
     return held
 
 
@@ -512,7 +512,7 @@ def recipe(cfg: DistillConfig) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
 
 
-def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Iterator[Progress]:
+def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Iterator[TrainingProgress]:
     """The teacher and generate phases, then ``train`` (a draft's student phase, or distill_eagle's)."""
     cfg.validate()
     if cfg.top_k > target.width:

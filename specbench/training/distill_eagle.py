@@ -41,7 +41,7 @@ from specbench.models.load import LoadedModel, speculator_dir
 from specbench.models.student import Example, collate
 from specbench.training.distill import (
     DistillConfig,
-    Progress,
+    TrainingProgress,
     data_shards,
     distill,
     head_tokens,
@@ -60,7 +60,7 @@ MIN_LAYERS = 3
 STEP_WEIGHT = 0.8  # EAGLE-3's: the loss at training-time test step j counts 0.8**j
 
 
-def distill_eagle(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
+def distill_eagle(cfg: DistillConfig, target: LoadedModel) -> Iterator[TrainingProgress]:
     config = target.model.config
     if config.model_type != "llama":
         raise SpecbenchError(
@@ -79,7 +79,7 @@ def taps_of(target: LoadedModel) -> tuple[int, ...]:
     return default_taps(target.model.config.num_hidden_layers)
 
 
-def feature_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
+def feature_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[TrainingProgress]:
     """The target's features at every position of every training sequence; existing shards are kept."""
     shards = {path: shard_sequences(path) for path in data_shards(cfg)}
     total, done, lm = sum(map(len, shards.values())), 0, None
@@ -87,7 +87,7 @@ def feature_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress
         out = cfg.out / FEATURES / path.parent.name / path.name
         if out.exists():
             done += len(sequences)
-            yield Progress(FEATURES, done, total)
+            yield TrainingProgress(FEATURES, done, total)
             continue
         if lm is None:  # the forward inference runs, so the head learns the features it will read
             fast = None if unsupported(target.model) else FastLlama(target.model)
@@ -97,7 +97,7 @@ def feature_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress
         for ids in sequences:
             lm.prefill(ids.long().to(target.model.device))
             stored.append(lm.features.half().cpu())
-            yield Progress(FEATURES, done + len(stored), total)
+            yield TrainingProgress(FEATURES, done + len(stored), total)
         done += len(sequences)
         out.parent.mkdir(parents=True, exist_ok=True)
         with replacing(out) as tmp:
@@ -267,7 +267,7 @@ def ttt_agreement(head: EagleHead, examples: list[Example], batch: int, steps: i
     return tuple(h / max(t, 1) for h, t in zip(hits, total, strict=True))
 
 
-def train_head(cfg: DistillConfig, target: LoadedModel) -> Iterator[Progress]:
+def train_head(cfg: DistillConfig, target: LoadedModel) -> Iterator[TrainingProgress]:
     """The features phase, then the head trained (or its training resumed) on them."""
     yield from feature_shards(cfg, target)
     examples, held_out = load_examples(cfg, cfg.out / FEATURES)
