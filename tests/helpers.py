@@ -1,13 +1,16 @@
-"""Plain helpers the test modules share: the CLI in a subprocess, tiny local models, timing data.
+"""Plain helpers the test modules share: the CLI in a subprocess or in this process, tiny local models,
+timing data.
 
 A test module imports from here (or from toy.py), never from another test module, so each can be
 run, moved or deleted alone.
 """
 
+import io
 import json
 import math
 import subprocess
 import sys
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import numpy as np
@@ -45,12 +48,37 @@ def processes():
 
 
 def specbench(*args, timeout=300):
+    """``specbench ARGS`` end to end, in a new interpreter."""
     return subprocess.run([sys.executable, "-m", "specbench", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def on_tiny_pair(command: str, tiny_pair, *args, timeout=300):
     """``specbench COMMAND`` with the tiny target and draft."""
     return specbench(command, "--target", tiny_pair[0], "--draft", tiny_pair[1], *args, timeout=timeout)
+
+
+def cli(*args) -> subprocess.CompletedProcess:
+    """``specbench ARGS`` in this process, as its entry point runs it (one-line errors, exit codes), with
+    its output captured: for what the CLI refuses, without the seconds a new interpreter spends
+    importing torch and transformers. The thread count a command sets is put back."""
+    from specbench.cli.app import main
+
+    out, err, argv, threads, code = io.StringIO(), io.StringIO(), sys.argv, torch.get_num_threads(), 0
+    sys.argv = ["specbench", *map(str, args)]
+    try:
+        with redirect_stdout(out), redirect_stderr(err):
+            main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    finally:
+        sys.argv = argv
+        torch.set_num_threads(threads)
+    return subprocess.CompletedProcess(["specbench", *args], code, out.getvalue(), err.getvalue())
+
+
+def cli_on_tiny_pair(command: str, tiny_pair, *args):
+    """cli(): ``specbench COMMAND`` with the tiny target and draft, in this process."""
+    return cli(command, "--target", tiny_pair[0], "--draft", tiny_pair[1], *args)
 
 
 def one_line_error(result, *needles):

@@ -13,7 +13,7 @@ from specbench.audit.run import Arm, Group, overrun, parse_setting
 from specbench.audit.verdicts import stop_string_rows
 from specbench.core.errors import SpecbenchError
 
-from .helpers import audit_workload, one_line_error, specbench
+from .helpers import audit_workload, cli, one_line_error, specbench
 
 
 def test_the_stop_string_probe_fails_an_answer_that_goes_on_after_the_string():
@@ -73,7 +73,7 @@ def test_settings_are_read_or_refused():
     ],
 )
 def test_bad_audit_input_is_one_line_before_anything_loads(tiny_pair, tmp_path, args, needle):
-    result = specbench("audit", "--target", tiny_pair[0], "--draft", tiny_pair[1], *args, "--out", str(tmp_path))
+    result = cli("audit", "--target", tiny_pair[0], "--draft", tiny_pair[1], *args, "--out", str(tmp_path))
     one_line_error(result, needle)
     assert result.returncode == 2 and not (tmp_path / "samples.jsonl").exists()
 
@@ -83,11 +83,11 @@ def test_the_default_greedy_lengths_fit_the_context_and_given_ones_are_named(tin
     what a round leaves, while lengths the user gives that do not fit are refused naming --greedy-tokens
     (the error once named --max-new-tokens, an option of `run` the user never gave)."""
     args = ["--target", tiny_pair[0], "--draft", tiny_pair[1], "--setting", "greedy", "--num-prompts", "1"]
-    result = specbench("audit", *args, "--prompts", "1", "--out", str(tmp_path / "fitted"))
+    result = cli("audit", *args, "--prompts", "1", "--out", str(tmp_path / "fitted"))
     assert result.returncode in (0, 1) and "Traceback" not in result.stderr, result.stderr[-2000:]
     plan = json.loads((tmp_path / "fitted" / "audit.json").read_text())["plan"]
     assert plan["greedy_tokens"] == [125]  # (256 - (K=4 + 1)) // 2: both defaults become that one length
-    refused = specbench("audit", *args, "--greedy-tokens", "512", "--out", str(tmp_path / "given"))
+    refused = cli("audit", *args, "--greedy-tokens", "512", "--out", str(tmp_path / "given"))
     one_line_error(refused, "--greedy-tokens 512 plus K does not fit the context window of 256 tokens")
     assert "lower --greedy-tokens" in refused.stderr
 

@@ -17,7 +17,7 @@ from specbench.methods.registry import METHODS
 from specbench.results import schema
 from specbench.results.report import phase_table, summary_table
 
-from .helpers import on_tiny_pair, one_line_error, specbench
+from .helpers import cli, on_tiny_pair, one_line_error, specbench
 
 ROOT = Path(__file__).parent.parent
 
@@ -208,9 +208,9 @@ def test_resume_refuses_another_configuration_and_a_missing_run(tiny_pair, promp
     out = tmp_path / "run"
     run(config(tiny_pair, prompts_file, ks=[2], num_prompts=1), out)
     base = ["run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--dataset", prompts_file, "--num-prompts", "1"]
-    one_line_error(specbench(*base, "--k", "3", "--out", str(out), "--resume"), "another configuration", "ks")
-    one_line_error(specbench(*base, "--out", str(tmp_path / "empty"), "--resume"), "no run to resume")
-    one_line_error(specbench(*base, "--resume"), "--resume needs --out")
+    one_line_error(cli(*base, "--k", "3", "--out", str(out), "--resume"), "another configuration", "ks")
+    one_line_error(cli(*base, "--out", str(tmp_path / "empty"), "--resume"), "no run to resume")
+    one_line_error(cli(*base, "--resume"), "--resume needs --out")
 
 
 def test_an_unusable_out_directory_fails_before_any_model_is_loaded(tmp_path):

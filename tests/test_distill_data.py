@@ -13,7 +13,7 @@ from specbench.models.load import load
 from specbench.training.distill_data import SHAREGPT_EVALUATED, parse_data, shares, training_prompts
 from specbench.training.held_out import held_out_fingerprints, overlaps, write_fingerprints
 
-from .helpers import one_line_error, specbench
+from .helpers import cli, one_line_error
 
 CPU, F32 = torch.device("cpu"), torch.float32
 
@@ -115,7 +115,7 @@ def test_a_data_file_holding_a_benchmark_question_is_refused_in_one_line(tiny_pa
         + "\n"
     )
     args = ["--target", tiny_pair[0], "--data", str(mine), "--teacher-tokens", "0", "--out", str(tmp_path / "d")]
-    one_line_error(specbench("distill", *args), "--data", "overlap Spec-Bench", "bad", "remove them")
+    one_line_error(cli("distill", *args), "--data", "overlap Spec-Bench", "bad", "remove them")
 
 
 def test_distill_answers_a_mixture_by_its_weights(tiny_pair, tmp_path):

@@ -16,7 +16,7 @@ from specbench.models.load import load
 from specbench.training.distill import DistillConfig
 from specbench.training.distill_eagle import FEATURES, DividedBy, distill_eagle, feature_scale, ttt_outputs
 
-from .helpers import build_llama, build_tokenizer, on_tiny_pair, one_line_error, specbench
+from .helpers import build_llama, build_tokenizer, cli, on_tiny_pair, one_line_error, specbench
 
 CPU, F32 = torch.device("cpu"), torch.float32
 STEPS = 3
@@ -176,7 +176,7 @@ def test_head_training_resumes_from_its_saved_step(tiny_pair, tmp_path):
 
 
 def test_a_draft_directory_is_not_an_eagle_output_in_one_line(tiny_pair, tmp_path):
-    result = specbench("distill", "--kind", "eagle", "--target", tiny_pair[0], "--out", tiny_pair[1])
+    result = cli("distill", "--kind", "eagle", "--target", tiny_pair[0], "--out", tiny_pair[1])
     one_line_error(result, "holds a draft", "--kind eagle")
 
 
@@ -192,9 +192,7 @@ def test_eagle_needs_a_llama_target(tiny_pair, tmp_path):
     tokenizer.save_pretrained(tmp_path / "mistral")
     with pytest.raises(SpecbenchError, match="Llama-architecture target"):
         next(distill_eagle(tiny_config(tmp_path / "h", tmp_path), load(str(tmp_path / "mistral"), CPU, F32)))
-    result = specbench(
-        "distill", "--kind", "eagle", "--target", str(tmp_path / "mistral"), "--out", str(tmp_path / "o")
-    )
+    result = cli("distill", "--kind", "eagle", "--target", str(tmp_path / "mistral"), "--out", str(tmp_path / "o"))
     one_line_error(result, "Llama-architecture target", "mistral")
 
 
@@ -256,7 +254,7 @@ def test_eagle_needs_a_target_of_three_layers(tiny_pair, tmp_path):
         shallow = load(str(build_llama(tmp_path / f"t{layers}", tokenizer, layers=layers, hidden=64, seed=0)), CPU, F32)
         with pytest.raises(SpecbenchError, match=f"at least 3 decoder layers and .* has {layers}: use --kind draft"):
             next(distill_eagle(tiny_config(tmp_path / "h", tmp_path), shallow))
-    result = specbench("distill", "--kind", "eagle", "--target", str(tmp_path / "t2"), "--out", str(tmp_path / "o"))
+    result = cli("distill", "--kind", "eagle", "--target", str(tmp_path / "t2"), "--out", str(tmp_path / "o"))
     one_line_error(result, "at least 3 decoder layers", "has 2", "--kind draft")
 
 
@@ -319,7 +317,7 @@ def test_a_head_goes_on_training_from_its_checkpoint_with_a_new_vocabulary(tiny_
 
 
 def test_an_init_that_is_no_head_is_refused_in_one_line(tiny_pair, tmp_path):
-    result = specbench(
+    result = cli(
         "distill", "--kind", "eagle", "--target", tiny_pair[0], "--out", str(tmp_path / "o"),
         "--init", str(tmp_path / "nowhere"),
     )  # fmt: skip

@@ -17,7 +17,7 @@ from specbench.drafters.eagle import EagleDrafter
 from specbench.models.eagle_head import WEIGHTS, HeadLM, load_head, read_head, save_head
 from specbench.models.load import load
 
-from .helpers import LawLM, build_eagle3_head, on_tiny_pair, one_line_error, tiny_law_model
+from .helpers import LawLM, build_eagle3_head, cli_on_tiny_pair, on_tiny_pair, one_line_error, tiny_law_model
 from .toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, law_p
 
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -254,19 +254,19 @@ def test_eagle_methods_run_end_to_end_on_a_published_head(tiny_pair, tiny_head, 
 def test_a_head_for_another_target_is_refused_in_one_line(tiny_pair, tmp_path, law):
     target, _ = law  # a 32-wide, 3-token target's head, for the 64-wide tiny target
     head = build_eagle3_head(tmp_path / "other", target.model.config, seed=0)
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "run", tiny_pair, "--method", "eagle", "--speculator", str(head), "--out", str(tmp_path / "r")
     )
     one_line_error(result, "drafts for another target")
 
 
 def test_eagle_needs_a_speculator(tiny_pair, tmp_path):
-    result = on_tiny_pair("run", tiny_pair, "--method", "eagle", "--out", str(tmp_path / "r"))
+    result = cli_on_tiny_pair("run", tiny_pair, "--method", "eagle", "--out", str(tmp_path / "r"))
     one_line_error(result, "--method eagle needs --speculator PATH")
 
 
 def test_a_speculator_that_is_not_a_head_is_refused_in_one_line(tiny_pair, tmp_path):
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "run", tiny_pair, "--method", "eagle", "--speculator", tiny_pair[1], "--out", str(tmp_path / "r")
     )
     one_line_error(result, "not an EAGLE-3 head")

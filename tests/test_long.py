@@ -332,11 +332,11 @@ def test_prefill_chunk_0_reads_the_whole_prompt_in_one_forward(target):
 
 
 def test_a_longcode_context_too_short_for_a_partial_cache_is_refused_before_any_model_loads(tmp_path):
-    from .helpers import one_line_error, specbench
+    from .helpers import cli, one_line_error
 
     missing = str(tmp_path / "no-model")  # never read: the options are refused first
     for lengths in ("10", "64,10"):  # a sweep runs its shortest length first
-        result = specbench(
+        result = cli(
             "run", "--target", missing, "--draft", missing, "--dataset", "longcode", "--context-tokens", lengths,
             "--out", str(tmp_path / "run"),
         )  # fmt: skip

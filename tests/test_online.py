@@ -12,7 +12,7 @@ import torch
 from specbench.core.errors import SpecbenchError
 from specbench.models.load import load
 
-from .helpers import one_line_error, specbench
+from .helpers import cli, one_line_error, specbench
 
 ONLINE_COLUMNS = [
     "method",
@@ -139,7 +139,7 @@ def test_a_draft_that_learns_from_a_repeated_prompt_accepts_more(untied_target, 
 )
 def test_bad_online_and_cascade_options_are_one_clear_line(tiny_pair, prompts_file, tmp_path, args, needle):
     common = ["--target", tiny_pair[0], "--draft", tiny_pair[1], "--dataset", prompts_file]
-    one_line_error(specbench("run", *common, "--out", str(tmp_path / "run"), *args), needle)
+    one_line_error(cli("run", *common, "--out", str(tmp_path / "run"), *args), needle)
 
 
 def test_a_cascade_split_beyond_k_is_refused_before_any_model_loads(tmp_path):
@@ -147,7 +147,7 @@ def test_a_cascade_split_beyond_k_is_refused_before_any_model_loads(tmp_path):
 
     missing = str(tmp_path / "no-model")  # never read: the options are refused first
     args = ["--method", "cascade", "--cascade-split", "9", "--k", "2", "--out", str(tmp_path / "run")]
-    result = specbench("run", "--target", missing, "--draft", missing, *args)
+    result = cli("run", "--target", missing, "--draft", missing, *args)
     one_line_error(result, "--cascade-split 9 is more than --k 2", "lower it")
     with pytest.raises(SpecbenchError, match="--cascade-split 3 is more than --k 2"):
         BenchConfig(methods=["cascade"], cascade_split=3, ks=[2, 4]).validate()  # every K of a sweep

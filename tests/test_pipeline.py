@@ -15,7 +15,7 @@ from specbench.models.lm import HFCausalLM
 from specbench.models.load import load, shared_width
 from specbench.results import schema
 
-from .helpers import on_tiny_pair, one_line_error, specbench
+from .helpers import cli, cli_on_tiny_pair, on_tiny_pair, one_line_error, specbench
 
 CPU, F32 = torch.device("cpu"), torch.float32
 SUMMARY_COLUMNS = (
@@ -199,15 +199,13 @@ def test_uncached_hub_model_fails_fast_with_one_line(tmp_path):
 def test_bad_input_is_one_clear_line(tiny_pair, prompts_file, tmp_path, args, needle):
     base = {"--target": tiny_pair[0], "--draft": tiny_pair[1], "--dataset": prompts_file}
     base.update(dict(zip(args[::2], args[1::2], strict=True)))
-    result = specbench("run", *[x for kv in base.items() for x in kv], "--out", str(tmp_path / "run"))
+    result = cli("run", *[x for kv in base.items() for x in kv], "--out", str(tmp_path / "run"))
     one_line_error(result, needle)
 
 
 def test_hf_assisted_refuses_unequal_widths(tiny_pair, padded_draft, prompts_file, tmp_path):
     pair = ["--target", tiny_pair[0], "--draft", padded_draft]
-    result = specbench(
-        "run", *pair, "--dataset", prompts_file, "--method", "hf-assisted", "--out", str(tmp_path / "run")
-    )
+    result = cli("run", *pair, "--dataset", prompts_file, "--method", "hf-assisted", "--out", str(tmp_path / "run"))
     one_line_error(result, "hf-assisted")
 
 
@@ -215,8 +213,8 @@ def test_empty_dataset_and_foreign_tokenizer(tiny_pair, foreign_draft, tmp_path)
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     out = ["--out", str(tmp_path / "run")]
-    one_line_error(on_tiny_pair("run", tiny_pair, "--dataset", str(empty), *out), "no prompts")
-    one_line_error(specbench("run", "--target", tiny_pair[0], "--draft", foreign_draft, *out), "tokenizers of")
+    one_line_error(cli_on_tiny_pair("run", tiny_pair, "--dataset", str(empty), *out), "no prompts")
+    one_line_error(cli("run", "--target", tiny_pair[0], "--draft", foreign_draft, *out), "tokenizers of")
 
 
 @pytest.mark.slow

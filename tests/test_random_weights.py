@@ -18,7 +18,7 @@ from specbench.models.pair import encode_turn, uses_chat
 from specbench.results.summary import WEIGHT_DEPENDENT
 from specbench.workloads.prompts import load_prompts
 
-from .helpers import on_tiny_pair, one_line_error, specbench
+from .helpers import cli, on_tiny_pair, one_line_error, specbench
 
 CPU = torch.device("cpu")
 
@@ -179,19 +179,19 @@ def test_a_tied_output_head_is_the_random_embedding(tmp_path):
 )
 def test_bad_random_weight_and_device_map_options_are_one_line(configs, tmp_path, args, needle):
     pair = ["--target", configs[0], "--draft", configs[1]]
-    one_line_error(specbench("run", *pair, *args, "--out", str(tmp_path / "run")), needle)
+    one_line_error(cli("run", *pair, *args, "--out", str(tmp_path / "run")), needle)
 
 
 def test_random_pair_with_different_vocabularies_is_refused(configs, tmp_path):
     other = tiny_config(tmp_path / "other.json", layers=1, hidden=32, vocab=600)
     pair = ["--target", configs[0], "--draft", other]
-    result = specbench("run", *pair, "--random-weights", "--prompt-tokens", "8", "--out", str(tmp_path / "run"))
+    result = cli("run", *pair, "--random-weights", "--prompt-tokens", "8", "--out", str(tmp_path / "run"))
     one_line_error(result, "vocabularies of 512 and 600")
 
 
 def test_unknown_architecture_is_one_line(tmp_path):
     pair = ["--target", "org/not-cached", "--draft", "llama-68m"]
-    result = specbench("run", *pair, "--random-weights", "--out", str(tmp_path / "run"))
+    result = cli("run", *pair, "--random-weights", "--out", str(tmp_path / "run"))
     one_line_error(result, "no architecture config for 'org/not-cached'", "config.json")
 
 

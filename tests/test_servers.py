@@ -18,7 +18,7 @@ from specbench.decoding.sampling import Sampling
 from specbench.engines import arrivals
 from specbench.engines.server import Reply, Server, parse_counters
 
-from .helpers import one_line_error, specbench
+from .helpers import cli, one_line_error, specbench
 from .test_workloads import spec_bench_file as spec_bench_file  # a fixture
 
 
@@ -284,7 +284,7 @@ def test_counters_sum_over_engines_and_positions():
     ],
 )
 def test_bad_server_input_is_one_line(args, needle):
-    one_line_error(specbench("run", *args, timeout=120), needle)
+    one_line_error(cli("run", *args), needle)
 
 
 def test_tokens_streamed_without_logprobs_keep_their_place_and_fail_the_probe():

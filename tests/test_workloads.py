@@ -21,7 +21,7 @@ from specbench.results.rundir import load_summary
 from specbench.results.summary import by_group
 from specbench.workloads.prompts import PLACEHOLDER, Prompt, load_prompts, read_dataset
 
-from .helpers import build_eagle3_head, on_tiny_pair, one_line_error, specbench
+from .helpers import build_eagle3_head, cli_on_tiny_pair, on_tiny_pair, one_line_error, specbench
 
 MT_BENCH = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
 
@@ -133,7 +133,7 @@ def test_speed_bench_placeholders_are_never_sent_and_are_counted_in_one_line(tmp
 def test_a_dataset_of_nothing_but_placeholders_is_one_line(tiny_pair, tmp_path):
     rows = [speed_bench_row(i, "qa", placeholder("cais/hle"), source="cais/hle") for i in range(3)]
     path = write_jsonl(tmp_path / "q.jsonl", rows)
-    result = on_tiny_pair("run", tiny_pair, "--dataset", str(path), "--out", str(tmp_path / "run"))
+    result = cli_on_tiny_pair("run", tiny_pair, "--dataset", str(path), "--out", str(tmp_path / "run"))
     one_line_error(result, "has no prompt a model can be sent", "placeholders")
     assert not (tmp_path / "run" / "records.csv").exists()
 
@@ -203,10 +203,10 @@ def test_bad_workloads_are_one_line_each(tiny_pair, spec_bench_file, prompts_fil
         (("--dataset", spec_bench_file, "--max-turns", "-1"), ("--max-turns must be >= 0",)),
     ]
     for args, needles in cases:
-        one_line_error(on_tiny_pair("run", tiny_pair, *args, "--out", out), *needles)
+        one_line_error(cli_on_tiny_pair("run", tiny_pair, *args, "--out", out), *needles)
     empty = write_jsonl(tmp_path / "empty.jsonl", [{"question_id": 1, "category": "x", "turns": ["", "b"]}])
     one_line_error(
-        on_tiny_pair("run", tiny_pair, "--dataset", str(empty), "--out", out), "no prompt a model can be sent"
+        cli_on_tiny_pair("run", tiny_pair, "--dataset", str(empty), "--out", out), "no prompt a model can be sent"
     )
 
 
@@ -385,7 +385,7 @@ def test_conversations_that_outgrow_the_window_end_early_in_one_line(tiny_pair, 
     assert any("1 prompt(s) longer than the" in line and "left out: 2" in line for line in lines)
     assert any("1 conversation(s) end early" in line for line in lines)
     one_line_error(
-        on_tiny_pair(
+        cli_on_tiny_pair(
             "run",
             tiny_pair,
             "--dataset",
