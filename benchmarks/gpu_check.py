@@ -15,7 +15,7 @@ Nothing is downloaded: every model is built on the spot with random weights from
      c, the verify ratio per K + 1, the predicted speedup at alpha 0.6, 0.7, 0.8, peak memory, and the
      baseline's tokens/s against the bound that the measured copy bandwidth puts on reading the weights;
   d. a token tree (2,2) and an EAGLE head of the target's width: that they run, and their costs;
-  e. host reads per round, counted as tests/test_syncs.py counts them, and CUDA's own count of
+  e. host reads per round, counted as tests/decoding/test_syncs.py counts them, and CUDA's own count of
      synchronising calls (torch.cuda.set_sync_debug_mode).
 
 Each step is timed; one that fails is reported and the next still runs. Everything lands in
@@ -187,7 +187,7 @@ def fmt(x, digits: int = 2) -> str:
 
 
 def gpu_tests(check: Check) -> Outcome:
-    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").glob("test_*.py") if "mark.gpu" in p.read_text())
+    files = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text())
     workers = ["-n", str(check.sizes.test_workers)]
     # -v names each test's result in tests.log as it finishes, so a step that runs out of time still
     # says which tests passed and which failed.
@@ -435,7 +435,10 @@ def host_reads(check: Check) -> Outcome:
         figures[label] = {"rounds": rounds, "host_reads": reads.count, "cuda_syncs": syncs if cuda else None}
         if reads.count > bound:
             problems.append(f"{label}: {reads.count} host reads in {rounds} rounds (at most {bound})")
-    rows += ["", "Host reads as tests/test_syncs.py counts them (item, tolist, .cpu(), bool(), multinomial, ...);"]
+    rows += [
+        "",
+        "Host reads as tests/decoding/test_syncs.py counts them (item, tolist, .cpu(), bool(), multinomial, ...);",
+    ]
     rows += ["CUDA syncs: the calls that torch.cuda.set_sync_debug_mode('warn') flagged. The baseline's row counts"]
     rows += [
         f"tokens (it reads once every {STOP_CHECK}). Each decode: 40 tokens, K = 3, the {check.sizes.greedy_pair[0]} pair."

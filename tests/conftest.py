@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .helpers import CORPUS, build_llama, build_tokenizer
+from .helpers import CORPUS, build_llama, build_tokenizer, spec_bench_rows, write_jsonl
 
 RESULTS = Path(__file__).parent.parent / "results"
 
@@ -118,3 +118,9 @@ def prompts_file(tmp_path_factory) -> str:
     lines = ["def square(x):\n", "class Stack:\n    def push(self, item):\n", "for k in range(3):\n"]
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in lines))
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def spec_bench_file(tmp_path_factory):
+    """A question.jsonl of Spec-Bench's shape (helpers.spec_bench_rows)."""
+    return str(write_jsonl(tmp_path_factory.mktemp("spec") / "question.jsonl", spec_bench_rows()))

@@ -322,3 +322,26 @@ def noisy_prompts(rng, noise, prompts=8, slowdown=1.0):
         return np.column_stack([tokens, method_s * slow * jitter[0], tokens, base_s * jitter[1]])
 
     return run(1.0), run(slowdown)
+
+
+# ---------------------------------------------------------------- workload files
+
+
+MT_BENCH = ["writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def spec_bench_rows():
+    """Spec-Bench's shape: MT-Bench's two-turn questions first (ids from 81), then one-turn ones."""
+    rows = [
+        {"question_id": 81 + i, "category": c, "turns": [f"def {c}_{i}(a, b):", f"now call {c} with i = {i}"]}
+        for i, c in enumerate(MT_BENCH[:3] * 2)
+    ]
+    rows += [{"question_id": 161 + i, "category": "translation", "turns": [f"print('hola {i}')"]} for i in range(3)]
+    rows += [{"question_id": 241, "category": "summarization", "turns": ["Summarize: for k in range(3): total += k"]}]
+    rows[0]["reference"] = ["not a turn"]
+    return rows

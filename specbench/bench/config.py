@@ -87,7 +87,7 @@ FIELDS_BEGIN, FIELDS_END = "    # the fields, from OPTIONS\n", "    # end of the
 class BenchConfig:
     """A run's configuration: one field per option in OPTIONS, with its default, and what it derives
     from them. The field lines are written from the declarations (``python -m specbench.bench.config``
-    rewrites them; tests/test_bench.py fails while they differ), so an editor and a type checker see
+    rewrites them; tests/bench/test_bench.py fails while they differ), so an editor and a type checker see
     every field while each option is still declared once, where it belongs."""
 
     # the fields, from OPTIONS

@@ -1,0 +1,367 @@
+"""The benchmark as a whole on tiny local models: K lists, random streams, resume, the schema."""
+
+import dataclasses
+import json
+import logging
+import re
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from rich.console import Console
+
+from specbench.bench.config import FIELDS_BEGIN, FIELDS_END, OPTIONS, BenchConfig, fields_source
+from specbench.bench.run import Results, benchmark
+from specbench.methods.registry import METHODS
+from specbench.results import schema
+from specbench.results.report import phase_table, summary_table
+
+from ..helpers import cli, on_tiny_pair, one_line_error, specbench
+
+ROOT = Path(__file__).parents[2]
+
+
+def config(tiny_pair, prompts_file, **options) -> BenchConfig:
+    options = {
+        "target": tiny_pair[0],
+        "draft": tiny_pair[1],
+        "dataset": prompts_file,
+        "max_new_tokens": 16,
+        "cost_repeats": 2,
+        "warmup": 0,
+        **options,
+    }
+    return BenchConfig(**options)
+
+
+def run(cfg: BenchConfig, out: Path, resume: bool = False) -> Results:
+    return [event for event in benchmark(cfg, out, resume) if isinstance(event, Results)][0]
+
+
+def shown(table) -> str:
+    """A rich table as text."""
+    console = Console(width=300, record=True)
+    console.print(table)
+    return console.export_text()
+
+
+def outputs(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_the_configuration_declares_one_field_per_option_as_the_declarations_write_it():
+    source = Path(sys.modules[BenchConfig.__module__].__file__).read_text()
+    block = source[source.index(FIELDS_BEGIN) + len(FIELDS_BEGIN) : source.index(FIELDS_END)]
+    assert block == fields_source(), "run python -m specbench.bench.config to rewrite BenchConfig's fields"
+    fields = {f.name: f for f in dataclasses.fields(BenchConfig)}
+    assert list(fields) == list(OPTIONS)
+    assert fields["ks"].type == "list[int]" and fields["assume_alpha"].type == "list[float]"
+    assert fields["dataset_path"].type == "str | None" and fields["engine_args"].type == "dict"
+    first, second = BenchConfig(), BenchConfig()
+    first.ks.append(8)  # each configuration has lists of its own
+    assert second.ks == OPTIONS["ks"].default == [4]
+
+
+def test_a_k_list_sweeps_and_writes_best_k_and_the_plot(tiny_pair, prompts_file, tmp_path):
+    out = tmp_path / "run"
+    result = on_tiny_pair(
+        "run",
+        tiny_pair,
+        "--k",
+        "1,2,4",
+        "--dataset",
+        prompts_file,
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--cost-repeats",
+        "2",
+        "--out",
+        str(out),
+    )
+    assert result.returncode == 0, result.stderr
+    summary = pd.read_csv(out / "summary.csv")
+    assert summary["k"].tolist()[1:] == [1, 2, 4] and summary["method"].tolist() == ["baseline"] + ["speculative"] * 3
+    best = json.loads((out / "best_k.json").read_text())
+    assert set(best["speculative"]["measured"]["by_k"]) == {"1", "2", "4"}
+    assert (out / "sweep.png").stat().st_size > 10_000 and (out / "phases.png").stat().st_size > 10_000
+    assert "best K for speculative" in result.stdout and "time per generated token" in result.stdout
+
+
+def test_sampled_outputs_of_a_method_do_not_depend_on_the_others_in_the_run(tiny_pair, prompts_file, tmp_path):
+    sampled = {"temperature": 3.0, "ks": [2], "seed": 3}  # the tiny models are peaked: spread them
+    run(config(tiny_pair, prompts_file, methods=["speculative"], **sampled), tmp_path / "alone")
+    run(config(tiny_pair, prompts_file, methods=["prompt-lookup", "speculative"], **sampled), tmp_path / "together")
+
+    def speculative(out):
+        return [(o["prompt_id"], o["token_ids"]) for o in outputs(out) if o["method"] == "speculative"]
+
+    assert speculative(tmp_path / "alone") == speculative(tmp_path / "together")
+    # The streams are independent: the baseline's samples differ from speculative's.
+    baseline = [o["token_ids"] for o in outputs(tmp_path / "alone") if o["method"] == "baseline"]
+    assert baseline != [tokens for _, tokens in speculative(tmp_path / "alone")]
+
+
+def test_an_interrupted_run_resumes_without_measuring_anything_twice(tiny_pair, prompts_file, tmp_path):
+    cfg, out = config(tiny_pair, prompts_file, methods=["speculative", "prompt-lookup"], ks=[1, 3]), tmp_path / "run"
+    events = benchmark(cfg, out)
+    for event in events:  # interrupt in the middle of the second prompt
+        if event.stage == "decoding" and event.done == 5 + 2:
+            break
+    events.close()
+    first = pd.read_csv(out / "records.csv")
+    assert sorted(first["prompt_index"].unique()) == [0, 1]  # prompt 1 is incomplete
+
+    results = run(cfg, out, resume=True)
+    records = pd.read_csv(out / "records.csv")
+    assert sorted(records.groupby(["prompt_index", "method", "k"], dropna=False).size().tolist()) == [1] * 3 * 5
+    kept = first[first["prompt_index"] == 0].reset_index(drop=True)
+    pd.testing.assert_frame_equal(records[records["prompt_index"] == 0].reset_index(drop=True), kept)  # timings too
+    assert sorted((o["prompt_index"], o["method"], o["k"] or 0) for o in outputs(out)) == sorted(
+        {(i, m, k) for i in range(3) for m, k in [("baseline", 0), *[(m, k) for m in cfg.methods for k in cfg.ks]]}
+    )
+    assert [r["num_prompts"] for r in results.summary] == [3] * 5
+
+
+def test_each_lookahead_policy_is_a_row_of_its_own_exact_under_greedy_and_resumed(
+    tiny_pair, untied_target, prompts_file, tmp_path, caplog
+):
+    caplog.set_level(logging.INFO, logger="specbench")
+    cfg = config(
+        (untied_target, tiny_pair[1]),  # varied text: rejections, and rounds where the draft is unsure
+        prompts_file,
+        methods=["speculative", "prompt-lookup", "tree"],
+        ks=[1, 3],
+        k_policies=["heuristic", "fixed", "confidence"],
+        draft_p_min=0.97,
+    )
+    steps, out = 1 + len(cfg.plan), tmp_path / "run"
+    events = benchmark(cfg, out)
+    for event in events:  # interrupt in the middle of the second prompt
+        if event.stage == "decoding" and event.done == steps + 2:
+            break
+    events.close()
+    results = run(cfg, out, resume=True)
+    # Methods that cannot take a policy run what they can, and the run says so once each.
+    notes = [r.message for r in caplog.records if "--k-policy" in r.message]
+    assert (
+        notes
+        == [
+            "prompt-lookup takes only --k-policy fixed, heuristic: no confidence rows",
+            "tree takes only --k-policy fixed: no heuristic, confidence rows",
+        ]
+        * 2
+    )  # the run, then its resumption
+    served = dataclasses.replace(
+        cfg, methods=["speculative", "hf-assisted"], engines=["torch", "vllm"], k_policies=["heuristic"]
+    )
+    assert served.policy_notes == [
+        "hf-assisted takes only --k-policy fixed: no heuristic rows",  # it runs fixed K instead
+        "vllm draft takes only --k-policy fixed: no heuristic rows",
+    ]
+    assert [decoder.k_policy for decoder in served.plan if decoder.method.name == "hf-assisted"] == ["fixed", "fixed"]
+    summary = pd.DataFrame(results.summary).set_index(["method", "k", "k_policy"])
+    assert set(summary.loc["speculative"].index) == {
+        (k, p) for k in (1, 3) for p in ("heuristic", "fixed", "confidence")
+    }
+    assert set(summary.loc["prompt-lookup"].index) == {(k, p) for k in (1, 3) for p in ("heuristic", "fixed")}
+    assert summary.loc["tree"].index.tolist() == [(2, "fixed")] and results.summary[0]["k_policy"] == ""
+    assert (summary["outputs_match"] == 3).all() and (summary["num_prompts"] == 3).all()  # greedy: every prompt
+    records = pd.read_csv(out / "records.csv")
+    assert (
+        not records.duplicated(["prompt_index", "method", "k", "tree", "k_policy"]).any() and len(records) == 3 * steps
+    )
+    assert records["outputs_match"].all()
+    # The confidence threshold is that row's setting; the fixed-K formulas leave the adaptive rows.
+    speculative = summary.loc["speculative"]
+    assert speculative["options"].to_dict() == {
+        (k, p): "draft_p_min=0.97" if p == "confidence" else ""
+        for k in (1, 3)
+        for p in ("heuristic", "fixed", "confidence")
+    }
+    fixed = speculative.xs("fixed", level="k_policy")
+    assert fixed[["predicted_speedup", "verify_ratio"]].notna().all().all()
+    assert speculative.drop(index="fixed", level="k_policy")[["predicted_speedup", "verify_ratio"]].isna().all().all()
+    assert fixed["drafted_per_round"].tolist() == [1.0, 3.0]
+    # draft_lengths.csv: how many rounds drafted each count, adding up to the summary's drafts and rounds.
+    lengths = pd.read_csv(out / "draft_lengths.csv", keep_default_na=False)
+    assert tuple(lengths.columns) == schema.DRAFT_LENGTHS
+    for (method, k, _, policy), hist in lengths.groupby(["method", "k", "tree", "k_policy"]):
+        row = summary.loc[(method, k, policy)]
+        assert (hist["drafted"] * hist["rounds"]).sum() == row["drafted"]
+        assert hist["rounds"].sum() == row["target_forwards"] - 3
+        assert row["drafted_per_round"] == pytest.approx(row["drafted"] / hist["rounds"].sum())
+    confident = lengths[(lengths["method"] == "speculative") & (lengths["k_policy"] == "confidence")]
+    assert set(confident.loc[confident["k"] == 3, "drafted"]) >= {0, 3}  # it stopped where it was unsure
+    heuristic = lengths[(lengths["method"] == "speculative") & (lengths["k_policy"] == "heuristic")]
+    assert heuristic["drafted"].nunique() > 1
+    assert {(o["method"], o["k_policy"]) for o in outputs(out)} >= {("speculative", "confidence"), ("baseline", "")}
+    # On screen: a policy column where one is not fixed, and the policy beside K in the phase table.
+    table = shown(summary_table(results.summary, "run"))
+    assert "policy" in table and "confidence" in table and "3 heuristic" in shown(phase_table(results.summary))
+
+
+def test_resume_refuses_another_configuration_and_a_missing_run(tiny_pair, prompts_file, tmp_path):
+    out = tmp_path / "run"
+    run(config(tiny_pair, prompts_file, ks=[2], num_prompts=1), out)
+    base = ["run", "--target", tiny_pair[0], "--draft", tiny_pair[1], "--dataset", prompts_file, "--num-prompts", "1"]
+    one_line_error(cli(*base, "--k", "3", "--out", str(out), "--resume"), "another configuration", "ks")
+    one_line_error(cli(*base, "--out", str(tmp_path / "empty"), "--resume"), "no run to resume")
+    one_line_error(cli(*base, "--resume"), "--resume needs --out")
+
+
+def test_an_unusable_out_directory_fails_before_any_model_is_loaded(tmp_path):
+    # The models named do not exist: the directory check must come first.
+    result = specbench("run", "--target", "no/such-model", "--out", "/proc/nope", timeout=60)
+    one_line_error(result, "cannot write results to /proc/nope", "--out")
+
+
+def test_rows_follow_the_schema(tiny_pair, prompts_file, tmp_path):
+    out = tmp_path / "run"
+    results = run(config(tiny_pair, prompts_file, ks=[2], methods=["speculative", "prompt-lookup"], num_prompts=1), out)
+    assert "policy" not in shown(summary_table(results.summary, "run"))  # every K fixed: nothing to say
+    summary = pd.read_csv(out / "summary.csv")
+    assert list(summary.columns) == schema.SUMMARY
+    # The baseline drafts nothing: no acceptance figures, though its records carry the methods' counts.
+    assert summary.loc[0, ["alpha", "acceptance_rate", "tau", "drafted"]].isna().all()
+    assert summary.loc[1:, ["alpha", "acceptance_rate", "tau"]].notna().all().all()
+    assert list(pd.read_csv(out / "records.csv").columns) == schema.RECORDS
+    assert (
+        json.loads((out / "meta.json").read_text())["resolved"]["prompts_hash"]
+        == pd.read_csv(out / "summary.csv")["prompts_hash"][0]
+    )
+
+
+def test_a_run_without_a_draft_method_loads_no_draft(tiny_pair, prompts_file, tmp_path):
+    cfg = config(tiny_pair, prompts_file, draft="/no/such/draft", methods=["prompt-lookup"], ks=[2], num_prompts=1)
+    results = run(cfg, tmp_path / "run")
+    assert [r["method"] for r in results.summary] == ["baseline", "prompt-lookup"]
+
+
+def test_the_stop_ids_leave_the_generation_config_alone(tiny_pair):
+    import torch
+
+    from specbench.models.load import load
+
+    target = load(tiny_pair[0], torch.device("cpu"), torch.float32)
+    target.model.generation_config.eos_token_id = [5, 6]
+    assert target.stop_ids == target.stop_ids == frozenset({5, 6, target.tokenizer.eos_token_id})
+    assert target.model.generation_config.eos_token_id == [5, 6]
+
+
+def test_the_methodology_column_table_is_the_schema():
+    methodology = (ROOT / "docs" / "methodology.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| (\w+) \| (\w*) \| (.+) \|$", methodology, flags=re.M)
+    want = [(c.name, c.kind, c.better or "", c.meaning) for c in schema.COLUMNS]
+    assert rows == want
+
+
+def test_the_contributing_example_method_is_exact_and_registers(monkeypatch, one_thread):
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    from specbench.bench import config
+    from specbench.core.errors import SpecbenchError
+    from specbench.decoding.decode import autoregressive_decode, speculative_decode
+    from specbench.decoding.sampling import Sampling
+    from specbench.methods import registry
+
+    from ..toy import P_FLOOR, VOCAB, ToyLM, chi_square_p
+
+    guide = (ROOT / "docs" / "contributing.md").read_text()
+    example = guide.split("## Adding a method", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    namespace = vars(registry).copy()
+    exec(example, namespace)
+    repeat = namespace["Repeat"]()
+    assert isinstance(repeat, registry.SpeculativeLoop) and repeat.name == "repeat"
+    # Registered as the guide says, its option is declared once, and the options column and the refusal follow.
+    registered = registry.METHODS
+    extended = {**registered, repeat.name: repeat} if isinstance(registered, dict) else (*registered, repeat)
+    monkeypatch.setattr(config, "METHODS", extended)
+    (option,) = repeat.options
+    assert config.declared()["repeat_last"] is option and option.default == 1
+    assert repeat.options_column(SimpleNamespace(repeat_last=3)) == "repeat_last=3"
+    with pytest.raises(SpecbenchError, match="^--repeat-last .*$"):
+        option.validate(0)
+    assert repeat.drafter(None, SimpleNamespace(repeat_last=3), None, None).last == 3
+    # Exact under sampling while it cycles (2 tokens, K=3), and greedy equality.
+    drafter = namespace["RepeatDrafter"](2)
+    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 3, Sampling(temperature=1.0)) > P_FLOOR
+    target, prompt, greedy = ToyLM(5, seed=3), torch.tensor([1, 4]), Sampling(0.0)
+    want = autoregressive_decode(target, prompt, 30, greedy, torch.Generator()).tokens
+    assert (
+        speculative_decode(target, namespace["RepeatDrafter"](3), prompt, 3, 30, greedy, torch.Generator()).tokens
+        == want
+    )
+
+
+def test_every_file_a_run_writes_has_exactly_the_schemas_columns(tiny_pair, prompts_file, tmp_path):
+    # online (online.csv), a tree (rank rows in acceptance.csv), assumed alphas (predicted.csv).
+    cfg = config(
+        tiny_pair, prompts_file, methods=["speculative", "online", "tree"], num_prompts=2, assume_alpha=[0.5, 0.7]
+    )
+    run(cfg, tmp_path)
+    written = {path.name for path in tmp_path.iterdir()}
+    assert {"summary.csv", "records.csv", "verify_cost.csv", "acceptance.csv", "online.csv", "predicted.csv"} <= written
+    for name, columns in schema.FILES.items():
+        if name.endswith(".csv") and name in written:
+            assert tuple(pd.read_csv(tmp_path / name).columns) == columns, name
+    assert all(tuple(line) == schema.OUTPUTS for line in outputs(tmp_path))
+    document = json.loads((tmp_path / "results.json").read_text())
+    assert document["format"] == schema.RESULTS_FORMAT and document["config"]["methods"] == cfg.methods
+    speculative = next(row for row in document["summary"] if row["method"] == "speculative")
+    low, high = speculative["speedup_ci"]
+    assert low <= speculative["speedup"] <= high and set(speculative) - {f"{m}_ci" for m in schema.RATES} == set(
+        schema.SUMMARY
+    )
+
+
+def test_the_phases_are_the_phase_clocks():
+    from dataclasses import fields
+
+    from specbench.decoding.timing import Phases
+
+    assert tuple(f"{f.name}_s" for f in fields(Phases)) == schema.PHASES
+
+
+def test_version_list_and_the_choices_in_help():
+    from typer.testing import CliRunner
+
+    from specbench import __version__
+    from specbench.cli.app import app
+
+    runner = CliRunner()
+    assert runner.invoke(app, ["--version"]).stdout.strip() == f"specbench {__version__}"
+    listed = runner.invoke(app, ["list"], env={"COLUMNS": "250"})
+    assert listed.exit_code == 0
+    for name, method in METHODS.items():
+        assert name in listed.stdout and all(option.flag in listed.stdout for option in method.options)
+    assert "smollm2-135m-draft" in listed.stdout and "longcode" in listed.stdout and "pydoc" in listed.stdout
+    shown = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "250"}).stdout
+    for choices in (
+        "[auto|float32|bfloat16|float16]",
+        "[auto|on|off]",
+        "[retrieval|window]",
+        "[auto|cpu|cuda|cuda:N|mps]",
+    ):
+        assert choices in shown
+    assert "[table|csv]" in runner.invoke(app, ["theory", "--help"], env={"COLUMNS": "250"}).stdout
+
+
+def test_theory_takes_k_as_run_spells_it():
+    from typer.testing import CliRunner
+
+    from specbench.cli.app import app
+
+    runner = CliRunner()
+    spelled = [
+        runner.invoke(app, ["theory", "--alpha", "0.6", "--c", "0.1", flag, "2,4", "--format", "csv"])
+        for flag in ("--k", "--ks")
+    ]
+    assert spelled[0].exit_code == 0 and spelled[0].stdout == spelled[1].stdout
+    assert [line.split(",")[2] for line in spelled[0].stdout.splitlines()[1:]] == ["2", "4"]

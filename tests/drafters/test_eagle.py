@@ -1,0 +1,296 @@
+"""EAGLE drafting (models/eagle_head.py): the published EAGLE-3 head format, and exactness: chains, fixed trees
+and EAGLE-2's dynamic trees drawn from a head give the target's law, each with a broken variant
+that fails the same test, and greedy outputs equal the baseline's."""
+
+import copy
+import dataclasses
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from specbench.decoding.decode import autoregressive_decode, heuristic_k, speculative_decode
+from specbench.decoding.sampling import Sampling, warp
+from specbench.drafters import trees
+from specbench.drafters.eagle import EagleDrafter
+from specbench.models.eagle_head import WEIGHTS, HeadLM, load_head, read_head, save_head
+from specbench.models.load import load
+
+from ..helpers import LawLM, build_eagle3_head, cli_on_tiny_pair, on_tiny_pair, one_line_error, tiny_law_model
+from ..toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, law_p
+
+CPU, F32 = torch.device("cpu"), torch.float32
+DRAFT_IDS = [0, 2]  # of the law model's 3: q is zero at id 1, which the head never drafts
+
+
+@pytest.fixture(scope="module")
+def law(tmp_path_factory):
+    """A tiny Llama target whose exact law is known, and a head reading its input layers 0 and 1 and
+    its final states, over a reduced vocabulary."""
+    tmp = tmp_path_factory.mktemp("law")
+    target = LawLM(tiny_law_model(1, tmp), packed=True)
+    path = build_eagle3_head(tmp / "head", target.model.config, taps=(0, 1, 2), draft_ids=DRAFT_IDS, seed=3)
+    return target, head_for(target, path)
+
+
+def head_for(target, path):
+    config = target.model.config
+    embed = target.model.get_input_embeddings().weight
+    return read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
+
+
+def sampled_p(target, drafter_of, k: int = 2, schedule=None) -> float:
+    cfg, generator = Sampling(temperature=1.0), torch.Generator().manual_seed(0)
+    drafter = drafter_of(cfg, generator)
+    target.record_features(drafter.head.config.taps)
+    prompt = torch.tensor(PROMPT)
+    counts = Counter(
+        tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator, schedule=schedule).tokens)
+        for _ in range(SAMPLES)
+    )
+    return law_p(target, cfg, counts)
+
+
+SHAPES = {"chain": {}, "tree": {"shape": (2, 1)}, "dynamic": {"dynamic": (3, 2)}}
+# The lookahead policies a chain takes: the head's confidence stop (p_min), transformers' schedule.
+POLICIES = {"confidence": ({"p_min": 0.6}, None), "heuristic": ({}, heuristic_k)}
+
+
+# ---------------------------------------------------------------- the published format
+
+
+def test_a_published_head_loads_with_its_mapping_and_layers(law):
+    _, head = law
+    assert head.draft_ids.tolist() == DRAFT_IDS
+    assert head.config.taps == (0, 1, 2) and head.config.fused and head.config.draft_vocab == 2
+
+
+def test_a_saved_head_reads_back_as_the_same_head(law, tmp_path):
+    target, head = law
+    save_head(head, tmp_path / "saved", target_layers=2)
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 2
+    again = head_for(target, tmp_path / "saved")
+    ids = torch.tensor([0, 2, 1])
+    with torch.inference_mode():
+        a, b = HeadLM(head).forward(ids, last=3), HeadLM(again).forward(ids, last=3)
+    assert again.draft_ids.tolist() == DRAFT_IDS
+    torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # saved in half precision
+
+
+def test_a_packed_head_scores_as_the_unpacked_one(law, tmp_path):
+    target, _ = law
+    path = build_eagle3_head(tmp_path / "head", target.model.config, taps=(0, 1, 2), draft_ids=DRAFT_IDS, seed=4)
+    plain, packed = head_for(target, path), head_for(target, path)
+    packed.pack()
+    ids, features = torch.tensor([0, 2, 1, 1]), torch.randn(4, 96)
+    with torch.inference_mode():
+        a, b = HeadLM(plain).forward(ids, last=4), HeadLM(packed).forward(ids, last=4)
+        fused = plain.fuse(features), packed.fuse(features)
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(*fused, atol=1e-4, rtol=1e-4)
+
+
+def test_default_layers_and_an_eagle1_head(tmp_path, tiny_pair):
+    target = load(tiny_pair[0], CPU, F32).model
+    default = head_for_model(target, build_eagle3_head(tmp_path / "h3", target.config, seed=0))
+    assert default.config.taps == (2, 2, 1)  # vLLM's: 2, L/2, L-3 of the 4-layer target
+    eagle1 = head_for_model(target, build_eagle3_head(tmp_path / "h1", target.config, taps=(), seed=0))
+    assert eagle1.config.taps == (4,) and eagle1.fc is None  # the final normed states
+
+
+def test_a_head_cast_to_bfloat16_keeps_its_rotary_frequencies_in_float32(tiny_pair, tmp_path):
+    """load_head casts the head to the target's dtype; the RoPE frequencies must not follow. In bfloat16
+    a frequency is off by up to 2^-9 of itself: at position 4,000 the angle by whole radians."""
+    fp32 = load(tiny_pair[0], CPU, F32).model
+    bf16 = load(tiny_pair[0], CPU, torch.bfloat16).model
+    path = build_eagle3_head(tmp_path / "head", fp32.config, seed=0)
+    exact, cast = load_head(path, fp32, pack=False), load_head(path, bf16, pack=False)
+    assert cast.lm_head.weight.dtype == torch.bfloat16
+    assert cast.inv_freq.dtype == F32 and torch.equal(cast.inv_freq, exact.inv_freq)
+    assert (
+        copy.deepcopy(exact).to(torch.bfloat16).inv_freq.dtype == F32
+        and copy.deepcopy(exact).half().inv_freq.dtype == F32
+    )
+    position = torch.tensor([4000])
+    for want, got in zip(exact._rotary(position), cast._rotary(position), strict=True):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got, want.to(torch.bfloat16))  # the same angles, rounded only at the end
+
+
+def head_for_model(model, path):
+    config = model.config
+    return read_head(
+        path, model.get_input_embeddings().weight, config.num_hidden_layers, config.hidden_size, config.vocab_size
+    )
+
+
+# ---------------------------------------------------------------- exactness
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", SHAPES)
+def test_eagle_drafts_give_the_target_law(law, one_thread, how):
+    target, head = law
+    assert sampled_p(target, lambda cfg, g: EagleDrafter(head, target, 3, cfg, g, **SHAPES[how])) > P_FLOOR
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("policy", POLICIES)
+def test_eagle_chains_with_a_lookahead_per_round_give_the_target_law(law, one_thread, policy):
+    target, head = law
+    options, schedule = POLICIES[policy]
+    drafter_of = lambda cfg, g: EagleDrafter(head, target, 3, cfg, g, **options)  # noqa: E731
+    assert sampled_p(target, drafter_of, k=3, schedule=schedule) > P_FLOOR
+
+
+@pytest.mark.slow
+def test_the_test_catches_q_rows_left_in_draft_ids(law, one_thread, monkeypatch):
+    # The rows over the draft vocabulary placed at ids 0..1 rather than mapped through d2t: the
+    # tokens are mapped, q is not.
+    target, head = law
+
+    def unmapped(self, q):
+        rows = q.new_zeros(len(q), self.width)
+        rows[:, : q.shape[1]] = q
+        return rows
+
+    monkeypatch.setattr(EagleDrafter, "_full", unmapped)
+    assert sampled_p(target, lambda cfg, g: EagleDrafter(head, target, 3, cfg, g)) < P_FLOOR
+
+
+@pytest.mark.slow
+def test_the_test_catches_a_tree_of_distinct_children(law, one_thread, monkeypatch):
+    # Children drawn without replacement (distinct, as if that drafted more), judged as independent draws.
+    target, head = law
+
+    def distinct(q, generator):  # a tree level's b draws per row ([n, b, V]), made without replacement
+        b = q.shape[1]
+        return torch.multinomial(q[:, 0], b, generator=generator).unsqueeze(-1)
+
+    monkeypatch.setattr(trees, "sample", distinct)
+    assert sampled_p(target, lambda cfg, g: EagleDrafter(head, target, 3, cfg, g, shape=(2, 1))) < P_FLOOR
+
+
+class SampledLooking(EagleDrafter):
+    """A dynamic tree judged as if its top candidates had been drawn from the draft's distribution."""
+
+    def _dynamic(self, out, depth):
+        draft = super()._dynamic(out, depth)
+        q = self._full(warp(self.head.draft_logits(out), self.sampling)).expand(len(draft.tokens), -1)
+        return dataclasses.replace(draft, q=q)
+
+
+@pytest.mark.slow
+def test_the_test_catches_a_dynamic_tree_judged_as_sampled(law, one_thread):
+    target, head = law
+    assert sampled_p(target, lambda cfg, g: SampledLooking(head, target, 3, cfg, g, dynamic=(3, 2))) < P_FLOOR
+
+
+def test_eagle_chain_gives_the_target_law_quickly(law, one_thread):
+    """The fast set's check: a third of the samples, chains only (the slow tests cover the rest)."""
+    target, head = law
+    cfg, generator = Sampling(temperature=1.0), torch.Generator().manual_seed(1)
+    drafter = EagleDrafter(head, target, 3, cfg, generator)
+    target.record_features(head.config.taps)
+    counts = Counter(
+        tuple(speculative_decode(target, drafter, torch.tensor(PROMPT), 3, LENGTH, cfg, generator).tokens)
+        for _ in range(SAMPLES // 3)
+    )
+    assert law_p(target, cfg, counts) > P_FLOOR
+
+
+@pytest.mark.parametrize("how", [*SHAPES, *POLICIES])
+def test_greedy_eagle_equals_the_greedy_target(law, how, tmp_path):
+    target, _ = law
+    cfg, generator = Sampling(), torch.Generator()
+    options, schedule = POLICIES[how] if how in POLICIES else (SHAPES[how], None)
+    accepted = 0
+    for seed in range(6):  # heads of several seeds, so that some drafts are accepted and some rejected
+        path = build_eagle3_head(tmp_path / f"g{seed}", target.model.config, (0, 1, 2), DRAFT_IDS, seed=seed, scale=1.0)
+        head = head_for(target, path)
+        target.record_features(head.config.taps)
+        for prompt in ([0, 2], [1, 1, 0], [2]):
+            ids = torch.tensor(prompt)
+            base = autoregressive_decode(target, ids, 12, cfg, generator).tokens
+            drafter = EagleDrafter(head, target, 3, cfg, generator, **options)
+            result = speculative_decode(target, drafter, ids, 3, 12, cfg, generator, schedule=schedule)
+            assert result.tokens == base
+            accepted += result.accepted
+    assert accepted > 0
+
+
+# ---------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def tiny_head(tiny_pair, tmp_path_factory):
+    target = load(tiny_pair[0], CPU, F32).model
+    return str(build_eagle3_head(tmp_path_factory.mktemp("head") / "eagle3", target.config, seed=5, scale=1.0))
+
+
+def test_eagle_methods_run_end_to_end_on_a_published_head(tiny_pair, tiny_head, tmp_path):
+    out = tmp_path / "run"
+    result = on_tiny_pair(
+        "run",
+        tiny_pair,
+        "--method", "eagle,eagle-tree,eagle-dynamic", "--speculator", tiny_head, "--k", "2", "--tree", "2,1",
+        "--num-prompts", "2", "--max-new-tokens", "12", "--repeats", "1", "--warmup", "0", "--cost-repeats", "2",
+        "--dataset", "humaneval", "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    import pandas as pd
+
+    summary = pd.read_csv(out / "summary.csv")
+    eagle = summary[summary["method"].str.startswith("eagle")]
+    assert set(eagle["method"]) == {"eagle", "eagle-tree", "eagle-dynamic"}
+    assert (eagle["outputs_match"] == 2).all()  # greedy: each prompt's output is the baseline's
+    assert (eagle["c"] > 0).all() and (eagle["draft_forwards"] > 0).all()
+    costs = pd.read_csv(out / "verify_cost.csv")
+    assert "eagle" in set(costs["model"])
+
+
+def test_a_head_for_another_target_is_refused_in_one_line(tiny_pair, tmp_path, law):
+    target, _ = law  # a 32-wide, 3-token target's head, for the 64-wide tiny target
+    head = build_eagle3_head(tmp_path / "other", target.model.config, seed=0)
+    result = cli_on_tiny_pair(
+        "run", tiny_pair, "--method", "eagle", "--speculator", str(head), "--out", str(tmp_path / "r")
+    )
+    one_line_error(result, "drafts for another target")
+
+
+def test_eagle_needs_a_speculator(tiny_pair, tmp_path):
+    result = cli_on_tiny_pair("run", tiny_pair, "--method", "eagle", "--out", str(tmp_path / "r"))
+    one_line_error(result, "--method eagle needs --speculator PATH")
+
+
+def test_a_speculator_that_is_not_a_head_is_refused_in_one_line(tiny_pair, tmp_path):
+    result = cli_on_tiny_pair(
+        "run", tiny_pair, "--method", "eagle", "--speculator", tiny_pair[1], "--out", str(tmp_path / "r")
+    )
+    one_line_error(result, "not an EAGLE-3 head")
+
+
+def test_the_default_target_brings_its_shipped_head():
+    """smollm2-135m's --speculator defaults to the head specbench ships, which reads back as a head for
+    that target's shape (the architecture's config, without its weights)."""
+    from safetensors import safe_open
+
+    from specbench.bench.config import BenchConfig
+    from specbench.core.environment import config_dir
+    from specbench.core.errors import SpecbenchError
+    from specbench.models.load import speculator_dir
+
+    cfg = BenchConfig(methods=["eagle"], target="smollm2-135m")
+    cfg.validate()
+    assert cfg.speculator == "smollm2-135m-eagle"
+    arch = json.loads((config_dir() / "architectures" / "smollm2-135m.json").read_text())
+    embed = torch.zeros(arch["vocab_size"], arch["hidden_size"])
+    path = speculator_dir(cfg.speculator)
+    head = read_head(path, embed, arch["num_hidden_layers"], arch["hidden_size"], arch["vocab_size"])
+    assert head.config.taps == (2, 15, 27) and head.config.norm_before_residual
+    with safe_open(path / WEIGHTS, "pt") as weights:  # half precision
+        assert {weights.get_tensor(name).dtype for name in weights.keys() if name != "d2t"} == {torch.float16}
+    with pytest.raises(SpecbenchError, match="no such directory"):
+        speculator_dir("no-such-head")

@@ -1,0 +1,223 @@
+"""specbench's fast forward (models/fast.py, --compile): transformers' arithmetic, the engine's cache
+contract (test_tree_forward runs its cache tests on it too), the row padding it measures, and
+exactness: speculative sampling through it still draws from the target's law."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specbench.decoding.decode import speculative_decode
+from specbench.decoding.sampling import Sampling
+from specbench.decoding.tree import tree_inputs
+from specbench.drafters.model import ModelDrafter
+from specbench.models.fast import PADDED_UP_TO, FastLlama, attend, fastest_rows, padded_rows, unsupported
+from specbench.models.lm import CacheView, HFCausalLM
+from specbench.models.load import load
+
+from ..helpers import LawLM, tiny_law_model
+from ..toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, law_p
+
+CPU, F32 = torch.device("cpu"), torch.float32
+
+
+@pytest.fixture(scope="module")
+def target(tiny_pair):
+    return load(tiny_pair[0], CPU, F32).model
+
+
+def scores(lm: HFCausalLM, prefix: torch.Tensor, chain: torch.Tensor, parents: list[int]) -> list[torch.Tensor]:
+    """Logits of a prefill, a chain forward and a tree forward on top of it, with the shortlist on."""
+    lm.reset()
+    out = [lm.forward(prefix, last=2), lm.forward(chain, last=len(chain))]
+    positions, mask = tree_inputs(parents, lm.length, CPU)
+    out.append(lm.forward(chain[: len(parents)], last=len(parents), positions=positions, mask=mask))
+    return out
+
+
+@pytest.mark.parametrize("shortlisted", [False, True])
+def test_the_own_forward_is_transformers_arithmetic(target, shortlisted):
+    # With the modules' own weights the fast forward runs transformers' operations in transformers'
+    # order: the logits are equal bit for bit, prefill, chain and tree alike.
+    width = target.get_output_embeddings().weight.shape[0]
+    head = torch.arange(0, width, 3) if shortlisted else None
+    prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
+    want = scores(HFCausalLM(target, width, head), prefix, chain, [-1, 0, 0])
+    got = scores(HFCausalLM(target, width, head, FastLlama(target, packed=False)), prefix, chain, [-1, 0, 0])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_packed_weights_move_the_logits_by_rounding_only(target):
+    width = target.get_output_embeddings().weight.shape[0]
+    fast = FastLlama(target, packed=True)
+    assert fast.route == "packed" and sorted(fast.padding) == list(range(1, PADDED_UP_TO + 1))
+    prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
+    want = scores(HFCausalLM(target, width), prefix, chain, [-1, 0, 0])
+    for padding in (dict(fast.padding), {n: PADDED_UP_TO for n in fast.padding}, {}):
+        fast.padding.clear()
+        fast.padding.update(padding)
+        got = scores(HFCausalLM(target, width, fast=fast), prefix, chain, [-1, 0, 0])
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+            assert torch.equal(g.argmax(-1), w.argmax(-1))
+
+
+@pytest.mark.slow
+def test_the_compiled_forward_scores_as_the_own_one(target):
+    # The CUDA route (torch.compile of the elementwise work, dynamic shapes) compiled here on CPU:
+    # every forward size of a run goes through the same graphs, with transformers' scores.
+    width = target.get_output_embeddings().weight.shape[0]
+    from torch._dynamo.utils import counters
+
+    compiled = FastLlama(target, packed=False, compiled=True)
+    assert compiled.route == "inductor"
+    # Compiled and warmed while it was built: the forwards below, at every size, compile nothing more.
+    frames = dict(counters["frames"])
+    prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
+    want = scores(HFCausalLM(target, width, fast=FastLlama(target, packed=False)), prefix, chain, [-1, 0, 0])
+    got = scores(HFCausalLM(target, width, fast=compiled), prefix, chain, [-1, 0, 0])
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+    assert dict(counters["frames"]) == frames and frames.get("ok", 0) >= 3
+
+
+def test_a_compiler_that_fails_leaves_the_eager_functions_and_one_log_line(target, monkeypatch, caplog):
+    """torch.compile fails lazily, at a compiled function's first call (no Triton, no C compiler): that
+    happens while the forward is built, which then runs eagerly, with transformers' logits."""
+
+    def compile_without_a_compiler(function, **_):
+        def fails(*args, **kwargs):
+            raise RuntimeError("Cannot find a working triton installation\nmore detail")
+
+        return fails
+
+    monkeypatch.setattr(torch, "compile", compile_without_a_compiler)
+    with caplog.at_level("WARNING", logger="specbench"):
+        fast = FastLlama(target, packed=False, compiled=True)
+    assert not fast.compiled and fast.route == "own"
+    assert [r.getMessage() for r in caplog.records] == [
+        "torch.compile failed, the fast path runs its elementwise work eagerly: Cannot find a working triton installation"
+    ]
+    width = target.get_output_embeddings().weight.shape[0]
+    prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
+    want = scores(HFCausalLM(target, width), prefix, chain, [-1, 0, 0])
+    for g, w in zip(scores(HFCausalLM(target, width, fast=fast), prefix, chain, [-1, 0, 0]), want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_a_cache_view_reads_true_positions_on_the_fast_forward(target):
+    # A view gives each token its position in the sequence itself (RoPE), through the fast forward too.
+    width = target.get_output_embeddings().weight.shape[0]
+    fast = FastLlama(target, packed=False)
+    views = [CacheView(target, width, budget=64), CacheView(target, width, budget=64, fast=fast)]
+    ids = torch.arange(3, 50)
+    out = [(view.prefill(ids), view.forward(torch.tensor([5, 6]), last=2))[1] for view in views]
+    assert torch.equal(out[0], out[1])
+
+
+def test_the_fastest_row_count_is_chosen_only_when_it_clearly_pays():
+    seconds = {1: 22.7, 2: 26.5, 3: 21.0, 4: 19.0, 5: 19.3, 6: 20.0, 7: 24.0, 8: 25.0}
+    assert fastest_rows(seconds) == {1: 4, 2: 4, 3: 4, 4: 4, 5: 5, 6: 6, 7: 7, 8: 8}
+    assert fastest_rows({1: 10.0, 2: 9.8, 3: 12.0}) == {1: 1, 2: 2, 3: 3}  # 2% is noise, not a reason to pad
+
+
+def test_padded_rows_measures_every_size_up_to_the_limit(target):
+    fast = FastLlama(target, packed=True)
+    choice = padded_rows([layer.qkv for layer in fast.layers] + [fast.head], F32, repeats=1)
+    assert sorted(choice) == list(range(1, PADDED_UP_TO + 1))
+    assert all(n <= m <= PADDED_UP_TO for n, m in choice.items())
+
+
+def test_models_beyond_the_fast_path_say_why(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
+    assert "gpt2" in unsupported(gpt2)
+    biased = LlamaForCausalLM(
+        LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, attention_bias=True, vocab_size=50)
+    )
+    assert "biases" in unsupported(biased)
+
+
+# ---------------------------------------------------------------- exactness through the fast forward
+
+
+def sampled_law_p(target: LawLM, draft: LawLM, k: int, samples: int = SAMPLES) -> float:
+    device = target.device
+    cfg, generator = Sampling(temperature=1.0), torch.Generator(device=device).manual_seed(0)
+    drafter = ModelDrafter(draft, cfg, generator)
+    from collections import Counter
+
+    prompt = torch.tensor(PROMPT, device=device)
+    counts = Counter(
+        tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator).tokens) for _ in range(samples)
+    )
+    return law_p(target, cfg, counts)
+
+
+# The fast forward's routes: the modules' own weights and oneDNN-packed ones on the CPU, inductor on
+# CUDA (compiled at build, in float32 here). make gpu-check runs the cuda ones.
+ROUTES = [
+    pytest.param("cpu", False, id="own", marks=pytest.mark.slow),
+    pytest.param("cpu", True, id="packed", marks=pytest.mark.slow),
+    pytest.param("cuda", False, id="cuda", marks=pytest.mark.gpu),
+]
+
+
+def law_pair(tmp_path, device: str, packed: bool) -> tuple[LawLM, LawLM]:
+    pair = LawLM(tiny_law_model(1, tmp_path, device), packed), LawLM(tiny_law_model(2, tmp_path, device), packed)
+    assert {lm.fast.route for lm in pair} == {"inductor" if device == "cuda" else "packed" if packed else "own"}
+    return pair
+
+
+@pytest.mark.parametrize("device,packed", ROUTES)
+def test_speculative_sampling_on_the_fast_forward_matches_the_target_law(tmp_path, one_thread, device, packed):
+    assert sampled_law_p(*law_pair(tmp_path, device, packed), k=2) > P_FLOOR
+
+
+@pytest.mark.parametrize("device,packed", [ROUTES[1], ROUTES[2]])
+def test_the_test_catches_a_fast_forward_that_misplaces_its_rows(tmp_path, one_thread, monkeypatch, device, packed):
+    # A verification forward whose rows come back one place off: each drafted token is judged by the
+    # distribution of the position before it. One-token forwards are unaffected. As many samples as
+    # the exact test draws: with a third of them, on CUDA, the broken law scored p = 0.002.
+    target, draft = law_pair(tmp_path, device, packed)
+    hidden = FastLlama.hidden
+    monkeypatch.setattr(FastLlama, "hidden", lambda self, *args, **kw: hidden(self, *args, **kw).roll(1, 0))
+    assert sampled_law_p(target, draft, k=2) < P_FLOOR
+
+
+def test_repeated_key_value_heads_attend_as_grouped_ones():
+    """CUDA's route for a masked grouped-query forward (heads repeated, no enable_gqa: the memory-efficient
+    kernel) and the CPU's (grouped in the kernel) attend alike, with and without a mask."""
+    torch.manual_seed(0)
+    q, keys, values = torch.randn(1, 8, 5, 16), torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)
+    mask = torch.zeros(5, 12).masked_fill(torch.rand(5, 12) < 0.3, float("-inf"))
+    mask[:, 0] = 0.0  # every query attends to something
+    for m in (mask[None, None], None):
+        torch.testing.assert_close(attend(q, keys, values, m, grouped=False), attend(q, keys, values, m, grouped=True))
+    wrong = attend(q, keys.repeat(1, 4, 1, 1), values.repeat(1, 4, 1, 1), mask[None, None], grouped=True)
+    assert not torch.allclose(wrong, attend(q, keys, values, mask[None, None], grouped=True))  # the grouping matters
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_forward_is_compiled_at_build_and_scores_as_eager(tiny_pair):
+    """CUDA's default route: inductor, compiled and warmed while it is built, in bfloat16; its logits
+    within bfloat16's rounding of the eager model's, and its argmax the same."""
+    from torch._dynamo.utils import counters
+
+    cuda = torch.device("cuda")
+    model = load(tiny_pair[0], cuda, torch.bfloat16).model
+    fast = FastLlama(model)
+    assert fast.route == "inductor" and fast.build_seconds > 0
+    frames = dict(counters["frames"])
+    width = model.get_output_embeddings().weight.shape[0]
+    prefix, chain = torch.arange(5, 40, device=cuda), torch.tensor([7, 8, 9, 10], device=cuda)
+    lm = HFCausalLM(model, width, fast=fast)
+    lm.reset()
+    got = [lm.forward(prefix, last=2), lm.forward(chain, last=len(chain))]
+    eager = HFCausalLM(model, width)
+    eager.reset()
+    want = [eager.forward(prefix, last=2), eager.forward(chain, last=len(chain))]
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.float(), w.float(), rtol=0.05, atol=0.1)
+    assert dict(counters["frames"]) == frames  # nothing compiled after the build
