@@ -73,7 +73,7 @@ class PhaseClock:
     def stop(self, past_stop: int = 0) -> Phases:
         """End the decode (the time since the last lap is ``other``) and sum the laps per phase.
 
-        ``past_stop``: the decode's last forwards ran after it had ended (engine.autoregressive_decode
+        ``past_stop``: the decode's last forwards ran after it had ended (decode.autoregressive_decode
         learns of a stop token late): the decode ends where the first of them began, so that neither
         they nor what followed them is counted (each forward is two laps: the ``other`` before it, and
         its own; the ``other`` before the first of them holds the choice of the last kept token)."""

@@ -64,7 +64,7 @@ class Decoder:
 
     @property
     def schedule(self) -> Callable[[int, int, int], int] | None:
-        """What sets K round by round (engine.speculative_decode's ``schedule``): None keeps it."""
+        """What sets K round by round (decode.speculative_decode's ``schedule``): None keeps it."""
         return heuristic_k if self.k_policy == HEURISTIC else None
 
     def p_min(self, settings: Settings) -> float | None:
@@ -144,7 +144,7 @@ class SpeculativeLoop(Method):
     the decoder's p_min opts in to the confidence policy too (k_policies = K_POLICIES)."""
 
     k_policies = (FIXED, HEURISTIC)
-    rule = staticmethod(verify)  # the verification (engine.verify; the audit's broken subjects have their own)
+    rule = staticmethod(verify)  # the verification (decode.verify; the audit's broken subjects have their own)
 
     def drafter(self, pair: Pair, settings: Settings, decoder: Decoder, generator: torch.Generator) -> Drafter:
         raise NotImplementedError

@@ -12,7 +12,7 @@ bound an eager forward at batch 1; on an H100 that did not pay for a 7B target, 
 bound by launches (docs/results.md, On a GPU).
 
 The forward is written against the transformers model's own modules and cache object, so
-everything the engine does with a cache (append, crop, keep a tree path, the partial views of
+everything the decode loop does with a cache (append, crop, keep a tree path, the partial views of
 models/lm.py) works unchanged, and the arithmetic is transformers' own: with the plain weights its
 logits are bit-identical to the eager model's (a test checks); the packed kernels move them by
 float rounding only.

@@ -1,4 +1,4 @@
-"""A transformers model speaking the engine's protocol: its KV cache, shortlisted head, and views of
+"""A transformers model speaking the decode loop's protocol (decoding.decode.CausalLM): its KV cache, shortlisted head, and views of
 the cache. (transformers' own generate, as an engine, is engines/hf.py.)"""
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def growing_layer():
 
 
 class HFCausalLM:
-    """A transformers model with its own DynamicCache, speaking the engine's protocol.
+    """A transformers model with its own DynamicCache, speaking the decode loop's protocol (decoding.decode.CausalLM).
 
     With ``head_tokens`` the vocabulary projection covers only those ids plus every id the
     model has read since ``reset`` (so identifiers in the prompt stay predictable); the rest get

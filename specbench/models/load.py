@@ -1,5 +1,5 @@
 """Models by name: resolving a model name, loading it (or a random-weight one), device and dtype,
-placement, and tokenizer compatibility. The wrapper the engine drives is in models/lm.py."""
+placement, and tokenizer compatibility. The wrapper the decode loop drives is in models/lm.py."""
 
 from __future__ import annotations
 
