@@ -314,6 +314,11 @@ def theory(
         table.add_row(str(k), f"{tokens:.3f}", f"[bold]{speedup:.3f}[/]" if k == best else f"{speedup:.3f}")
     console.print(table)
     console.print(f"optimal K = {best} with speedup {best_speedup:.3f}")
+    overall = metrics.unbounded_optimal_k(alpha, c)
+    if overall is None:
+        console.print("beyond --k the speedup keeps growing with K: no K is best (c = 0, or alpha = 1)")
+    elif overall[0] not in k_list:
+        console.print(f"beyond --k: K = {overall[0]} gives {overall[1]:.3f}, the best of every K")
     console.print(f"some K in this range beats the target alone while c < {metrics.max_useful_c(alpha, k_list):.4f}")
 
 
@@ -323,6 +328,10 @@ def _theory_from_costs(alphas: list[float], path: Path, c: float | None, format:
     file = path / "verify_cost.csv" if path.is_dir() else path
     if c is not None:
         raise SpecbenchError("--c and --costs exclude each other: --costs takes c from the run's draft forward")
+    if not file.is_file():
+        raise SpecbenchError(
+            f"{file} does not exist: give --costs a run directory of `specbench run`, or its verify_cost.csv"
+        )
     try:
         with open(file, newline="") as f:
             costs = ForwardCosts.from_rows(list(csv.DictReader(f)))

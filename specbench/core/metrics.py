@@ -37,6 +37,20 @@ def optimal_k(alpha: float, c: float, ks: Iterable[int]) -> tuple[int, float]:
     return k, speedups[k]
 
 
+def unbounded_optimal_k(alpha: float, c: float, limit: int = 10_000) -> tuple[int, float] | None:
+    """The K with the highest predicted_speedup over every K >= 1, or None when the speedup grows
+    without end (c = 0, or alpha = 1 with c < 1) or peaks beyond ``limit``.
+
+    E[tokens] is concave in K and K c + 1 affine, so their ratio rises to one peak and then falls:
+    the first K whose successor is no better is the optimum (the smaller K on a tie)."""
+    if c == 0 or (alpha == 1 and c < 1):
+        return None
+    for k in range(1, limit + 1):
+        if predicted_speedup(alpha, c, k + 1) <= predicted_speedup(alpha, c, k):
+            return k, predicted_speedup(alpha, c, k)
+    return None
+
+
 def max_useful_c(alpha: float, ks: Iterable[int]) -> float:
     """The largest cost ratio c for which some K still gives a predicted speedup above 1.
 

@@ -275,6 +275,15 @@ def test_theory_command_prints_the_optimum():
     assert "2.801" in result.stdout.splitlines()[1]
 
 
+def test_theory_names_an_optimum_beyond_the_ks_it_was_given(tmp_path):
+    shown = cli("theory", "--alpha", "0.9", "--c", "0.02")
+    assert shown.returncode == 0 and "optimal K = 8 with speedup 5.281" in shown.stdout
+    assert "beyond --k: K = 19 gives 6.365, the best of every K" in shown.stdout
+    assert "beyond --k" not in cli("theory", "--alpha", "0.6", "--c", "0.1").stdout  # K = 3 is in 1..8
+    assert "no K is best" in cli("theory", "--alpha", "0.5", "--c", "0").stdout
+    one_line_error(cli("theory", "--costs", str(tmp_path / "nowhere")), "nowhere does not exist", "verify_cost.csv")
+
+
 def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "methods"
     result = on_tiny_pair(

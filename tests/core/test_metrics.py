@@ -60,6 +60,18 @@ def test_optimal_k_and_break_even_c():
     assert metrics.max_useful_c(0.6, [3, 4]) == pytest.approx((0.6 + 0.36 + 0.216) / 3)
 
 
+@pytest.mark.parametrize("alpha", [0.3, 0.6, 0.8, 0.9, 0.95, 0.99])
+@pytest.mark.parametrize("c", [0.005, 0.02, 0.1, 0.5, 1.0, 2.0])
+def test_the_optimum_over_every_k_is_the_best_of_a_long_search(alpha, c):
+    k, speedup = metrics.unbounded_optimal_k(alpha, c)
+    assert (k, speedup) == metrics.optimal_k(alpha, c, range(1, 3000))
+
+
+def test_no_k_is_best_where_the_speedup_grows_without_end():
+    assert metrics.unbounded_optimal_k(0.7, 0.0) is None and metrics.unbounded_optimal_k(1.0, 0.5) is None
+    assert metrics.unbounded_optimal_k(1.0, 1.0) == (1, 1.0)  # (K + 1) / (K + 1): every K ties, the smallest wins
+
+
 def test_best_k_prefers_smaller_k_on_ties():
     assert metrics.best_k({1: 1.5, 2: 1.7, 3: 1.7}) == 2
 
