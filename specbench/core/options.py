@@ -20,10 +20,20 @@ DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"
 
 
+def items(text: str) -> list[str]:
+    """The comma-separated items of ``text``, stripped. An empty one is refused: "1,,2" or a trailing
+    comma is more likely a slip than a list of two."""
+    parts = [part.strip() for part in text.split(",")]
+    if "" in parts:
+        raise ValueError("has an empty item (two commas in a row, or one at an end): remove it")
+    return parts
+
+
 def int_list(text: str) -> list[int]:
     """Sorted distinct integers from comma-separated text, e.g. "4" or "1,2,4"."""
+    parts = items(text)
     try:
-        values = sorted({int(part) for part in text.split(",") if part.strip()})
+        values = sorted({int(part) for part in parts})
     except ValueError:
         raise ValueError("is not an integer or a comma-separated list of integers, e.g. 1,2,3,4") from None
     if not values:
@@ -32,8 +42,9 @@ def int_list(text: str) -> list[int]:
 
 
 def float_list(text: str) -> list[float]:
+    parts = items(text)
     try:
-        return [float(part) for part in text.split(",") if part.strip()]
+        return [float(part) for part in parts]
     except ValueError:
         raise ValueError("is not a comma-separated list of numbers, e.g. 0.5,0.6,0.7") from None
 
@@ -94,15 +105,14 @@ class Option:
 
     def value(self, given: Any) -> Any:
         """The configuration value of what the command line gave."""
-        if self.repeat is not None:
-            return self.repeat(given) if given else list(self.default)
-        if self.parse is not None and isinstance(given, str):
-            if not given.strip():
-                return copy.copy(self.default)
-            try:
-                return self.parse(given)
-            except ValueError as e:
-                raise SpecbenchError(f"{self.flag} {given!r} {e}") from None
+        try:
+            if self.repeat is not None:
+                return self.repeat(given) if given else list(self.default)
+            if self.parse is not None and isinstance(given, str):
+                return self.parse(given) if given.strip() else copy.copy(self.default)
+        except ValueError as e:
+            shown = ",".join(given) if isinstance(given, list) else given
+            raise SpecbenchError(f"{self.flag} {shown!r} {e}") from None
         return None if given == "" and self.default is None else given
 
     def validate(self, value: Any) -> None:
@@ -120,7 +130,7 @@ class Option:
 
 def name_list(text: str) -> list[str]:
     """Distinct names in order from comma-separated text, e.g. "torch,vllm"."""
-    return list(dict.fromkeys(part.strip() for part in text.split(",") if part.strip()))
+    return list(dict.fromkeys(items(text)))
 
 
 def json_object(text: str) -> dict:
@@ -137,7 +147,7 @@ def json_object(text: str) -> dict:
 
 def names_given(given: list[str]) -> list[str]:
     """A repeatable flag of names, --method a,b --method c: the names in order, once each."""
-    return list(dict.fromkeys(name.strip() for value in given for name in value.split(",") if name.strip()))
+    return list(dict.fromkeys(name for value in given for name in items(value)))
 
 
 # How a method's lookahead is chosen round by round (--k-policy); methods/registry.py says which methods take which.

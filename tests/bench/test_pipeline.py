@@ -194,6 +194,9 @@ def test_uncached_hub_model_fails_fast_with_one_line(tmp_path):
         (["--k-policy", "sometimes"], "--k-policy sometimes: use one of fixed, heuristic, confidence"),
         (["--draft-p-min", "0"], "--draft-p-min must be in (0, 1]"),
         (["--draft-p-min", "0.5"], "add that policy or drop --draft-p-min"),
+        (["--k", "1,,2"], "--k '1,,2' has an empty item"),
+        (["--method", "speculative,"], "--method 'speculative,' has an empty item"),
+        (["--assume-alpha", "0.5,"], "--assume-alpha '0.5,' has an empty item"),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_pair, prompts_file, tmp_path, args, needle):
