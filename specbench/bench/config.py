@@ -330,6 +330,24 @@ class BenchConfig:
         """engines/loop.Settings of ``method`` in this run (what begin_run and the cost levels take)."""
         return Settings(self.max_new_tokens, self.sampling, self.options_of(method))
 
+    def refuse_unused_options(self) -> None:
+        """A method's own option set away from its default while none of the methods that read it runs
+        would be ignored without a word (--kv-budget 64 with speculative alone): refuse it, naming them."""
+        owners: dict[str, list[str]] = {}
+        for method in [*METHODS.values(), *SERVED.values()]:
+            for option in method.options:
+                owners.setdefault(option.name, []).append(method.name)
+            if method.needs_speculator:
+                owners.setdefault("speculator", []).append(method.name)
+        for name, methods in owners.items():
+            option = OPTIONS[name]
+            if getattr(self, name) != option.default and not set(methods) & set(self.methods):
+                users = " or ".join(dict.fromkeys(methods))
+                raise SpecbenchError(
+                    f"{option.flag} is read only by --method {users}, which this run does not run: "
+                    f"add it with --method, or drop {option.flag}"
+                )
+
     def validate(self) -> None:
         if "llama-cpp" in self.engines:
             self.validate_llama_cpp()
@@ -343,6 +361,7 @@ class BenchConfig:
         for name in self.methods:  # a method's rules that tie its own options to the others
             if name in METHODS:
                 METHODS[name].check_options(self)
+        self.refuse_unused_options()
         if "llama-cpp" in self.engines:
             heads = [decoder.method.name for decoder in self.served_plan if decoder.method.needs_speculator]
         else:
@@ -387,10 +406,6 @@ class BenchConfig:
             (
                 self.draft_p_min != OPTIONS["draft_p_min"].default and CONFIDENCE not in self.k_policies,
                 "--draft-p-min is where --k-policy confidence stops a round: add that policy or drop --draft-p-min",
-            ),
-            (
-                self.save_draft is not None and not self.learns,
-                "--save-draft writes what --method online learned: add --method online or drop --save-draft",
             ),
         ]
         for bad, message in problems:

@@ -123,6 +123,18 @@ def benchmark(
             "--resume cannot restore what --method online learned before the interruption: run it again without --resume"
         )
     writer = RunWriter(out)  # fails on an unusable directory before anything is loaded
+    try:
+        yield from _benchmark(cfg, writer, resume, prefill_progress)
+    except BaseException as e:
+        if not writer.discard_if_empty() and writer.created and isinstance(e, SpecbenchError):
+            raise SpecbenchError(f"{e} (what this run measured is in {out})") from None
+        raise
+
+
+def _benchmark(
+    cfg: BenchConfig, writer: RunWriter, resume: bool, prefill_progress: Callable[[int, int], None] | None
+) -> Iterator[Progress | Results]:
+    out = writer.out
     previous = writer.previous_run(cfg.as_dict()) if resume else None
     yield Progress("loading models and prompts")
     pair, conversations = prepare(cfg)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -89,6 +90,7 @@ class PreviousRun:
 class RunWriter:
     def __init__(self, out: Path):
         self.out = out
+        self.created = not out.exists()  # made by this run: removed again if the run measures nothing
         try:
             out.mkdir(parents=True, exist_ok=True)
             probe = out / ".specbench-write-check"
@@ -205,6 +207,22 @@ class RunWriter:
         for f in self._files.values():
             f.close()
         self._files.clear()
+
+    def discard_if_empty(self) -> bool:
+        """Remove the run's folder when this run made it and it holds nothing measured (meta.json at
+        most, and records.csv and outputs.jsonl without a row): a run that failed before measuring
+        leaves nothing behind. Whether it was removed."""
+        self.close()
+        if not self.created or not self.out.is_dir():
+            return False
+        bare = {"meta.json", RECORDS, OUTPUTS}
+        if any(p.parent != self.out or p.name not in bare for p in self.out.rglob("*")):
+            return False
+        records, outputs = self.out / RECORDS, self.out / OUTPUTS
+        if (records.is_file() and _rows(records)) or (outputs.is_file() and outputs.stat().st_size):
+            return False
+        shutil.rmtree(self.out)
+        return True
 
 
 # ---------------------------------------------------------------- reading a finished run (compare)

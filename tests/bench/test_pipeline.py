@@ -197,6 +197,8 @@ def test_uncached_hub_model_fails_fast_with_one_line(tmp_path):
         (["--k", "1,,2"], "--k '1,,2' has an empty item"),
         (["--method", "speculative,"], "--method 'speculative,' has an empty item"),
         (["--assume-alpha", "0.5,"], "--assume-alpha '0.5,' has an empty item"),
+        (["--kv-budget", "64"], "--kv-budget is read only by --method self-sparse or triforce, which this run does"),
+        (["--method", "speculative,tree", "--lookup-k", "3"], "--lookup-k is read only by --method lookup-or-draft"),
     ],
 )
 def test_bad_input_is_one_clear_line(tiny_pair, prompts_file, tmp_path, args, needle):
@@ -204,6 +206,7 @@ def test_bad_input_is_one_clear_line(tiny_pair, prompts_file, tmp_path, args, ne
     base.update(dict(zip(args[::2], args[1::2], strict=True)))
     result = cli("run", *[x for kv in base.items() for x in kv], "--out", str(tmp_path / "run"))
     one_line_error(result, needle)
+    assert not (tmp_path / "run").exists()  # refused before the run's folder was made
 
 
 def test_hf_assisted_refuses_unequal_widths(tiny_pair, padded_draft, prompts_file, tmp_path):
