@@ -119,7 +119,7 @@ def _prefill_bar(progress: Progress):
     return show
 
 
-def _show(events, progress: Progress) -> None:
+def _show(events, progress: Progress, wide: bool = False) -> None:
     """Progress while the benchmark runs, then its tables and verdicts."""
     results, task = None, None
     with progress:
@@ -134,7 +134,7 @@ def _show(events, progress: Progress) -> None:
                 )
     if results is None or not results.summary:
         return
-    console.print(summary_table(results.summary, results.title))
+    console.print(summary_table(results.summary, results.title, wide))
     if (serving := serving_table(results.summary)) is not None:
         console.print(serving)
     if (phases := phase_table(results.summary)) is not None:  # none for a serving engine's rows alone
@@ -165,7 +165,7 @@ def _show(events, progress: Progress) -> None:
 ASSUMED_ALPHAS = [0.5, 0.6, 0.7, 0.8]  # --assume-alpha's default with --random-weights
 
 
-def run(out: Path | None = None, resume: bool = False, **given) -> None:
+def run(out: Path | None = None, resume: bool = False, wide: bool = False, **given) -> None:
     """Decode prompts with the baseline and each method at each K; write and show what was measured."""
     _setup_logging()
     values = {name: OPTIONS[name].value(text) for name, text in given.items()}
@@ -179,12 +179,12 @@ def run(out: Path | None = None, resume: bool = False, **given) -> None:
     out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(cfg.target)}-{_slug(cfg.draft)}"
     if len(lengths) == 1:
         progress = _progress()
-        _show(benchmark(cfg, out, resume, prefill_progress=_prefill_bar(progress)), progress)
+        _show(benchmark(cfg, out, resume, prefill_progress=_prefill_bar(progress)), progress, wide)
         return
-    _sweep_context(cfg, lengths, out, resume)
+    _sweep_context(cfg, lengths, out, resume, wide)
 
 
-def _sweep_context(cfg: BenchConfig, lengths: list[int], out: Path, resume: bool) -> None:
+def _sweep_context(cfg: BenchConfig, lengths: list[int], out: Path, resume: bool, wide: bool = False) -> None:
     """One run per context length, each in its own directory, then what they show together."""
     runs = {}
     for length in lengths:
@@ -197,7 +197,7 @@ def _sweep_context(cfg: BenchConfig, lengths: list[int], out: Path, resume: bool
             resume and (runs[length] / "meta.json").is_file(),  # a length the interruption never reached starts now
             prefill_progress=_prefill_bar(progress),
         )
-        _show(events, progress)
+        _show(events, progress, wide)
     rows, wins = write_context(out, runs)
     console.rule("by context length")
     console.print(context_table(rows, wins))
@@ -207,7 +207,7 @@ def _sweep_context(cfg: BenchConfig, lengths: list[int], out: Path, resume: bool
 
 def _command(defaults: dict | None = None):
     """`run` with its flags built from the declarations (and other ``defaults``)."""
-    return flags.command(run, OPTIONS.values(), defaults, (flags.RUN_OUT, flags.RESUME))
+    return flags.command(run, OPTIONS.values(), defaults, (flags.RUN_OUT, flags.RESUME, flags.WIDE))
 
 
 app.command("run")(_command())

@@ -66,4 +66,5 @@ RESUME = plain(
     False,
     "Continue an interrupted run in --out with the same configuration: finished prompts are kept.",
 )
+WIDE = plain("wide", bool, False, "Show every column of the summary table (by default those that fit 100 columns).")
 AUDIT_OUT = plain("out", Path | None, None, "Audit directory (default results/<time>-audit-<target>/).")

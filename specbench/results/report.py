@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from rich import box
 from rich.table import Table
 
 from specbench.methods.registry import BASELINE, METHODS
@@ -13,27 +14,64 @@ from specbench.results.context import CONTENDERS
 from specbench.results.schema import OWN_ENGINES
 from specbench.results.summary import decoder_label, missing, row_label
 
+# What the summary table shows unless --wide: the columns a user reads first (the rest are in summary.csv).
+BRIEF = (
+    "engine",
+    "concurrency",
+    "method",
+    "k",
+    "tree",
+    "k_policy",
+    "spec_tokens_per_s",
+    "speedup",
+    "alpha",
+    "tau",
+    "c",
+    "predicted_speedup_verify",
+    "outputs_match",
+)
+NAMES = ("compile", "engine", "method", "tree", "k_policy")  # columns of words, read left-aligned
+BRIEF_HEADERS = {"predicted_speedup_verify": "predicted"}  # the measured verification cost's prediction
 
-def summary_table(rows: list[dict], title: str) -> Table:
-    """The summary's headed columns, less those that say nothing here: a column empty (or plain, as a
-    fixed K policy) in every row, and a configuration column (engine, concurrency, tree) with one
-    value for all of them."""
+
+def summary_table(rows: list[dict], title: str, wide: bool = False) -> Table:
+    """The summary's headed columns (with ``wide``; else those of BRIEF, to fit 100 columns), less
+    those that say nothing here: a column empty (or plain, as a fixed K policy) in every row, and a
+    configuration column (engine, concurrency, tree) with one value for all of them. A row's speedup
+    carries its interval over the prompts where the row has one (``speedup_ci``, results.json's)."""
     cells = {c.name: [schema.fmt(c.name, row.get(c.name)) for row in rows] for c in schema.TABLE}
+    cells["speedup"] = [
+        _with_interval(row.get("speedup"), row.get("speedup_ci"), cell)
+        for cell, row in zip(cells["speedup"], rows, strict=True)
+    ]
     shown = [
         c
         for c in schema.TABLE
-        if c.name == "method"
-        or (
-            any(cell not in ("-", c.plain) for cell in cells[c.name])
-            and (c.kind != schema.CONFIG or len(set(cells[c.name])) > 1)
+        if (wide or c.name in BRIEF)
+        and (
+            c.name == "method"
+            or (
+                any(cell not in ("-", c.plain) for cell in cells[c.name])
+                and (c.kind != schema.CONFIG or len(set(cells[c.name])) > 1)
+            )
         )
     ]
-    table = Table(title=title)
+    caption = None if wide else "more columns: --wide, or summary.csv"
+    # One space between columns and no frame: the default table fits 100 columns.
+    table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
     for column in shown:
-        table.add_column(column.header, justify="right")
+        header = column.header if wide else BRIEF_HEADERS.get(column.name, column.header)
+        table.add_column(header, justify="left" if column.name in NAMES else "right", no_wrap=True)
     for i in range(len(rows)):
         table.add_row(*(cells[column.name][i] for column in shown))
     return table
+
+
+def _with_interval(speedup, interval, cell: str) -> str:
+    """A speedup with its 95% interval over the prompts, when it has one that is not a point (else ``cell``)."""
+    if cell == "-" or not interval or any(v is None or v != v for v in interval) or interval[0] == interval[1]:
+        return cell
+    return f"{speedup:.2f} ({interval[0]:.2f}-{interval[1]:.2f})"
 
 
 SERVING = (

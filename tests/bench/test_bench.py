@@ -219,10 +219,25 @@ def test_an_unusable_out_directory_fails_before_any_model_is_loaded(tmp_path):
     one_line_error(result, "cannot write results to /proc/nope", "--out")
 
 
+def test_the_summary_table_shows_each_speedup_with_its_interval():
+    rows = [
+        {"method": "baseline", "speedup": 1.0, "speedup_ci": [1.0, 1.0]},
+        {"method": "speculative", "k": 4, "speedup": 1.8431, "speedup_ci": [1.6412, 2.0703], "alpha": 0.78},
+    ]
+    table = shown(summary_table(rows, "run"))
+    assert "1.84 (1.64-2.07)" in table and "1.000" in table and "(1.00-1.00)" not in table
+
+
 def test_rows_follow_the_schema(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "run"
     results = run(config(tiny_pair, prompts_file, ks=[2], methods=["speculative", "prompt-lookup"], num_prompts=1), out)
     assert "policy" not in shown(summary_table(results.summary, "run"))  # every K fixed: nothing to say
+    narrow = Console(width=100, record=True)
+    narrow.print(summary_table(results.summary, "run"))
+    brief = narrow.export_text()
+    assert max(map(len, brief.splitlines())) <= 100 and "tok/s" in brief and "alpha" in brief
+    assert "base tok/s" not in brief and "--wide" in brief  # the rest: --wide, or summary.csv
+    assert "base tok/s" in shown(summary_table(results.summary, "run", wide=True))
     summary = pd.read_csv(out / "summary.csv")
     assert list(summary.columns) == schema.SUMMARY
     # The baseline drafts nothing: no acceptance figures, though its records carry the methods' counts.
