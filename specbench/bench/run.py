@@ -31,6 +31,7 @@ from specbench.decoding.sampling import Sampling
 from specbench.decoding.timing import MEMORY_SOURCES, PeakMemory
 from specbench.engines import llamacpp
 from specbench.engines.loop import Loop
+from specbench.engines.server import unreachable
 from specbench.engines.vllm import EngineSpec, vllm_version
 from specbench.methods.base import Decoder
 from specbench.methods.registry import BASELINE
@@ -121,6 +122,11 @@ def benchmark(
     if resume and cfg.learns:
         raise SpecbenchError(
             "--resume cannot restore what --method online learned before the interruption: run it again without --resume"
+        )
+    # A baseline server that does not answer ends the run: found before any model is converted or loaded.
+    if cfg.baseline_url is not None and (why := unreachable(cfg.baseline_url)) is not None:
+        raise SpecbenchError(
+            f"--baseline-url {cfg.baseline_url}: the baseline server is not reachable ({why}): start it, or check the URL"
         )
     writer = RunWriter(out)  # fails on an unusable directory before anything is loaded
     try:

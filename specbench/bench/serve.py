@@ -116,7 +116,7 @@ def serve_all(
         if not todo:
             continue
         yield Progress(
-            f"starting {run.engine}: {decoder.label}" + (" (a minute or two)" if run.engine == "vllm" else "")
+            f"{opening(run, decoder)}: {decoder.label}" + (" (a minute or two)" if run.engine == "vllm" else "")
         )
         failed = []
         with opened(run, conversations, decoder) as engine:
@@ -243,6 +243,14 @@ def warmed_up(engine, run: ServingRun, conversations: Conversations) -> Iterator
         for _ in range(run.warmup):
             list(engine.run([request], 1, run.sampling))
         yield engine
+
+
+def opening(run: ServingRun, decoder: Decoder) -> str:
+    """What opening ``decoder``'s engine is: starting one (vLLM's, or a server specbench launches), or
+    connecting to a server that runs already."""
+    if run.engine == "vllm" or decoder.method.command:
+        return f"starting {run.engine}"
+    return f"connecting to {run.engine}"
 
 
 def launcher(remote: Remote, name: str) -> str:

@@ -22,6 +22,8 @@ import json
 import math
 import queue
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable, Iterator
 from urllib.parse import urlsplit
 
@@ -41,6 +43,19 @@ def root_of(url: str) -> str:
     """The server's address without the API path: where /health and /metrics are."""
     parts = urlsplit(url)
     return f"{parts.scheme}://{parts.netloc}"
+
+
+def unreachable(url: str, timeout: float = 3.0) -> str | None:
+    """Why nothing answers at the API ``url`` (its /models) within ``timeout`` seconds, or None when
+    something does: any HTTP answer, an error status included (a missing API key is reported later,
+    with the status)."""
+    try:
+        urllib.request.urlopen(url.rstrip("/") + "/models", timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return None
+    except (urllib.error.URLError, OSError) as e:
+        return str(getattr(e, "reason", e))
+    return None
 
 
 class Server:

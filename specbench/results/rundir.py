@@ -209,20 +209,34 @@ class RunWriter:
         self._files.clear()
 
     def discard_if_empty(self) -> bool:
-        """Remove the run's folder when this run made it and it holds nothing measured (meta.json at
-        most, and records.csv and outputs.jsonl without a row): a run that failed before measuring
-        leaves nothing behind. Whether it was removed."""
+        """Remove the run's folder when this run made it and it holds nothing measured: no record, no
+        output, nothing but the files a run writes from its records (empty here) and meta.json. A run
+        that failed before measuring leaves nothing behind. Whether it was removed."""
         self.close()
         if not self.created or not self.out.is_dir():
             return False
-        bare = {"meta.json", RECORDS, OUTPUTS}
-        if any(p.parent != self.out or p.name not in bare for p in self.out.rglob("*")):
-            return False
+        if any(p.is_file() and p.relative_to(self.out).as_posix() not in FROM_RECORDS for p in self.out.rglob("*")):
+            return False  # forward costs, a server's log, a figure: something to keep
         records, outputs = self.out / RECORDS, self.out / OUTPUTS
         if (records.is_file() and _rows(records)) or (outputs.is_file() and outputs.stat().st_size):
             return False
         shutil.rmtree(self.out)
         return True
+
+
+# What a run writes from its records, and its configuration: with no record, nothing measured.
+FROM_RECORDS = {
+    "meta.json",
+    RECORDS,
+    OUTPUTS,
+    "summary.csv",
+    "categories.csv",
+    "acceptance.csv",
+    "draft_lengths.csv",
+    "engine_costs.csv",
+    "counters.csv",
+    "results.json",
+}
 
 
 # ---------------------------------------------------------------- reading a finished run (compare)

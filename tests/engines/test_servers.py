@@ -141,7 +141,8 @@ def test_an_unreachable_server_fails_its_requests_and_an_unreachable_baseline_st
     assert summary.loc["gone", "failed"] == 3
     with Stub(k=2) as spec:
         result = run_servers(tiny_pair, tmp_path / "b", gone, ("spec", spec), extra=("--dataset", prompts_file))
-    one_line_error(result, "baseline", "not reachable", "start it")
+    one_line_error(result, "--baseline-url", "baseline", "not reachable", "start it")
+    assert not (tmp_path / "b").exists()  # found before any model was loaded or any folder made
 
 
 def test_a_baseline_that_dies_mid_run_keeps_the_rows_and_resume_finishes(tiny_pair, prompts_file, tmp_path):
