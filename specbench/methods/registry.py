@@ -164,8 +164,8 @@ class LookupOrDraft(SpeculativeLoop):
         Option(
             "lookup_ngram",
             2,
-            "lookup-or-draft: lookup drafts a round when the sequence's last N (to 3) tokens occurred before; 1 also "
-            "copies after a single repeated token.",
+            "lookup-or-draft: lookup drafts a round when the sequence's last N or more tokens occurred before (it "
+            "matches the longest n-gram up to max(N, 3)); 1 also copies after a single repeated token.",
             low=1,
             problem="--lookup-ngram must be at least 1",
         ),
