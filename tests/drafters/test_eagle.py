@@ -12,7 +12,7 @@ import torch
 
 from specbench.decoding.decode import autoregressive_decode, heuristic_k, speculative_decode
 from specbench.decoding.sampling import Sampling, warp
-from specbench.drafters import trees
+from specbench.drafters import propose
 from specbench.drafters.eagle import EagleDrafter
 from specbench.models.eagle_head import WEIGHTS, HeadLM, load_head, read_head, save_head
 from specbench.models.load import load
@@ -169,7 +169,7 @@ def test_the_test_catches_a_tree_of_distinct_children(law, one_thread, monkeypat
         b = q.shape[1]
         return torch.multinomial(q[:, 0], b, generator=generator).unsqueeze(-1)
 
-    monkeypatch.setattr(trees, "sample", distinct)
+    monkeypatch.setattr(propose, "sample", distinct)  # tree_level draws each level with it
     assert sampled_p(target, lambda cfg, g: EagleDrafter(head, target, 3, cfg, g, shape=(2, 1))) < P_FLOOR
 
 
