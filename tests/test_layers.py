@@ -1,10 +1,12 @@
 """The package's shape: folders that name its parts, imports that run one way between them in the
-order docs/contributing.md lists them, no import cycle between modules, no function-local import of
-specbench outside the command line, no module over about 800 lines, and the run's configuration read
-only by the orchestrators."""
+order docs/contributing.md lists them, no import cycle between modules, the command line's
+declarations importable without torch (function-local imports of specbench only where they keep it
+so), no module over about 800 lines, and the run's configuration read only by the orchestrators."""
 
 import ast
 import re
+import subprocess
+import sys
 from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
@@ -112,9 +114,30 @@ def test_the_method_registry_imports_no_training_module():
     assert sorted(n for n in seen if part(n) == "training") == []
 
 
-def test_no_function_local_import_of_specbench_outside_the_cli():
-    found = {name: local_imports(name) for name in FILES if part(name) != "cli"}
+# What the command line imports to parse and check a run's options and to list what specbench can
+# run: the only modules that import what decodes inside their functions, so that `specbench --help`,
+# `list`, `theory` and every refusal answer without torch (benchmarks/startup.py times them).
+LIGHT = {
+    "cli.app", "cli.flags", "bench.config", "methods.base", "methods.registry", "methods.served", "audit.broken",
+    "engines.vllm",
+}  # fmt: skip
+HEAVY = ("torch", "transformers", "pandas", "scipy", "matplotlib", "vllm", "datasets")
+
+
+def test_function_local_imports_of_specbench_only_where_they_keep_the_command_line_light():
+    found = {name: local_imports(name) for name in FILES if name not in LIGHT}
     assert {name: where for name, where in found.items() if where} == {}
+
+
+def test_the_command_line_parses_and_checks_options_without_torch():
+    probe = (
+        "import sys; import specbench.cli.app; from specbench.bench.config import BenchConfig; "
+        "BenchConfig(methods=['speculative', 'eagle', 'triforce']).validate(); "
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
 
 
 def test_no_module_is_over_about_800_lines():

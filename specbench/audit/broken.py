@@ -26,62 +26,31 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
-from specbench.decoding.decode import verify
-from specbench.decoding.sampling import Sampling, Verdict, argmax, sample, warp
-from specbench.drafters.model import ModelDrafter
 from specbench.methods.registry import Speculative
 
 
-class ArgmaxDrafter(ModelDrafter):
-    def draw(self, logits, q):
-        return argmax(q), q
-
-
-class TemperatureOneDrafter(ModelDrafter):
-    def draw(self, logits, q):
-        return sample(q, self.generator), warp(logits, Sampling(temperature=1.0))
-
-
-class UntruncatedDrafter(ModelDrafter):
-    def draw(self, logits, q):
-        return sample(q, self.generator), warp(logits, Sampling(temperature=self.sampling.temperature))
-
-
-class Bfloat16Drafter(ModelDrafter):
-    def draw(self, logits, q):
-        return sample(warp(logits.to(torch.bfloat16).float(), self.sampling), self.generator), q
-
-
-def greedy_verify(draft, target_logits, sampling: Sampling, generator, seen=None):
-    """verify(), as if the temperature were 0."""
-    verdict, _ = verify(draft, target_logits, replace(sampling, temperature=0.0), generator, seen)
-    return verdict, None
-
-
-def miscounted_verify(draft, target_logits, sampling: Sampling, generator, seen=None):
-    """verify(), but a rejected draft is counted as accepted: it stays, and the next token comes from
-    the target's row after it (the bonus row when it was the last)."""
-    verdict, p = verify(draft, target_logits, sampling, generator, seen)
-    n = verdict.accepted
-    if n == len(draft.tokens):
-        return verdict, p
-    row = target_logits[n + 1] if sampling.greedy else p[n + 1]
-    following = argmax(row) if sampling.greedy else sample(row, generator)
-    return Verdict([*verdict.path, n], following, verdict.beta_sum, verdict.tested), p
-
-
 class Broken(Speculative):
-    """specbench's loop with one bug: in how its drafter draws (``drafter_class``) or in how the
-    target verifies (``rule``)."""
+    """specbench's loop with one bug: in how its drafter draws (``drafter_class``, a ModelDrafter of
+    audit/bugs.py) or in how the target verifies (``verification``, a function of audit/bugs.py),
+    each named, so that the subjects are declared without torch (`specbench list` shows them)."""
 
-    drafter_class = ModelDrafter
+    drafter_class = ""  # "": a correct ModelDrafter
+    verification = ""  # "": decode.verify
     counterpart = ""
     where = ""  # the engine and issue that shipped the bug
 
+    @property
+    def rule(self):
+        from specbench.audit import bugs
+
+        return getattr(bugs, self.verification) if self.verification else None
+
     def drafter(self, pair, settings, decoder, generator):
-        return self.drafter_class(pair.draft_lm, settings.sampling, generator, decoder.p_min(settings))
+        from specbench.audit import bugs
+        from specbench.drafters.model import ModelDrafter
+
+        kind = getattr(bugs, self.drafter_class) if self.drafter_class else ModelDrafter
+        return kind(pair.draft_lm, settings.sampling, generator, decoder.p_min(settings))
 
 
 def broken(name: str, help: str, where: str, **what) -> Broken:
@@ -103,37 +72,37 @@ BROKEN: dict[str, Broken] = {
             "draft-argmax",
             "drafts greedily, verified against the draft's sampled distribution",
             "transformers #32867",
-            drafter_class=ArgmaxDrafter,
+            drafter_class="ArgmaxDrafter",
         ),
         broken(
             "q-temperature-1",
             "drafts from the request's warp, judged with q at temperature 1",
             "vLLM #10198",
-            drafter_class=TemperatureOneDrafter,
+            drafter_class="TemperatureOneDrafter",
         ),
         broken(
             "q-untruncated",
             "drafts from the top-k/top-p truncated q, judged with the untruncated q",
             "truncation applied to the draft's samples only",
-            drafter_class=UntruncatedDrafter,
+            drafter_class="UntruncatedDrafter",
         ),
         broken(
             "draft-bf16",
             "drafts sampled from bfloat16 logits, judged in float32",
             "DeepSpec #31",
-            drafter_class=Bfloat16Drafter,
+            drafter_class="Bfloat16Drafter",
         ),
         broken(
             "greedy-verify",
             "verifies greedily at every temperature",
             "SGLang #31214",
-            rule=staticmethod(greedy_verify),
+            verification="greedy_verify",
         ),
         broken(
             "accept-miscount",
             "a rejected draft is counted as accepted",
             "transformers #28508",
-            rule=staticmethod(miscounted_verify),
+            verification="miscounted_verify",
         ),
         type(
             "PenaltyIgnoredSubject",

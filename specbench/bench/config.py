@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING
 
 from specbench.core.errors import SpecbenchError
 from specbench.core.options import (
@@ -22,13 +23,10 @@ from specbench.core.options import (
     RUN,
     SERVER,
     SERVER_PANEL,
+    SINKS,
     Option,
 )
-from specbench.decoding.kv import SINKS
-from specbench.decoding.sampling import Sampling
-from specbench.drafters.propose import tree_parents
 from specbench.engines.llamacpp import find_server
-from specbench.engines.loop import Settings
 from specbench.engines.vllm import INSTALL, available, device_count
 from specbench.methods.base import Decoder
 from specbench.methods.registry import BASELINE, METHOD, METHODS
@@ -43,9 +41,16 @@ from specbench.methods.served import (
     llama_methods,
     served_names,
 )
-from specbench.models.load import Wanted, default_speculator
-from specbench.models.pair import Rendering
+from specbench.models.names import default_speculator
 from specbench.workloads.prompts import LONG_DATASETS
+
+# A configuration is built and checked without torch (the command line refuses bad options in well
+# under a second): what decodes is imported by the properties that describe it.
+if TYPE_CHECKING:
+    from specbench.decoding.sampling import Sampling
+    from specbench.engines.loop import Settings
+    from specbench.models.load import Wanted
+    from specbench.models.pair import Rendering
 
 
 def declared() -> dict[str, Option]:
@@ -260,6 +265,8 @@ class BenchConfig:
         drafts more, as lookup-or-draft's lookup rounds may), the tree's nodes + 1 for a tree. (A
         heuristic K grows past it, but never drafts beyond the tokens still to generate: the caches
         stay within the prompt, --max-new-tokens and this.)"""
+        from specbench.drafters.propose import tree_parents
+
         return 1 + max(
             [max(self.ks)]
             + [len(tree_parents(decoder.tree)) for decoder in self.plan if decoder.tree]
@@ -274,6 +281,8 @@ class BenchConfig:
     def wanted(self) -> Wanted:
         """The models this run loads: the draft only when a method needs it, the weights only when
         specbench's loop decodes (vLLM loads its own)."""
+        from specbench.models.load import Wanted
+
         draft = self.draft if self.needs_draft else None
         return Wanted(
             self.target,
@@ -290,6 +299,8 @@ class BenchConfig:
     @property
     def rendering(self) -> Rendering:
         """How this run's prompts become token ids."""
+        from specbench.models.pair import Rendering
+
         context = self.context_tokens if self.dataset in LONG_DATASETS else 0
         return Rendering(
             self.max_new_tokens, self.widest, self.chat, context, self.random_weights, self.prompt_tokens, self.seed
@@ -307,6 +318,8 @@ class BenchConfig:
     @property
     def sampling(self) -> Sampling:
         """The run's sampling: the warp, the tokens to generate and the seed."""
+        from specbench.decoding.sampling import Sampling
+
         return Sampling(
             temperature=self.temperature,
             top_k=self.top_k,
@@ -328,6 +341,8 @@ class BenchConfig:
 
     def settings_of(self, method) -> Settings:
         """engines/loop.Settings of ``method`` in this run (what begin_run and the cost levels take)."""
+        from specbench.engines.loop import Settings
+
         return Settings(self.max_new_tokens, self.sampling, self.options_of(method))
 
     def refuse_unused_options(self) -> None:

@@ -37,7 +37,8 @@ from specbench.methods.base import Decoder
 from specbench.methods.registry import BASELINE
 from specbench.methods.served import HTTP_ENGINES
 from specbench.models.costs import ForwardCosts, measure_costs, noisy_costs
-from specbench.models.load import model_dir, placement, resolve, speculator_dir
+from specbench.models.load import model_dir, placement
+from specbench.models.names import resolve, speculator_dir
 from specbench.models.pair import Conversations, Pair, encode_prompts, load_pair
 from specbench.results import serving
 from specbench.results.plot import plot_categories, plot_concurrency, plot_online, plot_phases, plot_run

@@ -8,48 +8,32 @@ through config.OPTIONS.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import sys
 import time
 from pathlib import Path
 from typing import Annotated
 
-import torch
 import typer
 from rich.console import Console
-from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from specbench import __version__
 from specbench.audit.broken import BROKEN
-from specbench.audit.run import audit, plan_of
-from specbench.audit.verdicts import FAIL, NOT_APPLICABLE, PASS
 from specbench.bench.config import OPTIONS, BenchConfig
-from specbench.bench.run import Results, benchmark
 from specbench.cli import flags
-from specbench.core import metrics
 from specbench.core.environment import read_config
 from specbench.core.errors import SpecbenchError, out_of_memory
 from specbench.core.options import AUDIT
 from specbench.methods.registry import LONG_CONTEXT, METHODS
 from specbench.methods.served import SERVED
-from specbench.models.costs import ForwardCosts
-from specbench.results.context import write_context
-from specbench.results.plot import plot_categories, plot_concurrency, plot_context, plot_online, plot_phases, plot_run
-from specbench.results.report import (
-    audit_table,
-    category_table,
-    context_table,
-    greedy_lines,
-    levels_table,
-    phase_table,
-    predicted_table,
-    serving_table,
-    summary_table,
-)
-from specbench.results.summary import predicted_rows
 from specbench.workloads.prompts import dataset_sources
+
+# Only what parses and checks options is imported above: `specbench --help`, `list`, `theory` and every
+# refusal of a bad option answer without torch, transformers or pandas (benchmarks/startup.py times
+# them). A command imports what it measures with when it runs.
 
 
 def _version(show: bool) -> None:
@@ -81,6 +65,8 @@ err_console = Console(stderr=True)
 
 
 def _setup_logging() -> None:
+    from rich.logging import RichHandler
+
     logging.basicConfig(
         level=logging.WARNING, handlers=[RichHandler(console=err_console, show_path=False)], format="%(message)s"
     )
@@ -121,6 +107,8 @@ def _prefill_bar(progress: Progress):
 
 def _show(events, progress: Progress, wide: bool = False) -> None:
     """Progress while the benchmark runs, then its tables and verdicts."""
+    from specbench.bench.run import Results
+
     results, task = None, None
     with progress:
         for event in events:
@@ -132,8 +120,22 @@ def _show(events, progress: Progress, wide: bool = False) -> None:
                 progress.update(
                     task, description=event.label or event.stage, completed=event.done, total=event.total or None
                 )
-    if results is None or not results.summary:
-        return
+    if results is not None and results.summary:
+        _print_results(results, wide)
+
+
+def _print_results(results, wide: bool = False) -> None:
+    """A run's tables and verdicts (bench.run.Results)."""
+    from specbench.results.report import (
+        category_table,
+        greedy_lines,
+        levels_table,
+        phase_table,
+        predicted_table,
+        serving_table,
+        summary_table,
+    )
+
     console.print(summary_table(results.summary, results.title, wide))
     if (serving := serving_table(results.summary)) is not None:
         console.print(serving)
@@ -167,7 +169,6 @@ ASSUMED_ALPHAS = [0.5, 0.6, 0.7, 0.8]  # --assume-alpha's default with --random-
 
 def run(out: Path | None = None, resume: bool = False, wide: bool = False, **given) -> None:
     """Decode prompts with the baseline and each method at each K; write and show what was measured."""
-    _setup_logging()
     values = {name: OPTIONS[name].value(text) for name, text in given.items()}
     lengths = values["context_tokens"] if isinstance(values["context_tokens"], list) else [values["context_tokens"]]
     values["context_tokens"] = lengths[0] if len(lengths) == 1 else 0  # a sweep sets each length in turn
@@ -176,6 +177,10 @@ def run(out: Path | None = None, resume: bool = False, wide: bool = False, **giv
     cfg = BenchConfig(**values)
     if resume and out is None:
         raise SpecbenchError("--resume needs --out DIR: the run directory to continue")
+    cfg.validate()  # bad options are refused here, before torch loads (benchmark checks them again)
+    _setup_logging()
+    from specbench.bench.run import benchmark
+
     out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(cfg.target)}-{_slug(cfg.draft)}"
     if len(lengths) == 1:
         progress = _progress()
@@ -186,6 +191,11 @@ def run(out: Path | None = None, resume: bool = False, wide: bool = False, **giv
 
 def _sweep_context(cfg: BenchConfig, lengths: list[int], out: Path, resume: bool, wide: bool = False) -> None:
     """One run per context length, each in its own directory, then what they show together."""
+    from specbench.bench.run import benchmark
+    from specbench.results.context import write_context
+    from specbench.results.plot import plot_context
+    from specbench.results.report import context_table
+
     runs = {}
     for length in lengths:
         runs[length] = out / f"context-{length}"
@@ -238,9 +248,13 @@ def audit_command(out: Path | None = None, **given) -> None:
     answers, and, at each sampling --setting, samples of the same law (a two-sample test against the
     reference, with a control arm and the TV it could detect). Exit 0 when every subject passes, 1 when
     one fails, 2 on bad input, 3 when one could not be judged (not exercised, inconclusive, underpowered)."""
-    _setup_logging()
     cfg = BenchConfig(**{name: OPTIONS[name].value(text) for name, text in given.items() if name in OPTIONS})
     cfg.validate()
+    _setup_logging()
+    from specbench.audit.run import audit, plan_of
+    from specbench.audit.verdicts import FAIL, NOT_APPLICABLE, PASS
+    from specbench.results.report import audit_table
+
     plan = plan_of(cfg, {option.name: option.value(given[option.name]) for option in AUDIT})
     out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-audit-{_slug(cfg.target)}"
     report, progress, task = None, _progress(), None
@@ -287,6 +301,8 @@ def theory(
 ) -> None:
     """The speedup formula alone (no models): per K, the optimum, and the break-even c; or, with
     --costs, the speedup each alpha would give with a run's measured forward costs."""
+    from specbench.core import metrics
+
     if format not in ("table", "csv"):
         raise SpecbenchError(f"--format {format!r}: use table or csv")
     alphas = OPTIONS["assume_alpha"].value(alpha)
@@ -324,6 +340,10 @@ def theory(
 
 def _theory_from_costs(alphas: list[float], path: Path, c: float | None, format: str) -> None:
     import csv
+
+    from specbench.models.costs import ForwardCosts
+    from specbench.results.report import predicted_table
+    from specbench.results.summary import predicted_rows
 
     file = path / "verify_cost.csv" if path.is_dir() else path
     if c is not None:
@@ -585,6 +605,7 @@ def distill(
 def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written by run or sweep-k.")]) -> None:
     """Redraw a run's figures from its CSVs: time per token by phase; for methods with K speedup vs
     K, acceptance by position and verification cost; with --method online, alpha over the run."""
+    from specbench.results.plot import plot_categories, plot_concurrency, plot_online, plot_phases, plot_run
 
     for path in (
         plot_phases(run_dir),
@@ -597,11 +618,28 @@ def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written b
             console.print(f"wrote {path}")
 
 
+def _out_of_memory(error: BaseException) -> bool:
+    """Whether ``error`` is torch's out of memory (only a command that imported torch can raise it)."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(error, torch.OutOfMemoryError)
+
+
+def _paragraphs(text: str) -> str:
+    """Help text with each paragraph's lines joined: rich's help keeps a docstring's line breaks."""
+    return "\n\n".join(" ".join(paragraph.split()) for paragraph in inspect.cleandoc(text).split("\n\n"))
+
+
+for _info in app.registered_commands:
+    _info.help = _paragraphs(_info.help or _info.callback.__doc__ or "")
+
+
 def main() -> None:
     try:
         app()
-    except (SpecbenchError, torch.OutOfMemoryError) as e:  # out of memory in any forward: the run kept its rows
-        said = out_of_memory(str(e)) if isinstance(e, torch.OutOfMemoryError) else e
+    except Exception as e:  # bad input, or out of memory in any forward (the run kept its rows)
+        if not isinstance(e, SpecbenchError) and not _out_of_memory(e):
+            raise
+        said = out_of_memory(str(e)) if _out_of_memory(e) else e
         err_console.print(f"[red]error:[/] {said}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:

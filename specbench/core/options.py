@@ -18,6 +18,9 @@ from specbench.core.errors import SpecbenchError
 
 DEFAULT_TARGET = "smollm2-135m"
 DEFAULT_DRAFT = "smollm2-135m-draft"
+# The first tokens every partial view of a KV cache keeps (TriForce's tiny draft keeps 16; its retrieval
+# keeps chunk 0): the least of --kv-budget and --draft-window are set by it (decoding/kv.py).
+SINKS = 16
 
 
 def items(text: str) -> list[str]:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-SINKS = 16  # the first tokens every view keeps (TriForce's tiny draft keeps 16; its retrieval keeps chunk 0)
+from specbench.core.options import SINKS
+
 CHUNK = 8  # tokens per retrieval chunk (TriForce's default)
 EVICT_SLACK = 32  # a window may outgrow its budget by this much before it is cut back (one copy per 32 tokens)
 

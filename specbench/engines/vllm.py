@@ -16,10 +16,13 @@ import queue
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specbench.core.errors import SpecbenchError
-from specbench.decoding.sampling import Sampling
 from specbench.engines import LoopThread, Served, arrivals, first_line, margin, request_seed
+
+if TYPE_CHECKING:  # the command line checks --engine vllm's options with this module, before torch loads
+    from specbench.decoding.sampling import Sampling
 
 INSTALL = (
     "--engine vllm needs vLLM, which lives in an environment of its own: run `make install-vllm` "
@@ -211,6 +214,8 @@ class Engine:
     def margin_at(self, request: list[int], position: int) -> float | None:
         """How far apart, in log-probability, the two likeliest tokens were at ``position`` of the
         engine's greedy answer to ``request``, untimed."""
+        from specbench.decoding.sampling import Sampling
+
         greedy = Sampling(max_new_tokens=position + 1, logprobs=2)
         served = next(self.run([request], 1, greedy))
         return margin(served.logprobs[position]) if served.logprobs and len(served.logprobs) > position else None

@@ -13,15 +13,20 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from specbench.core.options import CONFIDENCE, FIXED, HEURISTIC, Option
-from specbench.decoding.decode import DecodeResult, Drafter, heuristic_k, speculative_decode, verify
-from specbench.engines.loop import Settings
-from specbench.methods.online import Learned
-from specbench.models.lm import HFCausalLM
-from specbench.models.pair import Pair
+
+# This module and the methods' declarations import no torch: the command line reads them to parse and
+# check a run's options in well under a second. What decodes is imported where it runs.
+if TYPE_CHECKING:
+    import torch
+
+    from specbench.decoding.decode import DecodeResult, Drafter
+    from specbench.engines.loop import Settings
+    from specbench.methods.online import Learned
+    from specbench.models.lm import HFCausalLM
+    from specbench.models.pair import Pair
 
 
 def method_label(method: str, k: int | None, shape: str, k_policy: str) -> str:
@@ -65,6 +70,8 @@ class Decoder:
     @property
     def schedule(self) -> Callable[[int, int, int], int] | None:
         """What sets K round by round (decode.speculative_decode's ``schedule``): None keeps it."""
+        from specbench.decoding.decode import heuristic_k
+
         return heuristic_k if self.k_policy == HEURISTIC else None
 
     def p_min(self, settings: Settings) -> float | None:
@@ -144,12 +151,14 @@ class SpeculativeLoop(Method):
     the decoder's p_min opts in to the confidence policy too (k_policies = K_POLICIES)."""
 
     k_policies = (FIXED, HEURISTIC)
-    rule = staticmethod(verify)  # the verification (decode.verify; the audit's broken subjects have their own)
+    rule = None  # the verification: None is decode.verify (the audit's broken subjects have their own)
 
     def drafter(self, pair: Pair, settings: Settings, decoder: Decoder, generator: torch.Generator) -> Drafter:
         raise NotImplementedError
 
     def decode(self, pair, settings, decoder, ids, generator, on_round=None):
+        from specbench.decoding.decode import speculative_decode, verify
+
         drafter = self.drafter(pair, settings, decoder, generator)
         return speculative_decode(
             pair.target_lm,
@@ -162,7 +171,7 @@ class SpeculativeLoop(Method):
             pair.stop_ids,
             on_round,
             decoder.schedule,
-            self.rule,
+            self.rule or verify,
         )
 
 

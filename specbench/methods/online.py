@@ -61,12 +61,11 @@ def rejection(round_: Round, at: int, top_k: int = TOP_K) -> Lesson | None:
 
 @dataclass(frozen=True)
 class OnlineConfig:
-    every: int = 1  # prompts between updates
-    # One small step per update: on 160 prose prompts (a simulation of greedy rounds, K=2 and 4) 1 step
-    # at 1e-4 raised alpha as much as 2-4 steps or 3e-5..2e-4 did, for a third of the training time;
-    # 4 steps at 3e-4 first lowered it, and 1e-3 halved it.
-    steps: int = 1  # optimiser steps per update, each over every lesson gathered since the last
-    lr: float = 1e-4
+    """--online-every, --online-steps and --online-lr (their defaults are argued in methods/registry.py)."""
+
+    every: int  # prompts between updates
+    steps: int  # optimiser steps per update, each over every lesson gathered since the last
+    lr: float
 
 
 @dataclass

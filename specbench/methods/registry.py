@@ -15,26 +15,12 @@ from __future__ import annotations
 
 import re
 
-import torch
-
 from specbench.core.errors import SpecbenchError
-from specbench.core.options import FIXED, K_POLICIES, Option, names_given
-from specbench.decoding.decode import autoregressive_decode
-from specbench.decoding.kv import SINKS
-from specbench.decoding.timing import TimedDrafter, TimedLM
-from specbench.drafters.cascade import CascadeDrafter
-from specbench.drafters.chained import FirstThatDrafts
-from specbench.drafters.eagle import EagleDrafter
-from specbench.drafters.lookup import PromptLookupDrafter
-from specbench.drafters.model import ModelDrafter
-from specbench.drafters.propose import tree_parents
-from specbench.drafters.trees import LookupTreeDrafter, TreeDrafter
-from specbench.engines.hf import hf_generate, hf_samples
+from specbench.core.options import FIXED, K_POLICIES, SINKS, Option, names_given
 from specbench.methods.base import Decoder, Level, Method, SpeculativeLoop
-from specbench.methods.online import Lessons, OnlineConfig, OnlineLearner, rejection
-from specbench.models.eagle_head import HeadLM
-from specbench.models.lm import HFCausalLM, SparseView, WindowLM
-from specbench.models.pair import Pair
+
+# The methods are declared without torch (see methods/base.py): each imports what it decodes with
+# where it decodes.
 
 
 class Baseline(Method):
@@ -42,6 +28,8 @@ class Baseline(Method):
     adjusts_logits = True
 
     def decode(self, pair, settings, decoder, ids, generator):
+        from specbench.decoding.decode import autoregressive_decode
+
         return autoregressive_decode(
             pair.target_lm, ids, settings.max_new_tokens, settings.sampling, generator, pair.stop_ids
         )
@@ -61,6 +49,8 @@ class Speculative(SpeculativeLoop):
         return costs.c
 
     def drafter(self, pair, settings, decoder, generator):
+        from specbench.drafters.model import ModelDrafter
+
         return ModelDrafter(pair.draft_lm, settings.sampling, generator, decoder.p_min(settings))
 
 
@@ -86,20 +76,31 @@ DRAFT_WINDOW = Option(
 )
 
 
-def timed_draft(lm, pair: Pair, settings, decoder: Decoder, generator) -> ModelDrafter:
+def timed_draft(lm, pair, settings, decoder: Decoder, generator):
     """A ModelDrafter of ``lm`` (a method's own drafting model) whose forwards are laps of the draft phase."""
+    from specbench.decoding.timing import TimedLM
+    from specbench.drafters.model import ModelDrafter
+
     return ModelDrafter(TimedLM(lm, pair.clock, "draft"), settings.sampling, generator, decoder.p_min(settings))
 
 
-def draft_window(pair: Pair, settings) -> WindowLM:
-    """The draft model over a streaming window of --draft-window positions (speculative-window, triforce)."""
+def draft_window(pair, settings):
+    """The draft model over a streaming window of --draft-window positions (speculative-window, triforce):
+    a models.lm.WindowLM."""
+    from specbench.models.lm import WindowLM
+
     lm = pair.draft_lm
     return WindowLM(lm.model, lm.width, pair.draft.head_tokens, settings.draft_window, lm.fast)
 
 
-SELF_SPARSE_LEVEL = Level(
-    "self-sparse", lambda pair, settings: SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy)
-)
+def sparse_view(pair, settings):
+    """The target over --kv-budget positions of its cache (self-sparse, triforce): a models.lm.SparseView."""
+    from specbench.models.lm import SparseView
+
+    return SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy)
+
+
+SELF_SPARSE_LEVEL = Level("self-sparse", sparse_view)
 DRAFT_WINDOW_LEVEL = Level("draft-window", draft_window)
 
 
@@ -138,6 +139,8 @@ class PromptLookup(SpeculativeLoop):
         return 0.0  # no draft model runs; its lookups are host-side bookkeeping
 
     def drafter(self, pair, settings, decoder, generator):
+        from specbench.drafters.lookup import PromptLookupDrafter
+
         return PromptLookupDrafter()
 
 
@@ -178,6 +181,10 @@ class LookupOrDraft(SpeculativeLoop):
         return costs.c  # one draft-model forward; lookup's rounds run none
 
     def drafter(self, pair, settings, decoder, generator):
+        from specbench.drafters.chained import FirstThatDrafts
+        from specbench.drafters.lookup import PromptLookupDrafter
+        from specbench.drafters.model import ModelDrafter
+
         model = ModelDrafter(pair.draft_lm, settings.sampling, generator, decoder.p_min(settings))
         lookup = PromptLookupDrafter(shortest=settings.lookup_ngram, lookahead=settings.lookup_k)
         return FirstThatDrafts([lookup, model])
@@ -215,6 +222,10 @@ class Cascade(SpeculativeLoop):
         return costs.c  # one of its draft-model forwards; it needs fewer of them than K per round
 
     def drafter(self, pair, settings, decoder, generator):
+        from specbench.decoding.timing import TimedDrafter
+        from specbench.drafters.cascade import CascadeDrafter
+        from specbench.drafters.lookup import PromptLookupDrafter
+
         lookup = TimedDrafter(PromptLookupDrafter(), pair.clock, "inner")
         return CascadeDrafter(pair.draft_lm, settings.sampling, generator, settings.cascade_split or None, lower=lookup)
 
@@ -248,6 +259,8 @@ class Tree(SpeculativeLoop):
         return costs.c
 
     def drafter(self, pair, settings, decoder, generator):
+        from specbench.drafters.trees import TreeDrafter
+
         return TreeDrafter(pair.draft_lm, settings.sampling, generator, decoder.tree)
 
 
@@ -266,6 +279,9 @@ class LookupTree(SpeculativeLoop):
         return 0.0
 
     def drafter(self, pair, settings, decoder, generator):
+        from specbench.drafters.propose import tree_parents
+        from specbench.drafters.trees import LookupTreeDrafter
+
         return LookupTreeDrafter(nodes=len(tree_parents(decoder.tree)), depth=len(decoder.tree))
 
 
@@ -277,16 +293,19 @@ class Online(Speculative):
         True,
     )
     options = (
-        Option("online_every", OnlineConfig.every, "online: update the draft after every N prompts.", low=1),
+        Option("online_every", 1, "online: update the draft after every N prompts.", low=1),
+        # One small step per update: on 160 prose prompts (a simulation of greedy rounds, K=2 and 4) 1 step
+        # at 1e-4 raised alpha as much as 2-4 steps or 3e-5..2e-4 did, for a third of the training time;
+        # 4 steps at 3e-4 first lowered it, and 1e-3 halved it.
         Option(
             "online_steps",
-            OnlineConfig.steps,
+            1,
             "online: optimiser steps per update, over the lessons since the last one.",
             low=1,
         ),
         Option(
             "online_lr",
-            OnlineConfig.lr,
+            1e-4,
             "online: learning rate of the draft's updates (AdamW).",
             check=lambda lr: lr > 0,
             problem="--online-lr must be positive",
@@ -301,6 +320,8 @@ class Online(Speculative):
     )
 
     def begin_run(self, pair, settings, decoder):
+        from specbench.methods.online import OnlineConfig, OnlineLearner
+
         online = OnlineConfig(settings.online_every, settings.online_steps, settings.online_lr)
         decoder.state = OnlineLearner(
             pair.draft, pair.draft_lm.width, online, pair.device, pair.draft_lm.fast is not None
@@ -310,6 +331,8 @@ class Online(Speculative):
         return timed_draft(decoder.state.lm, pair, settings, decoder, generator)
 
     def decode(self, pair, settings, decoder, ids, generator):
+        from specbench.methods.online import Lessons, rejection
+
         lessons = []
 
         def keep(round_, at):
@@ -342,7 +365,7 @@ class SelfSparse(SpeculativeLoop):
         return costs.level_c(SELF_SPARSE_LEVEL.name)
 
     def begin_run(self, pair, settings, decoder):
-        decoder.state = SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy)
+        decoder.state = sparse_view(pair, settings)
 
     def drafter(self, pair, settings, decoder, generator):
         decoder.state.watch()  # before the target's prefill, which comes next
@@ -371,10 +394,13 @@ class TriForce(SpeculativeLoop):
         return costs.level_c(SELF_SPARSE_LEVEL.name)  # a drafting step of the level the target verifies
 
     def begin_run(self, pair, settings, decoder):
-        window = draft_window(pair, settings)
-        decoder.state = SparseView(pair.target_lm, settings.kv_budget, settings.kv_policy), window
+        decoder.state = sparse_view(pair, settings), draft_window(pair, settings)
 
     def drafter(self, pair, settings, decoder, generator):
+        from specbench.decoding.timing import TimedLM
+        from specbench.drafters.cascade import CascadeDrafter
+        from specbench.drafters.model import ModelDrafter
+
         view, window = decoder.state
         view.watch()
         lower = ModelDrafter(TimedLM(window, pair.clock, "inner"), settings.sampling, generator)
@@ -382,8 +408,10 @@ class TriForce(SpeculativeLoop):
         return CascadeDrafter(middle, settings.sampling, generator, lower=lower, inner_k=settings.inner_k)
 
 
-def _seed(generator: torch.Generator) -> int:
+def _seed(generator) -> int:
     """transformers' generate samples from the global generator: seed it from this method's stream."""
+    import torch
+
     return int(torch.randint(2**62, (1,), generator=generator, device=generator.device))
 
 
@@ -394,7 +422,16 @@ SPECULATOR = Option(
     "trains one) or a shipped head's alias: the head of --method eagle, eagle-tree and eagle-dynamic, and of "
     "vLLM's eagle3 / eagle1. Default: the target's own head where specbench ships one (smollm2-135m-eagle).",
 )
-EAGLE_LEVEL = Level("eagle", lambda pair, settings: HeadLM(pair.head))
+
+
+def head_lm(pair, settings):
+    """The EAGLE head as a drafting model (models.eagle_head.HeadLM)."""
+    from specbench.models.eagle_head import HeadLM
+
+    return HeadLM(pair.head)
+
+
+EAGLE_LEVEL = Level("eagle", head_lm)
 
 
 class Eagle(SpeculativeLoop):
@@ -419,6 +456,9 @@ class Eagle(SpeculativeLoop):
         return {"p_min": decoder.p_min(settings)}
 
     def drafter(self, pair, settings, decoder, generator):
+        from specbench.decoding.timing import TimedDrafter
+        from specbench.drafters.eagle import EagleDrafter
+
         drafter = EagleDrafter(
             pair.head,
             pair.target_lm,
@@ -472,8 +512,19 @@ class EagleDynamic(Eagle):
 
 
 # generate runs the eager forward (full head): hf-assisted's c is timed on it, not on the fast path.
-EAGER_TARGET = Level("eager-target", lambda pair, settings: HFCausalLM(pair.target.model, pair.width))
-EAGER_DRAFT = Level("eager-draft", lambda pair, settings: HFCausalLM(pair.draft.model, pair.width))
+def eager(which: str):
+    """A Level's build: the eager forward of the pair's ``which`` model ("target" or "draft")."""
+
+    def build(pair, settings):
+        from specbench.models.lm import HFCausalLM
+
+        return HFCausalLM(getattr(pair, which).model, pair.width)
+
+    return build
+
+
+EAGER_TARGET = Level("eager-target", eager("target"))
+EAGER_DRAFT = Level("eager-draft", eager("draft"))
 
 
 class HFAssisted(Method):
@@ -496,6 +547,8 @@ class HFAssisted(Method):
         return costs.level_c(EAGER_DRAFT.name) / costs.level_c(EAGER_TARGET.name)
 
     def decode(self, pair, settings, decoder, ids, generator):
+        from specbench.engines.hf import hf_generate
+
         seed = _seed(generator)
         return hf_generate(pair.target, ids, settings, seed, pair.stop_ids, pair.draft, decoder.k, pair.clock)
 
@@ -505,10 +558,14 @@ class HFGenerate(Method):
     engine, adjusts_logits = "hf", True
 
     def decode(self, pair, settings, decoder, ids, generator):
+        from specbench.engines.hf import hf_generate
+
         return hf_generate(pair.target, ids, settings, _seed(generator), pair.stop_ids, clock=pair.clock)
 
     def decode_many(self, pair, settings, ids, count, seed):
         """``count`` untimed samples of one prompt, in batches (the audit's reference arms)."""
+        from specbench.engines.hf import hf_samples
+
         return hf_samples(pair.target, ids, settings, seed, pair.stop_ids, count)
 
 

@@ -13,7 +13,7 @@ from specbench.core.errors import SpecbenchError
 from specbench.engines.llamacpp import Speculation
 from specbench.methods.base import Method
 from specbench.methods.registry import METHODS
-from specbench.models.load import speculator_dir
+from specbench.models.names import speculator_dir
 
 
 class VllmMethod(Method):

@@ -1,94 +1,28 @@
-"""Models by name: resolving a model name, loading it (or a random-weight one), device and dtype,
-placement, and tokenizer compatibility. The wrapper the decode loop drives is in models/lm.py."""
+"""Loading the model a name means (models/names.py resolves the name), or a random-weight one: device
+and dtype, placement, and tokenizer compatibility. The wrapper the decode loop drives is in models/lm.py."""
 
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from specbench.core.environment import PACKAGE, cache_dir, config_dir, hub_reachable, read_config
+from specbench.core.environment import cache_dir, config_dir, hub_reachable, read_config
 from specbench.core.errors import SpecbenchError
 from specbench.core.files import write_text
 from specbench.core.options import DEFAULT_DRAFT, DEFAULT_TARGET
+from specbench.models.names import ModelSource, resolve, speculator_dir
 
 log = logging.getLogger("specbench")
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 HEAD_TOKENS = "head_tokens.json"  # written by `specbench distill` beside a draft's weights
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-# ---------------------------------------------------------------- resolving a name
-
-
-@dataclass(frozen=True)
-class ModelSource:
-    name: str  # what the user typed
-    kind: str  # "dir", "gguf" or "hub"
-    location: str  # directory, .gguf path, or hub id
-
-
-def resolve(spec: str) -> ModelSource:
-    """Turn an alias, a local directory, a .gguf file or a hub id into a concrete source."""
-    aliases = read_config("models.toml")
-    if spec in aliases:
-        entry = aliases[spec]
-        if "hub" in entry:
-            return ModelSource(spec, "hub", entry["hub"])
-        if "bundled" in entry:
-            bundled = PACKAGE / entry["bundled"]
-            if not (bundled / "config.json").is_file():
-                raise SpecbenchError(f"bundled model '{spec}' is missing from {bundled}: reinstall specbench")
-            return ModelSource(spec, "dir", str(bundled))
-        found = importlib.util.find_spec(entry["package"])
-        if found is None or found.origin is None:
-            raise SpecbenchError(
-                f"model '{spec}' comes from the Python package {entry['package']}, which is not installed: "
-                f"run `{entry['install']}`"
-            )
-        return ModelSource(spec, "gguf", str(Path(found.origin).parent / entry["file"]))
-    path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            raise SpecbenchError(f"GGUF file not found: {spec}: check the path")
-        return ModelSource(spec, "gguf", str(path.resolve()))
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise SpecbenchError(
-                f"'{spec}' is a directory without config.json: point at a saved transformers checkpoint"
-            )
-        return ModelSource(spec, "dir", str(path.resolve()))
-    if HUB_ID.match(spec):
-        return ModelSource(spec, "hub", spec)
-    known = ", ".join(sorted(aliases))
-    raise SpecbenchError(
-        f"unknown model '{spec}': use an alias ({known}), a local checkpoint directory, a .gguf file or a hub id like org/name"
-    )
-
-
-def default_speculator(target: str) -> str | None:
-    """The EAGLE head models.toml names for the alias ``target`` (its ``speculator``), if any."""
-    return read_config("models.toml").get(target, {}).get("speculator")
-
-
-def speculator_dir(spec: str) -> Path:
-    """The checkpoint directory of an EAGLE head given as an alias (a bundled head) or a directory."""
-    bundled = "bundled" in read_config("models.toml").get(spec, {})
-    path = Path(resolve(spec).location) if bundled else Path(spec).expanduser()
-    if not path.is_dir():
-        raise SpecbenchError(
-            f"--speculator {spec}: no such directory; give an EAGLE-3 head's checkpoint directory or a head's alias"
-        )
-    return path
 
 
 def local_dir(source: ModelSource) -> Path:

@@ -32,7 +32,8 @@ import torch
 from specbench.core.errors import SpecbenchError
 from specbench.core.files import replacing
 from specbench.engines import llamacpp
-from specbench.models.load import LoadedModel, speculator_dir
+from specbench.models.load import LoadedModel
+from specbench.models.names import speculator_dir
 from specbench.models.student import Example, collate, kd_loss, labelled_logits, save_checkpoint
 from specbench.training import teacher
 from specbench.training.distill_data import answered_prompts, parse_data

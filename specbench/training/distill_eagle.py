@@ -37,7 +37,8 @@ from specbench.core.files import replacing
 from specbench.models.eagle_head import EagleHead, HeadConfig, default_taps, read_head, save_head
 from specbench.models.fast import FastLlama, unsupported
 from specbench.models.lm import HFCausalLM
-from specbench.models.load import LoadedModel, speculator_dir
+from specbench.models.load import LoadedModel
+from specbench.models.names import speculator_dir
 from specbench.models.student import Example, collate
 from specbench.training.distill import (
     DistillConfig,

@@ -28,7 +28,8 @@ from specbench.decoding.sampling import Sampling
 from specbench.engines import Served, llamacpp
 from specbench.engines import vllm as vllm_engine
 from specbench.engines.launch import launched
-from specbench.models.load import LoadedModel, model_dir, resolve
+from specbench.models.load import LoadedModel, model_dir
+from specbench.models.names import resolve
 
 log = logging.getLogger("specbench")
 

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from specbench.audit.broken import miscounted_verify
+from specbench.audit.bugs import miscounted_verify
 from specbench.bench.config import BenchConfig
 from specbench.bench.run import Results, benchmark, prepare
 from specbench.decoding.decode import verify

@@ -92,7 +92,8 @@ def test_greedy_eagle_equals_greedy_target_on_smollm2(tmp_path, target):
     from specbench.drafters.eagle import EagleDrafter
     from specbench.models.eagle_head import read_head
     from specbench.models.fast import FastLlama
-    from specbench.models.load import HEAD_TOKENS, default_speculator, speculator_dir
+    from specbench.models.load import HEAD_TOKENS
+    from specbench.models.names import default_speculator, speculator_dir
 
     from ..helpers import build_eagle3_head
 

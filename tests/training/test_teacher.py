@@ -12,7 +12,8 @@ import torch
 from specbench.core.errors import SpecbenchError
 from specbench.engines import Served, llamacpp
 from specbench.engines import vllm as vllm_engine
-from specbench.models.load import load, resolve
+from specbench.models.load import load
+from specbench.models.names import resolve
 from specbench.training.distill import DistillConfig
 from specbench.training.teacher import (
     MAX_LOGP_DIFFERENCE,
