@@ -10,9 +10,33 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
-from specbench.core.options import Option
+from specbench.core.options import OUTPUT_PANEL, Option
 from specbench.methods.registry import METHODS
+
+SHORT = 20  # the widest value --help shows in its own column: longer choices are listed in the help text
+
+
+def metavar(option: Option) -> str:
+    """What --help shows for an option's value: its choices when they are short, else a word for its kind."""
+    choices = "[" + "|".join(option.choices) + "]" if option.choices else ""
+    for shown in (option.metavar, choices):
+        if shown and len(shown) <= SHORT:
+            return shown
+    if option.metavar or option.choices or option.repeat:
+        return "NAME"
+    if option.parse is not None:
+        return "LIST"
+    return {int: "INT", float: "FLOAT"}.get(option.kind if option.default is None else type(option.default), "TEXT")
+
+
+def help_of(option: Option) -> str:
+    """An option's help, with the choices that --help's value column leaves out (NAME)."""
+    text = option.help
+    if option.choices and metavar(option) == "NAME" and not all(choice in text for choice in option.choices):
+        text += f" One of: {', '.join(option.choices)}."
+    return text
 
 
 def parameter(option: Option, default=inspect.Parameter.empty) -> inspect.Parameter:
@@ -23,14 +47,16 @@ def parameter(option: Option, default=inspect.Parameter.empty) -> inspect.Parame
         kind = str
     else:
         kind = option.type
-    owners = [m.name for m in METHODS.values() if option in m.options]
-    metavar = option.metavar or ("[" + "|".join(option.choices) + "]" if option.choices else None)
-    shown = f"{option.help} [default: {', '.join(option.default)}]" if option.repeat else option.help
+    # A flag that is off by default is given alone (--random-weights), without a --no- form to list.
+    names = option.flags or ((option.flag,) if kind is bool and option.default is False else ())
+    shown = help_of(option)
+    if option.repeat is not None and option.default:  # Typer shows the defaults of the others
+        shown += f" [default: {', '.join(option.default)}]"
     declared = typer.Option(
-        *option.flags,
-        help=shown,
-        metavar=metavar,
-        rich_help_panel=option.panel or (f"Options of {', '.join(owners)}" if owners else None),
+        *names,
+        help=escape(shown),  # rich would read "[default: x]" as markup and drop it
+        metavar="" if kind is bool else metavar(option),
+        rich_help_panel=panel_of(option),
     )
     default = option.text_default if default is inspect.Parameter.empty else default
     return inspect.Parameter(
@@ -39,9 +65,11 @@ def parameter(option: Option, default=inspect.Parameter.empty) -> inspect.Parame
 
 
 def plain(name: str, kind: type, default, help: str) -> inspect.Parameter:
-    """A Typer option that is not a declaration of the run (--out, --resume)."""
+    """A Typer option of the output that is not a declaration of the run (--out, --resume, --wide)."""
+    names = ("--" + name,) if kind is bool else ()
+    declared = typer.Option(*names, help=help, rich_help_panel=OUTPUT_PANEL, metavar="" if kind is bool else "PATH")
     return inspect.Parameter(
-        name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, typer.Option(help=help)]
+        name, inspect.Parameter.KEYWORD_ONLY, default=default, annotation=Annotated[kind, declared]
     )
 
 
@@ -68,3 +96,52 @@ RESUME = plain(
 )
 WIDE = plain("wide", bool, False, "Show every column of the summary table (by default those that fit 100 columns).")
 AUDIT_OUT = plain("out", Path | None, None, "Audit directory (default results/<time>-audit-<target>/).")
+
+
+REFERENCE = "docs/options.md"  # every option of run, sweep-k, sweep-context and audit, written by reference()
+
+
+def panel_of(option: Option) -> str:
+    owners = [m.name for m in METHODS.values() if option in m.options]
+    return option.panel or (f"Options of {', '.join(owners)}" if owners else "Options")
+
+
+def reference(options, audit_options) -> str:
+    """docs/options.md: the options of `run` (``options``) and then `audit`'s own (``audit_options``) in
+    --help's panels, each with its value, default and help."""
+    outputs = [(p.name, p.annotation.__metadata__[0]) for p in (RUN_OUT, RESUME, WIDE)]
+    rows: dict[str, list[str]] = {}
+    for option in [*options, *audit_options]:
+        default = ", ".join(map(str, option.default)) if isinstance(option.default, list) else option.default
+        shown = "" if default in (None, "", []) else f"`{default}`"
+        value = "" if option.type is bool else f"`{metavar(option)}`"
+        text = help_of(option).replace("|", "\\|")
+        rows.setdefault(panel_of(option), []).append(f"| `{option.flag}` | {value} | {shown} | {text} |")
+    for name, info in outputs:
+        rows.setdefault(OUTPUT_PANEL, []).append(f"| `--{name}` | | | {info.help} |")
+    lines = [
+        "# Options",
+        "",
+        "Every option of `specbench run`, in the panels of `run --help`. `sweep-k` and `sweep-context` take the",
+        "same options with other defaults (their `--help` says which); `specbench audit` takes them too, and the",
+        "audit's own panel last. This page is written from the declarations (core/options.py and each method's in",
+        "methods/registry.py) by `python -m specbench.cli.flags`; a test fails while it differs from them.",
+    ]
+    for panel, panel_rows in rows.items():
+        lines += [
+            "",
+            f"## {panel}",
+            "",
+            "| option | value | default | what it does |",
+            "|---|---|---|---|",
+            *panel_rows,
+        ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    from specbench.bench.config import OPTIONS
+    from specbench.core.options import AUDIT
+
+    Path(REFERENCE).write_text(reference(OPTIONS.values(), AUDIT))
+    print(f"wrote {REFERENCE}")

@@ -158,10 +158,27 @@ FIXED, HEURISTIC, CONFIDENCE = "fixed", "heuristic", "confidence"
 K_POLICIES = (FIXED, HEURISTIC, CONFIDENCE)
 
 
+# --help's panels of the run's options, by purpose (the engines', the audit's and each method's follow).
+COMPARE_PANEL = "What to compare: methods, models, the lookahead K"
+WORKLOAD_PANEL = "Workload: the prompts"
+DECODING_PANEL = "Decoding: sampling, device, precision, forward"
+TIMING_PANEL = "Timing and repeats"
+OUTPUT_PANEL = "Output"
+
 # The options of every run, in the order --help lists them; a method's own options follow them.
 RUN: tuple[Option, ...] = (
-    Option("target", DEFAULT_TARGET, "Target model: alias from configs/models.toml, hub id, local dir or .gguf file."),
-    Option("draft", DEFAULT_DRAFT, "Draft model (same forms as --target); must share the target's tokenizer."),
+    Option(
+        "target",
+        DEFAULT_TARGET,
+        "Target model: alias from configs/models.toml, hub id, local dir or .gguf file.",
+        panel=COMPARE_PANEL,
+    ),
+    Option(
+        "draft",
+        DEFAULT_DRAFT,
+        "Draft model (same forms as --target); must share the target's tokenizer.",
+        panel=COMPARE_PANEL,
+    ),
     Option(
         "ks",
         [4],
@@ -170,6 +187,7 @@ RUN: tuple[Option, ...] = (
         parse=int_list,
         low=1,
         problem="K must be at least 1 (--k)",
+        panel=COMPARE_PANEL,
     ),
     Option(
         "k_policies",
@@ -181,6 +199,7 @@ RUN: tuple[Option, ...] = (
         flags=("--k-policy",),
         repeat=names_given,
         choices=K_POLICIES,
+        panel=COMPARE_PANEL,
     ),
     Option(
         "draft_p_min",
@@ -189,6 +208,7 @@ RUN: tuple[Option, ...] = (
         "probability (its warped distribution under sampling, the softmax of its logits under greedy).",
         check=lambda p: 0 < p <= 1,
         problem="--draft-p-min must be in (0, 1]",
+        panel=COMPARE_PANEL,
     ),
     Option(
         "dataset",
@@ -196,14 +216,21 @@ RUN: tuple[Option, ...] = (
         "humaneval, xsum, pydoc, longcode; the workloads spec-bench, mt-bench, speed-bench (speed-bench:CONFIG, e.g. "
         "speed-bench:throughput_2k) and sharegpt; or a local .jsonl/.json/.csv/.parquet file, read by its fields "
         "(turns, messages, conversations, or --prompt-field). `specbench list datasets` says where each comes from.",
+        panel=WORKLOAD_PANEL,
     ),
     Option(
         "dataset_path",
         None,
         "The file of a named workload (spec-bench, mt-bench, speed-bench, sharegpt) when it is not in its default "
         "place, ~/.cache/specbench/datasets/NAME/.",
+        panel=WORKLOAD_PANEL,
     ),
-    Option("prompt_field", "prompt", "Field holding the prompt in a local dataset file of single prompts."),
+    Option(
+        "prompt_field",
+        "prompt",
+        "Field holding the prompt in a local dataset file of single prompts.",
+        panel=WORKLOAD_PANEL,
+    ),
     Option(
         "num_prompts",
         None,
@@ -211,6 +238,7 @@ RUN: tuple[Option, ...] = (
         "select; default 10, or every prompt that --per-category draws.",
         low=1,
         kind=int,
+        panel=WORKLOAD_PANEL,
     ),
     Option(
         "categories",
@@ -218,6 +246,7 @@ RUN: tuple[Option, ...] = (
         "Only prompts of these categories, repeatable or comma-separated (an unknown one lists the dataset's).",
         flags=("--category",),
         repeat=names_given,
+        panel=WORKLOAD_PANEL,
     ),
     Option(
         "per_category",
@@ -225,6 +254,7 @@ RUN: tuple[Option, ...] = (
         "Draw this many prompts of each category, seeded by --seed, so that a short run covers every category (0: off).",
         low=0,
         problem="--per-category must be >= 0 (0 turns it off)",
+        panel=WORKLOAD_PANEL,
     ),
     Option(
         "max_turns",
@@ -232,6 +262,7 @@ RUN: tuple[Option, ...] = (
         "Decode at most this many user turns of each conversation (0: all); each turn is a row of its own.",
         low=0,
         problem="--max-turns must be >= 0 (0: every turn)",
+        panel=WORKLOAD_PANEL,
     ),
     Option(
         "group_by",
@@ -240,17 +271,26 @@ RUN: tuple[Option, ...] = (
         "turn (of a conversation) or input_length (SPEED-Bench's configured length, else the prompt's length rounded "
         "up to a power of two).",
         choices=("category", "sub_category", "turn", "input_length"),
+        panel=WORKLOAD_PANEL,
     ),
-    Option("max_new_tokens", 64, "Tokens to generate per prompt (decoding also stops at EOS).", low=1),
+    Option(
+        "max_new_tokens", 64, "Tokens to generate per prompt (decoding also stops at EOS).", low=1, panel=DECODING_PANEL
+    ),
     Option(
         "temperature",
         0.0,
         "0 = greedy (exact argmax); > 0 samples.",
         low=0,
         problem="--temperature must be >= 0 (0 means greedy)",
+        panel=DECODING_PANEL,
     ),
     Option(
-        "top_k", 0, "Keep the k most likely tokens (0 = off).", low=0, problem="--top-k must be >= 0 (0 turns it off)"
+        "top_k",
+        0,
+        "Keep the k most likely tokens (0 = off).",
+        low=0,
+        problem="--top-k must be >= 0 (0 turns it off)",
+        panel=DECODING_PANEL,
     ),
     Option(
         "top_p",
@@ -258,6 +298,7 @@ RUN: tuple[Option, ...] = (
         "Nucleus sampling mass (1.0 = off).",
         check=lambda p: 0 < p <= 1,
         problem="--top-p must be in (0, 1]",
+        panel=DECODING_PANEL,
     ),
     Option(
         "eta",
@@ -265,8 +306,11 @@ RUN: tuple[Option, ...] = (
         "Eta sampling's epsilon, applied to target and draft alike after top-k and top-p (0 = off).",
         check=lambda e: 0 <= e < 1,
         problem="--eta must be in [0, 1) (0 turns it off)",
+        panel=DECODING_PANEL,
     ),
-    Option("seed", 0, "Base seed; each prompt's generators derive from (seed, prompt index, method)."),
+    Option(
+        "seed", 0, "Base seed; each prompt's generators derive from (seed, prompt index, method).", panel=DECODING_PANEL
+    ),
     Option(
         "device",
         "auto",
@@ -274,6 +318,7 @@ RUN: tuple[Option, ...] = (
         metavar="[auto|cpu|cuda|cuda:N|mps]",
         check=lambda d: re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", d) is not None,
         problem="--device: use auto, cpu, cuda, cuda:N or mps",
+        panel=DECODING_PANEL,
     ),
     Option(
         "dtype",
@@ -281,10 +326,11 @@ RUN: tuple[Option, ...] = (
         "auto (bfloat16 on cuda, float16 on GPUs without native bfloat16 and on mps, float32 on cpu), float32, "
         "bfloat16 or float16.",
         choices=("auto", "float32", "bfloat16", "float16"),
+        panel=DECODING_PANEL,
     ),
-    Option("repeats", 1, "Timed repeats per prompt and method; the median is kept.", low=1),
-    Option("warmup", 1, "Untimed warm-up passes over the first prompt before timing.", low=0),
-    Option("cost_repeats", 10, "Repeats per forward-cost measurement (c, verify_ratio).", low=1),
+    Option("repeats", 1, "Timed repeats per prompt and method; the median is kept.", low=1, panel=TIMING_PANEL),
+    Option("warmup", 1, "Untimed warm-up passes over the first prompt before timing.", low=0, panel=TIMING_PANEL),
+    Option("cost_repeats", 10, "Repeats per forward-cost measurement (c, verify_ratio).", low=1, panel=TIMING_PANEL),
     Option(
         "threads",
         0,
@@ -292,18 +338,21 @@ RUN: tuple[Option, ...] = (
         "than free cores: a thread that waits for a busy core stalls every forward.",
         low=0,
         problem="--threads must be >= 0 (0 is torch's default)",
+        panel=DECODING_PANEL,
     ),
     Option(
         "chat",
         "auto",
         "auto: wrap prompts in the target's chat template when it has one (instruct models); on; off (raw prompts).",
         choices=("auto", "on", "off"),
+        panel=DECODING_PANEL,
     ),
     Option(
         "random_weights",
         False,
         "Build target and draft from their architecture (configs/ for the aliases, or a config.json) with random "
         "weights: forward costs and tokens/s without the checkpoints; alpha is left empty (see --assume-alpha).",
+        panel=WORKLOAD_PANEL,
     ),
     Option(
         "prompt_tokens",
@@ -311,6 +360,7 @@ RUN: tuple[Option, ...] = (
         "With --random-weights: random prompts of this many tokens (0: the dataset's lengths).",
         low=0,
         problem="--prompt-tokens must be >= 0 (0: the dataset's prompt lengths)",
+        panel=WORKLOAD_PANEL,
     ),
     Option(
         "assume_alpha",
@@ -321,6 +371,7 @@ RUN: tuple[Option, ...] = (
         kind=float,
         check=lambda alphas: all(0 <= a < 1 for a in alphas),
         problem="--assume-alpha values must lie in [0, 1)",
+        panel=TIMING_PANEL,
     ),
     Option(
         "device_map",
@@ -328,6 +379,7 @@ RUN: tuple[Option, ...] = (
         "Spread the target over the GPUs with accelerate: auto, balanced, balanced_low_0 or sequential "
         "(empty: all on --device). The map goes into meta.json.",
         choices=("auto", "balanced", "balanced_low_0", "sequential"),
+        panel=DECODING_PANEL,
     ),
     Option(
         "context_tokens",
@@ -336,6 +388,7 @@ RUN: tuple[Option, ...] = (
         "list runs once per length into OUT/context-N/ and writes context.csv, crossover.json and context.png.",
         parse=int_list,
         low=0,
+        panel=WORKLOAD_PANEL,
     ),
     Option(
         "compile",
@@ -343,6 +396,7 @@ RUN: tuple[Option, ...] = (
         "specbench's own forward for Llama-architecture models (docs/methodology.md#fast-path): on a CPU the "
         "weights packed once for oneDNN's kernels, row counts run at the size measured fastest; on CUDA "
         "torch.compile. --no-compile runs transformers' eager forward. The hf-* methods always run transformers'.",
+        panel=DECODING_PANEL,
     ),
     Option(
         "prefill_chunk",
@@ -350,6 +404,7 @@ RUN: tuple[Option, ...] = (
         "Prefill prompts longer than this in chunks of it, so memory stays bounded (0: one forward).",
         low=0,
         problem="--prefill-chunk must be >= 0 (0: the whole prompt in one forward)",
+        panel=DECODING_PANEL,
     ),
 )
 

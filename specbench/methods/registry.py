@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 
 from specbench.core.errors import SpecbenchError
-from specbench.core.options import FIXED, K_POLICIES, SINKS, Option, names_given
+from specbench.core.options import COMPARE_PANEL, FIXED, K_POLICIES, SINKS, Option, names_given
 from specbench.methods.base import Decoder, Level, Method, SpeculativeLoop
 
 # The methods are declared without torch (see methods/base.py): each imports what it decodes with
@@ -600,4 +600,5 @@ METHOD = Option(
     "Decoding methods, repeatable or comma-separated (`specbench list` describes each).",
     flags=("--method",),
     repeat=names_given,
+    panel=COMPARE_PANEL,
 )

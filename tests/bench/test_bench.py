@@ -358,14 +358,38 @@ def test_version_list_and_the_choices_in_help():
         assert name in listed.stdout and all(option.flag in listed.stdout for option in method.options)
     assert "smollm2-135m-draft" in listed.stdout and "longcode" in listed.stdout and "pydoc" in listed.stdout
     shown = runner.invoke(app, ["run", "--help"], env={"COLUMNS": "250"}).stdout
-    for choices in (
-        "[auto|float32|bfloat16|float16]",
-        "[auto|on|off]",
-        "[retrieval|window]",
-        "[auto|cpu|cuda|cuda:N|mps]",
-    ):
+    for choices in ("[auto|on|off]", "[retrieval|window]"):  # short choices in the value column
         assert choices in shown
+    # longer ones in the help text: each option's own words, or "One of" added where they lack them
+    dtype = next(line for line in shown.splitlines() if "--dtype" in line)
+    assert "NAME" in dtype and all(choice in dtype for choice in ("float32", "bfloat16", "float16"))
     assert "[table|csv]" in runner.invoke(app, ["theory", "--help"], env={"COLUMNS": "250"}).stdout
+
+
+def test_run_help_is_in_panels_by_purpose_shows_every_default_and_fits_100_columns():
+    from typer.testing import CliRunner
+
+    from specbench.cli.app import app
+
+    shown = CliRunner().invoke(app, ["run", "--help"], env={"COLUMNS": "100"}).stdout
+    assert max(len(line) for line in shown.splitlines()) <= 100
+    for panel in ("What to compare", "Workload", "Decoding", "Timing and repeats", "Output", "Options of online"):
+        assert f"╭─ {panel}" in shown
+    flat = " ".join(shown.replace("│", " ").split())
+    for name, option in OPTIONS.items():  # a flag's default, a list's and a repeatable flag's
+        if option.default not in (None, False, "", [], {}, 0):
+            default = ", ".join(map(str, option.default)) if isinstance(option.default, list) else option.default
+            default = name if option.default is True else default  # Typer shows an on flag by its name
+            assert f"[default: {default}]" in flat or f"[default: {option.text_default}]" in flat, name
+
+
+def test_the_options_reference_is_written_from_the_declarations():
+    from specbench.cli.flags import REFERENCE, reference
+    from specbench.core.options import AUDIT
+
+    written = (ROOT / REFERENCE).read_text()
+    assert written == reference(OPTIONS.values(), AUDIT), "run python -m specbench.cli.flags to rewrite it"
+    assert all(f"| `{option.flag}` |" in written for option in [*OPTIONS.values(), *AUDIT])
 
 
 def test_theory_takes_k_as_run_spells_it():
