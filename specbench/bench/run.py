@@ -12,7 +12,9 @@ then its Results; it never prints.
 
 from __future__ import annotations
 
+import csv
 import gc
+import json
 import logging
 import math
 import os
@@ -40,7 +42,7 @@ from specbench.models.costs import ForwardCosts, measure_costs, noisy_costs
 from specbench.models.load import model_dir, placement
 from specbench.models.names import resolve, speculator_dir
 from specbench.models.pair import Conversations, Pair, encode_prompts, load_pair
-from specbench.results import serving
+from specbench.results import schema, serving
 from specbench.results.plot import plot_categories, plot_concurrency, plot_online, plot_phases, plot_run
 from specbench.results.rundir import RunWriter
 from specbench.results.schema import OWN_ENGINES
@@ -103,6 +105,37 @@ class Results:
     predicted: list[dict] = field(default_factory=list)  # predicted.csv
     forward: str = ""  # what ran specbench's forwards, and what building them took
     categories: list[dict] = field(default_factory=list)  # categories.csv
+
+    @classmethod
+    def read(cls, out: Path) -> Results:
+        """A finished run's Results read back from its directory, for `specbench show`: results.json's
+        rows (each speedup with its interval), best_k.json, predicted.csv and the figures."""
+        try:
+            document = json.loads((out / "results.json").read_text())
+            rows = [_typed(row) for row in document["summary"]]
+            first = rows[0]
+        except (OSError, ValueError, KeyError, IndexError, TypeError):
+            raise SpecbenchError(
+                f"{out} holds no results.json with summary rows: give the directory of a finished `specbench run`"
+            ) from None
+        title = f"{first['target']} <- {first['draft']}" if first.get("draft") else first["target"]
+        title += f" on {first['dataset']} ({first['num_prompts']} prompts)"
+        picks = json.loads((out / "best_k.json").read_text()) if (out / "best_k.json").is_file() else {}
+        predicted = []
+        if (out / "predicted.csv").is_file():
+            with open(out / "predicted.csv", newline="") as f:
+                predicted = [
+                    {name: int(v) if name == "k" else float(v) for name, v in r.items()} for r in csv.DictReader(f)
+                ]
+        categories = [_typed(row) for row in document.get("categories", [])]
+        greedy = document["config"].get("temperature", 0) == 0
+        return cls(out, title, rows, picks, [], sorted(out.glob("*.png")), greedy, predicted, "", categories)
+
+
+def _typed(row: dict) -> dict:
+    """A results.json row as the run held it: null back to NaN where the column is a number (K stays None)."""
+    numbers = {name for name, column in schema.BY_NAME.items() if column.fmt and name != "k"}
+    return {name: math.nan if value is None and name in numbers else value for name, value in row.items()}
 
 
 def benchmark(

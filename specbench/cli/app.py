@@ -602,6 +602,18 @@ def distill(
 
 
 @app.command()
+def show(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory written by run, sweep-k or sweep-context.")],
+    wide: Annotated[bool, typer.Option("--wide", help="Show every column of the summary table.")] = False,
+) -> None:
+    """Print a finished run's tables again from its directory: the summary (with --wide every column),
+    and the serving, phase, level, category and predicted-speedup tables the run printed."""
+    from specbench.bench.run import Results
+
+    _print_results(Results.read(run_dir), wide)
+
+
+@app.command()
 def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written by run or sweep-k.")]) -> None:
     """Redraw a run's figures from its CSVs: time per token by phase; for methods with K speedup vs
     K, acceptance by position and verification cost; with --method online, alpha over the run."""

@@ -89,6 +89,13 @@ def test_a_k_list_sweeps_and_writes_best_k_and_the_plot(tiny_pair, prompts_file,
     assert set(best["speculative"]["measured"]["by_k"]) == {"1", "2", "4"}
     assert (out / "sweep.png").stat().st_size > 10_000 and (out / "phases.png").stat().st_size > 10_000
     assert "best K for speculative" in result.stdout and "time per generated token" in result.stdout
+    # show prints the run's tables again from its directory, as the run printed them
+    shown = cli("show", out)
+    assert shown.returncode == 0, shown.stderr
+    lines = [line for line in shown.stdout.splitlines() if line.strip()]
+    assert "time per generated token" in shown.stdout and len(lines) > 15
+    assert [line for line in lines if line not in result.stdout.splitlines()] == []
+    one_line_error(cli("show", tmp_path), "holds no results.json", "finished `specbench run`")
 
 
 def test_sampled_outputs_of_a_method_do_not_depend_on_the_others_in_the_run(tiny_pair, prompts_file, tmp_path):
