@@ -282,7 +282,7 @@ def test_the_methodology_column_table_is_the_schema():
 
 
 def test_the_contributing_example_method_is_exact_and_registers(monkeypatch, one_thread):
-    from types import SimpleNamespace
+    from types import ModuleType, SimpleNamespace
 
     import pytest
     import torch
@@ -296,9 +296,14 @@ def test_the_contributing_example_method_is_exact_and_registers(monkeypatch, one
     from ..toy import P_FLOOR, VOCAB, ToyLM, chi_square_p
 
     guide = (ROOT / "docs" / "contributing.md").read_text()
-    example = guide.split("## Adding a method", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    section = guide.split("## Adding a method", 1)[1].split("\n## ", 1)[0]
+    drafter_code, method_code = (block.split("```", 1)[0] for block in section.split("```python")[1:3])
+    module = ModuleType("specbench.drafters.repeat")  # the drafter's module, as the guide places it
+    exec(drafter_code, module.__dict__)
+    monkeypatch.setitem(sys.modules, module.__name__, module)
     namespace = vars(registry).copy()
-    exec(example, namespace)
+    exec(method_code, namespace)
+    namespace["RepeatDrafter"] = module.RepeatDrafter
     repeat = namespace["Repeat"]()
     assert isinstance(repeat, registry.SpeculativeLoop) and repeat.name == "repeat"
     # Registered as the guide says, its option is declared once, and the options column and the refusal follow.
