@@ -28,6 +28,9 @@ class Column:
     gated: bool = False  # judged by `specbench compare` when no --metric is given
     files: str = "both"  # "summary", "records" (per prompt) or "both"
     absolute: bool = False  # seconds or tokens/s: they measure the machine as much as the code
+    # A timing that the machine's speed cancels out of (the run's speedup over what its own measured
+    # forwards predict): compare judges it against a baseline from any machine.
+    portable: bool = False
     plain: str = ""  # a value that says nothing: the summary table hides a column of nothing else
 
 
@@ -444,8 +447,10 @@ COLUMNS: tuple[Column, ...] = (
         TIMING,
         HIGHER,
         ".3f",
-        "decode_speedup / predicted_speedup_run (1.0: the loop loses nothing beyond its forwards)",
+        "decode_speedup / predicted_speedup_run (1.0: the loop loses nothing beyond its forwards); judged against "
+        "a baseline from any machine",
         header="eff",
+        portable=True,
     ),
     Column(
         "peak_memory_mb",

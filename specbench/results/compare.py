@@ -282,7 +282,9 @@ def compare_frames(
     # Known to be other machines: every timing moves with the hardware, ratios too (speedup at K=2 was
     # 1.57 on a 2-core Intel Xeon and 0.89 on a 2-core AMD EPYC, whose 3-row matrix products cost more).
     # Not known (no fingerprint): ratios within a run are still judged, absolute timings not.
-    unlike = ABSOLUTE if elsewhere.startswith("no machine fingerprint") else RELATIVE
+    # Efficiency, the run's speedup over what its own forwards predict, is judged anywhere: the machine's
+    # speed cancels out of it, so a loop that got slower fails it on any runner.
+    unlike = (ABSOLUTE if elsewhere.startswith("no machine fingerprint") else RELATIVE) - set(schema.PORTABLE)
     records = [None if df is None else df.assign(decoder=_decoder(df, keys)) for df in records]
     gaps = {}  # (why, rows without an interval, rows compared) -> the metrics without one
     for m in chosen:

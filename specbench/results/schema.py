@@ -19,6 +19,7 @@ KEYS = [name for name in SUMMARY if BY_NAME[name].kind == CONFIG]
 TABLE = [c for c in COLUMNS if c.header]
 GATED = [c.name for c in COLUMNS if c.gated]
 ABSOLUTE = [c.name for c in COLUMNS if c.absolute]
+PORTABLE = [c.name for c in COLUMNS if c.portable]
 # The summary's value of each rate is metrics.rate_of_sums of these records.csv columns over its
 # prompts, so the prompts give it (and its change between runs) a bootstrap interval.
 RATES = {

@@ -744,3 +744,44 @@ def test_json_and_markdown_carry_the_interval():
     low, high = wider.rows[0].metrics[2].ci_low, wider.rows[0].metrics[2].ci_high
     assert low < speedup["ci_low"] and high > speedup["ci_high"]
     assert "99% CI" in verdict_line(wider)
+
+
+def test_a_slowed_loop_fails_efficiency_against_another_machines_baseline(
+    tiny_pair, prompts_file, tmp_path, monkeypatch
+):
+    """The CI gate's metric for any runner: efficiency, a run's decode speedup over the speedup its own
+    measured forwards predict. A loop that loses time outside its forwards (here 5 ms per verification,
+    as slow bookkeeping would) fails it against a baseline measured on another machine, where speedup
+    and tokens/s are not judged; the same code passes it. (Measured here: efficiency 0.95-0.98 for the
+    same code, 0.44-0.48 slowed.)"""
+    import time
+
+    from specbench.decoding import decode
+
+    from ..helpers import cli_on_tiny_pair
+
+    def measure(out):
+        args = ("--dataset", prompts_file, "--max-new-tokens", "24", "--k", "2", "--repeats", "3", "--out", out)
+        assert cli_on_tiny_pair("run", tiny_pair, *args, "--threads", "1").returncode == 0
+        return out
+
+    baseline, same = measure(tmp_path / "baseline"), measure(tmp_path / "same")
+    verify = decode.verify
+
+    def slow_verify(*args, **kwargs):
+        time.sleep(0.005)
+        return verify(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "verify", slow_verify)
+    slowed = measure(tmp_path / "slowed")
+    meta = json.loads((baseline / "meta.json").read_text())  # the baseline now comes from another machine
+    meta["machine"] = {**meta["machine"], "cpu": "Another CPU"}
+    (baseline / "meta.json").write_text(json.dumps(meta))
+    gate = ("--metric", "efficiency", "--metric", "speedup", "--allow-unjudged")  # as make ci-bench, 10% tolerance
+    code, out = cli(baseline, same, *gate)
+    assert code == 0 and "speedup NOT JUDGED" in out, out
+    code, out = cli(baseline, slowed, *gate)
+    assert code == 1, out
+    assert "efficiency" in last_line(out) and "speedup NOT JUDGED" in out
+    rows = {(r["method"], r["k"]): r for r in pd.read_csv(slowed / "summary.csv").to_dict("records")}
+    assert rows[("speculative", 2)]["efficiency"] < 0.7 * pd.read_csv(same / "summary.csv")["efficiency"].iloc[1]
