@@ -3,11 +3,14 @@ and dtype, placement, and tokenizer compatibility. The wrapper the decode loop d
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import logging
 import os
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,10 +73,11 @@ def _converted_gguf(gguf: Path) -> Path:
     """Dequantise a GGUF file once into a float32 safetensors checkpoint under the user cache.
 
     transformers dequantises GGUF on every load (~30 s for SmolLM2-135M); the cached copy loads in
-    about a second. The key includes size and mtime so a replaced file is converted again.
+    about a second. The key is the file's content (its SHA-256, a tenth of a second for SmolLM2's 93 MB),
+    so the same file installed in another virtualenv finds the copy, and a replaced one is converted again.
     """
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    with open(gguf, "rb") as f:
+        key = hashlib.file_digest(f, "sha256").hexdigest()[:12]
     out = cache_dir() / "gguf" / f"{gguf.stem}-{key}"
     if (out / "config.json").is_file():
         return out
@@ -81,7 +85,11 @@ def _converted_gguf(gguf: Path) -> Path:
 
     log.info("converting %s to safetensors once (about 30 s), cached in %s", gguf.name, out)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # transformers draws a bar per tensor (tqdm, which ignores its progress-bar switch): a line per update
+    # in a log, so it is shown on a terminal only.
+    quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
+    with quiet:
+        quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     config = quantised.config
     del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

