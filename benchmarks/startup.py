@@ -56,13 +56,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    print(f"| command | median s | slowest s | exit | heavy imports |\n|---|---|---|---|---|")
+    print("| command | median s | slowest s | exit | heavy imports |\n|---|---|---|---|---|")
     for name, command in COMMANDS.items():
         if command is None:
             print(f"| {name} | - | - | - | no committed baseline to compare |")
             continue
         timed(command)  # warm the file cache
-        times, codes = zip(*(timed(command) for _ in range(args.repeats)))
+        times, codes = zip(*(timed(command) for _ in range(args.repeats)), strict=True)
         heavy = ", ".join(heavy_imports(command)) or "none"
         print(f"| {name} | {statistics.median(times):.2f} | {max(times):.2f} | {codes[-1]} | {heavy} |", flush=True)
 
