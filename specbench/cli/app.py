@@ -177,7 +177,8 @@ def run(out: Path | None = None, resume: bool = False, wide: bool = False, **giv
     cfg = BenchConfig(**values)
     if resume and out is None:
         raise SpecbenchError("--resume needs --out DIR: the run directory to continue")
-    cfg.validate()  # bad options are refused here, before torch loads (benchmark checks them again)
+    for length in lengths:  # bad options are refused here, before torch loads (benchmark checks them again)
+        dataclasses.replace(cfg, context_tokens=length).validate()
     _setup_logging()
     from specbench.bench.run import benchmark
 
