@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
@@ -167,9 +168,13 @@ def rate_of_sums(parts: np.ndarray, weights: np.ndarray | None = None) -> np.nda
     return rate / (sums[..., 2] / sums[..., 3]) if parts.shape[1] == 4 else rate
 
 
+@functools.lru_cache(maxsize=16)
 def _resampled(n: int, resamples: int, seed: int) -> np.ndarray:
-    """Bootstrap weights: per resample, how many times each of ``n`` prompts was drawn."""
-    return np.random.default_rng(seed).multinomial(n, np.full(n, 1 / n), size=resamples)
+    """Bootstrap weights: per resample, how many times each of ``n`` prompts was drawn. Kept, read-only:
+    every row and metric of a comparison over the same prompts draws the same resamples."""
+    weights = np.random.default_rng(seed).multinomial(n, np.full(n, 1 / n), size=resamples)
+    weights.flags.writeable = False
+    return weights
 
 
 def rate_interval(
