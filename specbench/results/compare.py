@@ -78,6 +78,7 @@ STATUS_STYLES = {
     NOT_COMPARABLE: "yellow",
 }
 BOOTSTRAP, POINT = "paired bootstrap", "point"
+EMPTY = pd.DataFrame(index=pd.Index([], name="prompt_index"))  # a decoder a run's records.csv does not hold
 _EPS = 1e-9  # 0.99 / 1.1 - 1 is -0.10000000000000009: a change of exactly the tolerance must stay ok
 
 # change: relative for timings; ci_low, ci_high: the interval of that change over `prompts` paired prompts.
@@ -144,12 +145,13 @@ def _normalised(baseline: pd.DataFrame, current: pd.DataFrame, keys: list[str]) 
 
 def _interval(records: list, decoder: str, metric: str, values: list[float], confidence: float) -> tuple:
     """(ci_low, ci_high, prompts, why there is no interval: "" when there is one) of the relative
-    change of ``metric`` on one summary row, whose values in the two summaries are ``values``."""
+    change of ``metric`` on one summary row, whose values in the two summaries are ``values``.
+    ``records``: each run's records by decoder, indexed by prompt (None: the run has no records.csv)."""
     if metric not in PER_PROMPT:
         return None, None, None, f"{metric} is not a rate summed over prompts"
     if absent := [name for name, df in zip(("baseline", "current"), records, strict=True) if df is None]:
         return None, None, None, f"no records.csv in the {' and '.join(absent)} run"
-    base, cur = (df[df["decoder"] == decoder].set_index("prompt_index") for df in records)
+    base, cur = (by_decoder.get(decoder, EMPTY) for by_decoder in records)
     shared = base.index.intersection(cur.index).sort_values()
     if len(shared) < 2:
         return None, None, len(shared), f"{len(shared)} prompt(s) in both runs' records.csv, too few to resample"
@@ -285,7 +287,13 @@ def compare_frames(
     # Efficiency, the run's speedup over what its own forwards predict, is judged anywhere: the machine's
     # speed cancels out of it, so a loop that got slower fails it on any runner.
     unlike = (ABSOLUTE if elsewhere.startswith("no machine fingerprint") else RELATIVE) - set(schema.PORTABLE)
-    records = [None if df is None else df.assign(decoder=_decoder(df, keys)) for df in records]
+    # Each run's records split by decoder once: every row and metric's interval reads its own.
+    records = [
+        None
+        if df is None
+        else {d: rows.set_index("prompt_index") for d, rows in df.assign(decoder=_decoder(df, keys)).groupby("decoder")}
+        for df in records
+    ]
     gaps = {}  # (why, rows without an interval, rows compared) -> the metrics without one
     for m in chosen:
         incomparable = pd.Series(bool(elsewhere) and m in unlike, index=merged.index)
