@@ -132,10 +132,12 @@ class Results:
         return cls(out, title, rows, picks, [], sorted(out.glob("*.png")), greedy, predicted, "", categories)
 
 
+NUMBERS = {name for name, column in schema.BY_NAME.items() if column.fmt and name != "k"}  # K: None, not NaN
+
+
 def _typed(row: dict) -> dict:
-    """A results.json row as the run held it: null back to NaN where the column is a number (K stays None)."""
-    numbers = {name for name, column in schema.BY_NAME.items() if column.fmt and name != "k"}
-    return {name: math.nan if value is None and name in numbers else value for name, value in row.items()}
+    """A results.json row as the run held it: null back to NaN where the column is a number."""
+    return {name: math.nan if value is None and name in NUMBERS else value for name, value in row.items()}
 
 
 def benchmark(

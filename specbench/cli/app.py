@@ -650,9 +650,10 @@ def main() -> None:
     try:
         app()
     except Exception as e:  # bad input, or out of memory in any forward (the run kept its rows)
-        if not isinstance(e, SpecbenchError) and not _out_of_memory(e):
+        memory = _out_of_memory(e)
+        if not isinstance(e, SpecbenchError) and not memory:
             raise
-        said = out_of_memory(str(e)) if _out_of_memory(e) else e
+        said = out_of_memory(str(e)) if memory else e
         err_console.print(f"[red]error:[/] {said}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except KeyboardInterrupt:

@@ -113,7 +113,7 @@ def reference(options, audit_options) -> str:
     rows: dict[str, list[str]] = {}
     for option in [*options, *audit_options]:
         default = ", ".join(map(str, option.default)) if isinstance(option.default, list) else option.default
-        shown = "" if default in (None, "", []) else f"`{default}`"
+        shown = "" if default in (None, "") else f"`{default}`"  # a list's is joined: empty when it is
         value = "" if option.type is bool else f"`{metavar(option)}`"
         text = help_of(option).replace("|", "\\|")
         rows.setdefault(panel_of(option), []).append(f"| `{option.flag}` | {value} | {shown} | {text} |")
