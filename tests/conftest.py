@@ -42,10 +42,14 @@ def on_the_cpu(request, monkeypatch):
 def threads_per_worker():
     """xdist's workers share the cores, and torch starts one thread per core in each of them: on 2
     cores, 2 workers ran 4 OpenMP threads that spin while they wait for each other. Each worker
-    gets its share of the cores instead (at least one); the CLI's subprocesses keep torch's choice."""
+    gets its share of the cores instead (at least one), and so do the CLI's subprocesses it starts,
+    through OMP_NUM_THREADS (unless it is set): the GPU check's dry run took 147 s beside one busy
+    core with torch's two threads, 81 s with one."""
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        share = max(1, (os.cpu_count() or 1) // workers)
+        torch.set_num_threads(share)
+        os.environ.setdefault("OMP_NUM_THREADS", str(share))
 
 
 @pytest.fixture(scope="session", autouse=True)
