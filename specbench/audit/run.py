@@ -317,7 +317,7 @@ class Sampler:
         indices = list(range(first, first + n))
         own = isinstance(engine, Loop)
         request = ids if own else ids.tolist()  # a server takes lists
-        batches = not own or hasattr(engine.decoder.method, "decode_many")  # transformers' sampling batches
+        batches = not own or hasattr(engine.decoder.method, "decode_many")  # the baselines' sampling batches
         concurrency = min(n, CONCURRENCY) if batches and not setting.greedy else 1
         served = sorted(engine.run([request] * n, concurrency, sampling, indices=indices), key=lambda s: s.index)
         if failed := [s.error for s in served if s.error]:

@@ -210,6 +210,47 @@ def autoregressive_decode(
         logits = model.forward(token, last=1)[-1]
 
 
+# Rows of one batched forward in autoregressive_samples.
+SAMPLE_BATCH = 256
+
+
+@torch.inference_mode()
+def autoregressive_samples(
+    module,
+    prompt_ids: torch.Tensor,
+    count: int,
+    max_new_tokens: int,
+    sampling: Sampling,
+    generator: torch.Generator,
+    stop_ids: frozenset[int] = frozenset(),
+) -> list[list[int]]:
+    """``count`` independent answers of the baseline to one prompt, each cut after its first stop
+    token: the baseline's draws (adjust, then next_token) made for SAMPLE_BATCH rows at once by
+    ``module``, the target's transformers model, one forward per token with a cache. The prompt is
+    read once and its cache repeated for every row. Untimed: for the audit's reference arms, whose
+    thousands of samples one request at a time took most of its minutes."""
+    answers: list[list[int]] = []
+    while len(answers) < count:
+        rows = min(SAMPLE_BATCH, count - len(answers))
+        out = module(input_ids=prompt_ids.view(1, -1), use_cache=True)
+        cache = out.past_key_values
+        cache.batch_repeat_interleave(rows)
+        logits = out.logits[:, -1].expand(rows, -1)
+        seen = context_mask(prompt_ids, logits.shape[-1], sampling)
+        seen = None if seen is None else seen.expand(rows, -1).clone()
+        tokens = torch.empty(rows, max_new_tokens, dtype=torch.long, device=logits.device)
+        for n in range(max_new_tokens):
+            token = next_token(adjust(logits, sampling, seen), sampling, generator)  # [rows, 1]
+            if seen is not None:
+                seen.scatter_(1, token, True)
+            tokens[:, n] = token[:, 0]
+            if n + 1 < max_new_tokens:
+                logits = module(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+        for row in tokens.tolist():
+            answers.append(row[: _end(row, 0, max_new_tokens, stop_ids)])
+    return answers
+
+
 @dataclass
 class Round:
     """One speculative round: the draft, the verdict, the target's logits at every position it

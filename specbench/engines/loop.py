@@ -80,8 +80,8 @@ class Loop:
         """Decode every request (token ids) in turn; each Served carries its Measurement. Times are
         seconds from the first request's start, with no gaps: the decodes' own wall times.
 
-        A method with ``decode_many`` (transformers' plain sampling) takes ``concurrency`` > 1 for
-        requests of one prompt: untimed samples in batches, each a random draw of its own."""
+        A method with ``decode_many`` (the baseline's sampling, and transformers') takes ``concurrency``
+        > 1 for requests of one prompt: untimed samples in batches, each a random draw of its own."""
         if sampling.stop:
             raise SpecbenchError("specbench's loop stops on token ids, not on stop strings")
         settings, now = self.settings(sampling), 0.0

@@ -34,6 +34,17 @@ class Baseline(Method):
             pair.target_lm, ids, settings.max_new_tokens, settings.sampling, generator, pair.stop_ids
         )
 
+    def decode_many(self, pair, settings, ids, count, seed):
+        """``count`` untimed samples of one prompt, drawn in batches (the audit's reference arms)."""
+        import torch
+
+        from specbench.decoding.decode import autoregressive_samples
+
+        generator = torch.Generator(pair.device).manual_seed(seed)
+        return autoregressive_samples(
+            pair.target.model, ids, count, settings.max_new_tokens, settings.sampling, generator, pair.stop_ids
+        )
+
 
 class Speculative(SpeculativeLoop):
     name, help, needs_draft = (

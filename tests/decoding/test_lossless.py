@@ -530,3 +530,50 @@ def test_the_test_catches_a_schedule_that_cuts_a_round_at_the_new_k(monkeypatch)
     monkeypatch.setattr(decode, "speculative_round", _round_cut_at_the_new_k(decode.speculative_round))
     cfg = Sampling(temperature=1.0)
     assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 2, cfg, schedule=decode.heuristic_k) < P_FLOOR
+
+
+# The baseline's samples in batches (the audit's reference arms): each row an independent draw of the law.
+@pytest.mark.parametrize(
+    "cfg",
+    [Sampling(temperature=1.0, repetition_penalty=2.0), Sampling(temperature=0.8, top_k=2, logit_bias=((1, 1.0),))],
+)
+def test_the_baselines_batched_samples_give_the_target_law(tmp_path, cfg):
+    from specbench.decoding.decode import autoregressive_samples
+
+    from ..helpers import LawLM, tiny_law_model
+
+    model = tiny_law_model(1, tmp_path)
+    answers = autoregressive_samples(
+        model, torch.tensor(PROMPT), SAMPLES, LENGTH, cfg, torch.Generator().manual_seed(0)
+    )
+    assert len(answers) == SAMPLES and law_p(LawLM(model, packed=False), cfg, Counter(map(tuple, answers))) > P_FLOOR
+
+
+def test_the_test_catches_batched_rows_that_share_their_draws(tmp_path, monkeypatch):
+    """Rows of a batch that read one random draw: each row alone still follows the law, the sample
+    does not (a batch is one answer many times)."""
+    from specbench.decoding.decode import autoregressive_samples
+
+    from ..helpers import LawLM, tiny_law_model
+
+    cfg, model = Sampling(temperature=1.0), tiny_law_model(1, tmp_path)
+    exact = decode.next_token
+    monkeypatch.setattr(decode, "next_token", lambda logits, s, g: exact(logits[:1], s, g).expand(len(logits), 1))
+    answers = autoregressive_samples(
+        model, torch.tensor(PROMPT), SAMPLES, LENGTH, cfg, torch.Generator().manual_seed(0)
+    )
+    assert law_p(LawLM(model, packed=False), cfg, Counter(map(tuple, answers))) < P_FLOOR
+
+
+@pytest.mark.parametrize("cfg", [Sampling(0.0), Sampling(0.0, repetition_penalty=1.6, logit_bias=((2, 0.5),))])
+def test_the_baselines_batched_greedy_answers_equal_its_own_and_stop_where_it_does(tmp_path, cfg):
+    from specbench.decoding.decode import autoregressive_samples
+
+    from ..helpers import LawLM, tiny_law_model
+
+    model, prompt = tiny_law_model(2, tmp_path), torch.tensor([0, 1, 2, 1])
+    one = autoregressive_decode(LawLM(model, packed=False), prompt, 12, cfg, torch.Generator(), frozenset()).tokens
+    stop = one[5]  # a token the answer reaches: both cut after its first appearance
+    cut = one[: one.index(stop) + 1]
+    rows = autoregressive_samples(model, prompt, 3, 12, cfg, torch.Generator(), frozenset({stop}))
+    assert rows == [cut] * 3 and len(cut) < 12
