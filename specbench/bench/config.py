@@ -41,7 +41,7 @@ from specbench.methods.served import (
     llama_methods,
     served_names,
 )
-from specbench.models.names import default_speculator
+from specbench.models.names import default_speculator, resolve
 from specbench.workloads.prompts import LONG_DATASETS
 
 # A configuration is built and checked without torch (the command line refuses bad options in well
@@ -216,9 +216,16 @@ class BenchConfig:
             return [Decoder(copy.copy(method), k) for method in methods for k in self.ks]
         if "server" in self.engines:
             k = self.ks[0] if len(self.ks) == 1 else None
-            given = [Remote(name, url) for name, url in self.server_entries]
-            started = [Remote(name, "", command=cmd) for name, cmd in self.launches.items() if name not in LAUNCHED]
-            return [Decoder(server, k) for server in given + started]
+            plan = [Decoder(Remote(name, url), k) for name, url in self.server_entries]
+            for name, command in self.launches.items():
+                if name in LAUNCHED:
+                    continue
+                if "{k}" in command:  # a server per K, each started with its K in the command
+                    plan += [Decoder(Remote(name, "", command=command.replace("{k}", str(n)), launched_k=n), n)
+                             for n in self.ks]  # fmt: skip
+                else:
+                    plan.append(Decoder(Remote(name, "", command=command), k))
+            return plan
         if "vllm" not in self.engines:
             return []
         return [Decoder(SERVED[name], k) for name in served_names(self.methods) for k in self.ks]
@@ -240,8 +247,13 @@ class BenchConfig:
 
     @property
     def launches(self) -> dict[str, str]:
-        """--launch NAME=COMMAND by name."""
-        return dict(tuple(part.strip() for part in entry.split("=", 1)) for entry in self.launch if "=" in entry)
+        """--launch NAME=COMMAND by name, ``{draft}`` filled in with where --draft is (``{port}`` and
+        ``{k}`` are filled in when each server starts)."""
+        draft = resolve(self.draft).location if self.draft and any("{draft}" in e for e in self.launch) else ""
+        return {
+            name.strip(): command.strip().replace("{draft}", draft)
+            for name, command in (entry.split("=", 1) for entry in self.launch if "=" in entry)
+        }
 
     @property
     def draft_server(self) -> Remote | None:
@@ -519,6 +531,9 @@ class BenchConfig:
         ):
             if bad := [entry for entry in entries if "=" not in entry or not entry.split("=", 1)[0].strip()]:
                 raise SpecbenchError(f"{flag} {bad[0]}: give NAME=..., e.g. {flag} {example}")
+        for name, entry in ((e.split("=", 1)[0].strip(), e) for e in self.launch):
+            if "{k}" in entry and name in LAUNCHED:
+                raise SpecbenchError(f"--launch {name}=...: the {name} server does not speculate, so it takes no {{k}}")
         if bool(self.baseline_url) == (SERVER_BASELINE in self.launches):
             raise SpecbenchError(
                 "--engine server needs one baseline, a server running the target alone: --baseline-url URL "
@@ -530,7 +545,8 @@ class BenchConfig:
             raise SpecbenchError(
                 "--engine server needs at least one server that speculates: --server NAME=URL or --launch NAME=COMMAND"
             )
-        names = [server.method.name for server in self.served_plan]
+        launched = [entry.split("=", 1)[0].strip() for entry in self.launch]
+        names = [name for name, _ in self.server_entries] + [name for name in launched if name not in LAUNCHED]
         if dupes := sorted({name for name in names if names.count(name) > 1} | ({SERVER_BASELINE} & set(names))):
             raise SpecbenchError(f"--server {dupes[0]}: each server needs a name of its own, and not 'baseline'")
         for given, url in (

@@ -106,13 +106,13 @@ def serve_all(
 ) -> Iterator[Progress | Answer | Counters]:
     """Every turn through each engine at each load: the baseline first, then each method (vLLM: at
     each K, an engine each; servers: each server). Blocks in ``finished`` (block keys, see
-    ``block_key``) are skipped; ``kept`` holds the baseline's requests a resumed run kept, by load.
+    rundir.block_key) are skipped; ``kept`` holds the baseline's requests a resumed run kept, by load.
 
     At a load the turns go in waves: every conversation's first turn, then every second turn rendered
     after that engine's own first answers, and so on. A baseline that stops answering ends the run."""
     baselines = {load: dict(kept.get(load, {})) for load in run.loads}
     for decoder in [run.baseline, *run.plan]:
-        todo = [load for load in run.loads if block_key(decoder, load) not in finished]
+        todo = [load for load in run.loads if not finished_block(decoder, load, finished)]
         if not todo:
             continue
         yield Progress(
@@ -198,23 +198,26 @@ def draft_alone(run: ServingRun, conversations: Conversations) -> Iterator[Progr
 def opened(run: ServingRun, conversations: Conversations, decoder: Decoder | None) -> Iterator:
     """The engine of ``decoder`` (None: the draft model alone), warmed up by ``run.warmup`` untimed
     requests of the first prompt; closed on exit. A server specbench launches is started first (its
-    log in out/servers) and stopped after. A speculating server that cannot be reached yields None and
-    its reason in decoder.state (its requests are recorded as failed); the baseline's is an error."""
+    log in out/servers) and stopped after. A speculating server that cannot be started or reached
+    yields None and its reason in decoder.state (its requests are recorded as failed, and the run goes
+    on to the next); the baseline's is an error."""
     if run.engine == "vllm":
         with warmed_up(Engine(run.spec(decoder)), run, conversations) as engine:
             yield engine
         return
     remote = run.draft_server if decoder is None else decoder.method
     with ExitStack() as stack:
-        # A log per server: llama.cpp's methods run a server per K; a --launch server is one by its name.
-        per_k = decoder is not None and decoder.k and remote.engine == "llama-cpp"
+        # A log per server: llama.cpp's methods, and --launch commands with {k}, run a server per K.
+        per_k = decoder is not None and decoder.k and remote.server_per_k
         log_name = f"{remote.name}-k{decoder.k}" if per_k else remote.name
-        url = (
-            stack.enter_context(launched(log_name, remote.command, run.out / "servers", who=launcher(remote, log_name)))
-            if remote.command
-            else remote.url
-        )
         try:
+            url = (
+                stack.enter_context(
+                    launched(log_name, remote.command, run.out / "servers", who=launcher(remote, per_k and decoder.k))
+                )
+                if remote.command
+                else remote.url
+            )
             server = Server(
                 remote.name,
                 url,
@@ -253,15 +256,21 @@ def opening(run: ServingRun, decoder: Decoder) -> str:
     return f"connecting to {run.engine}"
 
 
-def launcher(remote: Remote, name: str) -> str:
-    """Who started the server ``name``, as its errors say it: llama.cpp's, or the user's --launch."""
-    return f"llama-server {name}" if remote.engine == "llama-cpp" else f"--launch {name}"
+def launcher(remote: Remote, k: int | None) -> str:
+    """Who started ``remote``'s server (at ``k``, for a server per K), as its errors say it: llama.cpp's,
+    or the user's --launch."""
+    at_k = f" at K={k}" if k else ""
+    return f"{'llama-server' if remote.engine == 'llama-cpp' else '--launch'} {remote.name}{at_k}"
 
 
-def block_key(decoder: Decoder, load: tuple[int, float]) -> tuple:
-    """rundir.block_key of the rows ``decoder`` writes at ``load``."""
-    k = decoder.k if decoder.method.engine == "vllm" else None
-    return (decoder.method.engine, decoder.method.name, k, load[0], float(load[1]))
+def finished_block(decoder: Decoder, load: tuple[int, float], finished: set[tuple]) -> bool:
+    """Whether the rows ``decoder`` writes at ``load`` are among the ``finished`` blocks (rundir.block_key).
+    A server started for each K is known by its K; any other server by its name, whatever K its
+    responses said."""
+    key = (decoder.method.engine, decoder.method.name, decoder.k, load[0], float(load[1]))
+    if decoder.method.engine != "server" or decoder.method.server_per_k:
+        return key in finished
+    return any(block[:2] == key[:2] and block[3:] == key[3:] for block in finished)
 
 
 def _load(load: tuple[int, float]) -> str:

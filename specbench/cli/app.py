@@ -167,9 +167,15 @@ def _print_results(results, wide: bool = False) -> None:
 ASSUMED_ALPHAS = [0.5, 0.6, 0.7, 0.8]  # --assume-alpha's default with --random-weights
 
 
-def run(out: Path | None = None, resume: bool = False, wide: bool = False, **given) -> None:
+def run(out: Path | None = None, resume: bool = False, wide: bool = False, ctx=None, **given) -> None:
     """Decode prompts with the baseline and each method at each K; write and show what was measured."""
     values = {name: OPTIONS[name].value(text) for name, text in given.items()}
+    per_k = [entry.split("=", 1)[0] for entry in values["launch"] if "{k}" in entry]
+    if per_k and ctx is not None and ctx.info_name == "run" and ctx.get_parameter_source("ks").name == "DEFAULT":
+        raise SpecbenchError(
+            f"--launch {per_k[0]}=...: {{k}} starts a server for each --k; give the K to sweep, e.g. --k 1,2,3,4 "
+            "(or run sweep-k)"
+        )
     lengths = values["context_tokens"] if isinstance(values["context_tokens"], list) else [values["context_tokens"]]
     values["context_tokens"] = lengths[0] if len(lengths) == 1 else 0  # a sweep sets each length in turn
     if values["random_weights"] and not values["assume_alpha"]:
@@ -218,7 +224,7 @@ def _sweep_context(cfg: BenchConfig, lengths: list[int], out: Path, resume: bool
 
 def _command(defaults: dict | None = None):
     """`run` with its flags built from the declarations (and other ``defaults``)."""
-    return flags.command(run, OPTIONS.values(), defaults, (flags.RUN_OUT, flags.RESUME, flags.WIDE))
+    return flags.command(run, OPTIONS.values(), defaults, (flags.RUN_OUT, flags.RESUME, flags.WIDE, flags.CONTEXT))
 
 
 app.command("run")(_command())

@@ -87,6 +87,8 @@ def command(function: Callable, options, defaults: dict | None = None, extra: tu
     return wrapped
 
 
+# The command's click context, for what the flags cannot say: whether a value was given or defaulted.
+CONTEXT = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=typer.Context)
 RUN_OUT = plain("out", Path | None, None, "Run directory (default results/<time>-<target>-<draft>/).")
 RESUME = plain(
     "resume",

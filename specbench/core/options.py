@@ -482,8 +482,9 @@ SERVER: tuple[Option, ...] = (
         "launch",
         [],
         "--engine server: start a server for the run, NAME=COMMAND with {port} where its port goes (repeatable); "
-        "NAME baseline is the baseline, draft the draft alone, any other a speculating server. Each runs on "
-        "127.0.0.1 only for its own requests, logged to OUT/servers/NAME.log.",
+        "NAME baseline is the baseline, draft the draft alone, any other a speculating server. A command with {k} "
+        "starts a server for each --k in turn, with the K in its command ({draft}: where --draft is). Each runs on "
+        "127.0.0.1 only for its own requests, logged to OUT/servers/NAME.log (NAME-kK.log for each K).",
         repeat=entries_given,
         metavar="NAME=COMMAND",
         panel=SERVER_PANEL,

@@ -95,13 +95,19 @@ class Remote(Method):
     """A running server (--engine server): it decodes whatever it was started with; specbench sends it
     the requests. Its name is the --server NAME (the rows' method); its K is what its responses say,
     else --k. The baseline is the --baseline-url server, which does not speculate. A server specbench
-    starts (--launch) has a ``command`` and its URL only once started."""
+    starts (--launch) has a ``command`` and its URL only once started; one whose command takes
+    ``{k}`` is started once per --k, each with ``launched_k`` the K its command was given."""
 
     engine, adjusts_logits = "server", True  # what the server honours is its own affair
 
-    def __init__(self, name: str, url: str, speculates: bool = True, command: str = ""):
-        self.name, self.url, self.takes_k, self.command = name, url, speculates, command
+    def __init__(self, name: str, url: str, speculates: bool = True, command: str = "", launched_k: int | None = None):
+        self.name, self.url, self.takes_k, self.command, self.launched_k = name, url, speculates, command, launched_k
         self.help = f"the server at {url}" if url else f"the server started by {command}"
+
+    @property
+    def server_per_k(self) -> bool:
+        """Whether the run starts a server of this method for each K (rows and logs then go by K)."""
+        return self.launched_k is not None
 
 
 # vLLM's methods (--engine vllm), apart from specbench's: their baseline is another engine's.
@@ -129,6 +135,7 @@ class LlamaCpp(Remote):
     ``command`` is filled in once the run knows the GGUF files and the context a request needs."""
 
     engine = "llama-cpp"
+    server_per_k = True
 
     def __init__(self, name: str, spec_type: str = "", draft_sampling: str = "", draft_alone: bool = False):
         super().__init__(name, "", speculates=bool(spec_type))

@@ -43,9 +43,10 @@ def kept(row: dict, done: set[int], blocks: set[tuple]) -> bool:
 
 
 def block_key(row: dict) -> tuple:
-    """Which served block a row belongs to: engine, method, K, concurrency and request rate. A
-    server's K is what it said, so its name alone (unique in a run) stands for it."""
-    k = row["k"] if row.get("engine") == "vllm" else None
+    """Which served block a row belongs to: engine, method, K, concurrency and request rate (a server
+    that is not started per K is one block whatever K it said: serve.finished_block)."""
+    k = row.get("k")
+    k = None if k is None or k != k else int(k)  # NaN: no K
     return (row.get("engine", "vllm"), row["method"], k, row["concurrency"], float(row.get("request_rate", math.inf)))
 
 

@@ -118,6 +118,46 @@ def test_the_audit_of_llama_cpp_gives_greedy_verdicts_for_both_draft_modes(in_ca
     assert result.returncode == 1, result.stderr[-3000:]
 
 
+@pytest.mark.llama_cpp
+def test_a_launched_llama_server_per_k_gives_rows_per_k(in_cache, llama_cache, tmp_path):
+    """--engine server with the user's own llama-server command lines: --launch spec=... with {k} (and
+    {draft}) starts a draft-simple server for each K in turn, on loopback; rows, logs and acceptance
+    come per K, each K's as its own server counted it."""
+    from specbench.core.options import DEFAULT_DRAFT, DEFAULT_TARGET
+    from specbench.models.names import resolve
+
+    server = llamacpp.find_server()
+    draft = llamacpp.gguf_of(Path(resolve(DEFAULT_DRAFT).location), "f32", server, llama_cache / "gguf")
+    plain = f"{server} -m {resolve(DEFAULT_TARGET).location} --host 127.0.0.1 --port {{port}} -c 512 --top-k 0 -t 1"
+    spec = f"{plain} --spec-type draft-simple --spec-draft-model {{draft}} --spec-draft-n-max {{k}}"
+    args = ["run", "--engine", "server", "--target", DEFAULT_TARGET, "--draft", str(draft), "--k", "1,2,3,4"]
+    args += [
+        "--launch",
+        f"baseline={plain}",
+        "--launch",
+        f"spec={spec}",
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "24",
+    ]
+    result = specbench(*args, "--warmup", "0", "--out", str(tmp_path / "run"), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = tmp_path / "run"
+    summary = pd.read_csv(out / "summary.csv")
+    spec_rows = summary[summary["method"] == "spec"].astype({"k": int}).set_index("k")
+    assert sorted(spec_rows.index) == [1, 2, 3, 4] and (summary["failed"] == 0).all()
+    for k, row in spec_rows.iterrows():
+        log = (out / "servers" / f"spec-k{k}.log").read_text()
+        counted = ACCEPTED.findall(log)
+        assert len(counted) == 2 and row["acceptance_source"] == "response"
+        assert row["accepted"] == sum(int(a) for a, _ in counted) and row["drafted"] == sum(int(d) for _, d in counted)
+    assert sorted(p.name for p in (out / "servers").iterdir()) == ["baseline.log"] + [
+        f"spec-k{k}.log" for k in (1, 2, 3, 4)
+    ]
+    assert not running_servers(tag=tmp_path)
+
+
 def running_servers(parent: int | None = None, tag: Path | None = None) -> list[int]:
     """The pids of llama-server processes: children of ``parent``, or started under the test ``tag``."""
     return [

@@ -309,6 +309,64 @@ def test_tokens_streamed_without_logprobs_keep_their_place_and_fail_the_probe():
     assert plain.served(0, 0.0, 1.0, None).logprobs is None  # no logprobs asked for, none given
 
 
+def test_a_launch_with_k_starts_a_server_per_k_and_a_resumed_sweep_keeps_each_finished_k(
+    tiny_pair, prompts_file, tmp_path
+):
+    """--launch NAME=COMMAND with {k}: a server per --k, started, measured and stopped in turn, rows and
+    logs by K. A server that cannot start at one K has its requests recorded as failed, naming its log,
+    and the sweep goes on; --resume keeps the finished K and sends only what is missing."""
+    # The stub pretends K drafts per step and says so (vLLM's num_spec_tokens); at K=3 it exits at once
+    # until the file "mended" exists.
+    stub = f"{sys.executable} -m benchmarks.stub_server --port {{port}} --shape vllm --k {{k}} --interval-ms 1"
+    command = f"sh -c 'test {{k}} != 3 || test -e {tmp_path / 'mended'} || exit 7; exec {stub}'"
+    args = ("--dataset", prompts_file, "--num-prompts", "2", "--k", "1,2,3", "--launch", f"spec={command}")
+    with Stub(interval_s=0.001) as base:
+        result = run_servers(tiny_pair, tmp_path, base, extra=args)
+        assert result.returncode == 0, result.stderr[-2000:]
+        said = " ".join(result.stderr.split())
+        assert "--launch spec at K=3: the server exited with code 7: see" in said and "spec-k3.log" in said
+        assert sorted(p.name for p in (tmp_path / "servers").iterdir()) == ["spec-k1.log", "spec-k2.log", "spec-k3.log"]
+        records = pd.read_csv(tmp_path / "records.csv", keep_default_na=False)
+        spec = records[records["method"] == "spec"]
+        assert sorted(spec["k"].astype(int)) == [1, 1, 2, 2, 3, 3]
+        fine = spec[spec["k"].astype(int) != 3]
+        assert (fine["error"] == "").all() and (fine["acceptance_source"] == "response").all()
+        assert (spec[spec["k"].astype(int) == 3]["error"].str.contains("spec-k3.log")).all()
+        summary = pd.read_csv(tmp_path / "summary.csv")
+        assert sorted(zip(summary["method"], summary["k"].fillna(0).astype(int), strict=True)) == [
+            ("baseline", 0),
+            ("spec", 1),
+            ("spec", 2),
+            ("spec", 3),
+        ]
+        # Resumed with a server that now starts at every K: only K=3's block is sent again.
+        (tmp_path / "mended").touch()
+        result = run_servers(tiny_pair, tmp_path, base, extra=(*args, "--resume"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    resumed = pd.read_csv(tmp_path / "records.csv", keep_default_na=False)
+    assert len(resumed) == len(records) and (resumed["error"] == "").all()
+    again = resumed[resumed["method"] == "spec"]
+    finished = again[again["k"].astype(int) != 3]
+    assert list(map(float, finished["method_s"])) == list(map(float, fine["method_s"]))  # kept, not sent again
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--launch", "spec=srv --port {port} --k {k}"], "--launch spec=...: {k} starts a server for each --k"),
+        (["--k", "1,2", "--launch", "baseline=srv --port {port} {k}"], "the baseline server does not speculate"),
+    ],
+)
+def test_a_launch_with_k_that_cannot_apply_is_one_line(tiny_pair, tmp_path, args, needle):
+    base = ["run", "--engine", "server", "--target", tiny_pair[0], "--out", str(tmp_path / "run")]
+    if "baseline=" not in args[-1]:
+        base += ["--baseline-url", "http://127.0.0.1:9/v1"]
+    else:
+        base += ["--launch", "spec=srv --port {port}"]
+    one_line_error(cli(*base, *args), needle)
+    assert not (tmp_path / "run").exists()
+
+
 def test_a_launched_server_logs_under_its_own_name(tiny_pair, prompts_file, tmp_path):
     # One server per --launch name (llama-cpp's per-K logs are NAME-kK; a launched server's is NAME).
     stub = f"{sys.executable} -m benchmarks.stub_server --port {{port}} --shape llamacpp --k 2 --interval-ms 1"
