@@ -43,7 +43,7 @@ from specbench.models.load import model_dir, placement
 from specbench.models.names import resolve, speculator_dir
 from specbench.models.pair import Conversations, Pair, encode_prompts, load_pair
 from specbench.results import schema, serving
-from specbench.results.plot import plot_categories, plot_concurrency, plot_online, plot_phases, plot_run
+from specbench.results.plot import plot_categories, plot_concurrency, plot_online, plot_pareto, plot_phases, plot_run
 from specbench.results.rundir import RunWriter
 from specbench.results.schema import OWN_ENGINES
 from specbench.results.summary import (
@@ -288,6 +288,8 @@ def _benchmark(
             for decoder in learners:
                 row = f"k{decoder.k}" if decoder.k_policy == FIXED else f"k{decoder.k}-{decoder.k_policy}"
                 decoder.method.save(decoder, Path(cfg.save_draft) / (row if len(learners) > 1 else ""))
+    if found := serving.load_crossovers(document["summary"]):
+        writer.write_json("crossover.json", found)
     picks = {} if cfg.random_weights else best_ks(summary)
     if picks:
         writer.write_json("best_k.json", picks)
@@ -297,7 +299,14 @@ def _benchmark(
     plots = (
         [
             path
-            for path in (plot_phases(out), plot_run(out), plot_online(out), plot_concurrency(out), plot_categories(out))
+            for path in (
+                plot_phases(out),
+                plot_run(out),
+                plot_online(out),
+                plot_concurrency(out),
+                plot_pareto(out),
+                plot_categories(out),
+            )  # fmt: skip
             if path is not None
         ]
         if summary

@@ -623,14 +623,23 @@ def show(
 @app.command()
 def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory written by run or sweep-k.")]) -> None:
     """Redraw a run's figures from its CSVs: time per token by phase; for methods with K speedup vs
-    K, acceptance by position and verification cost; with --method online, alpha over the run."""
-    from specbench.results.plot import plot_categories, plot_concurrency, plot_online, plot_phases, plot_run
+    K, acceptance by position and verification cost; with --method online, alpha over the run; for
+    serving engines at several loads, speedup and the trade-off of per-request and total tokens/s."""
+    from specbench.results.plot import (
+        plot_categories,
+        plot_concurrency,
+        plot_online,
+        plot_pareto,
+        plot_phases,
+        plot_run,
+    )
 
     for path in (
         plot_phases(run_dir),
         plot_run(run_dir),
         plot_online(run_dir),
         plot_concurrency(run_dir),
+        plot_pareto(run_dir),
         plot_categories(run_dir),
     ):
         if path is not None:

@@ -204,6 +204,43 @@ def plot_concurrency(run_dir: Path, name: str = "concurrency.png") -> Path | Non
     return _saved(fig, run_dir / name)
 
 
+def plot_pareto(run_dir: Path, name: str = "pareto.png") -> Path | None:
+    """The serving engines' trade-off: each request's tokens/s against all requests' together, a curve
+    per engine, method and K through its loads (requests in flight; request rates where those are
+    what varies), the baseline's included; the points up and to the right of a curve are better
+    (None: fewer than two loads)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    summary = _summary(run_dir)
+    served = summary[~summary["engine"].isin(OWN_ENGINES)] if "engine" in summary else summary.iloc[0:0]
+    axis = "concurrency" if served["concurrency"].nunique() > 1 else "request_rate"
+    if served.empty or served[axis].nunique() < 2:
+        return None
+    fixed = "request_rate" if axis == "concurrency" else "concurrency"
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    first = served.iloc[0]
+    names = [Path(str(first[key])).name for key in ("target", "draft", "dataset")]  # a temporary path's tail
+    fig.suptitle(f"{names[0]} <- {names[1]} on {names[2]}, T={first['temperature']}: per request against in all")
+    several = served[fixed].nunique() > 1
+    for (engine, method, k, other), rows in served.groupby(["engine", "method", "k", fixed], dropna=False, sort=False):
+        rows = rows.sort_values(axis)
+        label = f"{engine} {method}" + ("" if pd.isna(k) else f" K={int(k)}")
+        label += f" ({fixed.replace('_', ' ')} {other:g})" if several else ""
+        style = "s--" if pd.isna(k) else "o-"  # the baseline dashed
+        ax.plot(rows["throughput"], rows["spec_tokens_per_s"], style, label=label)
+        for _, row in rows.iterrows():
+            ax.annotate(f"{row[axis]:g}", (row["throughput"], row["spec_tokens_per_s"]), fontsize="x-small",
+                        textcoords="offset points", xytext=(4, 4))  # fmt: skip
+    unit = "requests in flight" if axis == "concurrency" else "requests/s"
+    ax.set(xlabel="all requests' tokens/s", ylabel="tokens/s per request", title=f"each point's label: {unit}")
+    ax.legend(fontsize="small")
+    return _saved(fig, run_dir / name)
+
+
 def plot_phases(run_dir: Path, name: str = "phases.png") -> Path | None:
     """Stacked bars of milliseconds per generated token (prefill, draft, verify, other), one bar per
     method and K with the baseline first, so a gap between methods shows in the phase it comes from."""

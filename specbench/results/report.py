@@ -12,6 +12,7 @@ from specbench.methods.served import SERVED_BASELINE
 from specbench.results import schema
 from specbench.results.context import CONTENDERS
 from specbench.results.schema import OWN_ENGINES
+from specbench.results.serving import crossover_lines, load_crossovers
 from specbench.results.summary import decoder_label, missing, row_label
 
 # What the summary table shows unless --wide: the columns a user reads first (the rest are in summary.csv).
@@ -103,10 +104,12 @@ SERVING = (
 
 def serving_table(rows: list[dict]) -> Table | None:
     """Requests in flight: per engine, method, K and concurrency, each request's tokens/s and all of
-    them together, with time to first token and per output token (ms). None for a run without vLLM."""
+    them together, with time to first token and per output token (ms); its caption says where each
+    method stops paying as the load grows (crossover.json). None for a run without a serving engine."""
     if all(row["engine"] in OWN_ENGINES for row in rows):
         return None
-    table = Table(*(header for _, header in SERVING), title="engines and requests in flight")
+    caption = "\n".join(crossover_lines(load_crossovers(rows))) or None
+    table = Table(*(header for _, header in SERVING), title="engines and requests in flight", caption=caption)
     for column in table.columns:
         column.justify = "right"
     for row in rows:

@@ -394,3 +394,66 @@ def _missing(value) -> bool:
 def _span(rs: list[dict]) -> float:
     """Wall seconds from the first request's submission to the last one's last token."""
     return max(r["end_s"] for r in rs) - min(r["start_s"] for r in rs)
+
+
+def load_crossovers(summary: list[dict]) -> list[dict]:
+    """Where speculation stops paying as the load grows (crossover.json): for each serving engine's
+    method and K, along each load axis with more than one value (requests in flight at each request
+    rate, request rate at each concurrency), the first load at which the speedup's interval over the
+    prompts reaches 1.0 or below (its low end; the speedup itself where a row has no interval), None
+    when it never does up to the highest load measured. ``summary`` is results.json's rows (with
+    ``speedup_ci``). Each entry lists the points it was read from."""
+    served = [r for r in summary if r["engine"] not in schema.OWN_ENGINES and r["method"] != BASELINE.name]
+    found = []
+    for axis, other in (("concurrency", "request_rate"), ("request_rate", "concurrency")):
+        groups: dict[tuple, list[dict]] = {}
+        for row in served:
+            groups.setdefault((row["engine"], row["method"], row["k"], row[other]), []).append(row)
+        for (engine, method, k, fixed), rows in groups.items():
+            if len({row[axis] for row in rows}) < 2:
+                continue
+            points = [
+                {"load": _json_load(row[axis]), "speedup": row["speedup"], "interval": row.get("speedup_ci")}
+                for row in sorted(rows, key=lambda row: row[axis])
+            ]
+            low = [(p["interval"] or [p["speedup"]])[0] for p in points]  # None: no speedup (every request failed)
+            first = next(
+                (p["load"] for p, bound in zip(points, low, strict=True) if bound is not None and bound <= 1.0), None
+            )
+            found.append(
+                {
+                    "engine": engine,
+                    "method": method,
+                    "k": k,
+                    "axis": axis,
+                    other: _json_load(fixed),
+                    "crossover": first,
+                    "points": points,
+                }
+            )
+    return found
+
+
+def _json_load(value: float) -> float | str:
+    """A load as JSON holds it: an infinite request rate (all at once) as "inf"."""
+    return "inf" if isinstance(value, float) and math.isinf(value) else value
+
+
+def crossover_lines(found: list[dict]) -> list[str]:
+    """One sentence per load_crossovers entry, for the run's caption."""
+    lines = []
+    for entry in found:
+        unit = " in flight" if entry["axis"] == "concurrency" else " requests/s"
+        who = f"{entry['engine']} {entry['method']}" + (f" K={entry['k']}" if entry["k"] is not None else "")
+        if entry["axis"] == "request_rate":
+            who += f" ({entry['concurrency']} in flight at most)"
+        elif entry["request_rate"] != "inf":
+            who += f" (at {entry['request_rate']} requests/s)"
+        first, crossover, highest = entry["points"][0]["load"], entry["crossover"], entry["points"][-1]["load"]
+        if crossover is None:
+            lines.append(f"{who}: pays at every load up to {highest}{unit} (its speedup's interval stays above 1.0)")
+        elif crossover == first:
+            lines.append(f"{who}: does not pay even at {first}{unit} (its speedup's interval reaches 1.0)")
+        else:
+            lines.append(f"{who}: stops paying at {crossover}{unit} (its speedup's interval first reaches 1.0 there)")
+    return lines

@@ -55,6 +55,20 @@ def test_each_server_shape_gives_its_rows_acceptance_and_source(tiny_pair, spec_
     spec = summary[summary["method"] != "baseline"]
     assert (spec["outputs_match"] == spec["num_prompts"]).all() and (spec["first_divergence"] == -1).all()
     assert (summary["failed"] == 0).all()
+    # Where each server stops paying as the load grows: read from results.json's speedup intervals,
+    # one entry per server, shown in the table's caption; the trade-off figure beside it.
+    found = json.loads((tmp_path / "crossover.json").read_text())
+    intervals = {
+        (r["method"], r["concurrency"]): r["speedup_ci"]
+        for r in json.loads((tmp_path / "results.json").read_text())["summary"]
+    }
+    assert sorted(entry["method"] for entry in found) == ["llama", "sglang", "trt", "vllm"]
+    for entry in found:
+        assert entry["axis"] == "concurrency" and [p["load"] for p in entry["points"]] == [1, 2]
+        paying = [intervals[(entry["method"], n)][0] > 1.0 for n in (1, 2)]
+        assert entry["crossover"] == (None if all(paying) else [1, 2][paying.index(False)])
+    assert "pays at every load up to 2 in flight" in result.stdout or "in flight (its speedup" in result.stdout
+    assert (tmp_path / "pareto.png").is_file()
     # The per-request figures of the vLLM-shaped stub sum to exactly what its own counters say.
     row = spec[spec["method"] == "vllm"]
     assert row["accepted"].sum() == vllm_counters["num_accepted_tokens"]
