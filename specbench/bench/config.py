@@ -531,7 +531,8 @@ class BenchConfig:
         ):
             if bad := [entry for entry in entries if "=" not in entry or not entry.split("=", 1)[0].strip()]:
                 raise SpecbenchError(f"{flag} {bad[0]}: give NAME=..., e.g. {flag} {example}")
-        for name, entry in ((e.split("=", 1)[0].strip(), e) for e in self.launch):
+        launched = [entry.split("=", 1)[0].strip() for entry in self.launch]
+        for name, entry in zip(launched, self.launch, strict=True):
             if "{k}" in entry and name in LAUNCHED:
                 raise SpecbenchError(f"--launch {name}=...: the {name} server does not speculate, so it takes no {{k}}")
         if bool(self.baseline_url) == (SERVER_BASELINE in self.launches):
@@ -545,7 +546,6 @@ class BenchConfig:
             raise SpecbenchError(
                 "--engine server needs at least one server that speculates: --server NAME=URL or --launch NAME=COMMAND"
             )
-        launched = [entry.split("=", 1)[0].strip() for entry in self.launch]
         names = [name for name, _ in self.server_entries] + [name for name in launched if name not in LAUNCHED]
         if dupes := sorted({name for name in names if names.count(name) > 1} | ({SERVER_BASELINE} & set(names))):
             raise SpecbenchError(f"--server {dupes[0]}: each server needs a name of its own, and not 'baseline'")

@@ -24,6 +24,7 @@ from specbench.engines.vllm import Engine, EngineSpec
 from specbench.methods.base import Decoder
 from specbench.methods.served import Remote
 from specbench.models.pair import Conversations
+from specbench.results.rundir import block_key
 from specbench.workloads.prompts import Turn
 
 log = logging.getLogger("specbench")
@@ -267,7 +268,10 @@ def finished_block(decoder: Decoder, load: tuple[int, float], finished: set[tupl
     """Whether the rows ``decoder`` writes at ``load`` are among the ``finished`` blocks (rundir.block_key).
     A server started for each K is known by its K; any other server by its name, whatever K its
     responses said."""
-    key = (decoder.method.engine, decoder.method.name, decoder.k, load[0], float(load[1]))
+    key = block_key(
+        {"engine": decoder.method.engine, "method": decoder.method.name, "k": decoder.k, "concurrency": load[0],
+         "request_rate": load[1]}
+    )  # fmt: skip
     if decoder.method.engine != "server" or decoder.method.server_per_k:
         return key in finished
     return any(block[:2] == key[:2] and block[3:] == key[3:] for block in finished)

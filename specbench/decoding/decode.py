@@ -210,7 +210,8 @@ def autoregressive_decode(
         logits = model.forward(token, last=1)[-1]
 
 
-# Rows of one batched forward in autoregressive_samples.
+# Rows of one batched forward when a baseline draws many samples of one prompt (autoregressive_samples,
+# and transformers' generate in engines.hf).
 SAMPLE_BATCH = 256
 
 
@@ -232,7 +233,7 @@ def autoregressive_samples(
     answers: list[list[int]] = []
     while len(answers) < count:
         rows = min(SAMPLE_BATCH, count - len(answers))
-        out = module(input_ids=prompt_ids.view(1, -1), use_cache=True)
+        out = module(input_ids=prompt_ids.view(1, -1), use_cache=True, logits_to_keep=1)
         cache = out.past_key_values
         cache.batch_repeat_interleave(rows)
         logits = out.logits[:, -1].expand(rows, -1)

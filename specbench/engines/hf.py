@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from specbench.decoding.decode import DecodeResult
+from specbench.decoding.decode import SAMPLE_BATCH, DecodeResult
 from specbench.decoding.timing import ForwardLaps
-
-BATCH = 256  # rows of one generate call in hf_samples
 
 
 class _HookedLaps:
@@ -59,14 +57,14 @@ def generate_kwargs(target, settings, stop_ids: frozenset[int]) -> dict:
 
 def hf_samples(target, prompt_ids: torch.Tensor, settings, seed: int, stop_ids: frozenset[int], count: int) -> list:
     """``count`` independent answers of transformers' plain sampling to one prompt, drawn as rows of
-    batches of at most BATCH (generate's num_return_sequences): each answer cut after its first stop
+    batches of at most SAMPLE_BATCH (generate's num_return_sequences): each answer cut after its first stop
     token. For the audit's reference arms, whose thousands of samples would take hours one by one."""
     kwargs = generate_kwargs(target, settings, stop_ids)
     torch.manual_seed(seed)  # generate() samples from the global generator
     answers = []
     ids = prompt_ids.view(1, -1)
     while len(answers) < count:
-        rows = min(BATCH, count - len(answers))
+        rows = min(SAMPLE_BATCH, count - len(answers))
         out = target.model.generate(ids, attention_mask=torch.ones_like(ids), num_return_sequences=rows, **kwargs)
         for row in out[:, prompt_ids.shape[0] :].tolist():
             end = next((i + 1 for i, token in enumerate(row) if token in stop_ids), len(row))
