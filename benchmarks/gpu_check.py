@@ -191,7 +191,8 @@ def gpu_tests(check: Check) -> Outcome:
     workers = ["-n", str(check.sizes.test_workers)]
     # -v names each test's result in tests.log as it finishes, so a step that runs out of time still
     # says which tests passed and which failed.
-    args = ["-m", "pytest", "-p", "no:cacheprovider", "-v", "-m", "gpu", *workers, *files]
+    # --durations: which tests the step's time went to, for the next run's sizing.
+    args = ["-m", "pytest", "-p", "no:cacheprovider", "-v", "--durations=15", "-m", "gpu", *workers, *files]
     failed = None
     try:
         # Each xdist worker compiles, and inductor's pool takes a process per core in each: one run of
@@ -410,7 +411,7 @@ def host_reads(check: Check) -> Outcome:
             if device.type == "cuda":
                 torch.cuda.set_sync_debug_mode("warn")  # CUDA's own count: each synchronising call warns
             try:
-                with HostReads() as reads:
+                with HostReads(device) as reads:
                     if drafting == "baseline":
                         result = autoregressive_decode(target, prompt, 40, sampling, generator)
                     else:
@@ -435,6 +436,8 @@ def host_reads(check: Check) -> Outcome:
         figures[label] = {"rounds": rounds, "host_reads": reads.count, "cuda_syncs": syncs if cuda else None}
         if reads.count > bound:
             problems.append(f"{label}: {reads.count} host reads in {rounds} rounds (at most {bound})")
+        if cuda and syncs > bound:
+            problems.append(f"{label}: {syncs} CUDA syncs in {rounds} rounds (at most {bound})")
     rows += [
         "",
         "Host reads as tests/decoding/test_syncs.py counts them (item, tolist, .cpu(), bool(), multinomial, ...);",
@@ -447,8 +450,8 @@ def host_reads(check: Check) -> Outcome:
     line = f"draft model T=1: {chain['host_reads']} reads in {chain['rounds']} rounds" + (
         f", {chain['cuda_syncs']} CUDA syncs" if device.type == "cuda" else ""
     )
-    if problems:
-        raise StepFailed("; ".join(problems))
+    if problems:  # the table still goes in the report: it says where the reads are
+        return Outcome("FAIL", "; ".join(problems), rows, figures)
     return Outcome("pass", line, rows, figures)
 
 

@@ -292,17 +292,23 @@ READS = {"item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "
 
 
 class HostReads(TorchFunctionMode):
-    """Counts the torch calls inside it that read the device from the host (test_syncs, make gpu-check)."""
+    """Counts the torch calls inside it that read the device from the host (test_syncs, make gpu-check).
 
-    def __init__(self):
+    With ``device``, only reads of tensors on that device count: inductor's CUDA wrapper reads the
+    0-d CPU tensors that dynamo passes its float arguments in (eps) with .item() at every call, and
+    those wait on nothing (on an H200, CUDA's own sync count was the same with and without them)."""
+
+    def __init__(self, device: torch.device | str | None = None):
         super().__init__()
+        self.device = None if device is None else torch.device(device).type
         self.count = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # A compiled region reads nothing from the host, and a count that torch.compile traced would
         # become a guard: every decode would recompile the fast forward's functions (seen on CUDA).
-        if not torch.compiler.is_compiling():
-            self.count += getattr(func, "__name__", "") in READS
+        if not torch.compiler.is_compiling() and getattr(func, "__name__", "") in READS:
+            read = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            self.count += self.device is None or read is None or read.device.type == self.device
         return func(*args, **(kwargs or {}))
 
 

@@ -31,6 +31,10 @@ def test_the_reads_are_counted():
     with HostReads() as reads:
         int(x[0]), x.tolist(), torch.multinomial(x.float(), 1), x + 1
     assert reads.count == 3
+    # Told the decode's device, it leaves out reads of CPU tensors: they wait on no GPU.
+    with HostReads("cuda") as reads:
+        int(x[0]), x.tolist(), torch.tensor(1e-6).item()
+    assert reads.count == 0
 
 
 LAW = np.array([0.5, 0.0, 0.2, 0.25, 0.05])
@@ -90,7 +94,7 @@ def test_a_chain_round_reads_the_device_once(request, pair, temperature, draftin
     device = target.device
     cfg, generator = Sampling(temperature=temperature), torch.Generator(device=device).manual_seed(0)
     drafter = ModelDrafter(draft, cfg, generator) if drafting == "draft model" else PromptLookupDrafter()
-    with HostReads() as reads:
+    with HostReads(device) as reads:
         result = speculative_decode(target, drafter, PROMPT.to(device), 3, 40, cfg, generator)
     rounds = len(result.accept_counts)
     assert rounds >= 8
@@ -120,7 +124,7 @@ def test_an_eagle_chain_round_reads_the_device_once(tmp_path, temperature):
 def test_the_baseline_reads_its_tokens_once_every_stop_check(request, pair, temperature):
     target, _ = request.getfixturevalue(pair)
     cfg, device = Sampling(temperature=temperature), target.device
-    with HostReads() as reads:
+    with HostReads(device) as reads:
         result = autoregressive_decode(target, PROMPT.to(device), 40, cfg, torch.Generator(device).manual_seed(0))
     assert len(result.tokens) == 40 and result.target_forwards == 40 and result.past_stop == 0
     assert reads.count <= math.ceil(40 / STOP_CHECK) + 1
