@@ -128,7 +128,7 @@ class BenchConfig:
     assume_alpha: list[float] = option_default("assume_alpha")
     device_map: str | None = option_default("device_map")
     context_tokens: int = option_default("context_tokens")
-    compile: bool = option_default("compile")
+    compile: bool | None = option_default("compile")
     prefill_chunk: int = option_default("prefill_chunk")
     engines: list[str] = option_default("engines")
     concurrency: list[int] = option_default("concurrency")

@@ -55,7 +55,7 @@ def parameter(option: Option, default=inspect.Parameter.empty) -> inspect.Parame
     declared = typer.Option(
         *names,
         help=escape(shown),  # rich would read "[default: x]" as markup and drop it
-        metavar="" if kind is bool else metavar(option),
+        metavar="" if option.is_flag else metavar(option),
         rich_help_panel=panel_of(option),
     )
     default = option.text_default if default is inspect.Parameter.empty else default
@@ -116,7 +116,7 @@ def reference(options, audit_options) -> str:
     for option in [*options, *audit_options]:
         default = ", ".join(map(str, option.default)) if isinstance(option.default, list) else option.default
         shown = "" if default in (None, "") else f"`{default}`"  # a list's is joined: empty when it is
-        value = "" if option.type is bool else f"`{metavar(option)}`"
+        value = "" if option.is_flag else f"`{metavar(option)}`"
         text = help_of(option).replace("|", "\\|")
         rows.setdefault(panel_of(option), []).append(f"| `{option.flag}` | {value} | {shown} | {text} |")
     for name, info in outputs:

@@ -88,6 +88,11 @@ class Option:
         return self.kind | None if self.default is None else type(self.default)
 
     @property
+    def is_flag(self) -> bool:
+        """Given as --name / --no-name: a bool, or a bool that is None until the run resolves it (--compile)."""
+        return self.type is bool or (self.default is None and self.kind is bool)
+
+    @property
     def annotation(self) -> str:
         """The configuration field's type as bench/config.py declares it (a list's elements named)."""
         if self.default is None:
@@ -392,10 +397,12 @@ RUN: tuple[Option, ...] = (
     ),
     Option(
         "compile",
-        True,
+        None,
         "specbench's own forward for Llama-architecture models (docs/methodology.md#fast-path): on a CPU the "
         "weights packed once for oneDNN's kernels, row counts run at the size measured fastest; on CUDA "
-        "torch.compile. --no-compile runs transformers' eager forward. The hf-* methods always run transformers'.",
+        "torch.compile. --no-compile runs transformers' eager forward. Default: on for a CPU, off on CUDA, "
+        "where eager measured faster at batch 1. The hf-* methods always run transformers'.",
+        kind=bool,
         panel=DECODING_PANEL,
     ),
     Option(

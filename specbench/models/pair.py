@@ -59,13 +59,23 @@ class Pair:
         return replace(self, target_lm=TimedLM(self.target_lm, clock, "verify"), draft_lm=draft_lm, clock=clock)
 
 
-def load_pair(wanted: Wanted, compile: bool = True, threads: int = 0) -> Pair:
+def default_compile(device: torch.device) -> bool:
+    """Whether a run that leaves --compile out gets specbench's own forward on ``device``. Not on CUDA:
+    at batch 1 a forward there is bound by kernel launches, and inductor's fused elementwise work,
+    called through its wrappers 4 times a layer, made llama-7b's step slower than transformers' eager
+    one on both GPUs measured (docs/results.md#on-a-gpu). On a CPU the packed weights pay."""
+    return device.type != "cuda"
+
+
+def load_pair(wanted: Wanted, compile: bool | None = None, threads: int = 0) -> Pair:
     """The models ``wanted`` says, loaded once (models.load_models), wrapped for specbench's loop: its
     own forward where ``compile`` allows (lm.HFCausalLM.loaded), and the EAGLE head of
-    ``wanted.speculator``. ``threads``: torch's CPU threads (0 leaves torch's choice)."""
+    ``wanted.speculator``. ``compile`` None: on a CPU, not on CUDA. ``threads``: torch's CPU threads
+    (0 leaves torch's choice)."""
     if threads:
         torch.set_num_threads(threads)
     loaded = load_models(wanted)
+    compile = default_compile(torch.device(loaded.device)) if compile is None else compile
     target, draft, width = loaded.target, loaded.draft, loaded.width
     pair = Pair(target, None, draft, None, loaded.device, loaded.dtype, width, loaded.prompt_tokenizer)
     if not wanted.weights:  # only vLLM decodes: it loads the weights, this process needs their shapes

@@ -221,3 +221,13 @@ def test_on_cuda_the_forward_is_compiled_at_build_and_scores_as_eager(tiny_pair)
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.float(), w.float(), rtol=0.05, atol=0.1)
     assert dict(counters["frames"]) == frames  # nothing compiled after the build
+
+
+def test_a_run_without_compile_given_gets_the_own_forward_on_a_cpu_and_eager_on_cuda(tiny_pair):
+    from specbench.models.load import Wanted
+    from specbench.models.pair import default_compile, load_pair
+
+    assert default_compile(torch.device("cpu")) and not default_compile(torch.device("cuda", 1))
+    pair = load_pair(Wanted(*tiny_pair, device="cpu"))
+    assert pair.target_lm.fast is not None and pair.draft_lm.fast is not None
+    assert load_pair(Wanted(*tiny_pair, device="cpu"), compile=False).target_lm.fast is None
