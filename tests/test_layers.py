@@ -140,6 +140,14 @@ def test_the_command_line_parses_and_checks_options_without_torch():
     assert done.stdout.strip() == "[]"
 
 
+def test_compare_reads_and_judges_runs_without_the_heavy_libraries():
+    # numpy only (the bootstrap): pandas alone cost compare about a third of a second at every start.
+    probe = f"import sys; import specbench.results.compare; print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=PACKAGE.parent)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
 def test_no_module_is_over_about_800_lines():
     assert {name: n for name, path in FILES.items() if (n := len(path.read_text().splitlines())) > 800} == {}
 

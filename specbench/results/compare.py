@@ -17,10 +17,10 @@ could not be judged on any row.
 """
 
 import json
+import math
 from collections import namedtuple
 
 import numpy as np
-import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
@@ -32,11 +32,13 @@ from specbench.results.rundir import (
     DECODER,
     METRICS,
     REQUIRED_KEYS,
+    Rows,
     cell_text,
     has_categories,
     load_machine,
     load_records,
     load_summary,
+    number,
     pick_baseline,
 )
 
@@ -78,7 +80,6 @@ STATUS_STYLES = {
     NOT_COMPARABLE: "yellow",
 }
 BOOTSTRAP, POINT = "paired bootstrap", "point"
-EMPTY = pd.DataFrame(index=pd.Index([], name="prompt_index"))  # a decoder a run's records.csv does not hold
 _EPS = 1e-9  # 0.99 / 1.1 - 1 is -0.10000000000000009: a change of exactly the tolerance must stay ok
 
 # change: relative for timings; ci_low, ci_high: the interval of that change over `prompts` paired prompts.
@@ -98,21 +99,26 @@ Comparison = namedtuple(
 )
 
 
-def _differing(baseline: pd.DataFrame, current: pd.DataFrame, column: str) -> str | None:
+def _columns(rows: Rows) -> dict:
+    """The columns of ``rows``, in order: every key any row has."""
+    return dict.fromkeys(column for row in rows for column in row)
+
+
+def _differing(baseline: Rows, current: Rows, column: str) -> str | None:
     """ "a vs b" when both files have the column and its values differ; a blank is unknown, not different."""
-    before, after = (", ".join(sorted({cell_text(v) for v in df.get(column, [])} - {""})) for df in (baseline, current))
+    before, after = (", ".join(sorted({cell_text(r.get(column)) for r in rows} - {""})) for rows in (baseline, current))
     return f"{before} vs {after}" if before and after and before != after else None
 
 
-def _decoder(df: pd.DataFrame, keys: list[str]) -> pd.Series:
-    """Each row's method, k, tree and policy as text, of those in ``keys`` (the columns both runs
+def _decoder(row: dict, keys: list[str]) -> str:
+    """A row's method, k, tree and policy as text, of those in ``keys`` (the columns both runs
     have): what ties a summary row to its records."""
-    labels = [" ".join(f"{c}={cell_text(row[c])}" for c in DECODER if c in keys) for row in df.to_dict("records")]
-    return pd.Series(labels, index=df.index, dtype=object)
+    return " ".join(f"{c}={cell_text(_key_value(row.get(c)))}" for c in DECODER if c in keys)
 
 
-def _choose_metrics(baseline: pd.DataFrame, current: pd.DataFrame, metrics: list[str] | None) -> list[str]:
-    shared = [m for m in schema.GATED if m in baseline.columns and m in current.columns]
+def _choose_metrics(baseline: Rows, current: Rows, metrics: list[str] | None) -> list[str]:
+    columns = _columns(baseline), _columns(current)
+    shared = [m for m in schema.GATED if all(m in c for c in columns)]
     if not (chosen := list(dict.fromkeys(metrics or shared))):
         raise SpecbenchError(
             f"the two summaries share none of the metrics {', '.join(schema.GATED)}; compare files written by `specbench run`"
@@ -120,7 +126,7 @@ def _choose_metrics(baseline: pd.DataFrame, current: pd.DataFrame, metrics: list
     if unknown := [m for m in chosen if m not in METRICS]:
         raise SpecbenchError(f"unknown metric {', '.join(unknown)}; choose from {', '.join(METRICS)}")
     if absent := [
-        (name, m) for name, df in (("baseline", baseline), ("current", current)) for m in chosen if m not in df
+        (name, m) for name, c in zip(("baseline", "current"), columns, strict=True) for m in chosen if m not in c
     ]:
         raise SpecbenchError(
             f"the {absent[0][0]} summary has no column {absent[0][1]}; drop that --metric or regenerate the file"
@@ -128,34 +134,54 @@ def _choose_metrics(baseline: pd.DataFrame, current: pd.DataFrame, metrics: list
     return chosen
 
 
-def _normalised(baseline: pd.DataFrame, current: pd.DataFrame, keys: list[str]) -> list[pd.DataFrame]:
-    """Both frames with keys that match across files: 4, 4.0 and "4" are equal, and blanks equal blanks."""
-    both = pd.concat([baseline, current], keys=[0, 1])  # so that a column gets the same type in both files
-    for column in keys:
+def _key_value(value):
+    """A key cell that matches across files: 4, 4.0 and "4" are equal (numbers compare by value, and
+    4 == 4.0 in a dict), and every blank is None."""
+    if value is None or value == "" or (isinstance(value, float) and math.isnan(value)):
+        return None
+    if isinstance(value, str):
+        text = value.strip()
         try:
-            both[column] = pd.to_numeric(both[column])
-        except (ValueError, TypeError):
-            both[column] = both[column].map(cell_text)
-    try:
-        both["k"] = both["k"].astype("Int64")  # blank for methods without K (0 in hand-made files)
-    except (ValueError, TypeError):
-        raise SpecbenchError("column k holds values that are not whole numbers; fix or regenerate the file") from None
-    return [both.loc[0], both.loc[1]]
+            return int(text)
+        except ValueError:
+            try:
+                value = float(text)
+            except ValueError:
+                return text
+    return None if isinstance(value, float) and math.isnan(value) else value
+
+
+def _normalised(rows: Rows, keys: list[str], chosen: list[str]) -> Rows:
+    """The key and metric cells of ``rows``: keys as _key_value, k a whole number, metrics floats or None."""
+    out = []
+    for row in rows:
+        kept = {c: _key_value(row.get(c)) for c in keys}
+        k = kept["k"]
+        if k is not None and (isinstance(k, str) or float(k) != int(k)):
+            raise SpecbenchError("column k holds values that are not whole numbers; fix or regenerate the file")
+        kept["k"] = None if k is None else int(k)  # blank for methods without K (0 in hand-made files)
+        out.append(kept | {m: number(row.get(m)) for m in chosen})
+    return out
 
 
 def _interval(records: list, decoder: str, metric: str, values: list[float], confidence: float) -> tuple:
     """(ci_low, ci_high, prompts, why there is no interval: "" when there is one) of the relative
     change of ``metric`` on one summary row, whose values in the two summaries are ``values``.
-    ``records``: each run's records by decoder, indexed by prompt (None: the run has no records.csv)."""
+    ``records``: each run's records by decoder, then by prompt (None: the run has no records.csv)."""
     if metric not in PER_PROMPT:
         return None, None, None, f"{metric} is not a rate summed over prompts"
-    if absent := [name for name, df in zip(("baseline", "current"), records, strict=True) if df is None]:
+    if absent := [
+        name for name, by_decoder in zip(("baseline", "current"), records, strict=True) if by_decoder is None
+    ]:
         return None, None, None, f"no records.csv in the {' and '.join(absent)} run"
-    base, cur = (by_decoder.get(decoder, EMPTY) for by_decoder in records)
-    shared = base.index.intersection(cur.index).sort_values()
+    base, cur = (by_decoder.get(decoder, {}) for by_decoder in records)
+    shared = sorted(base.keys() & cur.keys())
     if len(shared) < 2:
         return None, None, len(shared), f"{len(shared)} prompt(s) in both runs' records.csv, too few to resample"
-    parts = [df.loc[shared, PER_PROMPT[metric]].to_numpy(float) for df in (base, cur)]
+    parts = [
+        np.array([[number(by_prompt[i][c]) for c in PER_PROMPT[metric]] for i in shared], dtype=float)  # blank: NaN
+        for by_prompt in (base, cur)
+    ]
     # Stale or foreign records would lend the summary's values an interval that is not theirs.
     if not np.allclose([rate_of_sums(p) for p in parts], values, rtol=1e-6):
         return None, None, len(shared), "records.csv does not reproduce summary.csv over the shared prompts"
@@ -163,41 +189,41 @@ def _interval(records: list, decoder: str, metric: str, values: list[float], con
     return low, high, len(shared), ""
 
 
-def _intervals(merged: pd.DataFrame, metric: str, compared: pd.Series, records: list, confidence: float):
-    """_interval on every compared row, as the columns "<metric> ci_low", "ci_high", "prompts", "why"."""
-    values = merged[[f"{metric} base", f"{metric} cur"]].to_numpy(float)
-    intervals = [
-        _interval(records, decoder, metric, list(pair), confidence) if judge else (None, None, None, "")
-        for decoder, judge, pair in zip(merged["_decoder"], compared, values, strict=True)
-    ]
-    columns = [f"{metric} {name}" for name in ("ci_low", "ci_high", "prompts", "why")]
-    return pd.DataFrame(intervals, index=merged.index, columns=columns)
+def _by_decoder(records: Rows | None, keys: list[str]) -> dict | None:
+    """A run's records by decoder, then by prompt index: what every row and metric's interval reads."""
+    if records is None:
+        return None
+    split = {}
+    for row in records:
+        split.setdefault(_decoder(row, keys), {})[int(float(row["prompt_index"]))] = row
+    return split
 
 
-def _judge(
-    merged: pd.DataFrame, side: pd.Series, incomparable: pd.Series, metric: str, tolerance: float, abs_tolerance: float
-):
-    """The status and change of one metric on every merged row (``side``: MISSING, NEW or "" per row;
-    ``incomparable``: rows whose values measure different machines)."""
-    base, cur = merged[f"{metric} base"].astype(float), merged[f"{metric} cur"].astype(float)
-    if metric in RELATIVE:
-        change, width = (cur / base - 1).where(base != 0), tolerance
-        # Where the prompts gave an interval, all of it must lie beyond the tolerance: noise that
-        # might explain the change does not fail a build.
-        low, high = merged[f"{metric} ci_low"].fillna(change), merged[f"{metric} ci_high"].fillna(change)
-    else:
-        change = low = high = cur - base
-        width = abs_tolerance
-    below, above = high < -width - _EPS, low > width + _EPS
+def _judge(row: dict, metric: str, incomparable: bool, tolerance: float, abs_tolerance: float) -> tuple:
+    """The status and change of one metric on a merged row (its "side": MISSING, NEW or "";
+    ``incomparable``: its values measure different machines)."""
+    base, cur = row[f"{metric} base"], row[f"{metric} cur"]
+    change = low = high = None
+    if base is not None and cur is not None:
+        if metric in RELATIVE:
+            change = cur / base - 1 if base != 0 else None
+            # Where the prompts gave an interval, all of it must lie beyond the tolerance: noise that
+            # might explain the change does not fail a build.
+            low, high = (
+                change if row.get(f"{metric} {b}") is None else row[f"{metric} {b}"] for b in ("ci_low", "ci_high")
+            )
+        else:
+            change = low = high = cur - base
+    width = tolerance if metric in RELATIVE else abs_tolerance
+    below = high is not None and high < -width - _EPS
+    above = low is not None and low > width + _EPS
     worse, better = (below, above) if schema.BY_NAME[metric].better == schema.HIGHER else (above, below)
     # The first true condition wins: a row gone from the current run is missing whatever its baseline held,
     # and a baseline without a value (alpha of the baseline method) holds the current run to nothing.
-    status = np.select(
-        [side != "", base.isna(), cur.isna(), incomparable, worse, better],
-        [side, SKIPPED, MISSING, NOT_COMPARABLE, REGRESSED, IMPROVED],
-        OK,
-    )
-    return status, change.where(np.isin(status, JUDGED))
+    conditions = [row["_side"] != "", base is None, cur is None, incomparable, worse, better]
+    statuses = [row["_side"], SKIPPED, MISSING, NOT_COMPARABLE, REGRESSED, IMPROVED]
+    status = next((s for c, s in zip(conditions, statuses, strict=True) if c), OK)
+    return status, change if status in JUDGED else None
 
 
 def _machine_difference(machines: tuple) -> str:
@@ -211,11 +237,11 @@ def _machine_difference(machines: tuple) -> str:
     return f"the machines differ: {', '.join(differ)}" if differ else ""
 
 
-def _unjudged(merged: pd.DataFrame, chosen: list[str], elsewhere: str, unlike: set) -> list[Unjudged]:
+def _unjudged(merged: Rows, chosen: list[str], elsewhere: str, unlike: set) -> list[Unjudged]:
     """The chosen metrics of which no row was held to the tolerance, grouped by why."""
     causes = {}
     for m in chosen:
-        if merged[f"{m} status"].isin(VERDICTS).any():
+        if any(row[f"{m} status"] in VERDICTS for row in merged):
             continue
         if elsewhere.startswith("no machine") and m in unlike:  # runs older than the fingerprint
             cause = elsewhere, "record that run again with this specbench, or pass --allow-unjudged"
@@ -233,7 +259,7 @@ def _unjudged(merged: pd.DataFrame, chosen: list[str], elsewhere: str, unlike: s
     return [Unjudged(ms, *cause) for cause, ms in causes.items()]
 
 
-def compare_frames(
+def compare_rows(
     baseline,
     current,
     tolerance=0.10,
@@ -246,9 +272,9 @@ def compare_frames(
     confidence=0.95,
     allow_unjudged=False,
 ):
-    """Match the rows of two summary frames on configuration and judge each metric (a list of names,
-    default schema.GATED); the names label the files in messages. ``records``: the runs' records.csv
-    frames (load_records), which give timing changes a ``confidence`` interval; ``machines``: their
+    """Match the rows of two summaries (load_summary: lists of dicts) on configuration and judge each
+    metric (a list of names, default schema.GATED); the names label the files in messages. ``records``:
+    the runs' records.csv rows (load_records), which give timing changes a ``confidence`` interval; ``machines``: their
     fingerprints (load_machine), without which absolute timings are not judged. A metric judged on no
     row sets exit code 3 unless ``allow_unjudged``. Returns a Comparison. No I/O."""
     if not (0 <= tolerance < 1 and abs_tolerance >= 0 and 0 < confidence < 1):
@@ -262,22 +288,35 @@ def compare_frames(
             "template or tokenizer makes them incomparable; rerun the baseline"
         )
     chosen = _choose_metrics(baseline, current, metrics)
-    keys = REQUIRED_KEYS + [c for c in OPTIONAL_KEYS if c in baseline.columns and c in current.columns]
-    base, cur = _normalised(baseline[keys + chosen], current[keys + chosen], keys)
-    for df, name in ((base, baseline_name), (cur, current_name)):
-        if len(twice := df[df.duplicated(keys)]):
-            shown = ", ".join(f"{c}={cell_text(twice[c].iloc[0])}" for c in keys)
-            raise SpecbenchError(f"{name or 'a summary'} has more than one row for {shown}; keep one per configuration")
-    ordered = base.assign(_base_order=range(len(base))), cur.assign(_cur_order=range(len(cur)))
-    merged = pd.merge(*ordered, how="outer", on=keys, validate="one_to_one", indicator=True, suffixes=(" base", " cur"))
-    if not (merged["_merge"] == "both").any():
+    columns = _columns(baseline), _columns(current)
+    keys = REQUIRED_KEYS + [c for c in OPTIONAL_KEYS if all(c in cs for cs in columns)]
+    sides = []
+    for rows, name in ((baseline, baseline_name), (current, current_name)):
+        by_key = {}
+        for row in _normalised(rows, keys, chosen):
+            if (key := tuple(row[c] for c in keys)) in by_key:
+                shown = ", ".join(f"{c}={cell_text(row[c])}" for c in keys)
+                raise SpecbenchError(
+                    f"{name or 'a summary'} has more than one row for {shown}; keep one per configuration"
+                )
+            by_key[key] = row
+        sides.append(by_key)
+    base, cur = sides
+    if not base.keys() & cur.keys():
         raise SpecbenchError(
             f"no row of the current run matches a baseline row on {', '.join(keys)}; "
             "run the same configuration as the baseline"
         )
-    merged = merged.sort_values(["_base_order", "_cur_order"], ignore_index=True)  # baseline rows, then new ones
-    merged["_decoder"] = _decoder(merged, keys)
-    side = merged["_merge"].map({"left_only": MISSING, "right_only": NEW, "both": ""}).astype(str)
+
+    def merged_row(key: tuple, side: str) -> dict:
+        b, c = base.get(key, {}), cur.get(key, {})
+        values = {f"{m} {name}": row.get(m) for m in chosen for name, row in (("base", b), ("cur", c))}
+        row = dict(zip(keys, key, strict=True)) | values | {"_side": side}
+        return row | {"_decoder": _decoder(row, keys)}
+
+    # The baseline's rows in its order, then the current run's new ones in theirs.
+    merged = [merged_row(key, "" if key in cur else MISSING) for key in base]
+    merged += [merged_row(key, NEW) for key in cur if key not in base]
     note = "{} differs ({}): timing metrics are not comparable; restrict with --metric alpha --metric tau"
     notes = [note.format(c, values) for c in CONTEXT if (values := _differing(baseline, current, c))]
     elsewhere = _machine_difference(machines)
@@ -287,32 +326,37 @@ def compare_frames(
     # Efficiency, the run's speedup over what its own forwards predict, is judged anywhere: the machine's
     # speed cancels out of it, so a loop that got slower fails it on any runner.
     unlike = (ABSOLUTE if elsewhere.startswith("no machine fingerprint") else RELATIVE) - set(schema.PORTABLE)
-    # Each run's records split by decoder once: every row and metric's interval reads its own.
-    records = [
-        None
-        if df is None
-        else {d: rows.set_index("prompt_index") for d, rows in df.assign(decoder=_decoder(df, keys)).groupby("decoder")}
-        for df in records
-    ]
+    records = [_by_decoder(rows, keys) for rows in records]
     gaps = {}  # (why, rows without an interval, rows compared) -> the metrics without one
     for m in chosen:
-        incomparable = pd.Series(bool(elsewhere) and m in unlike, index=merged.index)
-        compared = (side == "") & merged[f"{m} base"].notna() & merged[f"{m} cur"].notna() & ~incomparable
+        incomparable = bool(elsewhere) and m in unlike
         if m in RELATIVE:
-            merged = merged.join(_intervals(merged, m, compared, records, confidence))
-            for why, n in merged.loc[merged[f"{m} why"] != "", f"{m} why"].value_counts(sort=False).items():
-                gaps.setdefault((why, n, compared.sum()), []).append(m)
-        merged[f"{m} status"], merged[f"{m} change"] = _judge(merged, side, incomparable, m, tolerance, abs_tolerance)
+            compared, whys = 0, {}
+            for row in merged:
+                judge = row["_side"] == "" and None not in (row[f"{m} base"], row[f"{m} cur"]) and not incomparable
+                values = [row[f"{m} base"], row[f"{m} cur"]]
+                interval = _interval(records, row["_decoder"], m, values, confidence) if judge else (None,) * 3 + ("",)
+                row.update(
+                    zip([f"{m} {name}" for name in ("ci_low", "ci_high", "prompts", "why")], interval, strict=True)
+                )
+                compared += judge
+                if why := interval[3]:
+                    whys[why] = whys.get(why, 0) + 1
+            for why, n in whys.items():
+                gaps.setdefault((why, n, compared), []).append(m)
+        for row in merged:
+            row[f"{m} status"], row[f"{m} change"] = _judge(row, m, incomparable, tolerance, abs_tolerance)
     notes += [
         f"{', '.join(ms)}: no {confidence * 100:g}% interval{'' if n == total else f' on {n} of {total} rows'} "
         f"({why}); judged on the point values with the ±{tolerance:.0%} tolerance"
         for (why, n, total), ms in gaps.items()
     ]
-    statuses = merged[[f"{m} status" for m in chosen]]
-    failing, improved = statuses.isin(FAILING).any(axis=1), (statuses == IMPROVED).any(axis=1)
-    merged["_status"] = np.select([side != "", failing, improved], [side, REGRESSED, IMPROVED], OK)
+    for row in merged:
+        statuses = [row[f"{m} status"] for m in chosen]
+        failing, improved = any(s in FAILING for s in statuses), IMPROVED in statuses
+        row["_status"] = row["_side"] or (REGRESSED if failing else IMPROVED if improved else OK)
     # Short row labels: only the key columns that vary, always with k and method.
-    shown = [c for c in keys if c in ("k", "method") or merged[c].nunique(dropna=False) > 1]
+    shown = [c for c in keys if c in ("k", "method") or len({row[c] for row in merged}) > 1]
     rows = [
         RowVerdict(
             {c: r[c] for c in keys},
@@ -320,7 +364,7 @@ def compare_frames(
             r["_status"],
             [_metric_verdict(m, r) for m in chosen],
         )
-        for r in merged.astype(object).where(merged.notna(), None).to_dict("records")
+        for r in merged
     ]
     unjudged = _unjudged(merged, chosen, elsewhere, unlike)
     failed = any(row.status in FAILING for row in rows)
@@ -501,9 +545,9 @@ def run_compare(
     SpecbenchError)."""
     baseline, note = pick_baseline(baseline, load_machine(current))
     grouped = has_categories(baseline) and has_categories(current)  # per-category rows are judged too
-    frames = load_summary(baseline, grouped), load_summary(current, grouped)
-    comparison = compare_frames(
-        *frames,
+    summaries = load_summary(baseline, grouped), load_summary(current, grouped)
+    comparison = compare_rows(
+        *summaries,
         tolerance,
         abs_tolerance,
         metrics,

@@ -12,8 +12,6 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import pandas as pd
-
 from specbench.core.errors import SpecbenchError
 from specbench.core.files import replacing
 from specbench.results import schema
@@ -254,55 +252,79 @@ def _run_dir(path: str | Path) -> Path:
     return given if given.is_dir() else given.parent
 
 
-def _read_csv(p: Path, hint: str, **options) -> pd.DataFrame:
+Rows = list[dict]  # a CSV file's rows, each a dict of its columns (compare reads runs without pandas: startup time)
+
+
+def _read_csv(p: Path, hint: str) -> tuple[list[str], Rows]:
+    """A CSV file's columns and its rows, every value as text ("" for a blank)."""
     try:
-        return pd.read_csv(p, **options)
-    except (ValueError, OSError) as exc:  # pandas' parser and empty-file errors are ValueErrors
+        with open(p, newline="", encoding="utf-8") as f:
+            reader = csv.DictReader(f)
+            rows, columns = list(reader), list(reader.fieldnames or [])
+    except (OSError, UnicodeDecodeError, csv.Error) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise SpecbenchError(f"{p} is not a readable CSV ({reason}); {hint}") from None
+    if not columns:
+        raise SpecbenchError(f"{p} is not a readable CSV (no header); {hint}")
+    return columns, rows
 
 
-def load_summary(path: str | Path, categories: bool = False) -> pd.DataFrame:
-    """Read a run directory's summary.csv (or that file itself), checked; with ``categories`` its
-    categories.csv rows follow (summary.csv's rows have an empty group_by and category)."""
-    df = _load_summary(path)
+def number(value) -> float | None:
+    """A metric's cell as a float; None for a blank (or NaN). Raises ValueError for text."""
+    if value is None or value == "":
+        return None
+    value = float(value)
+    return None if math.isnan(value) else value
+
+
+def _numbers(rows: Rows, columns: list[str], p: Path, strict: bool) -> Rows:
+    """The metric columns of ``rows`` as numbers: text in one refuses the file when ``strict``, else reads as blank."""
+    metrics = [m for m in METRICS if m in columns]
+    for row in rows:
+        for metric in metrics:
+            try:
+                row[metric] = number(row[metric])
+            except ValueError:
+                if strict:
+                    raise SpecbenchError(
+                        f"column {metric} in {p} holds non-numeric values; fix or regenerate the file"
+                    ) from None
+                row[metric] = None
+    return rows
+
+
+def load_summary(path: str | Path, categories: bool = False) -> Rows:
+    """Read a run directory's summary.csv (or that file itself), checked, its metrics as numbers; with
+    ``categories`` its categories.csv rows follow (summary.csv's rows have an empty group_by and category)."""
+    rows = _load_summary(path)
     if not categories:
-        return df
+        return rows
     p = _run_dir(path) / "categories.csv"
-    grouped = _read_csv(
-        p, "pass a categories.csv written by `specbench run`", dtype={"prompts_hash": str, "category": str}
-    )
-    if missing := [c for c in (*REQUIRED_KEYS, "group_by", "category") if c not in grouped.columns]:
+    columns, grouped = _read_csv(p, "pass a categories.csv written by `specbench run`")
+    if missing := [c for c in (*REQUIRED_KEYS, "group_by", "category") if c not in columns]:
         raise SpecbenchError(f"{p} lacks the columns {', '.join(missing)}; pass a categories.csv from `specbench run`")
-    for metric in [m for m in METRICS if m in grouped.columns]:
-        grouped[metric] = pd.to_numeric(grouped[metric], errors="coerce")
-    return pd.concat([df.assign(group_by="", category=""), grouped], ignore_index=True)
+    return [{**row, "group_by": "", "category": ""} for row in rows] + _numbers(grouped, columns, p, strict=False)
 
 
 def has_categories(path: str | Path) -> bool:
     return (_run_dir(path) / "categories.csv").is_file()
 
 
-def _load_summary(path: str | Path) -> pd.DataFrame:
+def _load_summary(path: str | Path) -> Rows:
     given = Path(path)
     p = given / "summary.csv" if given.is_dir() else given
     if not p.is_file():
         problem = "has no summary.csv" if given.is_dir() else "does not exist"
         raise SpecbenchError(f"{given} {problem}; pass a run directory containing summary.csv or a summary.csv file")
-    # A hash made only of digits is still a hash.
-    df = _read_csv(p, "pass a summary.csv written by `specbench run`", dtype={"prompts_hash": str})
-    if missing := [c for c in REQUIRED_KEYS if c not in df.columns]:
+    columns, rows = _read_csv(p, "pass a summary.csv written by `specbench run`")
+    if missing := [c for c in REQUIRED_KEYS if c not in columns]:
         raise SpecbenchError(f"{p} lacks the columns {', '.join(missing)}; pass a summary.csv from `specbench run`")
-    if df.empty:
+    if not rows:
         raise SpecbenchError(f"{p} has a header but no rows; re-run the benchmark")
-    for metric in [m for m in METRICS if m in df.columns]:
-        if (numbers := pd.to_numeric(df[metric], errors="coerce")).count() < df[metric].count():
-            raise SpecbenchError(f"column {metric} in {p} holds non-numeric values; fix or regenerate the file")
-        df[metric] = numbers
-    return df
+    return _numbers(rows, columns, p, strict=True)
 
 
-def load_records(path: str | Path, categories: bool = False) -> pd.DataFrame | None:
+def load_records(path: str | Path, categories: bool = False) -> Rows | None:
     """The records.csv beside a run's summary, checked; None when the run has none. With
     ``categories`` every record also stands for its category's rows (group_by and category set
     as in the run's categories.csv), after a copy for summary.csv's (both empty)."""
@@ -310,19 +332,21 @@ def load_records(path: str | Path, categories: bool = False) -> pd.DataFrame | N
     if not p.is_file():
         return None
     hint = "regenerate the run, or delete records.csv to compare without confidence intervals"
-    df = _read_csv(p, hint)
-    if missing := [c for c in ["method", "k", "prompt_index", *schema.RATES["speedup"]] if c not in df.columns]:
+    columns, rows = _read_csv(p, hint)
+    if missing := [c for c in ["method", "k", "prompt_index", *schema.RATES["speedup"]] if c not in columns]:
         raise SpecbenchError(f"{p} lacks the columns {', '.join(missing)}; {hint}")
-    if df.duplicated([c for c in (*DECODER, "prompt_index") if c in df]).any():
+    identity = [c for c in (*DECODER, "prompt_index") if c in columns]
+    if len({tuple(cell_text(row[c]) for c in identity) for row in rows}) < len(rows):
         raise SpecbenchError(f"{p} has more than one row for a prompt and method; {hint}")
     if not categories:
-        return df
-    group_by = pd.read_csv(p.parent / "categories.csv", usecols=["group_by"])["group_by"]
-    if group_by.empty or group_by.iloc[0] not in df:
-        return df.assign(group_by="", category="")
-    column = group_by.iloc[0]
-    grouped = df.assign(group_by=column, category=df[column].map(cell_text))
-    return pd.concat([df.assign(group_by="", category=""), grouped[grouped["category"] != ""]], ignore_index=True)
+        return rows
+    _, grouped = _read_csv(p.parent / "categories.csv", "pass a categories.csv written by `specbench run`")
+    column = grouped[0]["group_by"] if grouped and "group_by" in grouped[0] else ""
+    plain = [{**row, "group_by": "", "category": ""} for row in rows]
+    if column not in columns:
+        return plain
+    by_category = [{**row, "group_by": column, "category": cell_text(row[column])} for row in rows]
+    return plain + [row for row in by_category if row["category"] != ""]
 
 
 def load_machine(path: str | Path) -> dict | None:
@@ -335,7 +359,7 @@ def load_machine(path: str | Path) -> dict | None:
 
 def cell_text(value) -> str:
     """A key cell as text: 4.0 shows as 4, a blank as nothing."""
-    if value is None or pd.isna(value):
+    if value is None or (isinstance(value, float) and math.isnan(value)):
         return ""
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value).strip()
 

@@ -336,7 +336,7 @@ def test_compare_judges_the_per_category_rows(tiny_pair, spec_bench_file, tmp_pa
     out = tmp_path / "base"
     run(config(tiny_pair, spec_bench_file, ks=[2], per_category=1), out)
     both = load_summary(out, categories=True)
-    assert set(both["category"]) == {"", "writing", "roleplay", "reasoning", "translation", "summarization"}
+    assert {row["category"] for row in both} == {"", "writing", "roleplay", "reasoning", "translation", "summarization"}
     current = tmp_path / "cur"
     current.mkdir()
     for path in out.iterdir():
