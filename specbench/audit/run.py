@@ -231,6 +231,11 @@ def plan_of(cfg: BenchConfig, given: dict) -> AuditPlan:
     """The audit `cfg` (the run's options, validated) and ``given`` (options.AUDIT's values) ask for."""
     for option in AUDIT:
         option.validate(given[option.name])
+    if cfg.synthetic_acceptance is not None:
+        raise SpecbenchError(
+            "--synthetic-acceptance keeps drafts without verifying them, so nothing it decodes is exact: "
+            "the audit judges exactness, drop it"
+        )
     if unknown := [name for name in given["broken"] if name not in BROKEN and name != "all"]:
         raise SpecbenchError(f"--broken {unknown[0]}: choose from {', '.join(BROKEN)}, or all")
     broken = list(BROKEN.values()) if "all" in given["broken"] else [BROKEN[name] for name in given["broken"]]

@@ -116,6 +116,7 @@ class BenchConfig:
     top_p: float = option_default("top_p")
     eta: float = option_default("eta")
     seed: int = option_default("seed")
+    synthetic_acceptance: float | None = option_default("synthetic_acceptance")
     device: str = option_default("device")
     dtype: str = option_default("dtype")
     repeats: int = option_default("repeats")
@@ -339,6 +340,7 @@ class BenchConfig:
             eta=self.eta,
             max_new_tokens=self.max_new_tokens,
             seed=self.seed,
+            synthetic_acceptance=self.synthetic_acceptance,
         )
 
     def requests(self, stop_ids) -> Sampling:
@@ -400,6 +402,7 @@ class BenchConfig:
                 f"--method {heads[0]} needs --speculator PATH: an EAGLE-3 head's checkpoint directory "
                 "(`specbench distill --kind eagle` trains one)"
             )
+        self.validate_synthetic()
         self.validate_engines()
         long = self.dataset in LONG_DATASETS
         problems = [
@@ -438,6 +441,38 @@ class BenchConfig:
         for bad, message in problems:
             if bad:
                 raise SpecbenchError(message)
+
+    def validate_synthetic(self) -> None:
+        """--synthetic-acceptance: only where a chain's drafts can be kept by rate instead of verified,
+        specbench's loop and the llama-servers specbench starts."""
+        acceptance = self.synthetic_acceptance
+        if acceptance is None:
+            return
+        if other := [engine for engine in self.engines if engine not in ("torch", "llama-cpp")]:
+            raise SpecbenchError(
+                f"--synthetic-acceptance with --engine {other[0]}: specbench sets it only in its own loop and in "
+                "the llama-servers it starts (--engine llama-cpp); give a server its own flags instead "
+                "(vLLM's synthetic_acceptance_rates, llama-server's --spec-synth-rates)"
+            )
+        if acceptance >= 1 and (short := [k for k in self.ks if acceptance > k + 1]):
+            raise SpecbenchError(
+                f"--synthetic-acceptance {acceptance:g} tokens per round: a round of K = {short[0]} yields at most "
+                f"{short[0] + 1}; lower it, or raise --k"
+            )
+        if "llama-cpp" in self.engines:
+            return  # every llama-server drafter is a chain
+        for name in self.methods:
+            method = METHODS.get(name)
+            # A level beneath the drafter is verified by the drafter, through the same rule: keep it exact.
+            if (
+                method is not None
+                and method.drafts
+                and (method.engine != "torch" or not method.chains or method.inner_level)
+            ):
+                raise SpecbenchError(
+                    f"--synthetic-acceptance keeps a prefix of one chain of drafts, and --method {name} does not "
+                    "verify one in specbench's loop: drop one of them"
+                )
 
     def validate_engines(self) -> None:
         """What --engine allows: every error here comes before any model loads or engine starts."""

@@ -29,7 +29,7 @@ from specbench.core.environment import cache_dir
 from specbench.core.errors import SpecbenchError
 from specbench.core.machine import environment
 from specbench.core.options import FIXED
-from specbench.decoding.sampling import Sampling
+from specbench.decoding.sampling import Sampling, synthetic_rates
 from specbench.decoding.timing import MEMORY_SOURCES, PeakMemory
 from specbench.engines import llamacpp
 from specbench.engines.loop import Loop
@@ -266,7 +266,9 @@ def _benchmark(
                 lambda: write_summaries(writer, records, over, cfg.group_by),
             )  # fmt: skip
             # A margin of the plain logits says nothing of a penalised or biased argmax: those stay unlabelled.
-            if sampling.greedy and sampling.repetition_penalty == 1.0 and not sampling.logit_bias:
+            # Synthetic acceptance keeps drafts unverified: its outputs part from the baseline's by design.
+            exact = sampling.synthetic_acceptance is None
+            if exact and sampling.greedy and sampling.repetition_penalty == 1.0 and not sampling.logit_bias:
                 yield from label_divergences(loops, conversations, records, writer)
         if run is not None:
             text_of = decoded_text(pair)
@@ -356,7 +358,8 @@ def run_columns(cfg: BenchConfig, run_info: dict) -> RunColumns:
             return ",".join(part for part in (parallel, extra) if part)
         return decoder.options_column(cfg)
 
-    sampling = {name: getattr(cfg, name) for name in ("temperature", "top_k", "top_p", "eta", "seed", "max_new_tokens")}
+    names = ("temperature", "top_k", "top_p", "eta", "seed", "max_new_tokens", "synthetic_acceptance")
+    sampling = {name: getattr(cfg, name) for name in names}
     return RunColumns(run_info, sampling, options, cfg.random_weights)
 
 
@@ -382,6 +385,8 @@ def launch_llama_cpp(
     slots = max(cfg.concurrency)
     for decoder in decoders:
         speculation = decoder.method.speculation(decoder.k, draft, head)
+        if speculation is not None and cfg.synthetic_acceptance is not None:
+            speculation = replace(speculation, synthetic=tuple(synthetic_rates(cfg.synthetic_acceptance, decoder.k)))
         decoder.method.command = llamacpp.command(server, target, slots, context, speculation, cfg.llama_threads)
     if draft_server is not None:
         draft_server.command = llamacpp.command(server, draft, 1, context, threads=cfg.llama_threads)
@@ -588,7 +593,8 @@ def serve_rows(
                 writer.write_csv("counters.csv", counters)
         else:
             yield event
-    if run.engine in HTTP_ENGINES and run.sampling.greedy and run.api == "completions":
+    exact = run.sampling.synthetic_acceptance is None  # synthetic acceptance parts from the baseline by design
+    if exact and run.engine in HTTP_ENGINES and run.sampling.greedy and run.api == "completions":
         # Rows whose baseline prompt this run did not send (kept by --resume) stay unlabelled.
         todo = [
             r for r in records

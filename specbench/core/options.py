@@ -317,6 +317,19 @@ RUN: tuple[Option, ...] = (
         "seed", 0, "Base seed; each prompt's generators derive from (seed, prompt index, method).", panel=DECODING_PANEL
     ),
     Option(
+        "synthetic_acceptance",
+        None,
+        "Benchmarking only, not exact: instead of verifying, accept each draft token with this probability "
+        "(a rate below 1), or with the rate that makes this the mean tokens per round (a length from 1 to K + 1), "
+        "then take the target's own token. Measures a loop's overhead at a known acceptance against the speedup "
+        "formula. specbench's loop (chain methods) and llama.cpp (--spec-synth-rates); the rows say so, and their "
+        "outputs are not compared with the baseline's.",
+        kind=float,
+        check=lambda a: a >= 0,
+        problem="--synthetic-acceptance must be >= 0: a rate below 1, or a mean of tokens per round from 1 to K + 1",
+        panel=DECODING_PANEL,
+    ),
+    Option(
         "device",
         "auto",
         "auto (cuda, then mps, then cpu), cpu, cuda, cuda:N or mps.",

@@ -24,6 +24,7 @@ from specbench.decoding.sampling import (
     next_token,
     verify_chain_greedy,
     verify_chain_sampled,
+    verify_chain_synthetic,
     verify_tree_greedy,
     verify_tree_sampled,
     warp,
@@ -286,6 +287,10 @@ def verify(
         if not draft.is_chain:
             raise ValueError("a tree's rows take no repetition penalty or logit bias")
         target_logits = adjust(target_logits, sampling, _seen_rows(seen, draft.tokens))
+    if sampling.synthetic_acceptance is not None:
+        if not draft.is_chain:
+            raise ValueError("synthetic acceptance keeps a chain's prefix: a tree has no one path to keep")
+        return verify_chain_synthetic(draft.tokens, target_logits, sampling, generator), None
     if sampling.greedy:
         if draft.is_chain:
             return verify_chain_greedy(draft.tokens, target_logits), None

@@ -34,6 +34,9 @@ class Sampling:
     stop_ids: tuple[int, ...] = ()
     logprobs: int = 0  # how many of the likeliest tokens' log-probabilities to return per position
     stop: tuple[str, ...] = ()  # stop strings: vLLM and servers only (specbench's loop stops on ids)
+    # Benchmarking only, not exact: drafts accepted at a given rate (below 1) or mean tokens per round
+    # (1 and above) instead of verified (synthetic_rate). None: verified.
+    synthetic_acceptance: float | None = None
 
     @property
     def greedy(self) -> bool:
@@ -219,6 +222,47 @@ def verify_chain_sampled(
     read = torch.cat([accepted.view(1), draft_tokens, following]).tolist()  # the round's one host read
     n, drafts, after = read[0], read[1 : k + 1], read[k + 1 :]
     return Verdict(list(range(n)), following[n : n + 1], beta_sum, min(n + 1, k), drafts[:n] + [after[n]])
+
+
+def synthetic_rate(acceptance: float, k: int) -> float:
+    """The per-token acceptance rate of ``--synthetic-acceptance`` at lookahead ``k``: the value itself
+    below 1; from 1 on a mean of tokens per round, E = (1 - a^(k+1)) / (1 - a), solved for a (it
+    grows with a, from 1 at a = 0 to k + 1 at a = 1)."""
+    if acceptance < 1:
+        return acceptance
+    if acceptance > k + 1:
+        raise ValueError(f"a round of K = {k} yields at most {k + 1} tokens, not {acceptance:g}")
+    low, high = 0.0, 1.0
+    for _ in range(60):  # bisection to float precision
+        mid = (low + high) / 2
+        low, high = (mid, high) if sum(mid**i for i in range(k + 1)) < acceptance else (low, mid)
+    return (low + high) / 2
+
+
+def synthetic_rates(acceptance: float, k: int) -> list[float]:
+    """The unconditional acceptance probability of each of ``k`` draft positions (a^1 .. a^k): what
+    llama.cpp's --spec-synth-rates and vLLM's synthetic_acceptance_rates take."""
+    rate = synthetic_rate(acceptance, k)
+    return [rate ** (i + 1) for i in range(k)]
+
+
+def verify_chain_synthetic(
+    draft_tokens: torch.Tensor, target_logits: torch.Tensor, sampling: Sampling, generator: torch.Generator
+) -> Verdict:
+    """Not a verification (benchmarking only): each draft token is kept with probability a
+    (synthetic_rate) while all before it were, whatever the target thinks of it, and the target's own
+    token follows (argmax under greedy, else sampled from its warped row). The output is not the
+    target's law: rows decoded so are marked and never judged for exactness. beta is a at every
+    tested position, so alpha is a."""
+    k = draft_tokens.shape[0]
+    rate = synthetic_rate(sampling.synthetic_acceptance, k)
+    keep = torch.rand(k, generator=generator, device=target_logits.device) < rate
+    accepted = keep.cumprod(0).sum()
+    following = argmax(target_logits) if sampling.greedy else sample(warp(target_logits, sampling), generator)
+    read = torch.cat([accepted.view(1), draft_tokens, following.view(-1)]).tolist()  # the round's one host read
+    n, drafts, after = read[0], read[1 : k + 1], read[k + 1 :]
+    tested = min(n + 1, k)
+    return Verdict(list(range(n)), following.view(-1)[n : n + 1], rate * tested, tested, drafts[:n] + [after[n]])
 
 
 def verify_chain_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Verdict:

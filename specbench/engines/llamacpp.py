@@ -138,9 +138,13 @@ class Speculation:
     k: int
     draft: Path | None = None
     draft_sampling: str = "greedy"
+    # --synthetic-acceptance: each position's unconditional acceptance probability (benchmarking only)
+    synthetic: tuple[float, ...] = ()
 
     def args(self) -> list[str]:
         args = ["--spec-type", self.spec_type, "--spec-draft-n-max", str(self.k)]
+        if self.synthetic:
+            args += ["--spec-synth-rates", ",".join(f"{rate:.6g}" for rate in self.synthetic)]
         if self.draft is not None:
             args += ["--spec-draft-model", str(self.draft), "--spec-draft-sampling", self.draft_sampling]
         if self.spec_type in NGRAM_LOOKUPS:

@@ -118,6 +118,15 @@ COLUMNS: tuple[Column, ...] = (
     Column("top_k", CONFIG, None, "", "top-k truncation (0 = off)", files="summary"),
     Column("top_p", CONFIG, None, "", "nucleus truncation (1.0 = off)", files="summary"),
     Column("eta", CONFIG, None, "", "eta-sampling epsilon (0 = off)", files="summary"),
+    Column(
+        "synthetic_acceptance",
+        CONFIG,
+        None,
+        "",
+        "--synthetic-acceptance: drafts kept unverified at this rate (below 1) or mean tokens per round; the "
+        "outputs are not the target's. Blank: verified",
+        files="summary",
+    ),
     Column("seed", CONFIG, None, "", "base seed of every random stream", files="summary"),
     Column("max_new_tokens", CONFIG, None, "", "generation limit per prompt", files="summary"),
     Column("num_prompts", CONFIG, None, "", "prompts in the row", files="summary"),

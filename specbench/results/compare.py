@@ -50,6 +50,7 @@ OPTIONAL_KEYS = [
     "k_policy",
     "options",
     "eta",
+    "synthetic_acceptance",  # acceptance set by hand is another experiment than verification
     "max_new_tokens",
     "num_prompts",
     "seed",

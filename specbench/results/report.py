@@ -121,6 +121,12 @@ def greedy_lines(rows: list[dict]) -> list[str]:
     """What a greedy run's summary rows say of exactness, a line each: the decoders whose outputs part
     from their baseline's where no near-tie explains it (a losslessness bug), those whose divergences
     have no label, and the near-ties (the target's two likeliest tokens within what rounding flips)."""
+    if any(
+        row.get("synthetic_acceptance") not in (None, "") and not missing(row["synthetic_acceptance"]) for row in rows
+    ):
+        return [
+            "greedy outputs: not compared (--synthetic-acceptance kept drafts unverified, so they are not the target's)"
+        ]
     structural, unlabelled, ties = [], [], []
     for row in rows:
         parted = row["num_prompts"] - row["outputs_match"]

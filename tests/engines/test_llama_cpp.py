@@ -190,6 +190,20 @@ def test_the_binary_is_found_by_flag_directory_or_path_and_else_one_line(tmp_pat
         llamacpp.find_server(str(tmp_path / "nowhere"))
 
 
+@pytest.mark.llama_cpp
+def test_synthetic_acceptance_reaches_the_llama_server_and_sets_its_acceptance(in_cache, tmp_path):
+    out = tmp_path / "run"
+    args = ["--method", "draft", "--draft-sampling", "greedy", "--k", "2", "--synthetic-acceptance", "0.2"]
+    result = specbench("run", *ENGINE, *args, "--out", str(out), timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "not compared (--synthetic-acceptance" in result.stdout
+    log = (out / "servers" / "draft-greedy-k2.log").read_text()
+    assert "rates = [0.2, 0.04]" in log  # llama.cpp's own account of what it was started with
+    row = pd.read_csv(out / "summary.csv").set_index("method").loc["draft-greedy"]
+    # Kept at 0.2 then 0.04: 0.12 of the drafts, where the draft's own acceptance here is above 0.5.
+    assert row["synthetic_acceptance"] == 0.2 and row["acceptance_rate"] < 0.3 and row["tau"] < 1.5
+
+
 def test_each_server_command_speculates_as_its_method_says(tmp_path):
     server, target, draft = Path("/x/llama-server"), Path("/m/t.gguf"), Path("/m/d.gguf")
     base = llamacpp.command(server, target, 4, 300)
@@ -198,6 +212,8 @@ def test_each_server_command_speculates_as_its_method_says(tmp_path):
     drafted = llamacpp.command(server, target, 1, 300, llamacpp.Speculation("draft-simple", 3, draft, "probabilistic"))
     assert "--spec-type draft-simple --spec-draft-n-max 3 --spec-draft-model /m/d.gguf" in drafted
     assert "--spec-draft-sampling probabilistic" in drafted
+    synthetic = llamacpp.Speculation("draft-simple", 2, draft, synthetic=(0.5, 0.25))
+    assert "--spec-synth-rates 0.5,0.25" in llamacpp.command(server, target, 1, 300, synthetic)
     ngram = llamacpp.command(server, target, 1, 300, llamacpp.Speculation("ngram-simple", 4))
     assert "--spec-ngram-simple-size-m 4 --spec-ngram-simple-size-n 3" in ngram and "--spec-draft-model" not in ngram
     # A draft shorter than the n-gram it matched is dropped by llama.cpp: at K = 2 it matches 2.
