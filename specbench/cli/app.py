@@ -137,7 +137,7 @@ def _print_results(results, wide: bool = False) -> None:
     )
 
     console.print(summary_table(results.summary, results.title, wide))
-    if (serving := serving_table(results.summary)) is not None:
+    if (serving := serving_table(results.summary, wide)) is not None:
         console.print(serving)
     if (phases := phase_table(results.summary)) is not None:  # none for a serving engine's rows alone
         console.print(phases)

@@ -102,18 +102,46 @@ SERVING = (
 )
 
 
-def serving_table(rows: list[dict]) -> Table | None:
+# What the serving table shows unless --wide (the rest are in summary.csv): it fits 100 columns.
+SERVING_BRIEF = (
+    "engine", "concurrency", "request_rate", "method", "k", "spec_tokens_per_s", "throughput", "speedup",
+    "throughput_speedup", "tpot_p50_ms", "tau", "outputs_match", "failed",
+)  # fmt: skip
+LOAD = ("engine", "concurrency", "request_rate")  # shown where they vary
+
+
+def serving_table(rows: list[dict], wide: bool = False) -> Table | None:
     """Requests in flight: per engine, method, K and concurrency, each request's tokens/s and all of
     them together, with time to first token and per output token (ms); its caption says where each
-    method stops paying as the load grows (crossover.json). None for a run without a serving engine."""
+    method stops paying as the load grows (crossover.json). Without ``wide`` the columns of
+    SERVING_BRIEF, less those empty in every row and the load's with one value. None for a run
+    without a serving engine."""
     if all(row["engine"] in OWN_ENGINES for row in rows):
         return None
-    caption = "\n".join(crossover_lines(load_crossovers(rows))) or None
-    table = Table(*(header for _, header in SERVING), title="engines and requests in flight", caption=caption)
-    for column in table.columns:
-        column.justify = "right"
-    for row in rows:
-        table.add_row(*(schema.fmt(name, row.get(name)) for name, _ in SERVING))
+    cells = {name: [schema.fmt(name, row.get(name)) for row in rows] for name, _ in SERVING}
+    shown = [
+        (name, header)
+        for name, header in SERVING
+        if wide
+        or name == "method"
+        or (
+            name in SERVING_BRIEF
+            and any(cell != "-" for cell in cells[name])
+            and (name not in LOAD or len(set(cells[name])) > 1)
+        )
+    ]
+    lines = crossover_lines(load_crossovers(rows)) + ([] if wide else ["more columns: --wide, or summary.csv"])
+    table = Table(
+        title="engines and requests in flight",
+        caption="\n".join(lines),
+        box=box.SIMPLE_HEAD,
+        padding=(0, 1, 0, 0),
+        show_edge=False,
+    )
+    for name, header in shown:
+        table.add_column(header, justify="left" if name in NAMES else "right", no_wrap=not wide)
+    for i in range(len(rows)):
+        table.add_row(*(cells[name][i] for name, _ in shown))
     return table
 
 

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import logging
+import math
 import re
 import sys
 from pathlib import Path
@@ -14,8 +15,8 @@ from rich.console import Console
 from specbench.bench.config import FIELDS_BEGIN, FIELDS_END, OPTIONS, BenchConfig, fields_source
 from specbench.bench.run import Results, benchmark
 from specbench.methods.registry import METHODS
-from specbench.results import schema
-from specbench.results.report import phase_table, summary_table
+from specbench.results import report, schema
+from specbench.results.report import phase_table, serving_table, summary_table
 
 from ..helpers import cli, on_tiny_pair, one_line_error, specbench
 
@@ -233,6 +234,23 @@ def test_the_summary_table_shows_each_speedup_with_its_interval():
     ]
     table = shown(summary_table(rows, "run"))
     assert "1.84 (1.64-2.07)" in table and "1.000" in table and "(1.00-1.00)" not in table
+
+
+def test_the_serving_table_fits_100_columns_and_shows_the_rest_when_wide():
+    row = {name: 1.5 for name, _ in report.SERVING} | {"engine": "vllm", "concurrency": 1, "request_rate": math.inf}
+    rows = [
+        row | {"method": "baseline", "k": None},
+        row | {"method": "speculative", "k": 4, "acceptance_source": "response", "tau": 2.4, "failed": 0},
+        row | {"method": "speculative", "k": 4, "concurrency": 8, "acceptance_source": "response", "failed": 0},
+    ]
+    narrow = Console(width=100, record=True)
+    narrow.print(serving_table(rows))
+    brief = narrow.export_text()
+    assert max(map(len, brief.splitlines())) <= 100 and "more columns: --wide" in brief
+    header = brief.splitlines()[1]
+    assert "conc" in header and "engine" not in header and "c implied" not in brief  # only the load that varies
+    wide = shown(serving_table(rows, wide=True))
+    assert all(header in wide for _, header in report.SERVING) and "more columns" not in wide
 
 
 def test_rows_follow_the_schema(tiny_pair, prompts_file, tmp_path):
