@@ -314,7 +314,12 @@ RUN: tuple[Option, ...] = (
         panel=DECODING_PANEL,
     ),
     Option(
-        "seed", 0, "Base seed; each prompt's generators derive from (seed, prompt index, method).", panel=DECODING_PANEL
+        "seed",
+        0,
+        "Base seed; each prompt's generators derive from (seed, prompt index, method).",
+        low=0,
+        problem="--seed must be >= 0 (llama.cpp and vLLM read -1 as a random seed, which no run can repeat)",
+        panel=DECODING_PANEL,
     ),
     Option(
         "synthetic_acceptance",

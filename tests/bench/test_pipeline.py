@@ -191,6 +191,7 @@ def test_uncached_hub_model_fails_fast_with_one_line(tmp_path):
         (["--max-new-tokens", "400"], "context window"),
         (["--dataset", "xsum"], "unreachable"),
         (["--threads", "-1"], "--threads must be >= 0"),
+        (["--seed", "-1"], "--seed must be >= 0"),
         (["--k-policy", "sometimes"], "--k-policy sometimes: use one of fixed, heuristic, confidence"),
         (["--draft-p-min", "0"], "--draft-p-min must be in (0, 1]"),
         (["--draft-p-min", "0.5"], "add that policy or drop --draft-p-min"),
