@@ -6,6 +6,7 @@ baseline and the speculative decoder never share a stream of random numbers.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -224,6 +225,7 @@ def verify_chain_sampled(
     return Verdict(list(range(n)), following[n : n + 1], beta_sum, min(n + 1, k), drafts[:n] + [after[n]])
 
 
+@functools.cache  # asked every round: the bisection runs once per (value, K)
 def synthetic_rate(acceptance: float, k: int) -> float:
     """The per-token acceptance rate of ``--synthetic-acceptance`` at lookahead ``k``: the value itself
     below 1; from 1 on a mean of tokens per round, E = (1 - a^(k+1)) / (1 - a), solved for a (it
@@ -232,6 +234,8 @@ def synthetic_rate(acceptance: float, k: int) -> float:
         return acceptance
     if acceptance > k + 1:
         raise ValueError(f"a round of K = {k} yields at most {k + 1} tokens, not {acceptance:g}")
+    if acceptance == k + 1:
+        return 1.0  # every draft, exactly (the bisection would stop a hair below)
     low, high = 0.0, 1.0
     for _ in range(60):  # bisection to float precision
         mid = (low + high) / 2
@@ -253,9 +257,10 @@ def verify_chain_synthetic(
     (synthetic_rate) while all before it were, whatever the target thinks of it, and the target's own
     token follows (argmax under greedy, else sampled from its warped row). The output is not the
     target's law: rows decoded so are marked and never judged for exactness. beta is a at every
-    tested position, so alpha is a."""
+    tested position, so alpha is a. A mean of tokens per round is met at the round's own number of
+    drafts; a round too short for it (the last of a decode, a short lookup) keeps all its drafts."""
     k = draft_tokens.shape[0]
-    rate = synthetic_rate(sampling.synthetic_acceptance, k)
+    rate = synthetic_rate(min(sampling.synthetic_acceptance, k + 1), k)
     keep = torch.rand(k, generator=generator, device=target_logits.device) < rate
     accepted = keep.cumprod(0).sum()
     following = argmax(target_logits) if sampling.greedy else sample(warp(target_logits, sampling), generator)

@@ -73,6 +73,9 @@ def test_a_length_is_the_mean_of_tokens_per_round_at_its_rate():
     assert synthetic_rates(0.5, 3) == [0.5, 0.25, 0.125]  # what llama.cpp's --spec-synth-rates takes
     with pytest.raises(ValueError, match="at most 3"):
         synthetic_rate(3.5, 2)
+    # A round shorter than the length allows (a decode's last, a short lookup) keeps every draft.
+    short = sampling.verify_chain_synthetic(DRAFTS[:1], torch.zeros(2, VOCAB), Sampling(synthetic_acceptance=3.0), None)
+    assert short.accepted == 1 and short.beta_sum == 1.0
 
 
 def test_a_tree_is_refused():
