@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .helpers import CORPUS, build_llama, build_tokenizer, spec_bench_rows, write_jsonl
+from .helpers import CORPUS, build_llama, build_thinking_pair, build_tokenizer, spec_bench_rows, write_jsonl
 
 RESULTS = Path(__file__).parent.parent / "results"
 
@@ -81,6 +81,13 @@ def tiny_pair(tmp_path_factory) -> tuple[str, str]:
     target = build_llama(root / "target", tokenizer, layers=4, hidden=64, seed=0)
     draft = build_llama(root / "draft", tokenizer, layers=1, hidden=32, seed=1)
     return str(target), str(draft)
+
+
+@pytest.fixture(scope="session")
+def thinking_pair(tmp_path_factory) -> tuple[str, str, str]:
+    """(target dir, draft dir, prompts file) of a pair whose vocabulary holds <think> and </think> and
+    whose target closes its thinking part-way (helpers.build_thinking_pair)."""
+    return build_thinking_pair(tmp_path_factory.mktemp("thinking"))
 
 
 @pytest.fixture(scope="session")

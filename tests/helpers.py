@@ -93,7 +93,7 @@ def one_line_error(result, *needles):
 # ---------------------------------------------------------------- tiny models built locally (no hub)
 
 
-def build_tokenizer(path: Path, vocab_size: int = 320, seed_text: list[str] = CORPUS):
+def build_tokenizer(path: Path, vocab_size: int = 320, seed_text: list[str] = CORPUS, special: tuple[str, ...] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -101,7 +101,7 @@ def build_tokenizer(path: Path, vocab_size: int = 320, seed_text: list[str] = CO
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=["<eos>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=["<eos>", *special], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
     tok.train_from_iterator(seed_text, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
@@ -143,6 +143,44 @@ def build_llama(
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+THINKING_PROMPTS = [
+    "def square(x):\n<think>",
+    "class Stack:\n    def push(self, item):\n<think>",
+    "for k in range(3):\n<think>",
+]
+
+
+def build_thinking_pair(root: Path, hidden: int = 128) -> tuple[str, str, str]:
+    """(target dir, draft dir, prompts file) of a pair that thinks: its vocabulary holds <think> and
+    </think>, each prompt ends in <think>, and the target closes its thinking part-way through an
+    answer: its output row of </think> is a little more than the row of the token its greedy answers
+    repeat most, so </think> comes where that token would have. The draft is the target with noise
+    (it agrees with it often, not always). Heads of 32 (``hidden`` 128), the least vLLM's CPU
+    attention takes."""
+    from collections import Counter
+
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = build_tokenizer(root / "tok", special=("<think>", "</think>"))
+    build_llama(root / "target", tokenizer, layers=2, hidden=hidden, seed=0, tie=False)
+    model = AutoModelForCausalLM.from_pretrained(root / "target")
+    seen = Counter()
+    noise = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for prompt in THINKING_PROMPTS:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids
+            seen.update(model.generate(ids, max_new_tokens=24, do_sample=False)[0, ids.shape[1] :].tolist())
+        close = tokenizer.convert_tokens_to_ids("</think>")
+        model.lm_head.weight[close] = model.lm_head.weight[seen.most_common(1)[0][0]] * 1.1
+        model.save_pretrained(root / "target")
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=noise) * 0.3 * param.std())
+    model.save_pretrained(root / "draft")
+    tokenizer.save_pretrained(root / "draft")
+    prompts = write_jsonl(root / "prompts.jsonl", [{"prompt": prompt} for prompt in THINKING_PROMPTS])
+    return str(root / "target"), str(root / "draft"), str(prompts)
 
 
 def build_audit_pair(root: Path, hidden: int = 64, offset: float = 1000.0) -> tuple[str, str]:

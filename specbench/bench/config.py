@@ -123,6 +123,7 @@ class BenchConfig:
     warmup: int = option_default("warmup")
     cost_repeats: int = option_default("cost_repeats")
     threads: int = option_default("threads")
+    thinking_markers: str = option_default("thinking_markers")
     chat: str = option_default("chat")
     random_weights: bool = option_default("random_weights")
     prompt_tokens: int = option_default("prompt_tokens")

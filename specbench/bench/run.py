@@ -23,12 +23,13 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from specbench.bench.config import BenchConfig
+from specbench.bench.config import OPTIONS, BenchConfig
 from specbench.bench.serve import Answer, Counters, Progress, ServingRun, draft_alone, margins, serve_all
 from specbench.core.environment import cache_dir
 from specbench.core.errors import SpecbenchError
 from specbench.core.machine import environment
 from specbench.core.options import FIXED
+from specbench.core.thinking import Markers
 from specbench.decoding.sampling import Sampling, synthetic_rates
 from specbench.decoding.timing import MEMORY_SOURCES, PeakMemory
 from specbench.engines import llamacpp
@@ -214,6 +215,8 @@ def _benchmark(
             if lm is not None
         },
     }
+    markers = thinking_markers(cfg.thinking_markers, pair.target.tokenizer)
+    resolved["thinking_markers"] = [markers.open, markers.close] if markers else None
     if "vllm" in cfg.engines:
         resolved["vllm"] = vllm_version()
     if "llama-cpp" in cfg.engines:
@@ -263,7 +266,7 @@ def _benchmark(
             sampling = cfg.requests(pair.stop_ids)
             yield from decode_all(
                 loops, sampling, cfg.warmup, cfg.random_weights, conversations, writer, records, learning, done,
-                lambda: write_summaries(writer, records, over, cfg.group_by),
+                lambda: write_summaries(writer, records, over, cfg.group_by), markers,
             )  # fmt: skip
             # A margin of the plain logits says nothing of a penalised or biased argmax: those stay unlabelled.
             # Synthetic acceptance keeps drafts unverified: its outputs part from the baseline's by design.
@@ -275,7 +278,7 @@ def _benchmark(
             if pair.target_lm is not None:  # vLLM loads the models again: free this process's copy first
                 pair = pair.without_weights()
                 gc.collect()
-            yield from serve_rows(run, conversations, writer, records, blocks, engine_costs, counters, text_of)
+            yield from serve_rows(run, conversations, writer, records, blocks, engine_costs, counters, text_of, markers)
     finally:
         summary, categories = write_summaries(writer, records, over, cfg.group_by)
         writer.write_csv("acceptance.csv", acceptance_rows(records))
@@ -441,6 +444,28 @@ def serving_run(cfg: BenchConfig, pair: Pair, conversations: Conversations, out:
     return ServingRun(**common, target=target, draft_alone=alone, draft=draft, speculator=cfg.speculator)
 
 
+def thinking_markers(option: str, tokenizer) -> Markers | None:
+    """The token ids of --thinking-markers in the target's vocabulary: None for '' or where the default's
+    are not single tokens there (a model that does not think). Markers the user gave that are not one
+    token each are refused in one line."""
+    if not option:
+        return None
+    given = option != OPTIONS["thinking_markers"].default
+    ids = []
+    for text in (part.strip() for part in option.split(",")):
+        found = tokenizer.encode(text, add_special_tokens=False) if tokenizer is not None else []
+        if len(found) != 1:
+            if not given:
+                return None
+            where = f"{len(found)} tokens" if tokenizer is not None else "not readable without the target's tokenizer"
+            raise SpecbenchError(
+                f"--thinking-markers: {text!r} is {where} for the target; give the tokens its chat template "
+                "writes around thinking, one token each, or '' for no split"
+            )
+        ids += found
+    return Markers(*ids)
+
+
 def decoded_text(pair: Pair) -> Callable[[list[int]], str]:
     """An answer's text from its ids, by the target's tokenizer ("" without one)."""
     tokenizer = pair.target.tokenizer
@@ -463,12 +488,14 @@ def decode_all(
     learning: list[dict],
     done: set[int],
     summaries: Callable[[], object],
+    markers: Markers | None = None,
 ) -> Iterator[Progress]:
     """specbench's loop: every turn not in ``done``, by the baseline (``loops[0]``) and each decoder of
     the plan, each a Loop engine of its own, after ``warmup`` untimed decodes of the first prompt.
     A later turn of a conversation is rendered after the decoder's own answers to the turns before it
     (under greedy, the baseline's: the exact methods give the same). Each row is written as it
-    completes, and ``summaries()`` rewrites the summary files every SUMMARY_EVERY_S."""
+    completes, and ``summaries()`` rewrites the summary files every SUMMARY_EVERY_S; ``markers`` split
+    each answer's thinking from the rest (None: not split)."""
     turns, text_of = conversations.turns, decoded_text(loops[0].pair)
     todo = [i for i in range(len(turns)) if i not in done]
     if todo:  # a resumed run with nothing left to decode only writes its summary again
@@ -498,7 +525,7 @@ def decode_all(
                 turn, index, decoder.k, decoder.method.name, tokens, text_of(tokens), decoder.shape,
                 decoder.method.engine, k_policy=decoder.policy,
             )  # fmt: skip
-            records.append(record(turn, index, ids, reference, decoder, measured, learned))
+            records.append(record(turn, index, ids, reference, decoder, measured, learned, markers))
             if random_weights:
                 records[-1].update((name, math.nan) for name in WEIGHT_DEPENDENT if name in records[-1])
             writer.append_record(records[-1])
@@ -560,6 +587,7 @@ def serve_rows(
     engine_costs: list[dict],
     counters: list[dict],
     text_of: Callable[[list[int]], str],
+    markers: Markers | None = None,
 ) -> Iterator[Progress]:
     """The serving engines' part (serve.serve_all): each answer becomes a records.csv row and an
     outputs.jsonl line as it comes, each block's counters a counters.csv row; a resumed run skips
@@ -574,7 +602,9 @@ def serve_rows(
     for event in serve_all(run, conversations, blocks, kept):
         if isinstance(event, Answer):
             decoder, load, served = event.decoder, event.load, event.served
-            row = serving.record(event.turn, event.index, event.ids, decoder, load, served, event.base, run.encode)
+            row = serving.record(
+                event.turn, event.index, event.ids, decoder, load, served, event.base, run.encode, markers
+            )
             if decoder is run.baseline:
                 sent[(load[0], load[1], event.index)] = event.ids
             if not served.error:

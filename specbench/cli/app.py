@@ -134,6 +134,7 @@ def _print_results(results, wide: bool = False) -> None:
         predicted_table,
         serving_table,
         summary_table,
+        thinking_table,
     )
 
     console.print(summary_table(results.summary, results.title, wide))
@@ -143,6 +144,8 @@ def _print_results(results, wide: bool = False) -> None:
         console.print(phases)
     if (levels := levels_table(results.summary)) is not None:
         console.print(levels)
+    if (spans := thinking_table(results.summary)) is not None:
+        console.print(spans)
     if results.categories:
         console.print(category_table(results.categories))
     if results.predicted:

@@ -61,7 +61,8 @@ def max_useful_c(alpha: float, ks: Iterable[int]) -> float:
     return max((expected_tokens(alpha, k) - 1.0) / k for k in ks)
 
 
-def _ratio(a: float, b: float) -> float:
+def ratio(a: float, b: float) -> float:
+    """a / b, NaN where b is 0 (or where either is NaN)."""
     return a / b if b else math.nan
 
 
@@ -75,22 +76,22 @@ def phase_figures(run: Mapping[str, float], base: Mapping[str, float], decodes: 
     is what the run would reach if only its drafting levels and forwards took time; ``efficiency``
     is the share of it reached.
     """
-    step = _ratio(base["verify_s"], base["target_forwards"] - decodes)
+    step = ratio(base["verify_s"], base["target_forwards"] - decodes)
     rounds = run["target_forwards"] - decodes
-    c_run = _ratio(_ratio(run["draft_s"], run["draft_forwards"]), step)
-    verify_ratio = _ratio(_ratio(run["verify_s"], rounds), step)
+    c_run = ratio(ratio(run["draft_s"], run["draft_forwards"]), step)
+    verify_ratio = ratio(ratio(run["verify_s"], rounds), step)
     # Drafting per round, in target steps: the draft model's forwards and any level beneath it.
-    drafting = _ratio(_ratio(run["draft_s"] + run["inner_s"], rounds), step) if run["draft_forwards"] else 0.0
-    predicted = _ratio(_ratio(run["new_tokens"] - decodes, rounds), drafting + verify_ratio)
-    rate = _ratio(run["new_tokens"] - decodes, run["method_s"] - run["prefill_s"])
-    base_rate = _ratio(base["new_tokens"] - decodes, base["method_s"] - base["prefill_s"])
-    decode_speedup = _ratio(rate, base_rate)
+    drafting = ratio(ratio(run["draft_s"] + run["inner_s"], rounds), step) if run["draft_forwards"] else 0.0
+    predicted = ratio(ratio(run["new_tokens"] - decodes, rounds), drafting + verify_ratio)
+    rate = ratio(run["new_tokens"] - decodes, run["method_s"] - run["prefill_s"])
+    base_rate = ratio(base["new_tokens"] - decodes, base["method_s"] - base["prefill_s"])
+    decode_speedup = ratio(rate, base_rate)
     return {
         "decode_speedup": decode_speedup,
         "c_run": c_run,
         "verify_ratio_run": verify_ratio,
         "predicted_speedup_run": predicted,
-        "efficiency": _ratio(decode_speedup, predicted),
+        "efficiency": ratio(decode_speedup, predicted),
     }
 
 

@@ -364,6 +364,18 @@ RUN: tuple[Option, ...] = (
         panel=DECODING_PANEL,
     ),
     Option(
+        "thinking_markers",
+        "<think>,</think>",
+        "The two tokens that open and close a reasoning model's thinking, comma-separated: each answer's thinking "
+        "and the rest get acceptance, tau and tokens/s of their own (thinking_* and answer_* columns, and a "
+        "table). Each must be one token of the target's vocabulary; the default splits only where it is. Empty: "
+        "no split.",
+        check=lambda text: text == "" or len([part for part in text.split(",") if part.strip()]) == 2,
+        problem="--thinking-markers takes two tokens, OPEN,CLOSE (e.g. '<think>,</think>'), or '' for no split",
+        metavar="OPEN,CLOSE",
+        panel=WORKLOAD_PANEL,
+    ),
+    Option(
         "chat",
         "auto",
         "auto: wrap prompts in the target's chat template when it has one (instruct models); on; off (raw prompts).",

@@ -140,6 +140,16 @@ class DecodeResult:
     beneath: Beneath | None = None  # the drafter's level beneath, if it has one
     past_stop: int = 0  # forwards run after the decode had ended (the baseline's chunked reads), not counted
 
+    @property
+    def steps(self) -> list[tuple[int, int]] | None:
+        """Each target forward's (drafted, accepted), in order, the prefill's (0, 0) first; None where
+        the rounds were not counted one by one."""
+        if self.draft_counts:
+            return [(0, 0), *zip(self.draft_counts, self.accept_counts, strict=True)]
+        if self.target_forwards == len(self.tokens):  # one token a forward: the baseline
+            return [(0, 0)] * self.target_forwards
+        return None
+
     def observe(self, draft: Draft, verdict: Verdict) -> None:
         """Count one round: one target forward, the draft's forwards and tokens, what was accepted, and
         the rank among its siblings of each accepted node (in a chain every node is a first child).

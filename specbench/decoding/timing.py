@@ -9,6 +9,7 @@ adds no host synchronisation to the loop it measures.
 
 from __future__ import annotations
 
+import itertools
 import re
 import sys
 import time
@@ -51,6 +52,9 @@ class PhaseClock:
         self.device = device
         self.events = device.type == "cuda"
         self.marks: list[tuple[str, object]] = []
+        self.verified: list[int] = []  # the marks that ended a target forward (TimedLM "verify"'s)
+        # Seconds from the start to the end of each target forward (the prefill's first), after stop.
+        self.forward_ends: list[float] = []
 
     def _now(self):
         if self.events:
@@ -64,7 +68,7 @@ class PhaseClock:
         return time.perf_counter()
 
     def start(self) -> None:
-        self.marks = [("", self._now())]
+        self.marks, self.verified = [("", self._now())], []
 
     def lap(self, phase: str) -> None:
         """The time since the previous lap belongs to ``phase``."""
@@ -89,6 +93,8 @@ class PhaseClock:
         phases = Phases()
         for (phase, _), s in zip(self.marks[1:], seconds, strict=True):
             setattr(phases, phase, getattr(phases, phase) + s)
+        since = [0.0, *itertools.accumulate(seconds)]
+        self.forward_ends = [since[i] for i in self.verified if i < len(self.marks)]
         return phases
 
 
@@ -176,6 +182,8 @@ class ForwardLaps:
     def after(self) -> None:
         if self.clock is not None:
             self.clock.lap(self.phase if self.count else "prefill")
+            if self.phase == "verify":  # the target's (its prefill too): when a step's tokens exist
+                self.clock.verified.append(len(self.clock.marks) - 1)
         self.count += 1
 
 

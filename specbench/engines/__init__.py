@@ -75,6 +75,9 @@ class Served:
         None  # per position, the likeliest tokens' log-probabilities (Sampling.logprobs), likeliest first
     )
     top_ids: list[list[int]] | None = None  # their token ids, where the engine gives them (vLLM)
+    # Each verify step's (drafted, accepted) in order, where the engine says (vLLM's detailed metrics).
+    steps: list[tuple[int, int]] | None = None
+    arrivals: list[float] | None = None  # when each of ``tokens`` came, where the chunks carried ids
 
     @property
     def reports_acceptance(self) -> bool:

@@ -34,6 +34,7 @@ class Measurement:
     seconds: float
     phases: Phases
     peak_memory: int | None = None  # bytes, the most any repeat held (timing.PeakMemory); None where unknown
+    forward_ends: list[float] | None = None  # seconds from the start to each target forward's end (PhaseClock)
 
 
 @dataclass(frozen=True)
@@ -117,10 +118,11 @@ class Loop:
             synchronize(self.pair.device)
             self.clock.start()
             result = method.decode(self.timed, settings, self.decoder, ids, generator)
-            runs.append((result, self.clock.stop(result.past_stop)))  # stop waits for the device
+            phases = self.clock.stop(result.past_stop)  # waits for the device
+            runs.append((result, phases, self.clock.forward_ends))
             peaks.append(self.memory.peak())
-        result, phases = sorted(runs, key=lambda run: run[1].total)[(len(runs) - 1) // 2]
-        return Measurement(result, phases.total, phases, None if None in peaks else max(peaks))
+        result, phases, ends = sorted(runs, key=lambda run: run[1].total)[(len(runs) - 1) // 2]
+        return Measurement(result, phases.total, phases, None if None in peaks else max(peaks), ends)
 
     def margin_at(self, request, position: int) -> float | None:
         """How far apart, in log-probability, the target's two likeliest tokens were at ``position`` of

@@ -282,6 +282,7 @@ class Reply:
 
     def __init__(self) -> None:
         self.text, self.ids, self.times = "", [], []  # times: when each chunk with answer text came
+        self.arrivals: list[float] = []  # when each of ``ids`` came
         self.usage, self.spec, self.timings, self.meta = None, None, None, None
         self.ended, self.error = False, ""
         self.logprobs: list[list[float]] = []  # per position, the likeliest tokens' log-probabilities
@@ -307,6 +308,7 @@ class Reply:
                 self.times.append(now)
             self.text += piece
             self.ids += ids
+            self.arrivals += [now] * len(ids)
             tops = top_logprobs(choice.get("logprobs"))
             # A token streamed without logprobs keeps its place (an empty list), so that the
             # positions after it stay aligned: llama-server sends null for every token of a
@@ -325,6 +327,7 @@ class Reply:
         itl = [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
         served = Served(index, tokens, start, first, end, None, itl=itl, text=self.text, error=self.error)
         served.encoded = not self.ids
+        served.arrivals = self.arrivals if self.ids else None
         served.logprobs = self.logprobs if any(self.logprobs) else None
         count = (self.usage or {}).get("completion_tokens")
         if count is not None and not self.ids:  # the server's count, when its ids were not given
@@ -333,8 +336,8 @@ class Reply:
             served.histogram = list(self.spec["acceptance_histogram"])
             served.drafted, served.k = self.spec["num_draft_tokens"], self.spec.get("num_spec_tokens")
             if self.spec.get("per_step_drafted"):
-                steps = zip(self.spec["per_step_accepted"], self.spec["per_step_drafted"], strict=True)
-                served.rejected = sum(1 for accepted, drafted in steps if accepted < drafted)
+                served.steps = list(zip(self.spec["per_step_drafted"], self.spec["per_step_accepted"], strict=True))
+                served.rejected = sum(1 for drafted, accepted in served.steps if accepted < drafted)
         elif self.timings and "draft_n" in self.timings:  # llama.cpp
             served.drafted, served.accepted = self.timings["draft_n"], self.timings["draft_n_accepted"]
         elif self.meta and "spec_verify_ct" in self.meta:  # SGLang: a target forward per verify

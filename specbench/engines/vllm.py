@@ -172,6 +172,7 @@ class Engine:
                 start = time.perf_counter() - began
                 tokens: list[int] = []
                 first, last, itl, histogram, drafted, rejected, k = None, None, [], None, 0, None, None
+                arrivals, steps = [], None
                 logprobs, top_ids = ([], []) if sampling.logprobs else (None, None)
                 request = TokensPrompt(prompt_token_ids=ids)
                 async for out in self.llm.generate(request, params(index), f"{tag + index}"):
@@ -182,6 +183,7 @@ class Engine:
                         if last is not None:
                             itl.append(now - last)
                         last = now
+                        arrivals += [now] * len(completion.token_ids)
                     tokens += completion.token_ids
                     if logprobs is not None:
                         # Each position holds the top logprobs, and the sampled token's where it is
@@ -194,12 +196,13 @@ class Engine:
                         histogram, drafted = list(spec.histogram), spec.num_draft_tokens
                         k = len(histogram) - 1
                         if spec.per_step_drafted:
-                            steps = zip(spec.per_step_accepted, spec.per_step_drafted, strict=True)
-                            rejected = sum(1 for accepted, proposed in steps if accepted < proposed)
+                            steps = list(zip(spec.per_step_drafted, spec.per_step_accepted, strict=True))
+                            rejected = sum(1 for proposed, accepted in steps if accepted < proposed)
                 end = time.perf_counter() - began
             first = end if first is None else first
             served = Served(index, tokens, start, first, end, histogram, drafted, rejected, k=k, itl=itl)
             served.logprobs, served.top_ids = logprobs, top_ids
+            served.steps, served.arrivals = steps, arrivals
             finished.put(served)
 
         async def guarded(index: int, ids: list[int], at: float) -> None:

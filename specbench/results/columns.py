@@ -34,6 +34,56 @@ class Column:
     plain: str = ""  # a value that says nothing: the summary table hides a column of nothing else
 
 
+def _spans() -> tuple[Column, ...]:
+    """The thinking split's columns (core/thinking.py), the same for each span: where an answer holds
+    --thinking-markers, its thinking spans (markers included) apart from the rest, the answer."""
+    columns: list[Column] = []
+    for span, where in (("thinking", "the thinking spans"), ("answer", "the answer outside the thinking spans")):
+        columns += [
+            Column(f"{span}_tokens", DETERMINISTIC, None, "d", f"tokens in {where} (empty: no --thinking-markers)"),
+            Column(
+                f"{span}_forwards",
+                DETERMINISTIC,
+                None,
+                "d",
+                f"target forwards (prefill included) whose first token lies in {where}",
+                files="records",
+            ),
+            Column(
+                f"{span}_drafted", DETERMINISTIC, None, "d", "draft tokens those forwards verified", files="records"
+            ),
+            Column(
+                f"{span}_accepted", DETERMINISTIC, None, "d", "draft tokens those forwards accepted", files="records"
+            ),
+            Column(
+                f"{span}_s",
+                TIMING,
+                LOWER,
+                ".4f",
+                f"seconds spent on {where}: each token's time since the token before it (the first's since the start)",
+                files="records",
+                absolute=True,
+            ),
+            Column(f"{span}_acceptance", DETERMINISTIC, HIGHER, ".3f", f"accepted / drafted in {where}"),
+            Column(
+                f"{span}_tau",
+                DETERMINISTIC,
+                HIGHER,
+                ".2f",
+                f"tokens per target forward in {where}: 1 + accepted / forwards",
+            ),
+            Column(f"{span}_tokens_per_s", TIMING, HIGHER, ".1f", f"tokens / seconds in {where}", absolute=True),
+            Column(
+                f"{span}_speedup",
+                TIMING,
+                HIGHER,
+                ".3f",
+                f"tokens/s in {where} over the baseline's in its own, on the same prompts",
+            ),
+        ]
+    return tuple(columns)
+
+
 INPUT_LENGTH = (
     "the prompt's length class: the length SPEED-Bench built it to (throughput configs: 1k ... 32k), else "
     "prompt_tokens rounded up to a power of two (128, 256, 512, 1k, ...)"
@@ -472,6 +522,7 @@ COLUMNS: tuple[Column, ...] = (
         header="peak MB",
         absolute=True,
     ),
+    *_spans(),
     Column("drafted", DETERMINISTIC, None, "d", "draft tokens proposed"),
     Column(
         "drafted_per_round",

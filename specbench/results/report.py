@@ -7,6 +7,7 @@ import math
 from rich import box
 from rich.table import Table
 
+from specbench.core.thinking import SPANS
 from specbench.methods.registry import BASELINE, METHODS
 from specbench.methods.served import SERVED_BASELINE
 from specbench.results import schema
@@ -217,6 +218,36 @@ def phase_table(rows: list[dict]) -> Table | None:
         other = row["other_s"] / (row["method_s"] - row["prefill_s"])  # of the decode proper
         key = (row["method"], k_cell(row), schema.fmt("tree", row.get("tree")))
         table.add_row(*key, *cells, f"{sum(per_token):.2f}", f"{other:.1%}")
+    return table
+
+
+def thinking_table(rows: list[dict]) -> Table | None:
+    """Thinking apart from answering (core/thinking.py): per decoder and span, its tokens, acceptance,
+    tau, tokens/s and speedup over the baseline's. None when no answer had a thinking span."""
+    split = [row for row in rows if not missing(row.get("thinking_tokens"))]  # older runs lack the columns
+    if not any(row["thinking_tokens"] for row in split):
+        return None
+    figures = ("tokens", "acceptance", "tau", "tokens_per_s", "speedup")
+    table = Table(
+        "method",
+        "span",
+        "tokens",
+        "accepted",
+        "tau",
+        "tok/s",
+        "speedup",
+        title="thinking apart from answering (--thinking-markers)",
+        caption="thinking: from an open marker through its close marker; answer: the rest. accepted: drafts accepted / "
+        "drafted; tau: tokens per target forward, a forward counted in the span of its first token; speedup: tok/s "
+        "over the baseline's in the same span",
+        box=box.SIMPLE_HEAD,
+    )
+    for column in table.columns[2:]:
+        column.justify = "right"
+    for row in split:
+        for span in SPANS:
+            cells = (schema.fmt(f"{span}_{name}", row[f"{span}_{name}"]) for name in figures)
+            table.add_row(decoder_label(row) if span == SPANS[0] else "", span, *cells, end_section=span == SPANS[-1])
     return table
 
 

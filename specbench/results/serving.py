@@ -15,7 +15,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from specbench.core import metrics
+from specbench.core import metrics, thinking
+from specbench.core.thinking import Markers
 from specbench.engines import Served
 from specbench.methods.base import Decoder
 from specbench.methods.registry import BASELINE
@@ -72,10 +73,12 @@ def record(
     served: Served,
     base: Served | None,
     encode: Callable[[str], list[int]] | None = None,
+    markers: Markers | None = None,
 ) -> dict:
     """The records.csv row of one request, against its engine's baseline on the same prompt and load
     (``base`` None: the baseline's request failed, so nothing compares with it). Outputs compare by
-    the engines' ids; where either side gave text only, by both texts encoded alike (``encode``)."""
+    the engines' ids; where either side gave text only, by both texts encoded alike (``encode``).
+    ``markers`` split its thinking from its answer (None: not split)."""
     concurrency, rate = load
     row = dict.fromkeys(schema.RECORDS, math.nan)
     row.update(
@@ -120,6 +123,9 @@ def record(
             "e2e_ms": 1000 * seconds,
         }
     )
+    usable = base is not None and not base.error
+    mine = answer(served, decoder.method.takes_k)
+    row.update(thinking.record_columns(markers, ids, mine, answer(base, False) if usable else None))
     if base is not None and not base.error:
         base_tokens, base_s = base.count, base.end - base.start
         ours, theirs = served.tokens, base.tokens
@@ -137,6 +143,18 @@ def record(
             }
         )
     return row
+
+
+def answer(served: Served, speculates: bool) -> thinking.Emitted:
+    """What an engine said of one answer for the thinking split: one token a forward where nothing
+    speculates, else the verify steps it reported after the prefill's token; when each token came
+    where its chunks carried ids (not the client's encoding of text)."""
+    if not speculates:
+        steps = [(0, 0)] * len(served.tokens)
+    else:
+        steps = None if served.steps is None else [(0, 0), *served.steps]
+    times = [t - served.start for t in served.arrivals] if served.arrivals and not served.encoded else None
+    return thinking.Emitted(served.tokens, steps, times)
 
 
 def divergence_kind(margin: float | None, bound: float = NEAR_TIE) -> str:
@@ -373,13 +391,18 @@ def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, columns: Ru
             "first_divergence": min(divergences, default=-1),
         }
     )
+    base_of = {r["prompt_index"]: r for r in base_rows}
+    values.update(
+        thinking.summary_columns(done, [base_of[r["prompt_index"]] for r in done if r["prompt_index"] in base_of])
+    )
     if method.takes_k and not _missing(k):
         alpha, tau = values["alpha_estimate"], values["tau"]
         # The classic formula with the estimated alpha (no server exposes the distributions).
         values["predicted_speedup"] = metrics.predicted_speedup(alpha, c, k) if not math.isnan(c) else math.nan
         values["c_implied"] = metrics.implied_c(tau, speedup, k) if not math.isnan(tau) else math.nan
     if columns.random_weights:
-        values.update({name: math.nan for name in ("alpha_estimate", "acceptance_rate", "tau", "predicted_speedup")})
+        weights = ("alpha_estimate", "acceptance_rate", "tau", "predicted_speedup", *thinking.WEIGHT_DEPENDENT)
+        values.update(dict.fromkeys(weights, math.nan))
     return {name: values[name] for name in schema.SUMMARY}
 
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specbench.core import metrics
+from specbench.core import metrics, thinking
 from specbench.core.options import FIXED
+from specbench.core.thinking import Markers
 from specbench.decoding.decode import DecodeResult
 from specbench.decoding.timing import Phases
 from specbench.engines.loop import Measurement
@@ -27,7 +28,14 @@ from specbench.results import schema
 from specbench.workloads.prompts import Turn
 
 # What random weights make meaningless: how often random models agree, and what follows from it.
-WEIGHT_DEPENDENT = ("alpha", "acceptance_rate", "tau", "predicted_speedup", "predicted_speedup_verify")
+WEIGHT_DEPENDENT = (
+    "alpha",
+    "acceptance_rate",
+    "tau",
+    "predicted_speedup",
+    "predicted_speedup_verify",
+    *thinking.WEIGHT_DEPENDENT,
+)
 
 
 def _totals(m: Measurement) -> dict:
@@ -68,9 +76,11 @@ def record(
     decoder: Decoder,
     measured: Measurement,
     learned: Learned | None = None,
+    markers: Markers | None = None,
 ) -> dict:
     """The per-turn, per-decoder row of records.csv (the baseline has its own row, too);
-    ``learned`` is what a method that learns did after the prompt."""
+    ``learned`` is what a method that learns did after the prompt; ``markers`` split its thinking
+    from its answer (None: not split)."""
     b, s = baseline.result, measured.result
     method, k = decoder.method, decoder.k
     divergence = metrics.first_divergence(b.tokens, s.tokens)
@@ -122,7 +132,15 @@ def record(
         "accept_hist": _hist(s.accept_counts, k),  # a heuristic K may accept more than K
         "draft_hist": _hist(s.draft_counts),
         "rank_hist": " ".join(map(str, s.rank_counts)) if method.takes_tree or method.shapes_tree else "",
+        **thinking.record_columns(markers, ids.tolist(), answer(measured), answer(baseline)),
     }
+
+
+def answer(m: Measurement) -> thinking.Emitted:
+    """What specbench's loop knows of one answer: its forwards' counts, and when each forward ended."""
+    steps, tokens = m.result.steps, len(m.result.tokens)
+    times = thinking.arrivals(steps, m.forward_ends, m.seconds, tokens) if steps and m.forward_ends else None
+    return thinking.Emitted(m.result.tokens, steps, times)
 
 
 def prompt_columns(turn: Turn, index: int, prompt_tokens: int) -> dict:
@@ -258,6 +276,7 @@ def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], col
             **(totals if drafts else dict.fromkeys(totals, math.nan)),
             "outputs_match": sum(r["outputs_match"] for r in rs),
             "first_divergence": min(divergences, default=-1),
+            **thinking.summary_columns(rs, [baselines[r["prompt_index"]] for r in rs]),
         }
         if columns.random_weights:
             values.update(dict.fromkeys(WEIGHT_DEPENDENT, math.nan))

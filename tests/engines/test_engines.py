@@ -5,6 +5,7 @@ an engine starts. The tests that start engines are in test_vllm.py."""
 import math
 import random
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -13,6 +14,7 @@ from specbench.bench.run import run_columns
 from specbench.cli.app import main
 from specbench.core import metrics
 from specbench.core.errors import SpecbenchError
+from specbench.core.thinking import Markers
 from specbench.engines import Served
 from specbench.engines.vllm import EngineSpec
 from specbench.methods.base import Decoder
@@ -109,6 +111,34 @@ def test_a_served_row_per_method_and_k_when_the_plan_has_a_decoder_per_k():
     columns = run_columns(cfg, {"target": "t", "draft": "d", "dataset": "x"})
     summary = serving.summarize(rows, costs, [], [cfg.served_baseline, *cfg.served_plan], cfg.loads, columns)
     assert [(r["method"], r["k"]) for r in summary] == [("baseline", None), ("draft", 2), ("draft", 3)]
+
+
+def test_a_served_answer_is_split_by_its_steps_and_the_arrival_of_its_ids():
+    """A served request's thinking split: vLLM's per-step counts after the prefill's token, and each
+    id's arrival from its chunk; steps that do not fit the tokens (vLLM leaves out those that did not
+    draft) leave the counts empty, and text without ids the seconds."""
+    cfg = _cfg()
+    markers = Markers(5, 6)
+    turn, load = Turn(Prompt("a", ("a",)), 0, 1), (1, math.inf)
+    # The prompt ends in <think>: tokens 0-2 think (2 is the close), 3-4 answer.
+    tokens = [1, 2, 6, 3, 4]
+    base = Served(0, tokens, 1.0, 1.1, 1.5, None, arrivals=[1.1, 1.2, 1.3, 1.4, 1.5])
+    # Steps after the prefill: one kept 2 of 2 (tokens 1-3), one kept 0 of 2 (token 4).
+    draft = Served(0, tokens, 1.0, 1.1, 1.3, [1, 0, 1], 4, steps=[(2, 2), (2, 0)], arrivals=[1.1, 1.2, 1.2, 1.2, 1.3])
+    decoder = cfg.served_plan[0]
+    base_row = serving.record(turn, 0, [9, 5], Decoder(SERVED_BASELINE), load, base, base, markers=markers)
+    row = serving.record(turn, 0, [9, 5], decoder, load, draft, base, markers=markers)
+    assert (row["thinking_tokens"], row["answer_tokens"]) == (3, 2)
+    assert (row["thinking_forwards"], row["thinking_drafted"], row["thinking_accepted"]) == (2, 2, 2)
+    assert (row["answer_forwards"], row["answer_drafted"], row["answer_accepted"]) == (1, 2, 0)
+    assert (row["thinking_s"], row["answer_s"]) == (pytest.approx(0.2), pytest.approx(0.1))
+    assert row["thinking_speedup"] == pytest.approx((3 / 0.2) / (3 / 0.3))
+    assert (base_row["thinking_forwards"], base_row["answer_forwards"]) == (3, 2)  # the baseline: a token a forward
+    # vLLM left out a step that drafted nothing: the counts cannot be placed.
+    short = serving.record(turn, 0, [9, 5], decoder, load, replace(draft, steps=[(2, 2)]), base, markers=markers)
+    assert short["thinking_tokens"] == 3 and math.isnan(short["thinking_accepted"]) and short["thinking_s"] > 0
+    text = serving.record(turn, 0, [9, 5], decoder, load, replace(draft, encoded=True), base, markers=markers)
+    assert math.isnan(text["thinking_s"]) and text["thinking_accepted"] == 2
 
 
 def test_acceptance_from_counters_is_the_blocks_own_k():
