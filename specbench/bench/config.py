@@ -445,14 +445,15 @@ class BenchConfig:
 
     def validate_synthetic(self) -> None:
         """--synthetic-acceptance: only where a chain's drafts can be kept by rate instead of verified,
-        specbench's loop and the llama-servers specbench starts."""
+        specbench's loop, vLLM's engines (its synthetic rejection sampler, on a GPU: bench/run.py checks the
+        device) and the llama-servers specbench starts."""
         acceptance = self.synthetic_acceptance
         if acceptance is None:
             return
-        if other := [engine for engine in self.engines if engine not in ("torch", "llama-cpp")]:
+        if other := [engine for engine in self.engines if engine not in ("torch", "vllm", "llama-cpp")]:
             raise SpecbenchError(
-                f"--synthetic-acceptance with --engine {other[0]}: specbench sets it only in its own loop and in "
-                "the llama-servers it starts (--engine llama-cpp); give a server its own flags instead "
+                f"--synthetic-acceptance with --engine {other[0]}: specbench sets it only in its own loop, in vLLM "
+                "and in the llama-servers it starts (--engine llama-cpp); give a server its own flags instead "
                 "(vLLM's synthetic_acceptance_rates, llama-server's --spec-synth-rates)"
             )
         if acceptance >= 1 and (short := [k for k in self.ks if acceptance > k + 1]):

@@ -215,6 +215,11 @@ def _benchmark(
             if lm is not None
         },
     }
+    if "vllm" in cfg.engines and cfg.synthetic_acceptance is not None and pair.device.type != "cuda":
+        raise SpecbenchError(
+            "--synthetic-acceptance with --engine vllm needs a GPU: vLLM's CPU sampler refuses its synthetic "
+            "rejection sampler; measure it on a GPU, or here with --engine torch or llama-cpp"
+        )
     markers = thinking_markers(cfg.thinking_markers, pair.target.tokenizer)
     resolved["thinking_markers"] = [markers.open, markers.close] if markers else None
     if "vllm" in cfg.engines:

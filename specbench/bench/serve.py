@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from specbench.core.errors import SpecbenchError
-from specbench.decoding.sampling import Sampling
+from specbench.decoding.sampling import Sampling, synthetic_rates
 from specbench.engines import Served
 from specbench.engines.launch import launched
 from specbench.engines.server import Server
@@ -70,9 +70,12 @@ class ServingRun:
         """The vLLM engine of ``decoder`` (None: the draft model alone)."""
         if decoder is None:
             return self.draft_alone
-        return replace(
-            self.target, speculative=decoder.method.speculative_config(decoder.k, self.draft, self.speculator)
-        )
+        speculative = decoder.method.speculative_config(decoder.k, self.draft, self.speculator)
+        if speculative is not None and (acceptance := self.sampling.synthetic_acceptance) is not None:
+            # vLLM's rates are unconditional per position, as llama.cpp's: the same law as specbench's loop.
+            rates = synthetic_rates(acceptance, decoder.k)
+            speculative = {**speculative, "rejection_sample_method": "synthetic", "synthetic_acceptance_rates": rates}
+        return replace(self.target, speculative=speculative)
 
 
 @dataclass

@@ -327,8 +327,8 @@ RUN: tuple[Option, ...] = (
         "Benchmarking only, not exact: instead of verifying, accept each draft token with this probability "
         "(a rate below 1), or with the rate that makes this the mean tokens per round (a length from 1 to K + 1), "
         "then take the target's own token. Measures a loop's overhead at a known acceptance against the speedup "
-        "formula. specbench's loop (chain methods) and llama.cpp (--spec-synth-rates); the rows say so, and their "
-        "outputs are not compared with the baseline's.",
+        "formula. specbench's loop (chain methods), llama.cpp (--spec-synth-rates) and vLLM on a GPU (its synthetic "
+        "rejection sampler); the rows say so, and their outputs are not compared with the baseline's.",
         kind=float,
         check=lambda a: a >= 0,
         problem="--synthetic-acceptance must be >= 0: a rate below 1, or a mean of tokens per round from 1 to K + 1",

@@ -10,9 +10,12 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
+from specbench.bench.config import BenchConfig
+from specbench.bench.serve import ServingRun
 from specbench.decoding import sampling
 from specbench.decoding.decode import Draft, verify
 from specbench.decoding.sampling import Sampling, synthetic_rate, synthetic_rates
+from specbench.engines.vllm import EngineSpec
 
 from ..helpers import cli, cli_on_tiny_pair, one_line_error
 
@@ -90,11 +93,31 @@ def test_a_tree_is_refused():
         (["--synthetic-acceptance", "0.5", "--method", "cascade"], ["--method cascade"]),
         (["--synthetic-acceptance", "6", "--k", "4"], ["K = 4", "at most 5"]),
         (["--synthetic-acceptance", "-1"], ["--synthetic-acceptance must be >= 0"]),
-        (["--synthetic-acceptance", "0.5", "--engine", "vllm"], ["--engine vllm", "--spec-synth-rates"]),
+        (
+            ["--synthetic-acceptance", "0.5", "--engine", "server", "--baseline-url", "http://127.0.0.1:9/v1"],
+            ["--engine server", "--spec-synth-rates"],
+        ),
     ],
 )
 def test_where_it_cannot_apply_it_is_one_line(args, needles):
     one_line_error(cli("run", *args), *needles)
+
+
+def test_vllm_gets_its_synthetic_sampler_with_the_loops_rates_and_a_cpu_is_refused(tiny_pair, tmp_path, monkeypatch):
+    """vLLM's synthetic rejection sampler takes unconditional rates per position, as llama-server does:
+    the same law as the loop's. Its CPU sampler refuses it, so a run without CUDA stops in one line."""
+    cfg = BenchConfig(engines=["vllm"], methods=["draft"], ks=[3], synthetic_acceptance=2.5)
+    run = ServingRun("vllm", cfg.served_baseline, cfg.served_plan, cfg.loads, cfg.requests([]), 0, tmp_path)
+    run.target, run.draft = EngineSpec(model="t", dtype="float32", seed=0, max_model_len=64, max_num_seqs=1), "d"
+    speculative = run.spec(cfg.served_plan[0]).speculative
+    assert speculative["rejection_sample_method"] == "synthetic"
+    assert speculative["synthetic_acceptance_rates"] == pytest.approx(synthetic_rates(2.5, 3))
+    assert run.spec(cfg.served_baseline).speculative is None  # the baseline verifies nothing
+    out = tmp_path / "run"
+    monkeypatch.setattr("specbench.bench.config.available", lambda: True)  # refused before vLLM would be imported
+    refused = cli_on_tiny_pair("run", tiny_pair, "--engine", "vllm", "--synthetic-acceptance", "0.5", "--out", out)
+    one_line_error(refused, "--engine vllm needs a GPU")
+    assert not out.exists()
 
 
 def test_the_audit_refuses_it():
