@@ -14,6 +14,7 @@ from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -181,6 +182,38 @@ def build_thinking_pair(root: Path, hidden: int = 128) -> tuple[str, str, str]:
     tokenizer.save_pretrained(root / "draft")
     prompts = write_jsonl(root / "prompts.jsonl", [{"prompt": prompt} for prompt in THINKING_PROMPTS])
     return str(root / "target"), str(root / "draft"), str(prompts)
+
+
+def check_thinking_split(out: Path, counted: set[tuple[str, str]]):
+    """A run's thinking split (core/thinking.py), as its own files tell it: each record's span tokens
+    are its outputs' labels under the markers meta.json names (every prompt ends in <think>), its
+    seconds add up to its time (specbench's loop) or within it (served: from the start to the last
+    id), and for the (engine, method) rows in ``counted`` its spans' forwards, drafts and acceptances
+    add up to its totals. Returns records.csv."""
+    import pandas as pd
+
+    from specbench.core.thinking import Markers
+
+    records = pd.read_csv(out / "records.csv")
+    outputs = {
+        (o["engine"], o["prompt_index"], o["method"], o["k"]): o["token_ids"]
+        for o in map(json.loads, (out / "outputs.jsonl").read_text().splitlines())
+    }
+    markers = Markers(*json.loads((out / "meta.json").read_text())["resolved"]["thinking_markers"])
+    for row in records.to_dict("records"):
+        k = None if row["k"] != row["k"] else int(row["k"])
+        labels = markers.labels(outputs[(row["engine"], row["prompt_index"], row["method"], k)], inside=True)
+        assert (row["thinking_tokens"], row["answer_tokens"]) == (sum(labels), len(labels) - sum(labels)), row
+        names = ("forwards", "drafted", "accepted") if (row["engine"], row["method"]) in counted else ("forwards",)
+        for name in names:  # a baseline reports no drafts: a token a forward
+            total = row["target_forwards" if name == "forwards" else name]
+            assert row[f"thinking_{name}"] + row[f"answer_{name}"] == total, (name, row)
+        seconds = row["thinking_s"] + row["answer_s"]
+        if row["engine"] == "torch":
+            assert seconds == pytest.approx(row["method_s"], rel=1e-9)
+        else:
+            assert 0 < seconds <= row["method_s"]
+    return records
 
 
 def build_audit_pair(root: Path, hidden: int = 64, offset: float = 1000.0) -> tuple[str, str]:

@@ -1,7 +1,6 @@
 """Thinking apart from answering (core/thinking.py): labels, the split of forwards and seconds, and the
 columns records.csv and summary.csv take from them, against figures worked out by hand."""
 
-import json
 import math
 
 import pandas as pd
@@ -10,7 +9,7 @@ import pytest
 from specbench.core import thinking
 from specbench.core.thinking import Emitted, Markers, Span
 
-from ..helpers import cli, one_line_error
+from ..helpers import check_thinking_split, cli, one_line_error
 
 OPEN, CLOSE = 5, 6
 MARKERS = Markers(OPEN, CLOSE)
@@ -99,21 +98,7 @@ def test_a_run_on_a_pair_that_thinks_splits_every_answer(thinking_pair, tmp_path
     result = cli("run", *args, "--out", out)
     assert result.returncode == 0, result.stderr[-2000:]
     assert "thinking apart from answering" in result.stdout
-    records = pd.read_csv(out / "records.csv")
-    outputs = {
-        (o["prompt_index"], o["method"], o["k"]): o["token_ids"]
-        for o in map(json.loads, (out / "outputs.jsonl").read_text().splitlines())
-    }
-    open_id, close_id = json.loads((out / "meta.json").read_text())["resolved"]["thinking_markers"]
-    markers = Markers(open_id, close_id)
-    for row in records.to_dict("records"):
-        k = None if math.isnan(row["k"]) else int(row["k"])
-        labels = markers.labels(outputs[(row["prompt_index"], row["method"], k)], inside=True)  # prompts end in <think>
-        assert row["thinking_tokens"] == sum(labels) and row["answer_tokens"] == len(labels) - sum(labels)
-        for name in ("forwards", "drafted", "accepted"):
-            total = row["target_forwards" if name == "forwards" else name]
-            assert row[f"thinking_{name}"] + row[f"answer_{name}"] == total, name
-        assert row["thinking_s"] + row["answer_s"] == pytest.approx(row["method_s"], rel=1e-9)
+    records = check_thinking_split(out, {("torch", "speculative")})
     assert (records["thinking_tokens"] > 0).all() and (records["answer_tokens"] > 0).any()
     drafting = records[records["method"] == "speculative"]
     assert (drafting["thinking_accepted"] > 0).any() and (drafting["answer_accepted"] > 0).any()

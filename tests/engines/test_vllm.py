@@ -7,7 +7,15 @@ import json
 import pandas as pd
 import pytest
 
-from tests.helpers import audit_workload, build_llama, build_thinking_pair, build_tokenizer, processes, specbench
+from tests.helpers import (
+    audit_workload,
+    build_llama,
+    build_thinking_pair,
+    build_tokenizer,
+    check_thinking_split,
+    processes,
+    specbench,
+)
 
 pytestmark = pytest.mark.vllm
 EAGER = ["--engine-args", '{"enforce_eager": true}']  # compiling would only lengthen the engines' start
@@ -144,29 +152,13 @@ def test_vllms_per_step_counts_split_thinking_from_answering(tmp_path):
     """vLLM says how each verify step drafted and accepted (its detailed per-request metrics): on a
     pair that thinks (helpers.build_thinking_pair), each answer's spans add up to its totals, and its
     labels are its own tokens'."""
-    from specbench.core.thinking import Markers
-
     target, draft, prompts = build_thinking_pair(tmp_path / "pair")
     out = tmp_path / "run"
     args = ["--target", target, "--draft", draft, "--dataset", prompts, "--engine", "vllm", "--method", "draft"]
     result = specbench("run", *args, "--k", "2", "--max-new-tokens", "32", *EAGER, "--out", str(out), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "thinking apart from answering" in result.stdout
-    records = pd.read_csv(out / "records.csv")
-    outputs = {
-        (o["prompt_index"], o["method"]): o["token_ids"]
-        for o in map(json.loads, (out / "outputs.jsonl").read_text().splitlines())
-    }
-    markers = Markers(*json.loads((out / "meta.json").read_text())["resolved"]["thinking_markers"])
-    for row in records.to_dict("records"):
-        labels = markers.labels(outputs[(row["prompt_index"], row["method"])], inside=True)
-        assert (row["thinking_tokens"], row["answer_tokens"]) == (sum(labels), len(labels) - sum(labels))
-        counted = ("forwards", "drafted", "accepted") if row["method"] == "draft" else ("forwards",)
-        for name in counted:  # the baseline reports no drafts: a token a forward
-            total = row["target_forwards" if name == "forwards" else name]
-            assert row[f"thinking_{name}"] + row[f"answer_{name}"] == total, (name, row)
-        # From the request's start to its last id's arrival: within its end-to-end time.
-        assert 0 < row["thinking_s"] + row["answer_s"] <= row["method_s"]
+    records = check_thinking_split(out, {("vllm", "draft")})
     drafting = records[records["method"] == "draft"]
     assert (drafting["answer_tokens"] > 0).any() and drafting["thinking_accepted"].sum() > 0
     summary = pd.read_csv(out / "summary.csv").set_index("method")
