@@ -280,14 +280,16 @@ def test_vllm_servers_side_by_side_and_a_killed_baseline_resumes(vllm_pair, tmp_
 
         # A baseline killed mid-run: the rows so far stay; --resume finishes against it restarted.
         # The run is paused (SIGSTOP) once two baseline rows are written, so that the kill lands
-        # with six of its eight requests still to send however fast the server answers them.
+        # with six of its eight requests still to send. Answers of 200 tokens (the servers hold 256)
+        # keep those six busy for seconds: with 32, a CI run in which this test's poll was starved
+        # by the other worker's engines saw all eight answered before the pause, and no error.
         singles = tmp_path / "singles.jsonl"
         singles.write_text("".join(
             json.dumps({"question_id": 1 + i, "category": "coding", "turns": [f"def g{i}(x):"]}) + "\n" for i in range(8)
         ))  # fmt: skip
         out = tmp_path / "killed"
         args = [*common, "--dataset", str(singles), "--server", "none=http://127.0.0.1:9/v1"]
-        args += ["--max-new-tokens", "32", "--out", str(out)]
+        args += ["--max-new-tokens", "200", "--out", str(out)]
         running = subprocess.Popen(
             [sys.executable, "-m", "specbench", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
