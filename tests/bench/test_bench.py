@@ -18,7 +18,7 @@ from specbench.methods.registry import METHODS
 from specbench.results import report, schema
 from specbench.results.report import phase_table, serving_table, summary_table
 
-from ..helpers import cli, on_tiny_pair, one_line_error, specbench
+from ..helpers import cli, cli_on_tiny_pair, one_line_error, specbench
 
 ROOT = Path(__file__).parents[2]
 
@@ -67,7 +67,7 @@ def test_the_configuration_declares_one_field_per_option_as_the_declarations_wri
 
 def test_a_k_list_sweeps_and_writes_best_k_and_the_plot(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "run"
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "run",
         tiny_pair,
         "--k",

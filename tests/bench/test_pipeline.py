@@ -15,7 +15,7 @@ from specbench.models.lm import HFCausalLM
 from specbench.models.load import load, shared_width
 from specbench.results import schema
 
-from ..helpers import cli, cli_on_tiny_pair, on_tiny_pair, one_line_error, specbench
+from ..helpers import cli, cli_on_tiny_pair, one_line_error, specbench
 
 CPU, F32 = torch.device("cpu"), torch.float32
 SUMMARY_COLUMNS = (
@@ -109,7 +109,7 @@ def test_baseline_matches_transformers_generate(tiny_pair):
 
 def test_run_writes_every_file_with_the_contract_columns(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "run"
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "run",
         tiny_pair,
         "--k",
@@ -227,7 +227,7 @@ def test_empty_dataset_and_foreign_tokenizer(tiny_pair, foreign_draft, tmp_path)
 @pytest.mark.slow
 def test_sweep_shares_one_baseline_and_writes_the_sweep_files(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "sweep"
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "sweep-k",
         tiny_pair,
         "--ks",
@@ -271,12 +271,12 @@ def test_sweep_shares_one_baseline_and_writes_the_sweep_files(tiny_pair, prompts
     assert best["measured"]["k"] == summary.loc[summary["speedup"].idxmax(), "k"]
     assert best["predicted_verify"]["k"] == summary.loc[summary["predicted_speedup_verify"].idxmax(), "k"]
     (out / "sweep.png").unlink()
-    assert specbench("plot", str(out)).returncode == 0
+    assert cli("plot", str(out)).returncode == 0
     assert (out / "sweep.png").stat().st_size > 10_000
 
 
 def test_theory_command_prints_the_optimum():
-    result = specbench("theory", "--alpha", "0.8", "--c", "0.05", "--ks", "4", "--format", "csv")
+    result = cli("theory", "--alpha", "0.8", "--c", "0.05", "--ks", "4", "--format", "csv")
     assert result.returncode == 0
     assert result.stdout.splitlines()[1].startswith("0.8,0.05,4,3.3616")
     assert "2.801" in result.stdout.splitlines()[1]
@@ -293,7 +293,7 @@ def test_theory_names_an_optimum_beyond_the_ks_it_was_given(tmp_path):
 
 def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "methods"
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "run",
         tiny_pair,
         "--k",
@@ -423,7 +423,7 @@ def test_distill_makes_a_loadable_draft_and_resumes(tiny_pair, tmp_path):
 @pytest.mark.slow
 def test_tree_methods_run_several_shapes_and_equal_the_greedy_baseline(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "trees"
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "run",
         tiny_pair,
         "--method",
@@ -467,7 +467,7 @@ def test_methods_of_two_levels_report_each_level(tiny_pair, prompts_file, tmp_pa
     # cascade: lookup beneath the draft model (and alone after --cascade-split); lookup-or-draft:
     # lookup beside the draft model, whole rounds of up to --lookup-k tokens for the target.
     out = tmp_path / "levels"
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "run",
         tiny_pair,
         "--method",
@@ -520,7 +520,7 @@ def test_hf_assisted_c_is_timed_on_the_eager_forwards_generate_runs(tiny_pair, p
     one-token forward over the eager target's (their verify_cost.csv rows), while specbench's loop
     keeps the ratio of its own forwards."""
     out = tmp_path / "run"
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "run", tiny_pair, "--method", "speculative,hf-assisted", "--dataset", prompts_file, "--num-prompts", "1",
         "--k", "2", "--max-new-tokens", "6", "--out", str(out),
     )  # fmt: skip

@@ -17,7 +17,7 @@ from specbench.drafters.eagle import EagleDrafter
 from specbench.models.eagle_head import WEIGHTS, HeadLM, load_head, read_head, save_head
 from specbench.models.load import load
 
-from ..helpers import LawLM, build_eagle3_head, cli_on_tiny_pair, on_tiny_pair, one_line_error, tiny_law_model
+from ..helpers import LawLM, build_eagle3_head, cli_on_tiny_pair, one_line_error, tiny_law_model
 from ..toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, law_p
 
 CPU, F32 = torch.device("cpu"), torch.float32
@@ -232,7 +232,7 @@ def tiny_head(tiny_pair, tmp_path_factory):
 
 def test_eagle_methods_run_end_to_end_on_a_published_head(tiny_pair, tiny_head, tmp_path):
     out = tmp_path / "run"
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "run",
         tiny_pair,
         "--method", "eagle,eagle-tree,eagle-dynamic", "--speculator", tiny_head, "--k", "2", "--tree", "2,1",

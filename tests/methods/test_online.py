@@ -12,7 +12,7 @@ import torch
 from specbench.core.errors import SpecbenchError
 from specbench.models.load import load
 
-from ..helpers import cli, one_line_error, specbench
+from ..helpers import cli, one_line_error
 
 ONLINE_COLUMNS = [
     "method",
@@ -37,7 +37,7 @@ def digest(directory: str) -> str:
 def test_online_equals_the_greedy_baseline_while_its_draft_learns(untied_target, tiny_pair, prompts_file, tmp_path):
     out, saved, draft = tmp_path / "run", tmp_path / "learned", tiny_pair[1]
     before = digest(draft)
-    result = specbench(
+    result = cli(
         "run",
         "--target",
         untied_target,
@@ -93,7 +93,7 @@ def test_a_draft_that_learns_from_a_repeated_prompt_accepts_more(untied_target, 
     data = tmp_path / "repeated.jsonl"
     data.write_text((json.dumps({"prompt": "def square(x):\n"}) + "\n") * 6)
     out = tmp_path / "run"
-    result = specbench(
+    result = cli(
         "run",
         "--target",
         untied_target,

@@ -349,10 +349,10 @@ def test_a_context_sweep_runs_each_length_and_finds_the_crossovers(tiny_pair, tm
 
     import pandas as pd
 
-    from ..helpers import on_tiny_pair
+    from ..helpers import cli_on_tiny_pair
 
     out = tmp_path / "sweep"
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "sweep-context",
         tiny_pair,
         "--context-tokens",

@@ -18,7 +18,7 @@ from specbench.models.pair import encode_turn, uses_chat
 from specbench.results.summary import WEIGHT_DEPENDENT
 from specbench.workloads.prompts import load_prompts
 
-from ..helpers import cli, on_tiny_pair, one_line_error, specbench
+from ..helpers import cli, cli_on_tiny_pair, one_line_error
 
 CPU = torch.device("cpu")
 
@@ -53,7 +53,7 @@ def read_csv(path):
 
 def test_random_weights_run_end_to_end(configs, prompts_file, tmp_path):
     out = tmp_path / "random"
-    result = specbench(
+    result = cli(
         "run",
         "--target",
         configs[0],
@@ -97,7 +97,7 @@ def test_random_weights_run_end_to_end(configs, prompts_file, tmp_path):
     assert meta["resolved"]["weights"] == "random"
 
     # theory reads the same costs back and predicts the same figures.
-    theory = specbench("theory", "--costs", str(out), "--alpha", "0.7", "--format", "csv")
+    theory = cli("theory", "--costs", str(out), "--alpha", "0.7", "--format", "csv")
     assert theory.returncode == 0, theory.stderr
     line = next(line for line in theory.stdout.splitlines() if line.startswith("0.7,3,"))
     assert float(line.split(",")[-1]) == pytest.approx(float(row["predicted_speedup_verify"]), rel=1e-5)
@@ -198,7 +198,7 @@ def test_unknown_architecture_is_one_line(tmp_path):
 def test_device_map_on_cpu_is_recorded(tiny_pair, prompts_file, tmp_path):
     out = tmp_path / "mapped"
     args = ["--device-map", "auto", "--dataset", prompts_file, "--k", "2", "--max-new-tokens", "6"]
-    result = on_tiny_pair("run", tiny_pair, *args, "--cost-repeats", "2", "--out", str(out))
+    result = cli_on_tiny_pair("run", tiny_pair, *args, "--cost-repeats", "2", "--out", str(out))
     assert result.returncode == 0, result.stderr
     assert json.loads((out / "meta.json").read_text())["resolved"]["device_map"] == {"": "cpu"}
     assert all(r["outputs_match"] == "True" for r in read_csv(out / "records.csv"))

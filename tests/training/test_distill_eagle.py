@@ -16,7 +16,7 @@ from specbench.models.load import load
 from specbench.training.distill import DistillConfig
 from specbench.training.distill_eagle import FEATURES, DividedBy, distill_eagle, feature_scale, ttt_outputs
 
-from ..helpers import build_llama, build_tokenizer, cli, on_tiny_pair, one_line_error, specbench
+from ..helpers import build_llama, build_tokenizer, cli, cli_on_tiny_pair, one_line_error
 
 CPU, F32 = torch.device("cpu"), torch.float32
 STEPS = 3
@@ -120,7 +120,7 @@ TINY_ARGS = (
 def test_distill_kind_eagle_trains_a_head_that_runs_equal_to_the_baseline(tiny_pair, tmp_path):
     out = tmp_path / "head"
     sources = write_sources(tmp_path)
-    result = specbench(
+    result = cli(
         "distill", "--kind", "eagle", "--target", tiny_pair[0], "--out", str(out), "--source", str(sources), *TINY_ARGS
     )
     assert result.returncode == 0, result.stderr
@@ -142,7 +142,7 @@ def test_distill_kind_eagle_trains_a_head_that_runs_equal_to_the_baseline(tiny_p
     stored = torch.load(next((out / FEATURES / "generated").glob("*.pt")))
     assert stored[0].dtype == torch.float16 and stored[0].shape[1] == 3 * config.hidden_size
     run = tmp_path / "run"
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "run", tiny_pair, "--method", "eagle,eagle-dynamic", "--speculator", str(out), "--k", "3",
         "--num-prompts", "2", "--max-new-tokens", "12", "--repeats", "1", "--warmup", "0", "--cost-repeats", "2",
         "--dataset", "humaneval", "--out", str(run),

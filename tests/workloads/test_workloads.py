@@ -24,11 +24,10 @@ from specbench.workloads.prompts import PLACEHOLDER, Prompt, load_prompts, read_
 from ..helpers import (
     MT_BENCH,
     build_eagle3_head,
+    cli,
     cli_on_tiny_pair,
-    on_tiny_pair,
     one_line_error,
     spec_bench_rows,
-    specbench,
     write_jsonl,
 )
 
@@ -293,7 +292,7 @@ def test_a_second_turn_continues_the_same_methods_own_answer(
 
 def test_per_category_rows_table_heat_map_and_intervals(tiny_pair, spec_bench_file, tmp_path):
     out = tmp_path / "run"
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "run", tiny_pair, "--dataset", spec_bench_file, "--per-category", "1", "--k", "2", "--max-new-tokens", "12",
         "--cost-repeats", "2", "--warmup", "0", "--out", str(out),
     )  # fmt: skip
@@ -317,7 +316,7 @@ def test_per_category_rows_table_heat_map_and_intervals(tiny_pair, spec_bench_fi
     assert low <= writing["speedup"] <= high
     assert all("speedup_ci" not in r for r in document["categories"] if r["num_prompts"] == 1)
     # Grouped by turn instead, and (the same rows) by input length.
-    again = on_tiny_pair(
+    again = cli_on_tiny_pair(
         "run", tiny_pair, "--dataset", spec_bench_file, "--num-prompts", "2", "--k", "2", "--max-new-tokens", "8",
         "--cost-repeats", "2", "--warmup", "0", "--group-by", "turn", "--out", str(tmp_path / "turns"),
     )  # fmt: skip
@@ -341,14 +340,14 @@ def test_compare_judges_the_per_category_rows(tiny_pair, spec_bench_file, tmp_pa
     current.mkdir()
     for path in out.iterdir():
         (current / path.name).write_bytes(path.read_bytes())
-    same = specbench("compare", str(out), str(current), "--metric", "tau", "--metric", "speedup")
+    same = cli("compare", str(out), str(current), "--metric", "tau", "--metric", "speedup")
     assert same.returncode == 0, same.stdout
     assert "category=translation" in same.stdout
     # One category's tau drops: the overall row is untouched, the comparison fails on that category.
     categories = pd.read_csv(current / "categories.csv")
     categories.loc[(categories["category"] == "translation") & (categories["method"] == "speculative"), "tau"] -= 0.5
     categories.to_csv(current / "categories.csv", index=False)
-    worse = specbench("compare", str(out), str(current), "--metric", "tau")
+    worse = cli("compare", str(out), str(current), "--metric", "tau")
     assert worse.returncode == 1
     verdict = worse.stdout.strip().splitlines()[-1]
     assert verdict.startswith("FAIL") and "category=translation" in verdict and "category=writing" not in verdict
@@ -390,7 +389,7 @@ def test_the_real_sharegpt_file_of_the_package(tiny_pair, tmp_path):
     assert prompts[0].id == "QWJhYvA_0" and sum(len(p.turns) == 2 for p in prompts) > 10
     everything = read_dataset("sharegpt")
     assert len(everything) > 17000  # the package's file is cut short: its complete conversations
-    result = on_tiny_pair(
+    result = cli_on_tiny_pair(
         "run", tiny_pair, "--dataset", "sharegpt", "--num-prompts", "6", "--max-turns", "2", "--k", "2",
         "--max-new-tokens", "8", "--cost-repeats", "2", "--warmup", "0", "--out", str(tmp_path / "run"),
     )  # fmt: skip
