@@ -53,11 +53,6 @@ def specbench(*args, timeout=300):
     return subprocess.run([sys.executable, "-m", "specbench", *args], capture_output=True, text=True, timeout=timeout)
 
 
-def on_tiny_pair(command: str, tiny_pair, *args, timeout=300):
-    """``specbench COMMAND`` with the tiny target and draft."""
-    return specbench(command, "--target", tiny_pair[0], "--draft", tiny_pair[1], *args, timeout=timeout)
-
-
 def cli(*args) -> subprocess.CompletedProcess:
     """``specbench ARGS`` in this process, as its entry point runs it (one-line errors, exit codes), with
     its output captured: for what the CLI refuses, without the seconds a new interpreter spends
