@@ -357,12 +357,18 @@ def build_eagle3_head(
 READS = {"item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "__index__", "multinomial", "nonzero"}
 
 
-class HostReads(TorchFunctionMode):
-    """Counts the torch calls inside it that read the device from the host (test_syncs, make gpu-check).
+# Tensors made from host data straight onto a device: on CUDA, a copy from pageable memory that waits
+# for the work queued before it (specbench.decoding.transfer.to_device makes them without a wait).
+MADE_ON_DEVICE = {"tensor", "as_tensor", "asarray"}
 
-    With ``device``, only reads of tensors on that device count: inductor's CUDA wrapper reads the
-    0-d CPU tensors that dynamo passes its float arguments in (eps) with .item() at every call, and
-    those wait on nothing (on an H200, CUDA's own sync count was the same with and without them)."""
+
+class HostReads(TorchFunctionMode):
+    """Counts the torch calls inside it that make the host wait for the device (test_syncs, make
+    gpu-check): reads of a tensor, and tensors made from host data with a ``device=`` (MADE_ON_DEVICE).
+
+    With ``device``, only calls on that device count: inductor's CUDA wrapper reads the 0-d CPU
+    tensors that dynamo passes its float arguments in (eps) with .item() at every call, and those wait
+    on nothing (on an H200, CUDA's own sync count was the same with and without them)."""
 
     def __init__(self, device: torch.device | str | None = None):
         super().__init__()
@@ -372,10 +378,16 @@ class HostReads(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         # A compiled region reads nothing from the host, and a count that torch.compile traced would
         # become a guard: every decode would recompile the fast forward's functions (seen on CUDA).
-        if not torch.compiler.is_compiling() and getattr(func, "__name__", "") in READS:
+        name, result = getattr(func, "__name__", ""), func(*args, **(kwargs or {}))
+        if torch.compiler.is_compiling():
+            return result
+        if name in READS:
             read = args[0] if args and isinstance(args[0], torch.Tensor) else None
             self.count += self.device is None or read is None or read.device.type == self.device
-        return func(*args, **(kwargs or {}))
+        elif name in MADE_ON_DEVICE and (kwargs or {}).get("device") is not None and result.numel():
+            # (an empty one copies nothing: transformers' cache makes its layers so)
+            self.count += self.device is None or result.device.type == self.device
+        return result
 
 
 # ---------------------------------------------------------------- timings

@@ -305,15 +305,15 @@ def verify_tree_greedy(tokens: torch.Tensor, parents: list[int], target_logits: 
     target_logits: [n+1, V], row 0 at the root and row i+1 at node i. The token after the last
     accepted node is the target's argmax there, so the output equals greedy target decoding.
     """
-    choice = argmax(target_logits).squeeze(-1).tolist()
-    ids, kids = tokens.tolist(), children(parents)
+    choices = argmax(target_logits).squeeze(-1)
+    choice, ids, kids = choices.tolist(), tokens.tolist(), children(parents)
     path, node = [], -1
     while (child := next((c for c in kids.get(node, []) if ids[c] == choice[node + 1]), None)) is not None:
         path.append(child)
         node = child
     tested = len(path) + (node in kids)  # the depths where a child was tried
     emitted = [ids[i] for i in path] + [choice[node + 1]]
-    return Verdict(path, torch.tensor(emitted[-1:], device=tokens.device), float(len(path)), tested, emitted)
+    return Verdict(path, choices[node + 1 : node + 2], float(len(path)), tested, emitted)
 
 
 def verify_tree_sampled(

@@ -6,6 +6,8 @@ from collections.abc import Sequence
 
 import torch
 
+from specbench.decoding.transfer import to_device
+
 
 def tree_inputs(parents: Sequence[int], cache_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Position ids and attention mask for appending a tree of ``len(parents)`` tokens to a cache.
@@ -30,4 +32,4 @@ def tree_inputs(parents: Sequence[int], cache_len: int, device) -> tuple[torch.T
             depth[i] = depth[p] + 1
     positions = torch.tensor(depth, dtype=torch.long) + cache_len
     mask = torch.cat([torch.ones(n, cache_len, dtype=torch.bool), ancestry], dim=1)
-    return positions.to(device), mask.to(device)
+    return to_device(positions, device), to_device(mask, device)

@@ -8,6 +8,7 @@ import torch
 
 from specbench.decoding.decode import Draft
 from specbench.decoding.sampling import Sampling, Verdict
+from specbench.decoding.transfer import ids_to_device, to_device
 from specbench.drafters.propose import propose_chain, propose_tree
 from specbench.models.eagle_head import EagleHead, HeadCache
 
@@ -73,7 +74,7 @@ class EagleDrafter:
         def row_after(token: torch.Tensor | None) -> torch.Tensor:
             nonlocal out
             if token is not None:  # the head reads its last draft with its own output
-                position = torch.tensor([self.cache.length], device=out.device)
+                position = ids_to_device([self.cache.length], out.device)
                 out = self.head.step(self.head.draft_ids[token], out, position, self.cache)
             return self.head.draft_logits(out)[0]
 
@@ -117,13 +118,14 @@ class EagleDrafter:
             frontier = sorted(new, key=lambda n: -scores[n])[:width]
             read += frontier
             # Each reads the pending pairs and its ancestors (all read at earlier levels) and itself.
-            mask = torch.zeros(len(frontier), self.base + len(read), dtype=torch.bool, device=out.device)
+            mask = torch.zeros(len(frontier), self.base + len(read), dtype=torch.bool)  # built on the host
             mask[:, : self.base] = True
             lineages = [_lineage(n, parents) for n in frontier]
             for row, lineage in enumerate(lineages):
                 mask[row, [self.base + read.index(n) for n in lineage]] = True
-            positions = torch.tensor([self.base + len(lineage) - 1 for lineage in lineages], device=out.device)
-            ids = self.head.draft_ids[torch.tensor([tokens[n] for n in frontier], device=out.device)]
+            mask = to_device(mask, out.device)
+            positions = ids_to_device([self.base + len(lineage) - 1 for lineage in lineages], out.device)
+            ids = self.head.draft_ids[ids_to_device([tokens[n] for n in frontier], out.device)]
             hidden = torch.cat([outs[parents[n]] for n in frontier])
             result = self.head.step(ids, hidden, positions, self.cache, mask)
             outs.update({n: result[row : row + 1] for row, n in enumerate(frontier)})
@@ -131,7 +133,7 @@ class EagleDrafter:
         chosen = sorted(ranked[:nodes])  # a parent was offered before its children: index order keeps it first
         index = {n: i for i, n in enumerate(chosen)}
         return Draft(
-            self.head.draft_ids[torch.tensor([tokens[n] for n in chosen], device=out.device)],
+            self.head.draft_ids[ids_to_device([tokens[n] for n in chosen], out.device)],
             [index[parents[n]] if parents[n] >= 0 else -1 for n in chosen],
             None,
             forwards=depth,

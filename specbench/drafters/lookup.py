@@ -6,6 +6,7 @@ import torch
 
 from specbench.decoding.decode import Draft
 from specbench.decoding.sampling import Verdict
+from specbench.decoding.transfer import ids_to_device
 
 
 class PromptLookupDrafter:
@@ -25,7 +26,7 @@ class PromptLookupDrafter:
     def propose(self, k: int) -> Draft:
         found = self.continuations(k if self.lookahead is None else self.lookahead, every=False)
         copied = found[0] if found else []  # empty when k is 0
-        return Draft.chain(torch.tensor(copied, dtype=torch.long, device=self.device), None)
+        return Draft.chain(ids_to_device(copied, self.device), None)
 
     def continuations(self, k: int, every: bool = True) -> list[list[int]]:
         """The one n-gram scan of every lookup drafter: up to ``k`` tokens that followed each earlier

@@ -9,6 +9,7 @@ import torch
 
 from specbench.decoding.decode import CausalLM, Draft
 from specbench.decoding.sampling import Sampling, Verdict
+from specbench.decoding.transfer import ids_to_device
 from specbench.drafters.lookup import PromptLookupDrafter
 from specbench.drafters.propose import propose_tree, tree_parents
 
@@ -70,4 +71,4 @@ class LookupTreeDrafter(PromptLookupDrafter):
                     tokens.append(token)
                     parents.append(parent)
                 parent = index[(parent, token)]
-        return Draft(torch.tensor(tokens, dtype=torch.long, device=self.device), parents, None)
+        return Draft(ids_to_device(tokens, self.device), parents, None)

@@ -10,6 +10,7 @@ from functools import cache
 import torch
 
 from specbench.decoding.kv import GrowingKV, Window, retrieval_positions
+from specbench.decoding.transfer import ids_to_device
 from specbench.models.fast import FastLlama, unsupported
 
 log = logging.getLogger("specbench")
@@ -185,7 +186,7 @@ class HFCausalLM:
         config = self.model.config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        position = torch.tensor([[self.length - 1]], device=self.device)
+        position = ids_to_device([[self.length - 1]], self.device)
         queries, self.queries = self.queries, None
         rotated = []
         for query in queries:
@@ -278,7 +279,7 @@ class HFCausalLM:
         """
         path = list(path)
         if path != list(range(len(path))):
-            offsets = torch.tensor(path, device=self.device)
+            offsets = ids_to_device(path, self.device)
             for layer in self.cache.layers:
                 if not layer.is_initialized:
                     continue
@@ -436,7 +437,7 @@ class WindowLM(PartialLM):
             every = self.ids + ids
             ids = [every[i] for i in self.window.kept(len(every)).tolist()]
             HFCausalLM.reset(self)  # empties the cache only: the window still counts the whole sequence read
-            self.ids, token_ids = [], torch.tensor(ids, dtype=token_ids.dtype, device=self.device)
+            self.ids, token_ids = [], ids_to_device(ids, self.device)
         logits = super()._call(token_ids, last, None, None)  # positions follow the cache: within the window
         self.ids += ids
         self.window.read = read

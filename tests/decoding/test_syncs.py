@@ -14,6 +14,7 @@ from scipy.stats import chisquare
 from specbench.decoding.decode import STOP_CHECK, autoregressive_decode, speculative_decode
 from specbench.decoding.sampling import Sampling, sample
 from specbench.decoding.timing import PhaseClock, TimedLM
+from specbench.decoding.transfer import ids_to_device
 from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.lookup import PromptLookupDrafter
 from specbench.drafters.model import ModelDrafter
@@ -35,6 +36,11 @@ def test_the_reads_are_counted():
     with HostReads("cuda") as reads:
         int(x[0]), x.tolist(), torch.tensor(1e-6).item()
     assert reads.count == 0
+    # So is a tensor made from host data on the device, which waits on CUDA; one made on the host
+    # and handed over by to_device is not.
+    with HostReads() as reads:
+        torch.tensor([1, 2], device=CPU), ids_to_device([1, 2], CPU), torch.tensor([1, 2])
+    assert reads.count == 1
 
 
 LAW = np.array([0.5, 0.0, 0.2, 0.25, 0.05])
