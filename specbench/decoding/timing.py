@@ -121,6 +121,10 @@ class PeakMemory:
     def __init__(self, device: torch.device):
         self.device = device
         if device.type == "cuda":
+            # The allocator's counters exist once CUDA is initialised: before, in a process that has
+            # not touched the GPU yet, reset_peak_memory_stats fails ("Invalid device argument", seen
+            # on an H200 in make gpu-check).
+            torch.cuda.init()
             self.source = "cuda"
         elif device.type == "cpu":
             self.source = "vmhwm" if _clear_peak_rss() and _vm_hwm() is not None else "ru_maxrss"

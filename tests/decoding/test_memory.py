@@ -69,13 +69,16 @@ def test_without_a_resettable_peak_the_cpu_reads_the_process_peak(monkeypatch, t
 
 
 def test_on_cuda_the_peak_is_the_allocators_on_the_models_device(monkeypatch):
+    """CUDA is initialised first: in a process that has not touched the GPU yet, the allocator has no
+    counters to reset (an H200 said "Invalid device argument" to a test that ran first in its worker)."""
     asked = []
+    monkeypatch.setattr(torch.cuda, "init", lambda: asked.append(("init",)))
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: asked.append(("reset", device)))
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: asked.append(("peak", device)) or 7)
     second = torch.device("cuda", 1)
     memory = PeakMemory(second)
     memory.reset()
-    assert memory.peak() == 7 and asked == [("reset", second), ("peak", second)]
+    assert memory.peak() == 7 and asked == [("init",), ("reset", second), ("peak", second)]
 
 
 @pytest.mark.gpu
