@@ -2,8 +2,10 @@
 CPU at toy sizes), a failing step reported while the next one runs, and make gpu-wheels' folder."""
 
 import json
+import signal
 import subprocess
 import sys
+import time
 import zipfile
 from pathlib import Path
 
@@ -78,6 +80,37 @@ def test_a_step_that_fails_is_reported_and_the_next_one_still_runs(tmp_path):
     assert steps["c. the mission's pair shape"]["status"] == "FAIL"
     assert steps["e. host reads per round"]["status"] == "pass"
     assert "out of time: c-compile was stopped" in text
+
+
+def running_with(text: str) -> list[str]:
+    """The processes whose command line holds ``text``."""
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                found.append(cmdline.parent.name)
+        except OSError:  # it ended while we looked
+            pass
+    return found
+
+
+@pytest.mark.slow
+def test_a_stopped_check_stops_its_step_and_says_so(tmp_path):
+    """SIGTERM (a timeout, a session's end) stops the step's process too, which runs in its own
+    session: left running, one went on using an H200 through the next check's start."""
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--out", str(tmp_path), "--steps", "ce"]
+    check = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not running_with(f"{tmp_path}/") or not list(tmp_path.glob("*/c-compile.log")):
+        assert check.poll() is None and time.monotonic() < deadline, "the step's run never started"
+        time.sleep(0.2)
+    check.send_signal(signal.SIGTERM)
+    out, err = check.communicate(timeout=60)
+    assert check.returncode == 1, err
+    assert running_with(f"{tmp_path}/") == []
+    text, figures = report(tmp_path)
+    assert list(figures["steps"]) == ["c. the mission's pair shape"]  # e never started
+    assert "stopped by SIGTERM" in text and "no later step ran" in text and "Traceback" not in err
 
 
 @pytest.mark.slow
