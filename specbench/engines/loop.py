@@ -23,6 +23,7 @@ from specbench.core.errors import SpecbenchError
 from specbench.decoding.decode import DecodeResult
 from specbench.decoding.sampling import Sampling
 from specbench.decoding.timing import PeakMemory, PhaseClock, Phases, synchronize
+from specbench.decoding.transfer import ids_to_device
 from specbench.engines import Served, margin, request_seed
 
 
@@ -138,8 +139,9 @@ class Loop:
         lm = self.pair.target_lm
         lm.reset()
         logits = lm.forward(torch.as_tensor(request, device=self.pair.device), last=1)[-1]
+        given = None if answer is None else ids_to_device(list(answer[:position]), self.pair.device)  # one copy
         for n in range(position):
-            token = logits.argmax().view(1) if answer is None else torch.tensor([answer[n]], device=self.pair.device)
+            token = logits.argmax().view(1) if given is None else given[n : n + 1]
             logits = lm.forward(token, last=1)[-1]
         first, second = logits.float().topk(2).values.tolist()
         return first, second, torch.finfo(logits.dtype).eps * 2.0 ** (math.frexp(first)[1] - 1)
