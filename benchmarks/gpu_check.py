@@ -160,15 +160,13 @@ class Check:
             )  # fmt: skip
             try:
                 code = process.wait(timeout=self.left())
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-                raise StepFailed(f"out of time: {name} was stopped (see {log.name})") from None
-            except BaseException:
+            except BaseException as e:  # out of time, or the check itself stopped (Stopped, Ctrl-C)
                 # Its own session outlives the check: left running, a 7B run went on using the GPU
                 # through the next check's first minute on an H200 (and halved its copy bandwidth).
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
+                if isinstance(e, subprocess.TimeoutExpired):
+                    raise StepFailed(f"out of time: {name} was stopped (see {log.name})") from None
                 raise
         if code != 0:
             lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]

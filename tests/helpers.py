@@ -385,8 +385,10 @@ class HostReads(TorchFunctionMode):
             read = args[0] if args and isinstance(args[0], torch.Tensor) else None
             self.count += self.device is None or read is None or read.device.type == self.device
         elif name in MADE_ON_DEVICE and (kwargs or {}).get("device") is not None and result.numel():
-            # (an empty one copies nothing: transformers' cache makes its layers so)
-            self.count += self.device is None or result.device.type == self.device
+            # Host data only (a tensor already there is no copy); an empty one copies nothing either
+            # (transformers' cache makes its layers so).
+            if not (args and isinstance(args[0], torch.Tensor)):
+                self.count += self.device is None or result.device.type == self.device
         return result
 
 

@@ -164,8 +164,7 @@ def test_the_audit_passes_specbench_and_flags_every_known_broken_subject(audit_p
     sampled once (in two audits they took 275 s of the tests' time, in one 240). Holm then corrects
     over all of them: the weakest broken subject, q-temperature-1, failed at p 3e-5 after it, against
     a level of 0.01."""
-    broken = BROKEN
-    flags = [a for name in broken for a in ("--broken", name)]
+    flags = [a for name in BROKEN for a in ("--broken", name)]
     code, report = audit_rows(audit_pair, tmp_path, *flags, "--k-policy", "fixed,confidence", "--draft-p-min", "1")
     assert code == 1  # a failure
     assert report["plan"]["samples"] == 1000  # the default N
@@ -177,14 +176,14 @@ def test_the_audit_passes_specbench_and_flags_every_known_broken_subject(audit_p
     assert set(control.values()) == {"pass"}
     unsure = verdicts(report, "speculative K=3 confidence")
     assert unsure[("sampling", STRONG)] == "not exercised" and unsure[("greedy", "greedy")] == "pass"
-    for name in broken:
+    for name in BROKEN:
         found = verdicts(report, f"{name} K=3")
         assert "FAIL" in found.values(), (name, found)
         if name == "accept-miscount":
             assert found[("greedy", "greedy")] == "FAIL"  # greedy answers diverge too, structurally
     samples = (tmp_path / "samples.jsonl").read_text().splitlines()
     arms = {json.loads(line)["arm"] for line in samples}
-    assert {"reference", "control", "pilot", "speculative K=3", *(f"{name} K=3" for name in broken)} <= arms
+    assert {"reference", "control", "pilot", "speculative K=3", *(f"{name} K=3" for name in BROKEN)} <= arms
     test = report["tests"][0]
     assert {"p", "p_holm", "df", "tv", "tv_low", "tv_high", "tv_noise", "detectable_tv", "positions"} <= set(test)
 
