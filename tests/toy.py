@@ -74,22 +74,29 @@ def exact_distribution(model: ToyLM, prompt: list[int], length: int, cfg: Sampli
     return law
 
 
-def chi_square_p(target: ToyLM, draft, k: int, cfg: Sampling, seed: int = 0, schedule=None) -> float:
+def chi_square_p(
+    target: ToyLM, draft, k: int, cfg: Sampling, seed: int = 0, schedule=None, negative_control: bool = False
+) -> float:
     """p-value of the sequences sampled by speculative decoding against the target's exact law;
-    ``draft`` is a drafter, or a model that drafts by sampling; ``schedule`` sets K round by round."""
+    ``draft`` is a drafter, or a model that drafts by sampling; ``schedule`` sets K round by round;
+    ``negative_control``: the drafter or loop is broken on purpose (see drawn_p)."""
     generator = torch.Generator().manual_seed(seed)
     drafter = draft if hasattr(draft, "propose") else ModelDrafter(draft, cfg, generator)
     prompt = torch.tensor(PROMPT)
-    counts = Counter(
-        tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator, schedule=schedule).tokens)
-        for _ in range(SAMPLES)
-    )
-    return law_p(target, cfg, counts)
+
+    def draw() -> tuple:
+        return tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator, schedule=schedule).tokens)
+
+    return drawn_p(exact_distribution(target, PROMPT, LENGTH, cfg), draw, negative_control=negative_control)
 
 
 def law_p(target: ToyLM, cfg: Sampling, counts: Counter) -> float:
     """p-value of sampled sequence counts (any number) against the target's exact law of LENGTH tokens after PROMPT."""
-    law = exact_distribution(target, PROMPT, LENGTH, cfg)
+    return counts_p(exact_distribution(target, PROMPT, LENGTH, cfg), counts)
+
+
+def counts_p(law: dict[tuple, float], counts: Counter) -> float:
+    """Pearson's chi-square p-value of sequence ``counts`` against ``law`` (sequence -> probability)."""
     assert set(counts) <= {s for s, p in law.items() if p > 0}, "sampled a sequence the target cannot produce"
     # Cells the warp made impossible carry no information; keep the rest.
     cells = [s for s, p in law.items() if p > 0]
@@ -97,3 +104,21 @@ def law_p(target: ToyLM, cfg: Sampling, counts: Counter) -> float:
     mass = sum(law[s] for s in cells)
     expected = [law[s] / mass * sum(counts.values()) for s in cells]
     return chisquare(observed, expected).pvalue
+
+
+def drawn_p(law: dict[tuple, float], draw, samples: int = SAMPLES, negative_control: bool = False) -> float:
+    """p-value of ``samples`` sequences from ``draw()`` against ``law``.
+
+    ``negative_control``: the draws come from a variant broken on purpose, which must score under
+    P_FLOOR. It is scored after a quarter and a half of the draws too, and stops at the first score
+    under P_FLOOR: most broken variants get there early, and a p-value that low says the test catches
+    them. A subtle one still gets every draw, as the exactness test it controls does. No look is
+    under a quarter, so that the chi-square approximation holds (few cells expect under 5)."""
+    counts: Counter = Counter()
+    for look in (samples // 4, samples // 2, samples) if negative_control else (samples,):
+        while counts.total() < look:
+            counts[draw()] += 1
+        p = counts_p(law, counts)
+        if p < P_FLOOR:
+            break
+    return p

@@ -74,7 +74,10 @@ def _verify_with_stale_bonus(draft_tokens, q, p, generator):
 @pytest.mark.slow
 def test_the_test_catches_a_broken_verifier(monkeypatch, broken):
     monkeypatch.setattr(decode, "verify_chain_sampled", broken)
-    assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 1, Sampling(temperature=1.0)) < P_FLOOR
+    assert (
+        chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 1, Sampling(temperature=1.0), negative_control=True)
+        < P_FLOOR
+    )
 
 
 def test_identical_draft_accepts_everything_and_earns_the_bonus():
@@ -111,7 +114,7 @@ def test_the_test_catches_a_penalty_blind_to_the_rounds_drafts(monkeypatch):
     cfg = Sampling(temperature=1.0, repetition_penalty=3.0)
     assert chi_square_p(ToyLM(VOCAB, seed=5), ToyLM(VOCAB, seed=1), 3, cfg) > P_FLOOR
     monkeypatch.setattr(decode, "_seen_rows", lambda seen, tokens: seen.expand(len(tokens) + 1, -1))
-    assert chi_square_p(ToyLM(VOCAB, seed=5), ToyLM(VOCAB, seed=1), 3, cfg) < P_FLOOR
+    assert chi_square_p(ToyLM(VOCAB, seed=5), ToyLM(VOCAB, seed=1), 3, cfg, negative_control=True) < P_FLOOR
 
 
 @pytest.mark.parametrize("k", [1, 2, 5])
@@ -180,14 +183,14 @@ def test_the_test_catches_a_tree_verifier_that_keeps_p_after_a_rejection(monkeyp
     monkeypatch.setattr(sampling, "residual", lambda p_row, q_row: p_row)
     cfg = Sampling(temperature=1.0)
     drafter = TreeDrafter(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(5), (2, 2))
-    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, cfg) < P_FLOOR
+    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, cfg, negative_control=True) < P_FLOOR
 
 
 @pytest.mark.slow
 def test_the_test_catches_a_tree_verifier_that_does_not_renormalise(monkeypatch):
     monkeypatch.setattr(sampling, "normalised", lambda weights: weights)
     drafter = LookupTreeDrafter(nodes=6, depth=2, max_ngram=2)
-    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, Sampling(temperature=1.0)) < P_FLOOR
+    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, Sampling(temperature=1.0), negative_control=True) < P_FLOOR
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (3, 1, 1), (2, 2, 1), (4,)])
@@ -259,7 +262,7 @@ def _unchecked_round(target, drafter, last, k, cfg, generator):
 def test_the_test_catches_a_cascade_that_passes_up_the_wrong_rows():
     cfg = Sampling(temperature=1.0)
     broken = CascadeWithStaleQ(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7), None, 2)
-    assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 3, cfg) < P_FLOOR
+    assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 3, cfg, negative_control=True) < P_FLOOR
 
 
 @pytest.mark.slow
@@ -272,7 +275,7 @@ def test_the_test_catches_a_cascade_whose_inner_check_is_not_exact(monkeypatch):
         return (_unchecked_round if target is draft else exact)(target, *args)
 
     monkeypatch.setattr("specbench.drafters.cascade.speculative_round", rounds)  # the cascade's own rounds
-    assert chi_square_p(ToyLM(VOCAB, seed=1), cascade(cfg, draft=draft), 3, cfg) < P_FLOOR
+    assert chi_square_p(ToyLM(VOCAB, seed=1), cascade(cfg, draft=draft), 3, cfg, negative_control=True) < P_FLOOR
 
 
 def three_levels(cfg: Sampling, inner_k: int) -> CascadeDrafter:
@@ -306,7 +309,7 @@ def test_the_test_catches_a_middle_level_whose_rows_are_not_passed_up():
     broken = LowerRowsPassedUp(
         ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(7), lower=three_levels(cfg, 1).lower
     )
-    assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 3, cfg) < P_FLOOR
+    assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 3, cfg, negative_control=True) < P_FLOOR
 
 
 def test_a_cascade_counts_what_each_level_contributed():
@@ -415,7 +418,7 @@ def test_the_test_catches_rows_read_from_an_updated_copy_of_the_draft():
     target, draft, updated = ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), ToyLM(VOCAB, seed=2)
     updated.table = 0.5 * (draft.table + target.table)  # one update's worth closer to the target
     drafter = RowsFromTheUpdatedCopy(draft, cfg, torch.Generator().manual_seed(5), updated)
-    assert chi_square_p(target, drafter, 2, cfg) < P_FLOOR
+    assert chi_square_p(target, drafter, 2, cfg, negative_control=True) < P_FLOOR
 
 
 # ---------------------------------------------------------------- lookahead policies (--k-policy)
@@ -469,7 +472,7 @@ class ArgmaxWhereUnsure(ModelDrafter):
 def test_the_test_catches_a_confidence_stop_that_drafts_the_unsure_token():
     cfg = Sampling(temperature=1.0)
     broken = unsure_drafter(cfg, 0.7, drafter=ArgmaxWhereUnsure)
-    assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 3, cfg) < P_FLOOR
+    assert chi_square_p(ToyLM(VOCAB, seed=1), broken, 3, cfg, negative_control=True) < P_FLOOR
 
 
 HEURISTIC = [
@@ -529,7 +532,12 @@ def _round_cut_at_the_new_k(exact):
 def test_the_test_catches_a_schedule_that_cuts_a_round_at_the_new_k(monkeypatch):
     monkeypatch.setattr(decode, "speculative_round", _round_cut_at_the_new_k(decode.speculative_round))
     cfg = Sampling(temperature=1.0)
-    assert chi_square_p(ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 2, cfg, schedule=decode.heuristic_k) < P_FLOOR
+    assert (
+        chi_square_p(
+            ToyLM(VOCAB, seed=1), ToyLM(VOCAB, seed=2), 2, cfg, schedule=decode.heuristic_k, negative_control=True
+        )
+        < P_FLOOR
+    )
 
 
 # The baseline's samples in batches (the audit's reference arms): each row an independent draw of the law.

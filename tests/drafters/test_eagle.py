@@ -18,7 +18,7 @@ from specbench.models.eagle_head import WEIGHTS, HeadLM, load_head, read_head, s
 from specbench.models.load import load
 
 from ..helpers import LawLM, build_eagle3_head, cli_on_tiny_pair, one_line_error, tiny_law_model
-from ..toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, law_p
+from ..toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, drawn_p, exact_distribution, law_p
 
 CPU, F32 = torch.device("cpu"), torch.float32
 DRAFT_IDS = [0, 2]  # of the law model's 3: q is zero at id 1, which the head never drafts
@@ -40,16 +40,16 @@ def head_for(target, path):
     return read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
 
 
-def sampled_p(target, drafter_of, k: int = 2, schedule=None) -> float:
+def sampled_p(target, drafter_of, k: int = 2, schedule=None, negative_control: bool = False) -> float:
     cfg, generator = Sampling(temperature=1.0), torch.Generator().manual_seed(0)
     drafter = drafter_of(cfg, generator)
     target.record_features(drafter.head.config.taps)
     prompt = torch.tensor(PROMPT)
-    counts = Counter(
-        tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator, schedule=schedule).tokens)
-        for _ in range(SAMPLES)
-    )
-    return law_p(target, cfg, counts)
+
+    def draw() -> tuple:
+        return tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator, schedule=schedule).tokens)
+
+    return drawn_p(exact_distribution(target, PROMPT, LENGTH, cfg), draw, negative_control=negative_control)
 
 
 SHAPES = {"chain": {}, "tree": {"shape": (2, 1)}, "dynamic": {"dynamic": (3, 2)}}
@@ -157,7 +157,7 @@ def test_the_test_catches_q_rows_left_in_draft_ids(law, one_thread, monkeypatch)
         return rows
 
     monkeypatch.setattr(EagleDrafter, "_full", unmapped)
-    assert sampled_p(target, lambda cfg, g: EagleDrafter(head, target, 3, cfg, g)) < P_FLOOR
+    assert sampled_p(target, lambda cfg, g: EagleDrafter(head, target, 3, cfg, g), negative_control=True) < P_FLOOR
 
 
 @pytest.mark.slow
@@ -170,7 +170,10 @@ def test_the_test_catches_a_tree_of_distinct_children(law, one_thread, monkeypat
         return torch.multinomial(q[:, 0], b, generator=generator).unsqueeze(-1)
 
     monkeypatch.setattr(propose, "sample", distinct)  # tree_level draws each level with it
-    assert sampled_p(target, lambda cfg, g: EagleDrafter(head, target, 3, cfg, g, shape=(2, 1))) < P_FLOOR
+    assert (
+        sampled_p(target, lambda cfg, g: EagleDrafter(head, target, 3, cfg, g, shape=(2, 1)), negative_control=True)
+        < P_FLOOR
+    )
 
 
 class SampledLooking(EagleDrafter):
@@ -185,7 +188,10 @@ class SampledLooking(EagleDrafter):
 @pytest.mark.slow
 def test_the_test_catches_a_dynamic_tree_judged_as_sampled(law, one_thread):
     target, head = law
-    assert sampled_p(target, lambda cfg, g: SampledLooking(head, target, 3, cfg, g, dynamic=(3, 2))) < P_FLOOR
+    assert (
+        sampled_p(target, lambda cfg, g: SampledLooking(head, target, 3, cfg, g, dynamic=(3, 2)), negative_control=True)
+        < P_FLOOR
+    )
 
 
 def test_eagle_chain_gives_the_target_law_quickly(law, one_thread):

@@ -15,7 +15,7 @@ from specbench.models.lm import CacheView, HFCausalLM
 from specbench.models.load import load
 
 from ..helpers import LawLM, tiny_law_model
-from ..toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, law_p
+from ..toy import LENGTH, P_FLOOR, PROMPT, drawn_p, exact_distribution
 
 CPU, F32 = torch.device("cpu"), torch.float32
 
@@ -142,17 +142,16 @@ def test_models_beyond_the_fast_path_say_why(tmp_path):
 # ---------------------------------------------------------------- exactness through the fast forward
 
 
-def sampled_law_p(target: LawLM, draft: LawLM, k: int, samples: int = SAMPLES) -> float:
+def sampled_law_p(target: LawLM, draft: LawLM, k: int, negative_control: bool = False) -> float:
     device = target.device
     cfg, generator = Sampling(temperature=1.0), torch.Generator(device=device).manual_seed(0)
     drafter = ModelDrafter(draft, cfg, generator)
-    from collections import Counter
-
     prompt = torch.tensor(PROMPT, device=device)
-    counts = Counter(
-        tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator).tokens) for _ in range(samples)
-    )
-    return law_p(target, cfg, counts)
+
+    def draw() -> tuple:
+        return tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator).tokens)
+
+    return drawn_p(exact_distribution(target, PROMPT, LENGTH, cfg), draw, negative_control=negative_control)
 
 
 # The fast forward's routes: the modules' own weights and oneDNN-packed ones on the CPU, inductor on
@@ -178,12 +177,13 @@ def test_speculative_sampling_on_the_fast_forward_matches_the_target_law(tmp_pat
 @pytest.mark.parametrize("device,packed", [ROUTES[1], ROUTES[2]])
 def test_the_test_catches_a_fast_forward_that_misplaces_its_rows(tmp_path, one_thread, monkeypatch, device, packed):
     # A verification forward whose rows come back one place off: each drafted token is judged by the
-    # distribution of the position before it. One-token forwards are unaffected. As many samples as
-    # the exact test draws: with a third of them, on CUDA, the broken law scored p = 0.002.
+    # distribution of the position before it. One-token forwards are unaffected. Up to as many
+    # samples as the exact test draws (drawn_p's last look): with a third of them, on CUDA, the
+    # broken law scored p = 0.002; packed on the CPU, a quarter scored 9e-6.
     target, draft = law_pair(tmp_path, device, packed)
     hidden = FastLlama.hidden
     monkeypatch.setattr(FastLlama, "hidden", lambda self, *args, **kw: hidden(self, *args, **kw).roll(1, 0))
-    assert sampled_law_p(target, draft, k=2) < P_FLOOR
+    assert sampled_law_p(target, draft, k=2, negative_control=True) < P_FLOOR
 
 
 def test_repeated_key_value_heads_attend_as_grouped_ones():
