@@ -211,7 +211,6 @@ def _benchmark(
         "forward": {
             role: {"route": forward_route(lm), "build_s": lm.fast.build_seconds if lm.fast else 0.0}
             | ({"padded_rows": lm.fast.padding} if lm.fast and lm.fast.padding else {})
-            | ({"own_rows": sorted(lm.fast.own_rows)} if lm.fast and lm.fast.own_rows else {})
             for role, lm in (("target", pair.target_lm), ("draft", pair.draft_lm))
             if lm is not None
         },

@@ -58,37 +58,27 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class Linear:
-    """Linear maps with one input, their outputs concatenated (q, k and v; gate and up): the
-    modules' own weights, shared rather than copied, so a GPU holds the weights once. Packed on a
-    CPU: one oneDNN weight for all as well (the packed copy is new memory anyway), ``padding`` says
-    how many rows to run a product of n rows with and ``own_rows`` which row counts run the own
-    weights instead (see row_plan)."""
+    """Linear maps with one input, their outputs concatenated (q, k and v; gate and up). Packed on
+    a CPU: one oneDNN weight for all (the packed copy is new memory anyway), and ``padding`` says
+    how many rows to run a product of n rows with (see padded_rows). Elsewhere the modules' own
+    weights, shared rather than copied, so a GPU holds the weights once."""
 
     weights: list[torch.Tensor]
-    packed: torch.Tensor | None
+    packed: bool
     padding: dict[int, int]
-    own_rows: set[int]
 
     @classmethod
-    def of(
-        cls, *weights: torch.Tensor, packed: bool, padding: dict[int, int], own_rows: set[int] = frozenset()
-    ) -> Linear:
+    def of(cls, *weights: torch.Tensor, packed: bool, padding: dict[int, int]) -> Linear:
         weights = [w.detach() for w in weights]
-        return cls(weights, pack(torch.cat(weights)) if packed else None, padding, own_rows)
+        return cls([pack(torch.cat(weights))], True, padding) if packed else cls(weights, False, padding)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] not in self.own_rows:
-            return self.run_packed(x, self.padding.get(x.shape[0], x.shape[0]))
-        return self.run_own(x)
-
-    def run_packed(self, x: torch.Tensor, padded: int) -> torch.Tensor:
-        """The packed product of ``x``'s rows, run with ``padded`` rows (zeros added, their outputs dropped)."""
-        rows = x.shape[0]
-        if padded > rows:
-            x = F.pad(x, (0, 0, 0, padded - rows))
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")[:rows]
-
-    def run_own(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed:
+            rows = x.shape[0]
+            padded = self.padding.get(rows, rows)
+            if padded > rows:
+                x = F.pad(x, (0, 0, 0, padded - rows))
+            return torch.ops.mkldnn._linear_pointwise(x, self.weights[0], None, "none", [], "")[:rows]
         if len(self.weights) == 1:
             return F.linear(x, self.weights[0])
         return torch.cat([F.linear(x, weight) for weight in self.weights], dim=-1)
@@ -98,44 +88,30 @@ PADDED_UP_TO = 8  # products of up to this many rows may run with more (a verifi
 PADDING_GAIN = 0.95  # padding is chosen when it takes at most this share of the unpadded time
 
 
-def row_plan(
-    linears: list[Linear], dtype: torch.dtype, repeats: int = 3, own: bool = True
-) -> tuple[dict[int, int], set[int]]:
-    """For each row count n up to PADDED_UP_TO: the row count m >= n whose packed product is
-    fastest, and whether the modules' own weights run n rows faster still (when ``own``), measured
-    on ``linears`` (all of a model's, in forward order) with zero inputs. Returns the padding
-    ({n: m}) and the row counts that run the own weights.
+def padded_rows(linears: list[Linear], dtype: torch.dtype, repeats: int = 5) -> dict[int, int]:
+    """For each row count n up to PADDED_UP_TO, the row count m >= n whose product is fastest,
+    measured on ``linears`` (all of a model's, in forward order) with zero inputs.
 
     oneDNN picks its kernel by the row count, and on a CPU the choice is uneven: on the 2-core
     AMD EPYC SmolLM2-135M's linears took 22.7 ms for one row, 26.5 for two and 19-20 for three to
-    six, so a one-token forward is faster with its row padded to four. On the 2-core Xeon the same
-    model's one-token forward took 45 ms with its own weights and 54-60 packed, five tokens 83-89
-    and 60-63; a tiny model's forward is faster on its own weights at every row count (a packed
-    product costs about 35 us whatever its size). The sizes take turns within every repeat, so a
-    change in machine load moves them alike."""
+    six, so a one-token forward is faster with its row padded to four. The sizes take turns within
+    every repeat, so a change in machine load moves them alike."""
     sizes = range(1, PADDED_UP_TO + 1)
     widths = {linear.weights[0].shape[1] for linear in linears}
     inputs = {(n, width): torch.zeros(n, width, dtype=dtype) for n in sizes for width in widths}
 
-    def timed(n: int, packed: bool) -> float:
-        start = time.perf_counter()
+    def stack(n: int) -> None:
         for linear in linears:
-            x = inputs[n, linear.weights[0].shape[1]]
-            linear.run_packed(x, n) if packed else linear.run_own(x)
-        return time.perf_counter() - start
+            linear(inputs[n, linear.weights[0].shape[1]])
 
-    routes = (True, False) if own else (True,)
-    seconds = {(n, packed): [] for n in sizes for packed in routes}
+    seconds = {n: [] for n in sizes}
     for repeat in range(repeats + 1):  # the first round lets each size's kernel settle
-        for n, packed in seconds:
-            spent = timed(n, packed)
+        for n in sizes:
+            start = time.perf_counter()
+            stack(n)
             if repeat:
-                seconds[n, packed].append(spent)
-    median = {key: sorted(times)[len(times) // 2] for key, times in seconds.items()}
-    padding = fastest_rows({n: median[n, True] for n in sizes})
-    if not own:
-        return padding, set()
-    return padding, own_rows({n: median[m, True] for n, m in padding.items()}, {n: median[n, False] for n in sizes})
+                seconds[n].append(time.perf_counter() - start)
+    return fastest_rows({n: sorted(times)[len(times) // 2] for n, times in seconds.items()})
 
 
 def fastest_rows(seconds: dict[int, float]) -> dict[int, int]:
@@ -146,12 +122,6 @@ def fastest_rows(seconds: dict[int, float]) -> dict[int, int]:
         best = min((m for m in seconds if m >= n), key=seconds.get)
         choice[n] = best if seconds[best] <= PADDING_GAIN * seconds[n] else n
     return choice
-
-
-def own_rows(packed: dict[int, float], own: dict[int, float]) -> set[int]:
-    """The row counts whose products the own weights run in at most PADDING_GAIN of the packed
-    time (padded as chosen): noise keeps the packed kernel."""
-    return {n for n in own if own[n] <= PADDING_GAIN * packed[n]}
 
 
 @dataclass
@@ -190,19 +160,13 @@ class FastLlama:
         config, base = model.config, model.model
         self.device, self.dtype = model.device, model.dtype
         self.packed = can_pack(model) if packed is None else packed
-        # Left to the load-time measurement (packed None): each row count runs the weights, packed or
-        # the modules' own, that measured faster for it. True packs every product (the tests' way
-        # to cover the packed kernel on models where it never wins).
-        self.measured = packed is None
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
         self.embedding = base.embed_tokens.weight.detach()
         self.rotary = base.rotary_emb
         self.norm = base.norm.weight.detach()
-        # rows -> rows to run them with, and the rows run unpacked (row_plan); shared by every Linear
-        self.padding: dict[int, int] = {}
-        self.own_rows: set[int] = set()
+        self.padding: dict[int, int] = {}  # rows -> rows to run them with (padded_rows), shared by every Linear
         self.layers = [
             Layer(
                 layer.input_layernorm.weight.detach(),  # plain tensors, as self.norm: one compiled graph for all
@@ -217,9 +181,7 @@ class FastLlama:
         self.head = self.linear(model.get_output_embeddings().weight)
         if self.packed:
             linears = [m for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
-            padding, own = row_plan([*linears, self.head], self.dtype, own=self.measured)
-            self.padding.update(padding)
-            self.own_rows.update(own)
+            self.padding.update(padded_rows([*linears, self.head], self.dtype))
         self.intermediate = config.intermediate_size
         self._rms, self._rope, self._swiglu = rms_norm, rope, swiglu
         self.compiled = self.device.type == "cuda" if compiled is None else compiled
@@ -256,7 +218,7 @@ class FastLlama:
 
     def linear(self, *weights: torch.Tensor) -> Linear:
         """The linear maps of ``weights`` (same input) as this forward runs them."""
-        return Linear.of(*weights, packed=self.packed, padding=self.padding, own_rows=self.own_rows)
+        return Linear.of(*weights, packed=self.packed, padding=self.padding)
 
     @property
     def route(self) -> str:

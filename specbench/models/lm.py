@@ -82,7 +82,7 @@ class HFCausalLM:
         """After the weights changed (online updates): gather the shortlisted head again from them,
         with ``more_tokens`` added to the shortlist. Takes effect at the next ``reset``."""
         if self.fast is not None:  # its packed copies of the weights are stale
-            self.fast = FastLlama(self.model, None if self.fast.measured else self.fast.packed, self.fast.compiled)
+            self.fast = FastLlama(self.model, self.fast.packed, self.fast.compiled)
         if self.head_tokens is None:
             return  # the full projection reads the weights themselves
         more = more_tokens.to(self.device)

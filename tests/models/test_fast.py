@@ -10,7 +10,7 @@ from specbench.decoding.decode import speculative_decode
 from specbench.decoding.sampling import Sampling
 from specbench.decoding.tree import tree_inputs
 from specbench.drafters.model import ModelDrafter
-from specbench.models.fast import PADDED_UP_TO, FastLlama, attend, fastest_rows, own_rows, row_plan, unsupported
+from specbench.models.fast import PADDED_UP_TO, FastLlama, attend, fastest_rows, padded_rows, unsupported
 from specbench.models.lm import CacheView, HFCausalLM
 from specbench.models.load import load
 
@@ -50,17 +50,12 @@ def test_the_own_forward_is_transformers_arithmetic(target, shortlisted):
 def test_packed_weights_move_the_logits_by_rounding_only(target):
     width = target.get_output_embeddings().weight.shape[0]
     fast = FastLlama(target, packed=True)
-    assert fast.route == "packed" and sorted(fast.padding) == list(range(1, PADDED_UP_TO + 1)) and not fast.own_rows
+    assert fast.route == "packed" and sorted(fast.padding) == list(range(1, PADDED_UP_TO + 1))
     prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
     want = scores(HFCausalLM(target, width), prefix, chain, [-1, 0, 0])
-    # As measured; every count padded to the most; none padded; one-token forwards on the own
-    # weights and the rest packed (as measured on SmolLM2-135M on the Xeon), so a cache holds both.
-    plans = [(dict(fast.padding), set()), ({n: PADDED_UP_TO for n in fast.padding}, set()), ({}, set()), ({}, {1})]
-    for padding, own in plans:
+    for padding in (dict(fast.padding), {n: PADDED_UP_TO for n in fast.padding}, {}):
         fast.padding.clear()
         fast.padding.update(padding)
-        fast.own_rows.clear()
-        fast.own_rows.update(own)
         got = scores(HFCausalLM(target, width, fast=fast), prefix, chain, [-1, 0, 0])
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
@@ -126,22 +121,11 @@ def test_the_fastest_row_count_is_chosen_only_when_it_clearly_pays():
     assert fastest_rows({1: 10.0, 2: 9.8, 3: 12.0}) == {1: 1, 2: 2, 3: 3}  # 2% is noise, not a reason to pad
 
 
-def test_the_own_weights_run_a_row_count_only_when_they_clearly_pay():
-    packed = {1: 54.0, 3: 56.0, 5: 60.0}  # SmolLM2-135M's forward on the Xeon, ms
-    assert own_rows(packed, {1: 45.0, 3: 54.0, 5: 85.0}) == {1}  # 3 rows: 4% is noise
-    assert own_rows(packed, {1: 60.0, 3: 60.0, 5: 90.0}) == set()
-
-
-def test_the_row_plan_measures_every_size_up_to_the_limit(target):
+def test_padded_rows_measures_every_size_up_to_the_limit(target):
     fast = FastLlama(target, packed=True)
-    linears = [layer.qkv for layer in fast.layers] + [fast.head]
-    padding, own = row_plan(linears, F32, repeats=1)
-    assert sorted(padding) == list(range(1, PADDED_UP_TO + 1))
-    assert all(n <= m <= PADDED_UP_TO for n, m in padding.items()) and own <= set(padding)
-    assert row_plan(linears, F32, repeats=1, own=False)[1] == set()
-    measured = FastLlama(target)  # left to the measurement: what it chose is what the products run
-    assert measured.route == "packed" and measured.measured and measured.own_rows <= set(measured.padding)
-    assert all(linear.own_rows is measured.own_rows for layer in measured.layers for linear in (layer.qkv, layer.down))
+    choice = padded_rows([layer.qkv for layer in fast.layers] + [fast.head], F32, repeats=1)
+    assert sorted(choice) == list(range(1, PADDED_UP_TO + 1))
+    assert all(n <= m <= PADDED_UP_TO for n, m in choice.items())
 
 
 def test_models_beyond_the_fast_path_say_why(tmp_path):
