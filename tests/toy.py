@@ -82,12 +82,20 @@ def chi_square_p(
     ``negative_control``: the drafter or loop is broken on purpose (see drawn_p)."""
     generator = torch.Generator().manual_seed(seed)
     drafter = draft if hasattr(draft, "propose") else ModelDrafter(draft, cfg, generator)
-    prompt = torch.tensor(PROMPT)
+    return speculative_law_p(target, drafter, k, cfg, generator, schedule, negative_control=negative_control)
+
+
+def speculative_law_p(
+    target, drafter, k: int, cfg: Sampling, generator, schedule=None, samples: int = SAMPLES, negative_control=False
+) -> float:
+    """p-value of ``samples`` speculative decodes of LENGTH tokens after PROMPT (on the target's
+    device) against the target's exact law (``target.logits_after``); see drawn_p."""
+    prompt = torch.tensor(PROMPT, device=target.device)
 
     def draw() -> tuple:
         return tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator, schedule=schedule).tokens)
 
-    return drawn_p(exact_distribution(target, PROMPT, LENGTH, cfg), draw, negative_control=negative_control)
+    return drawn_p(exact_distribution(target, PROMPT, LENGTH, cfg), draw, samples, negative_control)
 
 
 def law_p(target: ToyLM, cfg: Sampling, counts: Counter) -> float:

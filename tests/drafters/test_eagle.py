@@ -5,7 +5,6 @@ that fails the same test, and greedy outputs equal the baseline's."""
 import copy
 import dataclasses
 import json
-from collections import Counter
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from specbench.models.eagle_head import WEIGHTS, HeadLM, load_head, read_head, s
 from specbench.models.load import load
 
 from ..helpers import LawLM, build_eagle3_head, cli_on_tiny_pair, one_line_error, tiny_law_model
-from ..toy import LENGTH, P_FLOOR, PROMPT, SAMPLES, drawn_p, exact_distribution, law_p
+from ..toy import P_FLOOR, SAMPLES, speculative_law_p
 
 CPU, F32 = torch.device("cpu"), torch.float32
 DRAFT_IDS = [0, 2]  # of the law model's 3: q is zero at id 1, which the head never drafts
@@ -44,12 +43,7 @@ def sampled_p(target, drafter_of, k: int = 2, schedule=None, negative_control: b
     cfg, generator = Sampling(temperature=1.0), torch.Generator().manual_seed(0)
     drafter = drafter_of(cfg, generator)
     target.record_features(drafter.head.config.taps)
-    prompt = torch.tensor(PROMPT)
-
-    def draw() -> tuple:
-        return tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator, schedule=schedule).tokens)
-
-    return drawn_p(exact_distribution(target, PROMPT, LENGTH, cfg), draw, negative_control=negative_control)
+    return speculative_law_p(target, drafter, k, cfg, generator, schedule, negative_control=negative_control)
 
 
 SHAPES = {"chain": {}, "tree": {"shape": (2, 1)}, "dynamic": {"dynamic": (3, 2)}}
@@ -200,11 +194,7 @@ def test_eagle_chain_gives_the_target_law_quickly(law, one_thread):
     cfg, generator = Sampling(temperature=1.0), torch.Generator().manual_seed(1)
     drafter = EagleDrafter(head, target, 3, cfg, generator)
     target.record_features(head.config.taps)
-    counts = Counter(
-        tuple(speculative_decode(target, drafter, torch.tensor(PROMPT), 3, LENGTH, cfg, generator).tokens)
-        for _ in range(SAMPLES // 3)
-    )
-    assert law_p(target, cfg, counts) > P_FLOOR
+    assert speculative_law_p(target, drafter, 3, cfg, generator, samples=SAMPLES // 3) > P_FLOOR
 
 
 @pytest.mark.parametrize("how", [*SHAPES, *POLICIES])

@@ -6,7 +6,6 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from specbench.decoding.decode import speculative_decode
 from specbench.decoding.sampling import Sampling
 from specbench.decoding.tree import tree_inputs
 from specbench.drafters.model import ModelDrafter
@@ -15,7 +14,7 @@ from specbench.models.lm import CacheView, HFCausalLM
 from specbench.models.load import load
 
 from ..helpers import LawLM, tiny_law_model
-from ..toy import LENGTH, P_FLOOR, PROMPT, drawn_p, exact_distribution
+from ..toy import P_FLOOR, speculative_law_p
 
 CPU, F32 = torch.device("cpu"), torch.float32
 
@@ -146,12 +145,7 @@ def sampled_law_p(target: LawLM, draft: LawLM, k: int, negative_control: bool = 
     device = target.device
     cfg, generator = Sampling(temperature=1.0), torch.Generator(device=device).manual_seed(0)
     drafter = ModelDrafter(draft, cfg, generator)
-    prompt = torch.tensor(PROMPT, device=device)
-
-    def draw() -> tuple:
-        return tuple(speculative_decode(target, drafter, prompt, k, LENGTH, cfg, generator).tokens)
-
-    return drawn_p(exact_distribution(target, PROMPT, LENGTH, cfg), draw, negative_control=negative_control)
+    return speculative_law_p(target, drafter, k, cfg, generator, negative_control=negative_control)
 
 
 # The fast forward's routes: the modules' own weights and oneDNN-packed ones on the CPU, inductor on
