@@ -325,7 +325,7 @@ def load_head(path: Path, target, pack: bool) -> EagleHead:
     head = head.to(embed.device, embed.dtype)
     # The embedding is a plain tensor (the target's, or the head's own): .to() skips it.
     head.embed = head.embed.to(embed.device, embed.dtype)
-    if pack and can_pack(head):
+    if pack and can_pack(head, head.config.hidden):
         head.pack()
     return head
 

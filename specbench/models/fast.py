@@ -134,11 +134,22 @@ class Layer:
     down: Linear
 
 
-def can_pack(model) -> bool:
-    """Whether ``model``'s weights can be held packed for oneDNN: on a CPU, in float32 or bfloat16,
-    with memory for the packed copy (transformers' modules keep theirs: hf-generate runs on them)."""
+# Models narrower than this run on their own weights. oneDNN's packed call has a fixed cost that a
+# narrow model's products never repay: on the 2-core Xeon @ 2.50GHz, one row through a [192, 64]
+# weight took 16 us own and 107 us packed, through [384, 128] 23 and 51 us. A decode of the tests'
+# 32- to 128-wide models is mostly such calls. From 256 wide (the shipped draft, SmolLM2 and every
+# target alias) the weights are packed, as every figure in docs/results.md was measured.
+PACKED_FROM_WIDTH = 256
+
+
+def can_pack(model, width: int) -> bool:
+    """Whether ``model``'s weights, ``width`` wide, are held packed for oneDNN: on a CPU, in float32
+    or bfloat16, at least PACKED_FROM_WIDTH wide, with memory for the packed copy (transformers'
+    modules keep theirs: hf-generate runs on them)."""
     device, dtype = model.device, model.dtype
     if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+        return False
+    if width < PACKED_FROM_WIDTH:
         return False
     need, free = sum(p.numel() for p in model.parameters()) * dtype.itemsize, available_memory()
     if free is not None and need > 0.8 * free:
@@ -159,7 +170,7 @@ class FastLlama:
         start = time.perf_counter()
         config, base = model.config, model.model
         self.device, self.dtype = model.device, model.dtype
-        self.packed = can_pack(model) if packed is None else packed
+        self.packed = can_pack(model, config.hidden_size) if packed is None else packed
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
