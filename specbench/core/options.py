@@ -429,7 +429,7 @@ RUN: tuple[Option, ...] = (
         "compile",
         None,
         "specbench's own forward for Llama-architecture models (docs/methodology.md#fast-path): on a CPU the "
-        "weights packed once for oneDNN's kernels, row counts run at the size measured fastest; on CUDA "
+        "weights packed once for oneDNN's kernels (models from 256 wide), row counts run at the size measured fastest; on CUDA "
         "torch.compile. --no-compile runs transformers' eager forward. Default: on for a CPU, off on CUDA, "
         "where eager measured faster at batch 1. The hf-* methods always run transformers'.",
         kind=bool,
