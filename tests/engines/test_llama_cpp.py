@@ -30,12 +30,6 @@ TAG = "SPECBENCH_TEST_TAG"
 ACCEPTED = re.compile(r"draft acceptance = [0-9.]+ \(\s*(\d+) accepted /\s*(\d+) generated\)")
 
 
-@pytest.fixture(scope="session")
-def llama_cache(tmp_path_factory) -> Path:
-    """specbench's cache for the session (its GGUF conversions), under the tests' temporary root."""
-    return tmp_path_factory.mktemp("specbench-cache")
-
-
 @pytest.fixture
 def in_cache(llama_cache, monkeypatch, tmp_path):
     monkeypatch.setenv("SPECBENCH_CACHE", str(llama_cache))

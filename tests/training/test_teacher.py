@@ -144,8 +144,11 @@ DISTILL += ["--epochs", "1", "--batch", "4", "--seq-len", "64", "--sampled-fract
 
 
 @pytest.mark.llama_cpp
-def test_llama_cpp_answers_for_the_default_target_and_refuses_a_gguf_of_other_weights(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path / "cache"))
+def test_llama_cpp_answers_for_the_default_target_and_refuses_a_gguf_of_other_weights(
+    llama_cache, tmp_path, monkeypatch
+):
+    # The session's cache: the target's f32 GGUF and the draft's are those the engine tests made.
+    monkeypatch.setenv("SPECBENCH_CACHE", str(llama_cache))
     out = tmp_path / "draft"
     result = specbench(*DISTILL, "--out", str(out), timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -165,7 +168,7 @@ def test_llama_cpp_answers_for_the_default_target_and_refuses_a_gguf_of_other_we
 
     # The shipped draft's GGUF as the teacher: other weights, refused before a shard is written.
     draft = Path(resolve("smollm2-135m-draft").location)
-    draft_gguf = llamacpp.gguf_of(draft, "f32", llamacpp.find_server(), tmp_path / "gguf")
+    draft_gguf = llamacpp.gguf_of(draft, "f32", llamacpp.find_server(), llama_cache / "gguf")
     wrong = tmp_path / "wrong"
     result = specbench(*DISTILL, "--out", str(wrong), "--teacher-gguf", str(draft_gguf), timeout=900)
     # The one error line comes after the progress lines that said which GGUF was served.
