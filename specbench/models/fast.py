@@ -138,7 +138,7 @@ class Layer:
 # narrow model's products never repay: on the 2-core Xeon @ 2.50GHz, one row through a [192, 64]
 # weight took 16 us own and 107 us packed, through [384, 128] 23 and 51 us. A decode of the tests'
 # 32- to 128-wide models is mostly such calls. From 256 wide (the shipped draft, SmolLM2 and every
-# target alias) the weights are packed, as every figure in docs/results.md was measured.
+# target alias) the weights are packed, as docs/results.md's figures of real models were measured.
 PACKED_FROM_WIDTH = 256
 
 
