@@ -29,9 +29,20 @@ class ToyLM:
         self.device = torch.device("cpu")
         self.seen: list[int] = []
 
+    @property
+    def table(self) -> torch.Tensor:
+        return self._table
+
+    @table.setter
+    def table(self, table: torch.Tensor) -> None:
+        # The rows as a nested list: the law tests read a row tens of thousands of times, and indexing
+        # a tensor by two ints costs more than the rest of the toy's forward.
+        self._table = table
+        self._rows = [list(by_last) for by_last in table.unbind(0)]
+
     def logits_after(self, context: list[int]) -> torch.Tensor:
         prev2 = context[-2] if len(context) > 1 else self.vocab
-        return self.table[prev2, context[-1]]
+        return self._rows[prev2][context[-1]]
 
     def reset(self) -> None:
         self.seen = []
@@ -42,14 +53,19 @@ class ToyLM:
 
     def forward(self, token_ids: torch.Tensor, last: int = 1, positions=None, mask=None) -> torch.Tensor:
         """``positions`` are ignored: the law depends only on the attended ids, in order."""
-        rows = []
-        for i, t in enumerate(token_ids.tolist()):
-            self.seen.append(t)
-            # Node i has read the cache and nodes 0..i; the mask's later columns are its later siblings.
-            allowed = mask[i, : len(self.seen)].tolist() if mask is not None else [True] * len(self.seen)
-            context = [s for s, ok in zip(self.seen, allowed, strict=True) if ok]
+        ids = token_ids.tolist()
+        start = len(self.seen)
+        self.seen += ids
+        rows, allowed = [], None if mask is None else mask.tolist()
+        for i in range(max(0, len(ids) - last), len(ids)):
+            if allowed is None:
+                context = self.seen[max(0, start + i - 1) : start + i + 1]
+            else:
+                # Node i has read the cache and nodes 0..i; the mask's later columns are its later siblings.
+                read = allowed[i][: start + i + 1]
+                context = [s for s, ok in zip(self.seen[: start + i + 1], read, strict=True) if ok]
             rows.append(self.logits_after(context))
-        return torch.stack(rows[-last:])
+        return torch.stack(rows)
 
     @property
     def length(self) -> int:
