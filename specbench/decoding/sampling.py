@@ -93,7 +93,9 @@ def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     """Probabilities after temperature, top-k, top-p, min-p and eta, over the last dimension (float32)."""
     if sampling.greedy:
         raise ValueError("warp() is for sampling; greedy decoding uses argmax")
-    logits = logits.float() / sampling.temperature
+    logits = as_float32(logits)
+    if sampling.temperature != 1.0:  # dividing by 1 is exact: one kernel fewer a row at the default
+        logits = logits / sampling.temperature
     vocab = logits.shape[-1]
     if 0 < sampling.top_k < vocab:
         kth_largest = torch.topk(logits, sampling.top_k, dim=-1).values[..., -1:]
@@ -121,6 +123,12 @@ def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
     return logits.softmax(-1)
 
 
+def as_float32(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in float32; itself when it already is. ``x.float()`` returns the same tensor then, but
+    still goes through torch's dispatcher, and the sampler asks several times a round."""
+    return x if x.dtype == torch.float32 else x.float()
+
+
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """The index of the largest value along the last dimension (the first on a tie), which is kept.
 
@@ -138,7 +146,7 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     synchronisation. The draws are clamped away from 0, which an Exp(1) sampler in float32 can
     return, so that no weight is ever divided by 0."""
     races = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
-    return (probs.float() / races.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1, keepdim=True)
+    return (as_float32(probs) / races.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1, keepdim=True)
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:
@@ -216,10 +224,12 @@ def verify_chain_sampled(
     r = torch.rand(k, generator=generator, device=p.device)
     accept = r * q_x < p_x  # r < p/q without dividing by a q_x that could underflow
     accepted = accept.cumprod(0).sum()
-    following = sample(torch.cat([residual(p[:k], q), p[k:]]), generator).view(-1)  # [K + 1]
-    tested = torch.clamp(accepted + 1, max=k)
-    beta = torch.minimum(p[:k], q).sum(-1)
-    beta_sum = (beta * (positions < tested)).sum()
+    drafted_rows = p[:k]
+    following = sample(torch.cat([residual(drafted_rows, q), p[k:]]), generator).view(-1)  # [K + 1]
+    # beta counts at the tested positions: the accepted ones and the first rejected one, if any
+    # (position i is tested when i <= accepted, and i < K always holds).
+    beta = torch.minimum(drafted_rows, q).sum(-1)
+    beta_sum = (beta * (positions <= accepted)).sum()
     read = torch.cat([accepted.view(1), draft_tokens, following]).tolist()  # the round's one host read
     n, drafts, after = read[0], read[1 : k + 1], read[k + 1 :]
     return Verdict(list(range(n)), following[n : n + 1], beta_sum, min(n + 1, k), drafts[:n] + [after[n]])
