@@ -1,6 +1,11 @@
 """vLLM as an engine, on a tiny local pair: each test starts real engines (tens of seconds each), so
 they are few, marked ``vllm`` and run by `make test-vllm` in the vLLM environment (.venv-vllm).
-Without vLLM installed they fail with the install line: they never skip."""
+Without vLLM installed they fail with the install line: they never skip.
+
+The runs go through the command line in this process (helpers.cli), where vLLM is imported once:
+in a new interpreter each run imported it again, 13 s of CPU before its first engine started (the
+tests took 598 CPU-s in-process against 710 as subprocesses, alone on 2 cores). Only what must be a
+process of its own is one: vLLM's servers, and the server test's runs (it stops one mid-run)."""
 
 import json
 
@@ -13,6 +18,7 @@ from tests.helpers import (
     build_thinking_pair,
     build_tokenizer,
     check_thinking_split,
+    cli,
     processes,
     specbench,
 )
@@ -27,8 +33,9 @@ def model_in_the_engine_core(monkeypatch):
     executor, vllm/platforms/cpu.py); VLLM_ENABLE_V1_MULTIPROCESSING=0 leaves it the uniprocess
     executor, the model in the engine core's process: one process fewer per engine to start, import
     vLLM and torch in, and poll. The same scheduler, model runner and rejection sampler. On 2 cores
-    these tests took 9 min 26 s, and 6 min 18 s with it. Every process a test starts (specbench runs,
-    vLLM servers) inherits it. specbench leaves vLLM's default alone: a benchmark runs vLLM as deployed."""
+    these tests took 9 min 26 s, and 6 min 18 s with it. The runs in this process read it, and every
+    process a test starts (vLLM servers, specbench runs) inherits it. specbench leaves vLLM's default
+    alone: a benchmark runs vLLM as deployed."""
     monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
@@ -48,7 +55,7 @@ def test_engines_side_by_side_on_the_same_prompts(vllm_pair, prompts_file, tmp_p
     out = tmp_path / "run"
     args = ["--target", vllm_pair[0], "--draft", vllm_pair[1], "--dataset", prompts_file, "--num-prompts", "3"]
     args += ["--max-new-tokens", "12", "--k", "2", "--engine", "torch,vllm", "--method", "speculative,prompt-lookup"]
-    result = specbench("run", *args, *EAGER, "--out", str(out), timeout=900)
+    result = cli("run", *args, *EAGER, "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     records = pd.read_csv(out / "records.csv")
     served = records[records["engine"] == "vllm"]
@@ -79,7 +86,7 @@ def test_engines_side_by_side_on_the_same_prompts(vllm_pair, prompts_file, tmp_p
     # An interruption after vLLM's draft rows: --resume keeps them and runs only what is missing.
     kept = records[~((records["engine"] == "vllm") & (records["method"] == "ngram"))]
     kept.to_csv(out / "records.csv", index=False)
-    resumed = specbench("run", *args, *EAGER, "--out", str(out), "--resume", timeout=900)
+    resumed = cli("run", *args, *EAGER, "--out", str(out), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = pd.read_csv(out / "records.csv")
     assert len(again) == len(records)
@@ -123,7 +130,7 @@ def test_random_weights_time_the_architecture_in_vllm(tmp_path):
     out = tmp_path / "run"
     args = ["--target", "llama-68m", "--random-weights", "--prompt-tokens", "16", "--num-prompts", "2"]
     args += ["--max-new-tokens", "8", "--engine", "vllm", "--method", "ngram", "--k", "2", "--concurrency", "1,2"]
-    result = specbench("run", *args, *EAGER, "--out", str(out), timeout=900)
+    result = cli("run", *args, *EAGER, "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = pd.read_csv(out / "summary.csv")
     assert sorted(zip(summary["method"], summary["concurrency"], strict=True)) == [
@@ -149,9 +156,7 @@ def test_one_eagle3_head_drafts_in_both_engines(tmp_path):
     head = build_eagle3_head(tmp_path / "head", AutoConfig.from_pretrained(target), taps=(1, 2, 3), seed=1, scale=1.0)
     out = tmp_path / "run"
     args = ["--target", str(target), "--method", "eagle", "--speculator", str(head), "--k", "2", "--num-prompts", "2"]
-    result = specbench(
-        "run", *args, "--max-new-tokens", "12", "--engine", "torch,vllm", *EAGER, "--out", str(out), timeout=900
-    )
+    result = cli("run", *args, "--max-new-tokens", "12", "--engine", "torch,vllm", *EAGER, "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     summary = pd.read_csv(out / "summary.csv")
     rows = set(zip(summary["engine"], summary["method"], strict=True))
@@ -166,7 +171,7 @@ def test_vllms_per_step_counts_split_thinking_from_answering(tmp_path):
     target, draft, prompts = build_thinking_pair(tmp_path / "pair")
     out = tmp_path / "run"
     args = ["--target", target, "--draft", draft, "--dataset", prompts, "--engine", "vllm", "--method", "draft"]
-    result = specbench("run", *args, "--k", "2", "--max-new-tokens", "32", *EAGER, "--out", str(out), timeout=900)
+    result = cli("run", *args, "--k", "2", "--max-new-tokens", "32", *EAGER, "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "thinking apart from answering" in result.stdout
     records = check_thinking_split(out, {("vllm", "draft")})
@@ -194,7 +199,7 @@ def test_conversations_go_turn_by_turn_through_vllm(vllm_pair, tmp_path):
     out = tmp_path / "run"
     args = ["--target", vllm_pair[0], "--draft", vllm_pair[1], "--dataset", str(questions), "--max-new-tokens", "10"]
     args += ["--k", "2", "--engine", "vllm", "--method", "draft", "--concurrency", "2"]
-    result = specbench("run", *args, *EAGER, "--out", str(out), timeout=900)
+    result = cli("run", *args, *EAGER, "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     records = pd.read_csv(out / "records.csv")
     assert len(records) == 2 * 7 and sorted(set(records["turn"])) == [1, 2]
@@ -336,7 +341,7 @@ def test_the_audit_of_vllm_passes_greedy_and_records_what_it_refuses(tmp_path):
     args = ["--target", target, "--draft", draft, "--dataset", prompts, "--num-prompts", "4"]
     args += ["--engine", "vllm", "--method", "draft,ngram", "--k", "2", "--prompts", "1", "--greedy-tokens", "48"]
     args += ["--setting", "greedy", "--setting", "temperature=1,min_p=0.05", "--samples", "200", "--power-tv", "0.5"]
-    result = specbench("audit", *args, *EAGER, "--out", str(tmp_path / "audit"), timeout=900)
+    result = cli("audit", *args, *EAGER, "--out", str(tmp_path / "audit"))
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     assert result.returncode == 3, result.stderr[-3000:]
     report = json.loads((tmp_path / "audit" / "audit.json").read_text())
