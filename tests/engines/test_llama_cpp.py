@@ -20,7 +20,7 @@ import pytest
 from specbench.core.errors import SpecbenchError
 from specbench.engines import llamacpp
 
-from ..helpers import one_line_error, processes, specbench
+from ..helpers import cli, one_line_error, processes
 
 ENGINE = ["--engine", "llama-cpp", "--warmup", "0", "--num-prompts", "3", "--max-new-tokens", "24"]
 # The greedy tests decode f32 GGUF files: on the target's own Q4_1 file llama.cpp's speculating
@@ -41,7 +41,7 @@ def in_cache(llama_cache, monkeypatch, tmp_path):
 @pytest.mark.llama_cpp
 def test_rows_acceptance_from_the_servers_and_greedy_outputs_equal(in_cache, tmp_path):
     out = tmp_path / "run"
-    result = specbench("run", *ENGINE, *EXACT, "--method", "draft,ngram", "--k", "2", "--out", str(out), timeout=900)
+    result = cli("run", *ENGINE, *EXACT, "--method", "draft,ngram", "--k", "2", "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "time per generated token" not in result.stdout  # no phases for a server's rows
     summary = pd.read_csv(out / "summary.csv").set_index("method")
@@ -87,7 +87,7 @@ def test_a_baseline_killed_mid_run_keeps_its_rows_and_resume_finishes(in_cache, 
     assert len(lines) == 1 and "--resume" in " ".join(stderr.split()), stderr[-2000:]
     kept = pd.read_csv(records, keep_default_na=False)
     assert (kept["error"] == "").sum() >= 2  # the rows finished before the kill are on disk
-    result = specbench("run", *args, "--resume", timeout=900)
+    result = cli("run", *args, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = pd.read_csv(records, keep_default_na=False)
     assert len(rows[(rows["method"] == "baseline") & (rows["error"] == "")]) == 8
@@ -98,7 +98,7 @@ def test_a_baseline_killed_mid_run_keeps_its_rows_and_resume_finishes(in_cache, 
 def test_the_audit_of_llama_cpp_gives_greedy_verdicts_for_both_draft_modes(in_cache, tmp_path):
     args = ["--engine", "llama-cpp", "--method", "draft", "--k", "2", "--num-prompts", "2", "--prompts", "1"]
     args += ["--setting", "greedy", "--greedy-tokens", "32", *EXACT, "--out", str(tmp_path / "audit")]
-    result = specbench("audit", *args, timeout=900)
+    result = cli("audit", *args)
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
     report = json.loads((tmp_path / "audit" / "audit.json").read_text())
     verdicts = {(r["subject"], r["test"]): r["verdict"] for r in report["rows"]}
@@ -135,7 +135,7 @@ def test_a_launched_llama_server_per_k_gives_rows_per_k(in_cache, llama_cache, t
         "--max-new-tokens",
         "24",
     ]
-    result = specbench(*args, "--warmup", "0", "--out", str(tmp_path / "run"), timeout=900)
+    result = cli(*args, "--warmup", "0", "--out", str(tmp_path / "run"))
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "run"
     summary = pd.read_csv(out / "summary.csv")
@@ -188,7 +188,7 @@ def test_the_binary_is_found_by_flag_directory_or_path_and_else_one_line(tmp_pat
 def test_synthetic_acceptance_reaches_the_llama_server_and_sets_its_acceptance(in_cache, tmp_path):
     out = tmp_path / "run"
     args = ["--method", "draft", "--draft-sampling", "greedy", "--k", "2", "--synthetic-acceptance", "0.2"]
-    result = specbench("run", *ENGINE, *args, "--out", str(out), timeout=900)
+    result = cli("run", *ENGINE, *args, "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "not compared (--synthetic-acceptance" in result.stdout
     log = (out / "servers" / "draft-greedy-k2.log").read_text()
@@ -226,4 +226,4 @@ def test_each_server_command_speculates_as_its_method_says(tmp_path):
     ],
 )
 def test_bad_llama_cpp_input_is_one_line(args, needle, tmp_path):
-    one_line_error(specbench("run", *args, "--out", str(tmp_path / "out")), needle)
+    one_line_error(cli("run", *args, "--out", str(tmp_path / "out")), needle)

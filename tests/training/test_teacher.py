@@ -26,7 +26,7 @@ from specbench.training.teacher import (
     weights_check,
 )
 
-from ..helpers import one_line_error, specbench
+from ..helpers import cli, one_line_error
 
 CPU, F32 = torch.device("cpu"), torch.float32
 
@@ -122,9 +122,9 @@ def test_answers_of_other_weights_are_refused_and_the_targets_own_pass(untied_ta
 
 
 def test_a_teacher_engine_that_does_not_exist_is_one_line(tmp_path):
-    result = specbench("distill", "--out", str(tmp_path / "d"), "--teacher-engine", "vllm-magic")
+    result = cli("distill", "--out", str(tmp_path / "d"), "--teacher-engine", "vllm-magic")
     one_line_error(result, "--teacher-engine vllm-magic", "use torch or llama-cpp or vllm")
-    result = specbench(
+    result = cli(
         "distill", "--out", str(tmp_path / "d"), "--teacher-engine", "llama-cpp", "--teacher-gguf", str(tmp_path / "x")
     )
     one_line_error(result, "--teacher-gguf", "no such file")
@@ -150,7 +150,7 @@ def test_llama_cpp_answers_for_the_default_target_and_refuses_a_gguf_of_other_we
     # The session's cache: the target's f32 GGUF and the draft's are those the engine tests made.
     monkeypatch.setenv("SPECBENCH_CACHE", str(llama_cache))
     out = tmp_path / "draft"
-    result = specbench(*DISTILL, "--out", str(out), timeout=900)
+    result = cli(*DISTILL, "--out", str(out))
     assert result.returncode == 0, result.stderr[-3000:]
     found = json.loads((out / "generated" / "teacher.json").read_text())
     assert found["engine"] == "llama-cpp" and found["top1_agreement"] >= MIN_AGREEMENT, found
@@ -170,7 +170,7 @@ def test_llama_cpp_answers_for_the_default_target_and_refuses_a_gguf_of_other_we
     draft = Path(resolve("smollm2-135m-draft").location)
     draft_gguf = llamacpp.gguf_of(draft, "f32", llamacpp.find_server(), llama_cache / "gguf")
     wrong = tmp_path / "wrong"
-    result = specbench(*DISTILL, "--out", str(wrong), "--teacher-gguf", str(draft_gguf), timeout=900)
+    result = cli(*DISTILL, "--out", str(wrong), "--teacher-gguf", str(draft_gguf))
     # The one error line comes after the progress lines that said which GGUF was served.
     assert result.returncode != 0 and "Traceback" not in result.stderr + result.stdout
     last = result.stderr.strip().splitlines()[-1]
