@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specbench.core.environment import config_dir
+from specbench.core.environment import cache_dir, config_dir
 from specbench.core.errors import SpecbenchError
 from specbench.workloads.prompts import read_dataset
 
@@ -76,10 +76,13 @@ def overlaps(text: str, held: set[int]) -> bool:
     return any(fingerprint(w[i : i + n]) in held for n in range(MIN_WORDS, SHINGLE) for i in range(len(w) - n + 1))
 
 
-@cache
 def held_out_fingerprints() -> frozenset[int]:
     """The shipped fingerprints, with every shingle of the benchmark files found on this machine."""
+    return _fingerprints_in(cache_dir())
 
+
+@cache  # keyed by the cache folder, so a process that points SPECBENCH_CACHE elsewhere reads that one
+def _fingerprints_in(cache: Path) -> frozenset[int]:
     shipped = config_dir() / FINGERPRINTS
     held = set(np.load(shipped).tolist()) if shipped.is_file() else set()
     for name in HELD_OUT_DATASETS:

@@ -89,13 +89,9 @@ def test_sharegpt_skips_the_evaluated_conversations_parts_and_held_out_questions
     sharegpt = tmp_path / "datasets" / "sharegpt" / "ShareGPT_V3_unfiltered_cleaned_split.json"
     sharegpt.parent.mkdir(parents=True)
     sharegpt.write_text(json.dumps(conversations))
-    held_out_fingerprints.cache_clear()
-    try:
-        with caplog.at_level("INFO", logger="specbench"):
-            chosen = training_prompts(parse_data("sharegpt"), 30, stubs=None, seed=0)
-            again = training_prompts(parse_data("sharegpt"), 30, stubs=None, seed=0)
-    finally:
-        held_out_fingerprints.cache_clear()
+    with caplog.at_level("INFO", logger="specbench"):
+        chosen = training_prompts(parse_data("sharegpt"), 30, stubs=None, seed=0)
+        again = training_prompts(parse_data("sharegpt"), 30, stubs=None, seed=0)
     numbers = [int(p.id[1:].split("_")[0]) for p in chosen]
     assert len(chosen) == 19  # 20 beginnings after the evaluated ones, less the one holding a question
     assert all(n >= SHAREGPT_EVALUATED and n % 2 == 0 for n in numbers)
@@ -105,6 +101,8 @@ def test_sharegpt_skips_the_evaluated_conversations_parts_and_held_out_questions
 
 
 def test_a_data_file_holding_a_benchmark_question_is_refused_in_one_line(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path / "empty"))
+    held_out_fingerprints()  # as another test in this process may have, from a cache without the questions
     monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path / "cache"))
     write_questions(tmp_path / "cache" / "datasets" / "spec-bench" / "question.jsonl")
     mine = tmp_path / "mine.jsonl"
