@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specbench.decoding.sampling import as_float32
 from specbench.models.load import available_memory
 
 log = logging.getLogger("specbench")
@@ -284,11 +285,9 @@ class FastLlama:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' LlamaRMSNorm, operation for operation (in float32, scaled in the input dtype)."""
     dtype = x.dtype
-    if dtype == torch.float32:  # the same arithmetic without two no-op casts: a call costs per operation
-        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-    x = x.float()
+    x = as_float32(x)
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
+    return weight * (x if dtype == torch.float32 else x.to(dtype))  # a no-op cast still costs a call
 
 
 def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv: int, d: int):

@@ -81,8 +81,10 @@ def held_out_fingerprints() -> frozenset[int]:
     return _fingerprints_in(cache_dir())
 
 
-@cache  # keyed by the cache folder, so a process that points SPECBENCH_CACHE elsewhere reads that one
-def _fingerprints_in(cache: Path) -> frozenset[int]:
+@cache
+def _fingerprints_in(cache_folder: Path) -> frozenset[int]:
+    # cache_folder is only the key (read_dataset reads the folder itself): a process that points
+    # SPECBENCH_CACHE elsewhere gets that folder's questions, not those read first.
     shipped = config_dir() / FINGERPRINTS
     held = set(np.load(shipped).tolist()) if shipped.is_file() else set()
     for name in HELD_OUT_DATASETS:
