@@ -81,6 +81,12 @@ def _slug(name: str) -> str:
     return Path(name).stem.replace("/", "_") if name.endswith(".gguf") else name.rstrip("/").replace("/", "_")
 
 
+# In a log (CI, a job's output, a pipe) rich draws a bar once, as it ends, and so says nothing of where
+# the time went: there the bars are off and each stage gets a line (_follow, distill).
+LOG_EVERY_S = 15.0  # in a log, a stage that counts on gets a line at most this often
+STARTED = time.monotonic()  # when main() began the command: before torch and the models load
+
+
 def _progress() -> Progress:
     return Progress(
         TextColumn("[bold]{task.description}"),
@@ -89,7 +95,41 @@ def _progress() -> Progress:
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,
+        disable=not console.is_terminal,
     )
+
+
+def _log_line(text: str) -> None:
+    """A line of a command's progress in a log: the seconds since it began, then ``text``."""
+    console.print(f"[{time.monotonic() - STARTED:7.1f} s] {text}", highlight=False, markup=False, soft_wrap=True)
+
+
+def _follow(events, progress: Progress):
+    """Shows the Progress events of a long command (bench.serve.Progress) and returns its last other
+    event, its results (None if it yielded none). On a terminal: one bar. In a log: a line when the
+    stage changes, and at most every LOG_EVERY_S while it counts on; then one when it has finished."""
+    from specbench.bench.serve import Progress as Stage
+
+    result, task, said, said_at = None, None, None, 0.0
+    with progress:
+        for event in events:
+            if not isinstance(event, Stage):
+                result = event
+                continue
+            text = event.label or event.stage
+            if task is None:
+                task = progress.add_task(text, total=None)
+            else:
+                progress.update(task, description=text, completed=event.done, total=event.total or None)
+            if progress.disable:
+                stage = event.stage if not event.label else f"{event.stage}: {event.label}"
+                counted = f"{stage} ({event.done}/{event.total})" if event.total else stage
+                if event.stage != said or time.monotonic() - said_at >= LOG_EVERY_S or event.done == event.total > 0:
+                    _log_line(counted)
+                    said, said_at = event.stage, time.monotonic()
+    if progress.disable:
+        _log_line("finished")
+    return result
 
 
 def _prefill_bar(progress: Progress):
@@ -107,19 +147,7 @@ def _prefill_bar(progress: Progress):
 
 def _show(events, progress: Progress, wide: bool = False) -> None:
     """Progress while the benchmark runs, then its tables and verdicts."""
-    from specbench.bench.run import Results
-
-    results, task = None, None
-    with progress:
-        for event in events:
-            if isinstance(event, Results):
-                results = event
-            elif task is None:
-                task = progress.add_task(event.stage, total=None)
-            else:
-                progress.update(
-                    task, description=event.label or event.stage, completed=event.done, total=event.total or None
-                )
+    results = _follow(events, progress)
     if results is not None and results.summary:
         _print_results(results, wide)
 
@@ -267,17 +295,7 @@ def audit_command(out: Path | None = None, **given) -> None:
 
     plan = plan_of(cfg, {option.name: option.value(given[option.name]) for option in AUDIT})
     out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-audit-{_slug(cfg.target)}"
-    report, progress, task = None, _progress(), None
-    with progress:
-        for event in audit(cfg, plan, out):
-            if isinstance(event, dict):
-                report = event
-            elif task is None:
-                task = progress.add_task(event.stage, total=None)
-            else:
-                progress.update(
-                    task, description=event.label or event.stage, completed=event.done, total=event.total or None
-                )
+    report = _follow(audit(cfg, plan, out), _progress())
     rows = report["rows"]
     console.print(audit_table(rows, f"audit of {cfg.target}: {plan.samples} samples of {plan.length} tokens per arm"))
     console.print(f"results in {out}/ (audit.json, samples.jsonl)")
@@ -585,24 +603,30 @@ def distill(
         TimeElapsedColumn(),
         TimeRemainingColumn(),
         console=console,
+        disable=not console.is_terminal,  # in a log: a line per phase, and every LOG_EVERY_S (_follow's)
     )
     tasks: dict[str, int] = {}
-    last = None
+    last, said_at = None, 0.0
     with progress:
         for p in (distill_eagle if cfg.trains_head else distillation.distill)(cfg, teacher):
-            last = p
+            label = {
+                "generate": "target answers prompts",
+                "student": "draft training (steps)",
+                "features": "target features (sequences)",
+                "head": "EAGLE head training (steps)",
+            }.get(p.phase, f"target labels {p.phase.split(':')[-1]} (sequences)")
             if p.phase not in tasks:
-                label = {
-                    "generate": "target answers prompts",
-                    "student": "draft training (steps)",
-                    "features": "target features (sequences)",
-                    "head": "EAGLE head training (steps)",
-                }.get(p.phase, f"target labels {p.phase.split(':')[-1]} (sequences)")
                 tasks[p.phase] = progress.add_task(label, total=p.total, loss="")
             loss = f"loss {p.loss:.3f}" if p.loss is not None else ""
             if p.agreement is not None:
                 loss += f" held-out agreement {'/'.join(f'{a:.3f}' for a in (p.agreement, *p.later))}"
             progress.update(tasks[p.phase], completed=p.done, total=p.total, loss=loss)
+            if progress.disable and (
+                last is None or p.phase != last.phase or p.done == p.total or time.monotonic() - said_at >= LOG_EVERY_S
+            ):
+                _log_line(f"{label} {p.done}/{p.total} {loss}".rstrip())
+                said_at = time.monotonic()
+            last = p
     console.print(f"{kind} saved in {out}/ (use {'--speculator' if cfg.trains_head else '--draft'} {out})")
     if last is not None and last.agreement is not None:
         steps = f" (training-time test steps 0..{len(last.later)})" if last.later else ""
@@ -665,6 +689,8 @@ for _info in app.registered_commands:
 
 
 def main() -> None:
+    global STARTED
+    STARTED = time.monotonic()
     try:
         app()
     except Exception as e:  # bad input, or out of memory in any forward (the run kept its rows)

@@ -90,6 +90,14 @@ def test_a_k_list_sweeps_and_writes_best_k_and_the_plot(tiny_pair, prompts_file,
     assert set(best["speculative"]["measured"]["by_k"]) == {"1", "2", "4"}
     assert (out / "sweep.png").stat().st_size > 10_000 and (out / "phases.png").stat().st_size > 10_000
     assert "best K for speculative" in result.stdout and "time per generated token" in result.stdout
+    # Its output is a log, not a terminal: no bar (rich would draw its last frame only), but a line per
+    # stage with the seconds since the command began, in order, then one when it finished.
+    said = re.findall(r"^\[ *(\d+\.\d) s\] (.+)$", result.stdout, re.MULTILINE)
+    stages = [text for _, text in said]
+    assert stages[0] == "loading models and prompts" and stages[-1] == "finished", stages
+    assert {"measuring forward costs (c, verify_ratio)", "warming up", "decoding: speculative K=4 (8/8)"} <= set(stages)
+    assert [float(s) for s, _ in said] == sorted(float(s) for s, _ in said)
+    assert not re.search(r"\d+/\d+ \d+:\d\d:\d\d", result.stdout)  # a bar's count and elapsed time
     # show prints the run's tables again from its directory, as the run printed them
     shown = cli("show", out)
     assert shown.returncode == 0, shown.stderr

@@ -60,6 +60,7 @@ def test_the_dry_run_runs_every_step_on_the_cpu(tmp_path):
         assert set(mission[mode]["verify_ratio"]) == {"1", "2"} and mission[mode]["c"] > 0
         assert set(mission[mode]["predicted_speedup_verify"]) == {f"{a} K={k}" for a in (0.6, 0.7, 0.8) for k in (1, 2)}
         assert 0 < mission[mode]["mbu"] < 1 and mission[mode]["peak_memory_mb"] > 0
+        assert 0 < mission[mode]["run_s"] < 120 and mission[mode]["build_s"] >= 0
     # The dry run's 128-wide toy target is narrower than fast.PACKED_FROM_WIDTH: specbench's forward
     # on its own weights.
     assert mission["compile"]["route"] == "own" and mission["no-compile"]["route"] == "eager"
@@ -67,10 +68,14 @@ def test_the_dry_run_runs_every_step_on_the_cpu(tmp_path):
     assert tree_eagle["tree"]["nodes"] == 6 and tree_eagle["eagle"]["c"] > 0
     reads = steps["e. host reads per round"]["draft model, T=1.0"]
     assert reads["host_reads"] <= reads["rounds"] + 4
-    # Every run's directory sits beside the report.
+    # The whole check against what it is meant to fit in.
+    assert figures["goal_s"] == 120 and f"{figures['seconds']:.0f} s in all, " in text
+    # Every run's directory sits beside the report, and its log times each stage of the run.
     (folder,) = tmp_path.iterdir()
     for run in ("b-greedy-bfloat16", "b-greedy-float32", "c-compile", "c-no-compile", "d-tree-eagle"):
         assert (folder / run / "summary.csv").is_file()
+        log = (folder / f"{run}.log").read_text()
+        assert "s] measuring forward costs" in log and "s] finished" in log
 
 
 @pytest.mark.slow

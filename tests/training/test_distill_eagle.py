@@ -4,6 +4,7 @@ resumes from its saved step, and bad input is refused in one line."""
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -125,6 +126,9 @@ def test_distill_kind_eagle_trains_a_head_that_runs_equal_to_the_baseline(tiny_p
     )
     assert result.returncode == 0, result.stderr
     assert "--speculator" in result.stdout
+    # In a log, each phase has timed lines (a bar would show its last frame only)
+    phases = re.findall(r"^\[ *\d+\.\d s\] (.+?) \d+/\d+", result.stdout, re.MULTILINE)
+    assert "target features (sequences)" in phases and phases[-1] == "EAGLE head training (steps)", phases
     target = load(tiny_pair[0], CPU, F32)
     config = target.model.config
     head = read_head(
