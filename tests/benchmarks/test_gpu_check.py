@@ -121,6 +121,27 @@ def test_a_stopped_check_stops_its_step_and_says_so(tmp_path):
 
 
 @pytest.mark.slow
+def test_a_check_stopped_while_the_tests_run_beside_a_step_stops_both(tmp_path):
+    """Step a's pytest runs in the background while step b runs: SIGTERM stops both processes, and
+    the report marks both steps stopped."""
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--out", str(tmp_path), "--steps", "ab"]
+    check = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while len(running_with(f"{tmp_path}/")) < 2:  # the tests' pytest (tests.xml is in the folder) and b's run
+        assert check.poll() is None and time.monotonic() < deadline, "the tests and step b never ran together"
+        time.sleep(0.1)
+    check.send_signal(signal.SIGTERM)
+    out, err = check.communicate(timeout=60)
+    assert check.returncode == 1, err
+    assert running_with(f"{tmp_path}/") == []
+    text, figures = report(tmp_path)
+    steps = figures["steps"]
+    assert list(steps) == ["a. the tests marked gpu", "b. greedy in bfloat16 and float32"]
+    assert all(step["status"] == "FAIL" for step in steps.values())
+    assert "stopped by SIGTERM" in text and "beside b" in text and "Traceback" not in err
+
+
+@pytest.mark.slow
 def test_gpu_wheels_holds_what_a_stock_image_lacks_under_8_mb(tmp_path):
     """Downloads from the package index: the folder make gpu-wheels fills."""
     done = subprocess.run(
