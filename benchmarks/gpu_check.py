@@ -29,6 +29,7 @@ there is no CUDA device (without --dry).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -130,10 +131,6 @@ class Stopped(BaseException):
     """The check itself was told to stop (SIGTERM: a timeout, a lease or a job ending) while a step ran."""
 
 
-def stop(signum, frame):
-    raise Stopped(signal.Signals(signum).name)
-
-
 @dataclass
 class Outcome:
     status: str  # pass, FAIL or skipped
@@ -156,7 +153,8 @@ class Running:
         # Its own session outlives the check: left running, a 7B run went on using the GPU through
         # the next check's first minute on an H200 (and halved its copy bandwidth).
         if self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it ended since
+                os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
 
 
@@ -171,6 +169,17 @@ class Check:
     bandwidth: float | None = None  # bytes/s of a device-to-device copy, read + written
     deadline: float = 0.0  # when the step under way is out of time (time.monotonic)
     seconds: dict[str, float] = field(default_factory=dict)  # each finished command's wall time, by name
+    running: list[Running] = field(default_factory=list)  # the commands started and not yet waited for
+    stopped_by: str | None = None  # the signal that told the check to stop
+
+    def stop(self, signum, frame) -> None:
+        """The SIGTERM handler: every command of a step is killed at once, then Stopped is raised
+        wherever the check is. Code that swallows it (a library's bare except) cannot keep the check
+        going: the loop reads stopped_by after each step (once, a timeout's SIGTERM so went unseen)."""
+        self.stopped_by = signal.Signals(signum).name
+        for running in self.running:
+            running.kill()
+        raise Stopped(self.stopped_by)
 
     def left(self) -> float:
         return max(1.0, self.deadline - time.monotonic())
@@ -183,7 +192,8 @@ class Check:
                 [sys.executable, *args], cwd=ROOT, env=self.env | (env or {}), stdout=out, stderr=subprocess.STDOUT,
                 start_new_session=True,  # its compile workers are stopped with it
             )  # fmt: skip
-        return Running(name, process, log, time.monotonic(), self.deadline)
+        self.running.append(Running(name, process, log, time.monotonic(), self.deadline))
+        return self.running[-1]
 
     def wait(self, running: Running) -> None:
         """Waits for ``running``; a non-zero exit or its time running out fails the step with its
@@ -195,6 +205,8 @@ class Check:
             if isinstance(e, subprocess.TimeoutExpired):
                 raise StepFailed(f"out of time: {running.name} was stopped (see {running.log.name})") from None
             raise
+        finally:
+            self.running.remove(running)
         self.seconds[running.name] = time.monotonic() - running.started
         if code != 0:
             lines = [line for line in running.log.read_text(errors="replace").splitlines() if line.strip()]
@@ -264,10 +276,7 @@ def gpu_tests(check: Check, running: Running | None = None) -> Outcome:
         check.wait(running or start_gpu_tests(check))
     except StepFailed as e:
         failed = str(e)
-    log = (check.folder / "tests.log").read_text(errors="replace")
-    cases = {m["name"] or m["later"]: m["result"] or m["first"] for m in RESULT.finditer(log)}
-    counts = {r: sum(1 for res in cases.values() if res == r) for r in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
-    rows = ["| test | result |", "|---|---|"] + [f"| {n} | {r} |" for n, r in cases.items()]
+    counts, rows = test_results(check.folder)
     summary = ", ".join(f"{v} {k.lower()}" for k, v in counts.items() if v) or "no test ran"
     if counts["FAILED"] or counts["ERROR"] or (failed and "out of time" in failed):
         return Outcome("FAIL", f"{summary}{f'; {failed}' if failed else ''}", rows)
@@ -276,6 +285,14 @@ def gpu_tests(check: Check, running: Running | None = None) -> Outcome:
             return Outcome("skipped", f"{summary} (no CUDA device)", rows)
         raise StepFailed(failed or f"no test marked gpu passed ({summary})")
     return Outcome("pass", summary, rows, {"tests": counts})
+
+
+def test_results(folder: Path) -> tuple[dict[str, int], list[str]]:
+    """What tests.log says of each test that has finished: counts by result, and the report's table."""
+    log = (folder / "tests.log").read_text(errors="replace")
+    cases = {m["name"] or m["later"]: m["result"] or m["first"] for m in RESULT.finditer(log)}
+    counts = {r: sum(1 for res in cases.values() if res == r) for r in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
+    return counts, ["| test | result |", "|---|---|"] + [f"| {n} | {r} |" for n, r in cases.items()]
 
 
 # A test's line in pytest -v's output: "tests/f.py::name[id] PASSED", or with xdist "PASSED tests/f.py::name[id]".
@@ -634,9 +651,13 @@ def within(elapsed: float, goal: int) -> str:
     return f"{elapsed:.0f} s in all, {'within' if elapsed <= goal else 'over'} the {goal} s the check is meant to fit"
 
 
+STOPPED = "stopped by"  # how a step the check was told to stop during begins its summary
+
+
 def write_report(folder: Path, title: str, machine: list, results: list, elapsed: float, goal: int) -> None:
     lines = [f"# gpu-check: {title}", "", "| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in machine]
-    lines += ["", f"{within(elapsed, goal)}."]
+    stopped = any(outcome.summary.startswith(STOPPED) for _, _, outcome, _ in results)
+    lines += ["", f"Stopped after {elapsed:.0f} s, before its end." if stopped else f"{within(elapsed, goal)}."]
     keys = [key for key, *_ in results]
     beside = [key for key in keys if key in BESIDE_THE_TESTS]
     if "a" in keys and beside:
@@ -723,7 +744,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print(f"[{style}]{outcome.status:>7}[/] {key}. {steps[key][0]} ({seconds:.0f} s): {outcome.summary}")
         write_report(folder, title, machine, results, time.monotonic() - started, sizes.goal_s)
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, check.stop)
     tests = None  # step a's pytest, running beside the steps that time nothing
     key, start = None, time.monotonic()
     try:
@@ -747,19 +768,24 @@ def main(argv: list[str] | None = None) -> int:
                     outcome = Outcome("FAIL", str(e))
                 except Exception as e:  # noqa: BLE001 - a broken step is reported; the next one still runs
                     outcome = Outcome("FAIL", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            if check.stopped_by:  # told to stop, and the Stopped raised within the step was swallowed
+                raise Stopped(check.stopped_by)
             record(key, outcome, start)
     except (Stopped, KeyboardInterrupt) as e:
         # The steps done are in the report already; the one under way is marked, and no other starts.
-        by, done = f"stopped by {e or 'Ctrl-C'}", {k for k, *_ in results}
+        by, done = f"{STOPPED} {e or 'Ctrl-C'}", {k for k, *_ in results}
+
+        def stopped(k: str, since: float, how: str) -> None:
+            counts, rows = test_results(folder) if k == "a" else ({}, [])  # the tests that finished say so
+            so_far = ", ".join(f"{v} {r.lower()}" for r, v in counts.items() if v)
+            text = f"{by} after {time.monotonic() - since:.0f} s{how}" + (f" ({so_far} by then)" if so_far else "")
+            record(k, Outcome("FAIL", text, rows), since)
+
         if tests is not None and "a" not in done and key != "a":  # the tests, beside the step under way
             tests.kill()
-            record(
-                "a",
-                Outcome("FAIL", f"{by} after {time.monotonic() - tests.started:.0f} s, beside {key}"),
-                tests.started,
-            )
+            stopped("a", tests.started, f", beside {key}")
         if key is not None and key not in done:
-            record(key, Outcome("FAIL", f"{by} after {time.monotonic() - start:.0f} s; no later step ran"), start)
+            stopped(key, start, "; no later step ran")
         console.print(f"[bold red]stopped[/]: report: {folder / 'gpu-check.md'}")
         return 1
     failed = [key for key, _, o, _ in results if o.status == "FAIL"]

@@ -2,9 +2,11 @@
 CPU at toy sizes), a failing step reported while the next one runs, and make gpu-wheels' folder."""
 
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from pathlib import Path
@@ -118,6 +120,7 @@ def test_a_stopped_check_stops_its_step_and_says_so(tmp_path):
     text, figures = report(tmp_path)
     assert list(figures["steps"]) == ["c. the mission's pair shape"]  # e never started
     assert "stopped by SIGTERM" in text and "no later step ran" in text and "Traceback" not in err
+    assert "Stopped after" in text and "in all" not in text  # no claim that a stopped check fit its goal
 
 
 @pytest.mark.slow
@@ -139,6 +142,37 @@ def test_a_check_stopped_while_the_tests_run_beside_a_step_stops_both(tmp_path):
     assert list(steps) == ["a. the tests marked gpu", "b. greedy in bfloat16 and float32"]
     assert all(step["status"] == "FAIL" for step in steps.values())
     assert "stopped by SIGTERM" in text and "beside b" in text and "Traceback" not in err
+
+
+def test_a_stop_that_a_step_swallows_still_stops_the_check(tmp_path, monkeypatch):
+    """A timeout's SIGTERM once went unseen: the Stopped that the handler raises lands wherever the
+    check is, and code with a bare except (a library's, here the step's) can swallow it. The step's
+    processes are killed by the handler itself, and no later step runs."""
+    from benchmarks import gpu_check
+
+    seen = []
+
+    def swallows_the_stop(check):
+        sleeper = check.start("sleeper", ["-c", "import time; time.sleep(60)"])
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        try:
+            time.sleep(30)
+        except BaseException:  # noqa: BLE001 - as a library's bare except would
+            seen.append(sleeper.process.poll())  # the handler killed it before raising
+        return gpu_check.Outcome("pass", "went on after the stop")
+
+    def later(check):
+        pytest.fail("a step ran after the check was told to stop")
+
+    monkeypatch.setattr(gpu_check, "STEPS", [("b", "swallows the stop", swallows_the_stop), ("c", "later", later)])
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        assert gpu_check.main(["--dry", "--out", str(tmp_path), "--steps", "bc"]) == 1
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+    assert seen == [-signal.SIGKILL]
+    text, figures = report(tmp_path)
+    assert list(figures["steps"]) == ["b. swallows the stop"] and "stopped by SIGTERM" in text
 
 
 @pytest.mark.slow
