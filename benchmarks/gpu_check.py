@@ -288,11 +288,19 @@ def gpu_tests(check: Check, running: Running | None = None) -> Outcome:
 
 
 def test_results(folder: Path) -> tuple[dict[str, int], list[str]]:
-    """What tests.log says of each test that has finished: counts by result, and the report's table."""
+    """What tests.log says of each test that has finished: counts by result, and the report's table,
+    with each test's seconds where pytest got to write tests.xml (at its end)."""
     log = (folder / "tests.log").read_text(errors="replace")
     cases = {m["name"] or m["later"]: m["result"] or m["first"] for m in RESULT.finditer(log)}
     counts = {r: sum(1 for res in cases.values() if res == r) for r in ("PASSED", "FAILED", "ERROR", "SKIPPED")}
-    return counts, ["| test | result |", "|---|---|"] + [f"| {n} | {r} |" for n, r in cases.items()]
+    seconds = {}
+    if (folder / "tests.xml").is_file():
+        from xml.etree import ElementTree
+
+        for case in ElementTree.parse(folder / "tests.xml").iter("testcase"):
+            seconds[f"{case.get('classname').replace('.', '/')}.py::{case.get('name')}"] = float(case.get("time"))
+    rows = [f"| {n} | {r} | {fmt(seconds.get(n), 0)} |" for n, r in cases.items()]
+    return counts, ["| test | result | s |", "|---|---|---|", *rows]
 
 
 # A test's line in pytest -v's output: "tests/f.py::name[id] PASSED", or with xdist "PASSED tests/f.py::name[id]".

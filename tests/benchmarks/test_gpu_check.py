@@ -51,6 +51,11 @@ def test_the_dry_run_runs_every_step_on_the_cpu(tmp_path):
     steps = figures["steps"]
     # The tests marked gpu are found and collected; a CPU runs none of them.
     assert steps["a. the tests marked gpu"]["status"] == "skipped" and "skipped (no CUDA device)" in text
+    # each test's seconds, from pytest's tests.xml
+    assert (
+        "| tests/models/test_fast.py::test_on_cuda_the_forward_is_compiled_at_build_and_scores_as_eager | SKIPPED | 0 |"
+        in text
+    )
     assert all(steps[name]["status"] == "pass" for name in steps if not name.startswith("a."))
     greedy = steps["b. greedy in bfloat16 and float32"]
     assert {key: v["structural"] for key, v in greedy.items() if key.startswith("float32")} == {
