@@ -182,9 +182,6 @@ class Check:
             running.kill()
         raise Stopped(self.stopped_by)
 
-    def left(self) -> float:
-        return max(1.0, self.deadline - time.monotonic())
-
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Running:
         """``args`` started with this Python, logged to <name>.log, due by the step's deadline."""
         log = self.folder / f"{name}.log"
@@ -563,7 +560,7 @@ STEPS: list[tuple[str, str, Callable[[Check], Outcome]]] = [
 ]
 
 # The steps that check outputs and counts but time nothing run while step a's tests do (on an H200,
-# b took 72 s and e 58 s, a about two minutes). c and d time forwards: they have the GPU to themselves.
+# b took 88 s and e 110 s beside a's 198). c and d time forwards: they have the GPU to themselves.
 BESIDE_THE_TESTS = "be"
 
 
@@ -675,7 +672,8 @@ def write_report(folder: Path, title: str, machine: list, results: list, elapsed
     keys = [key for key, *_ in results]
     beside = [key for key in keys if key in BESIDE_THE_TESTS]
     if "a" in keys and beside:
-        lines.append(f"Step {' and '.join(beside)} ran while step a's tests did: their seconds overlap a's.")
+        steps = f"Steps {' and '.join(beside)}" if len(beside) > 1 else f"Step {beside[0]}"
+        lines.append(f"{steps} ran while step a's tests did: their seconds overlap a's.")
     lines += ["", "| step | result | s | figures |", "|---|---|---|---|"]
     for key, name, outcome, seconds in results:
         lines.append(f"| {key}. {name} | {outcome.status} | {seconds:.0f} | {outcome.summary} |")

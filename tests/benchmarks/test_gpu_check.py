@@ -108,21 +108,31 @@ def running_with(text: str) -> list[str]:
     return found
 
 
+def stopped_check(tmp_path, steps: str, ready, never: str) -> tuple[str, dict, str]:
+    """A dry check of ``steps`` sent SIGTERM once ``ready()`` holds: its report, figures and stderr,
+    after checking that it exited 1 and left no process of its folder running."""
+    command = [sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--out", str(tmp_path), "--steps", steps]
+    check = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while not ready():
+        assert check.poll() is None and time.monotonic() < deadline, never
+        time.sleep(0.1)
+    check.send_signal(signal.SIGTERM)
+    _, err = check.communicate(timeout=60)
+    assert check.returncode == 1, err
+    assert running_with(f"{tmp_path}/") == []
+    return *report(tmp_path), err
+
+
 @pytest.mark.slow
 def test_a_stopped_check_stops_its_step_and_says_so(tmp_path):
     """SIGTERM (a timeout, a session's end) stops the step's process too, which runs in its own
     session: left running, one went on using an H200 through the next check's start."""
-    command = [sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--out", str(tmp_path), "--steps", "ce"]
-    check = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not running_with(f"{tmp_path}/") or not list(tmp_path.glob("*/c-compile.log")):
-        assert check.poll() is None and time.monotonic() < deadline, "the step's run never started"
-        time.sleep(0.2)
-    check.send_signal(signal.SIGTERM)
-    out, err = check.communicate(timeout=60)
-    assert check.returncode == 1, err
-    assert running_with(f"{tmp_path}/") == []
-    text, figures = report(tmp_path)
+
+    def ready():
+        return running_with(f"{tmp_path}/") and list(tmp_path.glob("*/c-compile.log"))
+
+    text, figures, err = stopped_check(tmp_path, "ce", ready, "the step's run never started")
     assert list(figures["steps"]) == ["c. the mission's pair shape"]  # e never started
     assert "stopped by SIGTERM" in text and "no later step ran" in text and "Traceback" not in err
     assert "Stopped after" in text and "in all" not in text  # no claim that a stopped check fit its goal
@@ -132,17 +142,11 @@ def test_a_stopped_check_stops_its_step_and_says_so(tmp_path):
 def test_a_check_stopped_while_the_tests_run_beside_a_step_stops_both(tmp_path):
     """Step a's pytest runs in the background while step b runs: SIGTERM stops both processes, and
     the report marks both steps stopped."""
-    command = [sys.executable, "-m", "benchmarks.gpu_check", "--dry", "--out", str(tmp_path), "--steps", "ab"]
-    check = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while len(running_with(f"{tmp_path}/")) < 2:  # the tests' pytest (tests.xml is in the folder) and b's run
-        assert check.poll() is None and time.monotonic() < deadline, "the tests and step b never ran together"
-        time.sleep(0.1)
-    check.send_signal(signal.SIGTERM)
-    out, err = check.communicate(timeout=60)
-    assert check.returncode == 1, err
-    assert running_with(f"{tmp_path}/") == []
-    text, figures = report(tmp_path)
+
+    def ready():  # the tests' pytest (tests.xml is in the folder) and b's run, both running
+        return len(running_with(f"{tmp_path}/")) >= 2
+
+    text, figures, err = stopped_check(tmp_path, "ab", ready, "the tests and step b never ran together")
     steps = figures["steps"]
     assert list(steps) == ["a. the tests marked gpu", "b. greedy in bfloat16 and float32"]
     assert all(step["status"] == "FAIL" for step in steps.values())
