@@ -131,6 +131,7 @@ class BenchConfig:
     device_map: str | None = option_default("device_map")
     context_tokens: int = option_default("context_tokens")
     compile: bool | None = option_default("compile")
+    graphs: bool | None = option_default("graphs")
     prefill_chunk: int = option_default("prefill_chunk")
     engines: list[str] = option_default("engines")
     concurrency: list[int] = option_default("concurrency")

@@ -3,7 +3,7 @@
 It is the one module that reads the run's configuration (config.BenchConfig) and the one that
 writes the run directory (rundir.RunWriter): each stage below it is handed only what it needs
 (results.RunColumns, serve.ServingRun, decoding.sampling.Sampling, the prompts). It loads the pair and the
-prompts, measures the forward costs, warms up, decodes every prompt with the baseline and each
+prompts, measures the copy bandwidth and the forward costs, warms up, decodes every prompt with the baseline and each
 method in specbench's loop (decode_all) and, untimed, labels each greedy output that parted from the
 baseline's (label_divergences), then sends every turn to the serving engines (bench/serve.py, whose
 answers serve_rows turns into rows), writing each row as it completes. It yields what it is doing,
@@ -39,7 +39,7 @@ from specbench.engines.vllm import EngineSpec, vllm_version
 from specbench.methods.base import Decoder
 from specbench.methods.registry import BASELINE
 from specbench.methods.served import HTTP_ENGINES
-from specbench.models.costs import ForwardCosts, measure_costs, noisy_costs
+from specbench.models.costs import ForwardCosts, Roofline, measure_costs, noisy_costs, roofline
 from specbench.models.load import model_dir, placement
 from specbench.models.names import resolve, speculator_dir
 from specbench.models.pair import Conversations, Pair, encode_prompts, load_pair
@@ -51,6 +51,7 @@ from specbench.results.summary import (
     WEIGHT_DEPENDENT,
     RunColumns,
     acceptance_rows,
+    bandwidth_notes,
     best_ks,
     by_group,
     draft_length_rows,
@@ -70,7 +71,9 @@ SUMMARY_EVERY_S = 10.0  # summary.csv is rewritten at most this often while deco
 def prepare(cfg: BenchConfig) -> tuple[Pair, Conversations]:
     """Validate, load the pair and the prompts; every input error surfaces here, before timing."""
     pair, prompts = load_inputs(cfg)
-    return pair, encode_prompts(pair, prompts, cfg.rendering)
+    conversations = encode_prompts(pair, prompts, cfg.rendering)
+    pair.reserve(conversations.longest + cfg.rendering.max_new_tokens + cfg.rendering.widest)
+    return pair, conversations
 
 
 def load_inputs(cfg: BenchConfig) -> tuple[Pair, list]:
@@ -88,7 +91,7 @@ def load_inputs(cfg: BenchConfig) -> tuple[Pair, list]:
         per_category=cfg.per_category,
         max_turns=cfg.max_turns,
     )
-    pair = load_pair(cfg.wanted, cfg.compile, cfg.threads)
+    pair = load_pair(cfg.wanted, cfg.compile, cfg.threads, cfg.graphs)
     for decoder in cfg.plan:
         decoder.method.check(pair)
     return pair, prompts
@@ -130,10 +133,12 @@ class Results:
                 ]
         categories = [_typed(row) for row in document.get("categories", [])]
         greedy = document["config"].get("temperature", 0) == 0
-        return cls(out, title, rows, picks, [], sorted(out.glob("*.png")), greedy, predicted, "", categories)
+        notes = bandwidth_notes(rows, GRAPHS)  # the run's other notes need its forward costs
+        return cls(out, title, rows, picks, notes, sorted(out.glob("*.png")), greedy, predicted, "", categories)
 
 
 NUMBERS = {name for name, column in schema.BY_NAME.items() if column.fmt and name != "k"}  # K: None, not NaN
+GRAPHS = "graphs" in OPTIONS  # whether a note may point at --graphs
 
 
 def _typed(row: dict) -> dict:
@@ -208,12 +213,8 @@ def _benchmark(
         "device_map": placement(pair.target.model) if cfg.device_map else None,
         "peak_memory": MEMORY_SOURCES.get(PeakMemory(pair.device).source),  # how peak_memory_mb was read
         # What runs each model's forward in specbench's loop, and what building it took (packing, padding choice).
-        "forward": {
-            role: {"route": forward_route(lm), "build_s": lm.fast.build_seconds if lm.fast else 0.0}
-            | ({"padded_rows": lm.fast.padding} if lm.fast and lm.fast.padding else {})
-            for role, lm in (("target", pair.target_lm), ("draft", pair.draft_lm))
-            if lm is not None
-        },
+        # meta.json is written again at the end, when the static path's graphs have all been captured.
+        "forward": forward_facts(pair),
     }
     if "vllm" in cfg.engines and cfg.synthetic_acceptance is not None and pair.device.type != "cuda":
         raise SpecbenchError(
@@ -233,7 +234,11 @@ def _benchmark(
     own = "torch" in cfg.engines
     run = serving_run(cfg, pair, conversations, out) if cfg.served_baseline is not None else None
     served = [run.baseline, *run.plan] if run is not None else []
-    columns = run_columns(cfg, run_info)
+    bound = None  # what bounds the target's step (baseline_mbu): specbench's loop's only
+    if own:
+        yield Progress("measuring copy bandwidth (baseline_mbu)")
+        bound = roofline(pair)
+    columns = run_columns(cfg, run_info, bound)
     for decoder in plan:
         decoder.method.begin_run(pair, cfg.settings_of(decoder.method), decoder)
     costs = None  # specbench's loop's forward costs; vLLM's are in engine_costs
@@ -329,9 +334,12 @@ def _benchmark(
         title += f" with random weights ({count} random prompts of {lengths})"
     else:
         title += f" on {cfg.dataset} ({count} prompts" + (f", {len(turns)} turns)" if len(turns) > count else ")")
-    notes = suggestions(summary, costs, cfg.ks) + noisy_costs(costs) if own else []
-    built = [(role, lm.fast) for role, lm in (("target", pair.target_lm), ("draft", pair.draft_lm)) if lm and lm.fast]
-    forward = ", ".join(f"{role} {fast.route} (built in {fast.build_seconds:.1f} s)" for role, fast in built)
+    notes = suggestions(summary, costs, cfg.ks) + noisy_costs(costs) + bandwidth_notes(summary, GRAPHS) if own else []
+    facts = forward_facts(pair)
+    if facts:
+        meta["resolved"]["forward"] = facts
+        writer.write_json("meta.json", meta)
+    forward = ", ".join(describe_forward(role, fact) for role, fact in facts.items() if fact["route"] != "eager")
     # The tables show each speedup with its interval over the prompts (results.json's; not a summary.csv column).
     shown = [
         {**row, "speedup_ci": line.get("speedup_ci")} for row, line in zip(summary, document["summary"], strict=True)
@@ -350,8 +358,9 @@ def write_summaries(
     return summary, categories
 
 
-def run_columns(cfg: BenchConfig, run_info: dict) -> RunColumns:
-    """What every summary row of ``cfg``'s run repeats (results.RunColumns)."""
+def run_columns(cfg: BenchConfig, run_info: dict, bound: Roofline | None = None) -> RunColumns:
+    """What every summary row of ``cfg``'s run repeats (results.RunColumns), with the target's
+    Roofline where it was measured."""
     parallel = f"tp={cfg.tensor_parallel_size},pp={cfg.pipeline_parallel_size}"
     extra = ",".join(f"{key}={value}" for key, value in sorted(cfg.engine_args.items()))
 
@@ -368,7 +377,7 @@ def run_columns(cfg: BenchConfig, run_info: dict) -> RunColumns:
 
     names = ("temperature", "top_k", "top_p", "eta", "seed", "max_new_tokens", "synthetic_acceptance")
     sampling = {name: getattr(cfg, name) for name in names}
-    return RunColumns(run_info, sampling, options, cfg.random_weights)
+    return RunColumns(run_info, sampling, options, cfg.random_weights, bound)
 
 
 def launch_llama_cpp(
@@ -477,9 +486,25 @@ def decoded_text(pair: Pair) -> Callable[[list[int]], str]:
     return tokenizer.decode if tokenizer is not None else (lambda ids: "")
 
 
+def forward_facts(pair: Pair) -> dict[str, dict]:
+    """What runs each model's forward in specbench's loop and what building it took (lm.forward_facts), by role."""
+    models = (("target", pair.target_lm), ("draft", pair.draft_lm))
+    return {role: lm.forward_facts() for role, lm in models if lm is not None}
+
+
+def describe_forward(role: str, facts: dict) -> str:
+    """One model's forward in the run's last line: "target graphs (built in 41.0 s; 6 CUDA graphs captured in 0.9 s; cache 512 MB)"."""
+    parts = [f"built in {facts['build_s']:.1f} s"]
+    if facts.get("graphs"):
+        parts.append(f"{len(facts['graphs'])} CUDA graphs captured in {facts['capture_s']:.1f} s")
+    if "cache_mb" in facts:
+        parts.append(f"cache {facts['cache_mb']:.0f} MB for {facts['cache_positions']} positions")
+    return f"{role} {facts['route']} ({'; '.join(parts)})"
+
+
 def forward_route(lm) -> str:
     """The compile column: what runs ``lm``'s forward in specbench's loop."""
-    return "eager" if lm is None or lm.fast is None else lm.fast.route
+    return "eager" if lm is None else lm.route
 
 
 def decode_all(

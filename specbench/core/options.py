@@ -436,6 +436,16 @@ RUN: tuple[Option, ...] = (
         panel=DECODING_PANEL,
     ),
     Option(
+        "graphs",
+        None,
+        "The static path for Llama and Qwen3 models (docs/methodology.md#the-static-path): the KV cache allocated "
+        "once for the run's longest sequence, forwards compiled per shape with torch.compile and, on CUDA, replayed "
+        "as CUDA graphs; a rejected draft only moves a position. Default: on with CUDA, off on a CPU, where the "
+        "packed forward measured faster. --no-graphs runs the forward --compile chooses.",
+        kind=bool,
+        panel=DECODING_PANEL,
+    ),
+    Option(
         "prefill_chunk",
         512,
         "Prefill prompts longer than this in chunks of it, so memory stays bounded (0: one forward).",

@@ -102,3 +102,49 @@ def retrieval_positions(query: torch.Tensor, keys: torch.Tensor, budget: int, ch
     picked = scores.topk(min(max((budget - len(tail)) // chunk, 1), whole), dim=-1).indices.sort(-1).values
     positions = (picked[..., None] * chunk + torch.arange(chunk, device=keys.device)).flatten(1)
     return torch.cat([positions, tail.expand(kv_heads, -1)], dim=1)
+
+
+class StaticKV:
+    """Keys and values of every layer in buffers of ``capacity`` positions, allocated once and never
+    moved (the static path, models/static.py): a forward writes its tokens at the slots it is given,
+    attention reads the whole buffer under a mask, and dropping positions only moves ``length``. A
+    buffer that never moves is what a CUDA graph can replay on, and what a compiled forward sees with
+    one shape. Zeros at first, so slots never written hold no NaN that a masked score could carry."""
+
+    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device):
+        shape = (1, kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.capacity = capacity
+        self.length = 0  # positions held, on the host: the next forward writes from here
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+        """Write ``keys`` and ``values`` [1, kv_heads, n, head_dim] at ``slots`` [n] of ``layer``; return
+        the layer's whole buffers (stale slots included: the forward's mask hides them)."""
+        self.keys[layer].index_copy_(2, slots, keys)
+        self.values[layer].index_copy_(2, slots, values)
+        return self.keys[layer], self.values[layer]
+
+    def keep(self, offsets: torch.Tensor | None, kept: int, new: int) -> None:
+        """Of the newest ``new`` positions keep ``kept``: those at ``offsets`` (ascending, on the
+        buffers' device) moved to the front, or None when they are already there (a chain's accepted
+        prefix, which costs no copy at all)."""
+        start = self.length - new
+        if offsets is not None:
+            index = offsets + start
+            for states in (*self.keys, *self.values):
+                states[:, :, start : start + kept] = states.index_select(2, index)
+        self.length = start + kept
+
+
+def static_mask(start: torch.Tensor, tree: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask [n, capacity] of ``n`` new tokens written at slots ``start`` [1]
+    onwards of a StaticKV: each sees every slot before ``start`` and, among the new slots, those
+    ``tree`` [n, n] (bool) allows (a chain's is lower triangular); slots after the new ones are stale
+    and hidden. Built on the device from these two tensors, so a compiled or graphed forward builds it
+    itself and the host sends no mask."""
+    n = tree.shape[0]
+    relative = torch.arange(capacity, device=tree.device) - start
+    new = (relative >= 0) & (relative < n)
+    allowed = (relative < 0) | (tree.index_select(1, relative.clamp(0, n - 1)) & new)
+    return torch.zeros(allowed.shape, dtype=dtype, device=tree.device).masked_fill(~allowed, torch.finfo(dtype).min)

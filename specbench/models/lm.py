@@ -78,6 +78,19 @@ class HFCausalLM:
             fast = FastLlama(model)
         return cls(model, width, head_tokens, fast)
 
+    @property
+    def route(self) -> str:
+        """What runs the forward (the compile column's value): transformers' eager one, or the fast one's route."""
+        return "eager" if self.fast is None else self.fast.route
+
+    def forward_facts(self) -> dict:
+        """What meta.json and the run's last line say of this model's forward: its route, what building
+        it took, and the row counts the packed products run with."""
+        facts = {"route": self.route, "build_s": self.fast.build_seconds if self.fast else 0.0}
+        if self.fast is not None and self.fast.padding:
+            facts["padded_rows"] = self.fast.padding
+        return facts
+
     def refresh(self, more_tokens: torch.Tensor) -> None:
         """After the weights changed (online updates): gather the shortlisted head again from them,
         with ``more_tokens`` added to the shortlist. Takes effect at the next ``reset``."""
@@ -261,6 +274,12 @@ class HFCausalLM:
             mask = self._additive(mask, past)
         ids = token_ids.to(self.device)
         hidden = self.fast.hidden(ids, positions.to(self.device), self.cache, mask, last, self.queries, self._taps)
+        return self._fast_head(hidden, ids)
+
+    def _fast_head(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, width] of the fast forward's final states ``hidden`` [rows, hidden] after it read
+        ``ids``: the whole projection, or the shortlist (which ``ids`` may grow)."""
+        last = hidden.shape[0]
         if self.head_tokens is None:
             return self.fast.logits(hidden)[:, : self.width]
         self._read(ids)

@@ -17,8 +17,10 @@ import torch
 from specbench.core.errors import SpecbenchError
 from specbench.decoding.timing import PhaseClock, TimedLM
 from specbench.models.eagle_head import EagleHead, load_head
+from specbench.models.fast import FastLlama, unsupported
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import LoadedModel, Wanted, load_models
+from specbench.models.static import StaticLM
 from specbench.workloads.prompts import Prompt, Turn, some, turns_of
 
 log = logging.getLogger("specbench")
@@ -43,6 +45,13 @@ class Pair:
     def stop_ids(self) -> frozenset[int]:
         return self.target.stop_ids
 
+    def reserve(self, tokens: int) -> None:
+        """Room for sequences of ``tokens`` in the caches of the models on the static path, allocated
+        now, before anything is compiled against them or timed."""
+        for lm in (self.target_lm, self.draft_lm):
+            if isinstance(lm, StaticLM):
+                lm.reserve(tokens)
+
     def without_weights(self) -> Pair:
         """This pair with the weights freed (moved to the meta device; shapes and configs stay),
         before another engine loads its own copy onto the same memory."""
@@ -63,27 +72,50 @@ def default_compile(device: torch.device) -> bool:
     """Whether a run that leaves --compile out gets specbench's own forward on ``device``. Not on CUDA:
     at batch 1 a forward there is bound by kernel launches, and inductor's fused elementwise work,
     called through its wrappers 4 times a layer, made llama-7b's step slower than transformers' eager
-    one on both GPUs measured (docs/results.md#on-a-gpu). On a CPU the packed weights pay."""
+    one on both GPUs measured (docs/results.md#on-a-gpu); CUDA's default is the static path
+    (default_graphs). On a CPU the packed weights pay."""
     return device.type != "cuda"
 
 
-def load_pair(wanted: Wanted, compile: bool | None = None, threads: int = 0) -> Pair:
-    """The models ``wanted`` says, loaded once (models.load_models), wrapped for specbench's loop: its
-    own forward where ``compile`` allows (lm.HFCausalLM.loaded), and the EAGLE head of
-    ``wanted.speculator``. ``compile`` None: on a CPU, not on CUDA. ``threads``: torch's CPU threads
+def default_graphs(device: torch.device, compile: bool | None) -> bool:
+    """Whether a run that leaves --graphs out gets the static path (models/static.py) on ``device``: on
+    CUDA, unless --no-compile asked for transformers' eager forward. Not on a CPU, where the packed
+    forward measured faster on the default pair (docs/results.md)."""
+    return device.type == "cuda" and compile is not False
+
+
+def load_pair(wanted: Wanted, compile: bool | None = None, threads: int = 0, graphs: bool | None = None) -> Pair:
+    """The models ``wanted`` says, loaded once (models.load_models), wrapped for specbench's loop: the
+    static path where ``graphs`` asks for it and covers the model, else its own forward where
+    ``compile`` allows (lm.HFCausalLM.loaded); and the EAGLE head of ``wanted.speculator``. None for
+    either: the device's default (default_graphs, default_compile). ``threads``: torch's CPU threads
     (0 leaves torch's choice)."""
     if threads:
         torch.set_num_threads(threads)
     loaded = load_models(wanted)
-    compile = default_compile(torch.device(loaded.device)) if compile is None else compile
+    device = torch.device(loaded.device)
+    graphs = default_graphs(device, compile) if graphs is None else graphs
+    compile = default_compile(device) if compile is None else compile
     target, draft, width = loaded.target, loaded.draft, loaded.width
     pair = Pair(target, None, draft, None, loaded.device, loaded.dtype, width, loaded.prompt_tokenizer)
     if not wanted.weights:  # only vLLM decodes: it loads the weights, this process needs their shapes
         return pair
     head = load_head(loaded.speculator, target.model, compile) if loaded.speculator else None
-    target_lm = HFCausalLM.loaded(target.model, width, None, compile, target.name)
-    draft_lm = HFCausalLM.loaded(draft.model, width, draft.head_tokens, compile, draft.name) if draft else None
+    target_lm = loop_lm(target.model, width, None, compile, graphs, target.name)
+    draft_lm = loop_lm(draft.model, width, draft.head_tokens, compile, graphs, draft.name) if draft else None
     return replace(pair, target_lm=target_lm, draft_lm=draft_lm, head=head)
+
+
+def loop_lm(model, width: int, head_tokens, compile: bool, graphs: bool, name: str) -> HFCausalLM:
+    """``model`` (called ``name`` in the log) as specbench's loop runs it: on the static path where
+    ``graphs`` asks for it and the path covers the model, else as lm.HFCausalLM.loaded chooses."""
+    if graphs:
+        reason = unsupported(model)
+        if reason is None:
+            # Unpacked: inductor lowers its own products and cannot lower oneDNN's packed ones.
+            return StaticLM(model, width, head_tokens, FastLlama(model, packed=False, compiled=False))
+        log.info("%s runs without the static path: %s", name, reason)
+    return HFCausalLM.loaded(model, width, head_tokens, compile, name)
 
 
 @dataclass
