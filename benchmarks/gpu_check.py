@@ -567,29 +567,6 @@ BESIDE_THE_TESTS = "be"
 # ---------------------------------------------------------------- the machine, packages, report
 
 
-def copy_bandwidth(device: str) -> float:
-    """Bytes a device-to-device copy moves per second, read and written counted (the median of 10)."""
-    import statistics
-
-    import torch
-
-    from specbench.decoding.timing import synchronize
-
-    size = 2**30 if device == "cuda" else 2**26
-    src = torch.empty(size, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    seconds = []
-    for i in range(13):
-        synchronize(src.device)
-        start = time.perf_counter()
-        dst.copy_(src)
-        synchronize(src.device)
-        if i >= 3:  # warm-up
-            seconds.append(time.perf_counter() - start)
-    del src, dst
-    return 2 * size / statistics.median(seconds)
-
-
 def machine_rows(dry: bool, bandwidth: float, packages: str) -> list[tuple[str, str]]:
     import platform
 
@@ -736,6 +713,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(ROOT))
 
     from rich.console import Console
+
+    from specbench.models.costs import copy_bandwidth  # what `specbench run` measures for baseline_mbu
 
     console = Console(stderr=True)
     bandwidth = copy_bandwidth(sizes.device)

@@ -66,6 +66,21 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else math.nan
 
 
+def decode_context_tokens(prompt_tokens: int, new_tokens: int) -> int:
+    """The tokens of KV cache a decode's one-token steps attend over, summed over its steps: the step
+    that yields token j (j = 2..N; the prefill yields the first) attends over the prompt's P tokens
+    and the j - 1 after them, its own input included: (N - 1) P + N (N - 1) / 2 in all."""
+    steps = max(new_tokens - 1, 0)
+    return steps * prompt_tokens + steps * (steps + 1) // 2
+
+
+def bandwidth_utilisation(tokens_per_s: float, bytes_per_token: float, bandwidth: float) -> float:
+    """Model bandwidth utilisation (MBU): the bytes a decode reads per second, tokens/s x the bytes
+    each token's step reads, over the bytes per second a copy moves on the same device. NaN where
+    the bandwidth is 0 or unknown."""
+    return ratio(tokens_per_s * bytes_per_token, bandwidth)
+
+
 def phase_figures(run: Mapping[str, float], base: Mapping[str, float], decodes: int = 1) -> dict[str, float]:
     """How a run's decode time compares with the baseline's on the same prompts, forward by forward.
 

@@ -1,7 +1,9 @@
 """Forward costs: how long one forward of each model takes, measured where decoding runs.
 
 verify_cost.csv, c and verify_ratio come from here: single-token forwards of the target, the draft
-and each drafting level a method uses, and target forwards of 1..K+1 tokens, timed in turns.
+and each drafting level a method uses, and target forwards of 1..K+1 tokens, timed in turns. So does
+the bound a one-token step works against: the device's copy bandwidth, and the bytes a target step
+reads (the summary's baseline_mbu).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 from specbench.core import metrics
 from specbench.decoding.timing import synchronize
 from specbench.models.lm import HFCausalLM, SparseView
+from specbench.models.load import available_memory
 from specbench.models.pair import Pair
 
 
@@ -26,6 +29,67 @@ def seconds_of(device: torch.device, fn: Callable[[], object]) -> float:
     fn()
     synchronize(device)
     return time.perf_counter() - start
+
+
+# The copy that copy_bandwidth times: buffers larger than any cache (a CPU's last level, a GPU's L2),
+# with room for both left beside the loaded models.
+COPY_BYTES = {"cuda": 2**30}  # a GiB, as benchmarks/gpu_check.py first measured it
+CPU_COPY_BYTES = 2**28  # 256 MiB: about 0.3 s for the whole measurement on the 2-core AMD EPYC
+COPY_LEAST = 2**26  # never below this: a smaller buffer would be timed from a cache
+
+
+def copy_bandwidth(device: torch.device | str, repeats: int = 10) -> float:
+    """Bytes per second that copying one buffer into another moves on ``device``, read and written
+    counted: the median of ``repeats`` timed copies after two untimed ones, each synchronised. The
+    buffers are COPY_BYTES (a quarter of the free memory where that is less, but at least
+    COPY_LEAST); the source is written first, since pages never written all read as the kernel's
+    one zero page, from the cache. On a CPU the copy runs on torch's threads, as the run's forwards do."""
+    device = torch.device(device)
+    size = COPY_BYTES.get(device.type, CPU_COPY_BYTES)
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else available_memory()
+    if free:
+        size = max(COPY_LEAST, min(size, free // 4))
+    source = torch.ones(size, dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    times = [seconds_of(device, lambda: target.copy_(source)) for _ in range(2 + repeats)][2:]
+    return 2 * size / metrics.median(times)
+
+
+@dataclass(frozen=True)
+class Roofline:
+    """What bounds the target's one-token step: the device's copy bandwidth, and the bytes the step
+    reads (streamed_bytes). The summary's baseline_mbu is the baseline's decode read against it."""
+
+    bandwidth: float  # bytes per second (copy_bandwidth)
+    weight_bytes: int  # the target's weights one step reads (streamed_bytes)
+    kv_bytes_per_token: int  # the KV cache one step reads per token of context
+
+
+def streamed_bytes(model) -> tuple[int, int]:
+    """(weight bytes, KV cache bytes per token of context) that one one-token forward of the
+    transformers ``model`` reads, as loaded (each parameter's own dtype). Every parameter is read
+    once, except the input embedding, of which a step reads one row: where the LM head is tied to it,
+    the head reads the matrix whole, once. The cache: a key and a value per layer and key/value head,
+    in the model's dtype, every layer attending over the whole context (0 where the configuration
+    does not name its layers and heads)."""
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())  # a tied head is one parameter
+    embedding = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    if head is None or head.weight is not embedding:
+        weights -= (embedding.numel() - embedding.shape[-1]) * embedding.element_size()
+    config = model.config.get_text_config()
+    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
+    head_dim = getattr(config, "head_dim", None) or (getattr(config, "hidden_size", 0) // heads if heads else 0)
+    if not layers or not head_dim:
+        return weights, 0
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return weights, 2 * layers * kv_heads * head_dim * model.dtype.itemsize
+
+
+def roofline(pair: Pair) -> Roofline:
+    """The target's Roofline on the pair's device, its copy bandwidth measured now."""
+    weights, kv = streamed_bytes(pair.target.model)
+    return Roofline(copy_bandwidth(pair.device), weights, kv)
 
 
 COST_SIZES = 8  # verify_cost.csv covers target forwards of 1..max(this, K + 1) tokens: the whole curve

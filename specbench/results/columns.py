@@ -522,6 +522,45 @@ COLUMNS: tuple[Column, ...] = (
         header="peak MB",
         absolute=True,
     ),
+    Column(
+        "copy_bandwidth_gbs",
+        TIMING,
+        None,
+        ".1f",
+        "GB/s that copying a buffer larger than the caches moves on the run's device, read and written counted, "
+        "measured once in the run after the models loaded (empty for served engines)",
+        files="summary",
+        absolute=True,
+    ),
+    Column(
+        "weight_bytes",
+        DETERMINISTIC,
+        None,
+        "d",
+        "bytes of the target's weights, as loaded, that one decode step reads: every parameter once, of the input "
+        "embedding one row (a tied LM head reads that matrix whole, once)",
+        files="summary",
+    ),
+    Column(
+        "kv_read_bytes",
+        DETERMINISTIC,
+        None,
+        ".0f",
+        "bytes of KV cache the baseline's mean decode step reads: a key and a value per layer and key/value head for "
+        "each token of context, at the mean context of its steps over the row's prompts",
+        files="summary",
+    ),
+    Column(
+        "baseline_mbu",
+        TIMING,
+        HIGHER,
+        ".1%",
+        "the baseline's model bandwidth utilisation on the row's prompts: its decode tokens/s (prefill left out) x "
+        "(weight_bytes + kv_read_bytes) / copy_bandwidth_gbs (empty for served engines)",
+        header="MBU",
+        files="summary",
+        absolute=True,
+    ),
     *_spans(),
     Column("drafted", DETERMINISTIC, None, "d", "draft tokens proposed"),
     Column(

@@ -58,7 +58,8 @@ def summary_table(rows: list[dict], title: str, wide: bool = False) -> Table:
             )
         )
     ]
-    caption = None if wide else "more columns: --wide, or summary.csv"
+    lines = bandwidth_line(rows) + ([] if wide else ["more columns: --wide, or summary.csv"])
+    caption = "\n".join(lines) or None
     # One space between columns and no frame: the default table fits 100 columns.
     table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, padding=(0, 0), show_edge=False)
     for column in shown:
@@ -67,6 +68,26 @@ def summary_table(rows: list[dict], title: str, wide: bool = False) -> Table:
     for i in range(len(rows)):
         table.add_row(*(cells[column.name][i] for column in shown))
     return table
+
+
+def bandwidth_line(rows: list[dict]) -> list[str]:
+    """The caption's line on how close the baseline of specbench's loop came to the hardware: its
+    model bandwidth utilisation, the bytes a step read and the copy bandwidth (none where not
+    measured). Short, as the caption wraps at the table's width (about 70 columns by default)."""
+    row = next((r for r in rows if r.get("engine") == "torch" and r["method"] == BASELINE.name), None)
+    if row is None or missing(row.get("baseline_mbu")):
+        return []
+    kv = "" if missing(row["kv_read_bytes"]) else f" + {_bytes(row['kv_read_bytes'])} KV"
+    read = f"{_bytes(row['weight_bytes'])}{kv}"
+    return [f"baseline MBU {row['baseline_mbu']:.1%} (a step reads {read}; copy {row['copy_bandwidth_gbs']:.1f} GB/s)"]
+
+
+def _bytes(n: float) -> str:
+    """A byte count in decimal units, three figures: 538 MB, 1.2 kB."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
 
 
 def _with_interval(speedup, interval, cell: str) -> str:

@@ -23,7 +23,7 @@ from specbench.engines.loop import Measurement
 from specbench.methods.base import Decoder, method_label
 from specbench.methods.online import Learned
 from specbench.methods.registry import BASELINE
-from specbench.models.costs import ForwardCosts
+from specbench.models.costs import ForwardCosts, Roofline
 from specbench.results import schema
 from specbench.workloads.prompts import Turn
 
@@ -55,13 +55,15 @@ TOTALS = list(_totals(Measurement(DecodeResult([]), 0.0, Phases())))
 @dataclass(frozen=True)
 class RunColumns:
     """What every summary row repeats of its run: the models and device (``run_info``), the sampling
-    options, each decoder's ``options`` column, and whether the weights were random (the columns
-    that depend on the weights are then left empty)."""
+    options, each decoder's ``options`` column, whether the weights were random (the columns
+    that depend on the weights are then left empty), and the target's ``roofline`` (None: not
+    measured, the bandwidth columns left empty)."""
 
     run_info: dict
     sampling: dict  # temperature, top_k, top_p, eta, seed, max_new_tokens
     options: Callable[[Decoder], str]
     random_weights: bool
+    roofline: Roofline | None = None
 
     @property
     def greedy(self) -> bool:
@@ -277,11 +279,36 @@ def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], col
             "outputs_match": sum(r["outputs_match"] for r in rs),
             "first_divergence": min(divergences, default=-1),
             **thinking.summary_columns(rs, [baselines[r["prompt_index"]] for r in rs]),
+            **roofline_columns(columns.roofline, [baselines[r["prompt_index"]] for r in rs]),
         }
         if columns.random_weights:
             values.update(dict.fromkeys(WEIGHT_DEPENDENT, math.nan))
         rows.append({name: values[name] for name in schema.SUMMARY})
     return rows
+
+
+ROOFLINE = ("copy_bandwidth_gbs", "weight_bytes", "kv_read_bytes", "baseline_mbu")
+
+
+def roofline_columns(roofline: Roofline | None, baselines: list[dict]) -> dict:
+    """The bandwidth columns of a summary row whose prompts the ``baselines`` records decoded: the
+    bytes the baseline's decode steps read (the target's weights and the KV cache over each step's
+    context) per second of its decode (prefill left out), over the copy bandwidth. Empty without a
+    ``roofline``."""
+    if roofline is None:
+        return dict.fromkeys(ROOFLINE, math.nan)
+    steps = sum(r["new_tokens"] - 1 for r in baselines if r["new_tokens"] > 0)
+    seconds = sum(r["method_s"] - r["prefill_s"] for r in baselines)
+    context = sum(metrics.decode_context_tokens(r["prompt_tokens"], r["new_tokens"]) for r in baselines)
+    kv = metrics.ratio(roofline.kv_bytes_per_token * context, steps)
+    return {
+        "copy_bandwidth_gbs": roofline.bandwidth / 1e9,
+        "weight_bytes": roofline.weight_bytes,
+        "kv_read_bytes": kv,
+        "baseline_mbu": metrics.bandwidth_utilisation(
+            metrics.ratio(steps, seconds), roofline.weight_bytes + kv, roofline.bandwidth
+        ),
+    }
 
 
 def structural(records: list[dict]) -> float:
@@ -424,6 +451,28 @@ def suggestions(summary: list[dict], costs: ForwardCosts, ks: list[int]) -> list
                 f"against {by_k[ks[0]]:.2f}x at K={ks[0]}: `specbench run --k 1,2,3,4` measures each K"
             )
     return lines
+
+
+MBU_FLOOR = 0.5  # below this share of the copy bandwidth the baseline's steps are not bound by memory
+
+
+def bandwidth_notes(summary: list[dict], graphs_option: bool) -> list[str]:
+    """A line when the baseline of specbench's loop reads its weights at under MBU_FLOOR of the copy
+    bandwidth: its speedups are then those of a loop bound by launches and Python, not of the pair.
+    On CUDA, where the run's forward was not graphed, it points at --graphs (``graphs_option``: the
+    option exists)."""
+    row = next((r for r in summary if r["engine"] == "torch" and r["method"] == BASELINE.name), None)
+    if row is None or missing(row.get("baseline_mbu")) or row["baseline_mbu"] >= MBU_FLOOR:
+        return []
+    line = (
+        f"the baseline reads the target's weights and KV cache at {row['baseline_mbu']:.1%} of the copy bandwidth "
+        f"measured in this run ({row['copy_bandwidth_gbs']:.1f} GB/s), so its steps are bound by what each "
+        "operation costs beside its memory (kernel launches, dispatch, Python): c, the verify ratio and the "
+        "speedups are those of a launch-bound loop, not of the pair"
+    )
+    if graphs_option and str(row.get("device", "")).startswith("cuda") and row.get("compile") != "graphs":
+        line += "; on CUDA, --graphs replays the forwards as CUDA graphs, without a launch per operation"
+    return [line]
 
 
 def missing(value) -> bool:

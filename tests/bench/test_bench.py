@@ -95,7 +95,12 @@ def test_a_k_list_sweeps_and_writes_best_k_and_the_plot(tiny_pair, prompts_file,
     said = re.findall(r"^\[ *(\d+\.\d) s\] (.+)$", result.stdout, re.MULTILINE)
     stages = [text for _, text in said]
     assert stages[0] == "loading models and prompts" and stages[-1] == "finished", stages
-    assert {"measuring forward costs (c, verify_ratio)", "warming up", "decoding: speculative K=4 (8/8)"} <= set(stages)
+    assert {
+        "measuring copy bandwidth (baseline_mbu)",
+        "measuring forward costs (c, verify_ratio)",
+        "warming up",
+        "decoding: speculative K=4 (8/8)",
+    } <= set(stages)
     assert [float(s) for s, _ in said] == sorted(float(s) for s, _ in said)
     assert not re.search(r"\d+/\d+ \d+:\d\d:\d\d", result.stdout)  # a bar's count and elapsed time
     # show prints the run's tables again from its directory, as the run printed them
@@ -103,6 +108,7 @@ def test_a_k_list_sweeps_and_writes_best_k_and_the_plot(tiny_pair, prompts_file,
     assert shown.returncode == 0, shown.stderr
     lines = [line for line in shown.stdout.splitlines() if line.strip()]
     assert "time per generated token" in shown.stdout and len(lines) > 15
+    assert "baseline MBU" in shown.stdout and "launch-bound loop" in " ".join(shown.stdout.split())  # and its note
     assert [line for line in lines if line not in result.stdout.splitlines()] == []
     one_line_error(cli("show", tmp_path), "holds no results.json", "finished `specbench run`")
 

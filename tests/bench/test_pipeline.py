@@ -136,6 +136,13 @@ def test_run_writes_every_file_with_the_contract_columns(tiny_pair, prompts_file
         metrics.predicted_speedup_verify(row["alpha"], row["c"], 3, row["verify_ratio"]), rel=1e-12
     )
     assert 0 <= row["alpha"] <= 1 and 1 <= row["tau"] <= 4
+    # How close the baseline came to the hardware, measured on this CPU: every row carries the baseline's figure.
+    assert (summary["copy_bandwidth_gbs"] > 0).all() and (summary["weight_bytes"] > 0).all()
+    assert (summary["baseline_mbu"] > 0).all() and summary["baseline_mbu"].nunique() == 1
+    document = json.loads((out / "results.json").read_text())
+    assert [r["baseline_mbu"] for r in document["summary"]] == pytest.approx(summary["baseline_mbu"].tolist())
+    # The tiny target's steps read a few hundred kB: far below the bandwidth, so the run says what that means.
+    assert "baseline MBU" in result.stdout and "launch-bound loop, not of the pair" in " ".join(result.stdout.split())
     records = pd.read_csv(out / "records.csv")
     assert (
         len(records) == 3 * 2 and records["outputs_match"].all()

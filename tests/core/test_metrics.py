@@ -204,3 +204,16 @@ def test_wins_from_is_the_start_of_the_run_of_wins_up_to_the_longest_context():
     assert metrics.wins_from({1024: 1.2, 2048: 0.99}) is None  # losing at the longest context: never
     assert metrics.wins_from({1024: 1.2, 2048: math.nan}) is None
     assert metrics.wins_from({1024: 1.02, 2048: 1.5}, threshold=1.1) == 2048
+
+
+def test_bandwidth_utilisation_is_the_bytes_read_per_second_over_the_copy_bandwidth():
+    # 20 tokens/s, 1 GB a step, against 40 GB/s: half the bandwidth.
+    assert metrics.bandwidth_utilisation(20.0, 1e9, 40e9) == pytest.approx(0.5)
+    assert math.isnan(metrics.bandwidth_utilisation(20.0, 1e9, 0.0))  # no bandwidth measured
+    assert math.isnan(metrics.bandwidth_utilisation(20.0, 1e9, math.nan))
+
+
+def test_decode_context_tokens_sums_each_steps_context():
+    # A 10-token prompt and 4 new tokens: the prefill yields the first; the steps attend over 11, 12, 13.
+    assert metrics.decode_context_tokens(10, 4) == 11 + 12 + 13
+    assert metrics.decode_context_tokens(10, 1) == metrics.decode_context_tokens(10, 0) == 0
