@@ -466,9 +466,9 @@ def bandwidth_notes(summary: list[dict], graphs_option: bool) -> list[str]:
         return []
     line = (
         f"the baseline reads the target's weights and KV cache at {row['baseline_mbu']:.1%} of the copy bandwidth "
-        f"measured in this run ({row['copy_bandwidth_gbs']:.1f} GB/s), so its steps are bound by what each "
-        "operation costs beside its memory (kernel launches, dispatch, Python): c, the verify ratio and the "
-        "speedups are those of a launch-bound loop, not of the pair"
+        f"measured in this run ({row['copy_bandwidth_gbs']:.1f} GB/s): its steps are bound by what each operation "
+        "costs beside the bytes (kernel launches, dispatch, Python, kernels short of the memory's speed), so c, the "
+        "verify ratio and the speedups are those of a launch-bound loop, not of the pair"
     )
     if graphs_option and str(row.get("device", "")).startswith("cuda") and row.get("compile") != "graphs":
         line += "; on CUDA, --graphs replays the forwards as CUDA graphs, without a launch per operation"
