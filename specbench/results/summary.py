@@ -461,7 +461,7 @@ def bandwidth_notes(summary: list[dict], graphs_option: bool) -> list[str]:
     bandwidth: its speedups are then those of a loop bound by launches and Python, not of the pair.
     On CUDA, where the run's forward was not graphed, it points at --graphs (``graphs_option``: the
     option exists)."""
-    row = next((r for r in summary if r["engine"] == "torch" and r["method"] == BASELINE.name), None)
+    row = next((r for r in summary if r.get("engine") == "torch" and r["method"] == BASELINE.name), None)
     if row is None or missing(row.get("baseline_mbu")) or row["baseline_mbu"] >= MBU_FLOOR:
         return []
     line = (

@@ -59,6 +59,7 @@ def test_a_baseline_far_from_the_copy_bandwidth_gets_a_note_and_one_near_it_none
     assert bandwidth_notes([row(0.82)], graphs_option=True) == []
     assert bandwidth_notes([row(math.nan)], graphs_option=True) == []  # not measured
     assert bandwidth_notes([row(0.1, engine="vllm")], graphs_option=True) == []  # only specbench's loop's baseline
+    assert bandwidth_notes([{"method": "baseline", "speedup": 1.0}], graphs_option=True) == []  # an older run's row
 
 
 def test_on_cuda_the_note_points_at_graphs_only_where_the_option_exists_and_the_run_did_not_graph():
