@@ -1,4 +1,4 @@
-"""specbench's own forward for Llama-architecture models: the fast path (``--compile``).
+"""specbench's own forward for Llama and Qwen3 models: the fast path (``--compile``), and the static path's arithmetic (models/static.py).
 
 transformers' eager modeling runs each linear layer through a plain matrix product. On a CPU
 that product streams the weights in a layout that suits neither one row nor a few: on the 2-core
@@ -33,15 +33,19 @@ from specbench.models.load import available_memory
 log = logging.getLogger("specbench")
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # static: inv_freq is fixed at load
+# Llama's decoder, and Qwen3's: the same with each head's queries and keys RMS-normed before RoPE.
+FAMILIES = ("llama", "qwen3")
 
 
 def unsupported(model) -> str | None:
     """Why ``model`` cannot take the fast path, or None when it can."""
     config = model.config
-    if config.model_type != "llama":
-        return f"the fast path covers Llama-architecture models, not {config.model_type}"
-    if getattr(config, "hidden_act", "silu") != "silu" or config.attention_bias or config.mlp_bias:
-        return "the fast path covers Llama models with SiLU and no biases"
+    if config.model_type not in FAMILIES:
+        return f"the fast path covers {' and '.join(FAMILIES)} models, not {config.model_type}"
+    if getattr(config, "hidden_act", "silu") != "silu" or config.attention_bias or getattr(config, "mlp_bias", False):
+        return "the fast path covers models with SiLU and no biases"
+    if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+        return "the fast path covers full attention in every layer, not sliding windows"
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope not in ROPE_TYPES:
         return f"the fast path covers static RoPE ({', '.join(ROPE_TYPES)}), not {rope}"
@@ -133,6 +137,8 @@ class Layer:
     mlp_norm: torch.Tensor
     gate_up: Linear
     down: Linear
+    query_norm: torch.Tensor | None = None  # Qwen3's per-head norms of queries and keys [head_dim]
+    key_norm: torch.Tensor | None = None
 
 
 # Models narrower than this run on their own weights. oneDNN's packed call has a fixed cost that a
@@ -187,6 +193,11 @@ class FastLlama:
                 layer.post_attention_layernorm.weight.detach(),
                 self.linear(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight),
                 self.linear(layer.mlp.down_proj.weight),
+                *[
+                    norm.weight.detach()
+                    for norm in (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))
+                    if norm is not None
+                ],
             )
             for layer, attention in ((layer, layer.self_attn) for layer in base.layers)
         ]
@@ -240,6 +251,10 @@ class FastLlama:
     def _decoder_layer(self, x, layer: Layer, i: int, cos, sin, cache, mask, queries):
         n, heads, kv, d = x.shape[0], self.heads, self.kv_heads, self.head_dim
         qkv = layer.qkv(self._rms(x, layer.attention_norm, self.eps))
+        if layer.query_norm is not None:  # Qwen3: each head's query and key normed over head_dim
+            q = self._rms(qkv[:, : heads * d].view(n, heads, d), layer.query_norm, self.eps).view(n, heads * d)
+            k = self._rms(qkv[:, heads * d : (heads + kv) * d].view(n, kv, d), layer.key_norm, self.eps).view(n, kv * d)
+            qkv = torch.cat([q, k, qkv[:, (heads + kv) * d :]], dim=-1)
         if queries is not None:
             queries[i] = qkv[-1, : heads * d].clone()  # before RoPE, as lm.take_queries expects
         q, k, v = self._rope(qkv, cos, sin, heads, kv, d)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import time
-import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -65,20 +64,13 @@ def step(lm: StaticLM, ids, depth, tree, start, queries: list | None = None, tap
     return lm.fast.hidden(ids, start + depth, Slots(lm.kv, slots), mask, n, queries, taps)
 
 
-def _one(lm, ids, depth, tree, start):  # a single token: its own code object, so its own compiled graph
+# Two entry points, each compiled on its own (torch.compile keeps each compiled callable's graphs apart):
+def _one(lm, ids, depth, tree, start):  # a single token, all shapes static
     return step(lm, ids, depth, tree, start)
 
 
 def _many(lm, ids, depth, tree, start):  # 2..GRAPHED_UP_TO tokens: one graph with a dynamic count
     return step(lm, ids, depth, tree, start)
-
-
-def own_code(function: types.FunctionType) -> types.FunctionType:
-    """``function`` with a code object of its own. torch.compile keeps its compiled graphs on the code
-    object, so a target and a draft calling one function would each recompile the other's graph."""
-    return types.FunctionType(
-        function.__code__.replace(), function.__globals__, function.__name__, function.__defaults__
-    )
 
 
 class Graph:
@@ -145,8 +137,8 @@ class StaticLM(HFCausalLM):
         None, with one log line, when the compiler fails (the path then runs eagerly). The cache's
         capacity is part of what they compile (the mask's width)."""
         compiled = (
-            torch.compile(own_code(_one), fullgraph=True, dynamic=False),
-            torch.compile(own_code(_many), fullgraph=True),  # the token count marked dynamic below, nothing else
+            torch.compile(_one, fullgraph=True, dynamic=False),
+            torch.compile(_many, fullgraph=True),  # the token count marked dynamic below, nothing else
         )
         # The warm-up forwards write two slots from here: past every position the cache holds.
         self.start.fill_(min(self.kv.length, self.kv.capacity - 2))
