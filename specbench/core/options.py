@@ -428,10 +428,10 @@ RUN: tuple[Option, ...] = (
     Option(
         "compile",
         None,
-        "specbench's own forward for Llama-architecture models (docs/methodology.md#fast-path): on a CPU the "
+        "specbench's own forward for Llama and Qwen3 models (docs/methodology.md#the-fast-path): on a CPU the "
         "weights packed once for oneDNN's kernels (models from 256 wide), row counts run at the size measured fastest; on CUDA "
-        "torch.compile. --no-compile runs transformers' eager forward. Default: on for a CPU, off on CUDA, "
-        "where eager measured faster at batch 1. The hf-* methods always run transformers'.",
+        "torch.compile. --no-compile runs transformers' eager forward (and turns CUDA's --graphs default off). Default: "
+        "on for a CPU; on CUDA --graphs runs instead. The hf-* methods always run transformers'.",
         kind=bool,
         panel=DECODING_PANEL,
     ),

@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
@@ -211,6 +212,14 @@ class StaticLM(HFCausalLM):
     @property
     def length(self) -> int:
         return self.kv.length
+
+    @property
+    def cache(self) -> SimpleNamespace:
+        """The held positions as transformers' cache layers show them (``layers[i].keys`` and
+        ``.values``, [1, kv_heads, length, head_dim] views): what a models.lm.SparseView reads."""
+        n = self.kv.length
+        held = zip(self.kv.keys, self.kv.values, strict=True)
+        return SimpleNamespace(layers=[SimpleNamespace(keys=k[:, :, :n], values=v[:, :, :n]) for k, v in held])
 
     def _fast_call(self, token_ids, last, positions, mask):
         n, start = token_ids.shape[0], self.kv.length

@@ -17,7 +17,7 @@ from specbench.decoding.tree import tree_inputs
 from specbench.drafters.model import ModelDrafter
 from specbench.models import static as static_path
 from specbench.models.fast import FastLlama
-from specbench.models.lm import HFCausalLM
+from specbench.models.lm import HFCausalLM, SparseView
 from specbench.models.load import Wanted
 from specbench.models.pair import default_graphs, load_pair, loop_lm
 from specbench.models.static import StaticLM
@@ -143,6 +143,22 @@ def test_the_static_path_is_cudas_default_and_says_why_a_model_is_not_on_it(tiny
     with caplog.at_level(logging.INFO, logger="specbench"):
         lm = loop_lm(gpt2, 50, None, compile=False, graphs=True, name="gpt2")
     assert type(lm) is HFCausalLM and "gpt2 runs without the static path: the fast path covers" in caplog.text
+
+
+@pytest.mark.parametrize("policy", ["retrieval", "window"])
+def test_a_sparse_view_of_a_static_target_drafts_as_one_of_a_growing_cache(policy):
+    # Self-speculation's draft reads the target's cache (lm.SparseView): the static cache shows it the same.
+    model = llama(0)
+    views = []
+    for target in (HFCausalLM(model, model.config.vocab_size), static(model)):
+        view = SparseView(target, budget=24, policy=policy)
+        view.watch()
+        target.prefill(torch.arange(5, 60))
+        view.prefill(torch.arange(5, 60))
+        target.forward(torch.tensor([7, 8, 9]), last=3)
+        target.keep([0, 1], 3)
+        views.append(view.forward(torch.tensor([8, 9, 10]), last=2))
+    torch.testing.assert_close(views[1], views[0], rtol=1e-5, atol=1e-5)
 
 
 def test_static_kv_keeps_a_paths_entries_in_order():
