@@ -34,7 +34,7 @@ def seconds_of(device: torch.device, fn: Callable[[], object]) -> float:
 # The copy that copy_bandwidth times: buffers larger than any cache (a CPU's last level, a GPU's L2),
 # with room for both left beside the loaded models.
 COPY_BYTES = {"cuda": 2**30}  # a GiB, as benchmarks/gpu_check.py first measured it
-CPU_COPY_BYTES = 2**28  # 256 MiB: about 0.3 s for the whole measurement on the 2-core AMD EPYC
+CPU_COPY_BYTES = 2**28  # 256 MiB: 0.22 s for the whole measurement on the 2-core AMD EPYC
 COPY_LEAST = 2**26  # never below this: a smaller buffer would be timed from a cache
 
 
