@@ -190,10 +190,9 @@ class StaticLM(HFCausalLM):
 
     def reserve(self, tokens: int) -> None:
         """Room for sequences of ``tokens`` (the run's longest prompt, --max-new-tokens and K + 1): the
-        cache is allocated once at that size, before anything is compiled against it or timed."""
+        cache is allocated once at that size, and the forwards compiled for it, before anything is timed."""
         tokens = min(tokens, self.window) if self.window else tokens
-        if tokens > self.kv.capacity:
-            self.allocate(tokens)
+        self.allocate(tokens)  # no larger than needed either: attention reads every position
         self.ready()
 
     @property
