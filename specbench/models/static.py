@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
+import types
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -65,13 +66,19 @@ def step(lm: StaticLM, ids, depth, tree, start, queries: list | None = None, tap
     return lm.fast.hidden(ids, start + depth, Slots(lm.kv, slots), mask, n, queries, taps)
 
 
-# Two entry points, each compiled on its own (torch.compile keeps each compiled callable's graphs apart):
 def _one(lm, ids, depth, tree, start):  # a single token, all shapes static
     return step(lm, ids, depth, tree, start)
 
 
 def _many(lm, ids, depth, tree, start):  # 2..GRAPHED_UP_TO tokens: one graph with a dynamic count
     return step(lm, ids, depth, tree, start)
+
+
+def own_code(function: types.FunctionType) -> types.FunctionType:
+    """``function`` with a code object of its own. torch.compile keeps compiled graphs on the code
+    object, so two models of different shapes (a target and its draft, a Llama and a Qwen3 in one
+    process) compiling one function would each recompile the other's graph."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
 
 
 class Graph:
@@ -138,8 +145,8 @@ class StaticLM(HFCausalLM):
         None, with one log line, when the compiler fails (the path then runs eagerly). The cache's
         capacity is part of what they compile (the mask's width)."""
         compiled = (
-            torch.compile(_one, fullgraph=True, dynamic=False),
-            torch.compile(_many, fullgraph=True),  # the token count marked dynamic below, nothing else
+            torch.compile(own_code(_one), fullgraph=True, dynamic=False),
+            torch.compile(own_code(_many), fullgraph=True),  # the token count marked dynamic below, nothing else
         )
         # The warm-up forwards write two slots from here: past every position the cache holds.
         self.start.fill_(min(self.kv.length, self.kv.capacity - 2))

@@ -176,8 +176,11 @@ def test_static_kv_keeps_a_paths_entries_in_order():
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_compiled_path_never_recompiles_and_decodes_the_baselines_greedy_tokens(family, monkeypatch, one_thread):
     # Rounds, K (2 and 4: verify forwards of 3 and 5 tokens, draft catch-ups of 1 and 2) and prompts
-    # of several lengths: every forward after the build reuses the two compiled graphs.
+    # of several lengths: every forward after the build reuses the two compiled graphs, and models
+    # of other shapes compiled in the same process (the draft, another test's) leave them alone.
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    other = static(llama(2, layers=1, hidden=32), compiled=True)  # another model in the process, of another shape
+    other.reserve(40)
     model = family(0, layers=3)
     target, draft = static(model, compiled=True), static(noisy(model), compiled=True)
     for lm in (target, draft):
