@@ -19,8 +19,10 @@ from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.lookup import PromptLookupDrafter
 from specbench.drafters.model import ModelDrafter
 from specbench.models.eagle_head import read_head
+from specbench.models.fast import FastLlama
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import load
+from specbench.models.static import StaticLM
 
 from ..helpers import HostReads, LawLM, build_eagle3_head, tiny_law_model
 
@@ -77,10 +79,28 @@ def models(tiny_pair):
 
 @pytest.fixture(scope="module")
 def cuda_models(tiny_pair):
-    """The tiny pair on CUDA's default route: specbench's forward, its elementwise work compiled."""
+    """The tiny pair on CUDA's --no-graphs --compile route: specbench's forward, its elementwise work compiled."""
     cuda = torch.device("cuda")
     loaded = [load(path, cuda, torch.float32) for path in tiny_pair]
     return tuple(HFCausalLM.loaded(m.model, m.width, None, compile=True, name=m.name) for m in loaded)
+
+
+@pytest.fixture(scope="module")
+def static_models(tiny_pair):
+    """The tiny pair on the static path (models/static.py), uncompiled: its host reads are the loop's."""
+    return tuple(static_lm(load(path, CPU, torch.float32), compiled=False) for path in tiny_pair)
+
+
+@pytest.fixture(scope="module")
+def cuda_static_models(tiny_pair):
+    """The tiny pair on CUDA's default route: the static path, its forwards replayed as CUDA graphs."""
+    return tuple(static_lm(load(path, torch.device("cuda"), torch.float32), compiled=True) for path in tiny_pair)
+
+
+def static_lm(loaded, compiled: bool) -> StaticLM:
+    lm = StaticLM(loaded.model, loaded.width, None, FastLlama(loaded.model, packed=False, compiled=False), compiled)
+    lm.reserve(128)
+    return lm
 
 
 def _lm(path):
@@ -89,7 +109,12 @@ def _lm(path):
 
 
 PROMPT = torch.tensor([5, 9, 14, 5, 9, 14, 5, 9, 3, 7, 5, 9])  # repeats, so prompt lookup finds matches
-ON = [pytest.param("models", id="cpu"), pytest.param("cuda_models", id="cuda", marks=pytest.mark.gpu)]
+ON = [
+    pytest.param("models", id="cpu"),
+    pytest.param("static_models", id="cpu-static"),
+    pytest.param("cuda_models", id="cuda", marks=pytest.mark.gpu),
+    pytest.param("cuda_static_models", id="cuda-graphs", marks=pytest.mark.gpu),
+]
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
