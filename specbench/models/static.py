@@ -24,6 +24,7 @@ where its exactness and its freedom from recompilation are tested; it is not the
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 import types
@@ -66,12 +67,20 @@ def step(lm: StaticLM, ids, depth, tree, start, queries: list | None = None, tap
     return lm.fast.hidden(ids, start + depth, Slots(lm.kv, slots), mask, n, queries, taps)
 
 
-def _one(lm, ids, depth, tree, start):  # a single token, all shapes static
-    return step(lm, ids, depth, tree, start)
+def tapped(lm: StaticLM, ids, depth, tree, start, layers: tuple[int, ...] | None):
+    """``step`` compiled: the final normed states, and the inputs of ``layers`` side by side [n,
+    len(layers) * hidden] (FastLlama.hidden's taps: an EAGLE head's features), or None without layers."""
+    taps = None if layers is None else dict.fromkeys(layers)
+    hidden = step(lm, ids, depth, tree, start, None, taps)
+    return hidden, None if taps is None else torch.cat([taps[i] for i in layers], dim=-1)
 
 
-def _many(lm, ids, depth, tree, start):  # 2..GRAPHED_UP_TO tokens: one graph with a dynamic count
-    return step(lm, ids, depth, tree, start)
+def _one(lm, ids, depth, tree, start, layers):  # a single token, all shapes static
+    return tapped(lm, ids, depth, tree, start, layers)
+
+
+def _many(lm, ids, depth, tree, start, layers):  # 2..GRAPHED_UP_TO tokens: one graph with a dynamic count
+    return tapped(lm, ids, depth, tree, start, layers)
 
 
 def own_code(function: types.FunctionType) -> types.FunctionType:
@@ -82,7 +91,8 @@ def own_code(function: types.FunctionType) -> types.FunctionType:
 
 
 class Graph:
-    """One token count's forward captured as a CUDA graph over fixed input buffers."""
+    """One token count's forward (``run``: a compiled ``tapped``) captured as a CUDA graph over fixed
+    input buffers."""
 
     def __init__(self, lm: StaticLM, run, n: int, pool):
         device = lm.device
@@ -101,14 +111,14 @@ class Graph:
         with torch.cuda.graph(self.graph, pool=pool):
             self.out = run(lm, self.ids, self.depth, self.tree, start)
 
-    def __call__(self, ids, depth, tree) -> torch.Tensor:
+    def __call__(self, ids, depth, tree) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.ids.copy_(ids)
         if depth is not None or not self.chain:
             self.depth.copy_(depth if depth is not None else torch.arange(len(ids), device=ids.device))
             self.tree.copy_(tree if tree is not None else torch.ones_like(self.tree).tril())
             self.chain = depth is None
         self.graph.replay()
-        return self.out.clone()  # the next replay overwrites it
+        return tuple(None if out is None else out.clone() for out in self.out)  # the next replay overwrites them
 
 
 class StaticLM(HFCausalLM):
@@ -135,28 +145,40 @@ class StaticLM(HFCausalLM):
         """Compile the forwards for the cache as it is now, if they are wanted and not yet built (reserve
         does it, before anything is timed; else the first forward)."""
         if self.compiling and self.compiled is None:
-            start = time.perf_counter()
-            self.compiled = self._compile()
-            self.compiling = self.compiled is not None  # a compiler that failed is not tried again
-            self.fast.build_seconds += time.perf_counter() - start
+            self.compiled = {}
+            self._forms(None)
 
-    def _compile(self):
-        """The compiled forwards, (single token, wider), each run once so that compiling happens now;
-        None, with one log line, when the compiler fails (the path then runs eagerly). The cache's
-        capacity is part of what they compile (the mask's width)."""
-        compiled = (
-            torch.compile(own_code(_one), fullgraph=True, dynamic=False),
-            torch.compile(own_code(_many), fullgraph=True),  # the token count marked dynamic below, nothing else
+    def _forms(self, layers: tuple[int, ...] | None):
+        """The compiled forwards (single token, wider) that record ``layers``' inputs (None: none), built
+        the first time they are asked for, or None when the path runs eagerly (compiling not wanted, or
+        it failed: one log line, and it is not tried again)."""
+        if not self.compiling:
+            return None
+        if layers not in self.compiled:
+            start = time.perf_counter()
+            forms = self._compile(layers)
+            self.fast.build_seconds += time.perf_counter() - start
+            if forms is None:
+                self.compiling, self.compiled = False, None
+                return None
+            self.compiled[layers] = forms
+        return self.compiled[layers]
+
+    def _compile(self, layers: tuple[int, ...] | None):
+        """The forwards compiled, each a ``tapped`` of its own code object with ``layers`` bound, and run
+        once so that compiling happens now; None, with one log line, when the compiler fails. The
+        cache's capacity is part of what they compile (the mask's width)."""
+        forms = tuple(
+            functools.partial(torch.compile(own_code(function), fullgraph=True, dynamic=dynamic), layers=layers)
+            for function, dynamic in ((_one, False), (_many, None))  # _many: the token count marked dynamic below
         )
         # The warm-up forwards write two slots from here: past every position the cache holds.
         self.start.fill_(min(self.kv.length, self.kv.capacity - 2))
         try:
             with torch.inference_mode():
-                for n, run in ((1, compiled[0]), (2, compiled[1])):
-                    ids, depth = (
-                        torch.zeros(n, dtype=torch.long, device=self.device),
-                        torch.arange(n, device=self.device),
-                    )
+                for n, run in ((1, forms[0]), (2, forms[1])):
+                    ids = torch.zeros(n, dtype=torch.long, device=self.device)
+                    depth = torch.arange(n, device=self.device)
                     tree = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
                     if n > 1:
                         for tensor, dims in ((ids, [0]), (depth, [0]), (tree, [0, 1])):
@@ -166,7 +188,7 @@ class StaticLM(HFCausalLM):
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
             log.warning("torch.compile failed, the static path runs its forwards eagerly: %s", reason)
             return None
-        return compiled
+        return forms
 
     def refresh(self, more_tokens: torch.Tensor) -> None:
         super().refresh(more_tokens)
@@ -178,10 +200,11 @@ class StaticLM(HFCausalLM):
         return "graphs" if self.graphed and self.compiling else "static-inductor" if self.compiling else "static"
 
     def forward_facts(self) -> dict:
-        """HFCausalLM's, with the CUDA graphs captured so far (by token count), the seconds capturing
-        took, and the cache's size."""
+        """HFCausalLM's, with the CUDA graphs captured so far (their token counts, and how many), the
+        seconds capturing took, and the cache's size."""
         return super().forward_facts() | {
-            "graphs": sorted(self.graphs),
+            "graphs": sorted({n for n, _ in self.graphs}),  # token counts (an EAGLE target's also with taps)
+            "captured": len(self.graphs),
             "capture_s": self.capture_seconds,
             "cache_positions": self.kv.capacity,
             "cache_mb": self.memory_bytes / 2**20,
@@ -247,24 +270,28 @@ class StaticLM(HFCausalLM):
         n = ids.shape[0]
         self.ready()
         self.start.fill_(start)  # a kernel with the value as its argument: no copy from the host, no wait
-        eager = self.compiled is None or n > GRAPHED_UP_TO or self.queries is not None or self._taps is not None
-        if self.graphed and not eager:
-            graph = self.graphs.get(n)
+        layers = None if self._taps is None else tuple(self.feature_layers)
+        forms = None if n > GRAPHED_UP_TO or self.queries is not None else self._forms(layers)
+        if forms is not None and self.graphed:
+            graph = self.graphs.get((n, layers))
             if graph is None:
                 began = time.perf_counter()
-                graph = self.graphs[n] = Graph(self, self.compiled[n > 1], n, self.pool)
+                graph = self.graphs[n, layers] = Graph(self, forms[n > 1], n, self.pool)
                 self.capture_seconds += time.perf_counter() - began
-            hidden = graph(ids, depth, tree)
+            hidden, features = graph(ids, depth, tree)
         else:
             if depth is None:
                 depth = torch.arange(n, device=self.device)
             if tree is None:
                 tree = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-            if eager:
-                hidden = step(self, ids, depth, tree, self.start, self.queries, self._taps)
+            if forms is None:
+                hidden, features = step(self, ids, depth, tree, self.start, self.queries, self._taps), None
             else:  # the compiled graph guards on the kind of tensor too: all made in inference mode, as the loop's
                 ids, depth, tree = (t if t.is_inference() else t.clone() for t in (ids, depth, tree))
-                hidden = self.compiled[n > 1](self, ids, depth, tree, self.start)
+                hidden, features = forms[n > 1](self, ids, depth, tree, self.start)
+        if features is not None:  # the taps, as HFCausalLM._forward reads them
+            for i, tap in zip(layers, features.chunk(len(layers), dim=-1), strict=True):
+                self._taps[i] = tap
         self.kv.length = start + n
         return hidden
 

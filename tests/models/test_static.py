@@ -258,3 +258,45 @@ def test_the_test_catches_a_mask_that_lets_drafts_see_ahead(tmp_path, one_thread
         static_path, "static_mask", lambda start, tree, *rest: mask(start, torch.ones_like(tree), *rest)
     )
     assert static_law_p(tmp_path, device, negative_control=True) < P_FLOOR
+
+
+@pytest.mark.slow
+def test_an_eagle_targets_features_come_from_the_compiled_path(tmp_path, monkeypatch, one_thread):
+    # An EAGLE head drafts from the target's features: the target records them inside its compiled
+    # forwards (a form of their own, for these taps), as transformers' eager forward gives them, and
+    # the head's greedy decode over the static target is the baseline's.
+    from specbench.drafters.eagle import EagleDrafter
+    from specbench.models.eagle_head import read_head
+
+    from ..helpers import build_eagle3_head
+
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    model = llama(0, layers=4)
+    config = model.config
+    head = read_head(
+        build_eagle3_head(tmp_path / "head", config, taps=(0, 2, 3), seed=3),
+        model.get_input_embeddings().weight,
+        config.num_hidden_layers,
+        config.hidden_size,
+        config.vocab_size,
+    )
+    target, eager = static(model, compiled=True), HFCausalLM(model, config.vocab_size)
+    target.reserve(96)
+    for lm in (target, eager):
+        lm.record_features(head.config.taps)
+    features = []
+    for lm in (target, eager):
+        lm.prefill(torch.arange(5, 30))
+        lm.forward(torch.tensor([7]), last=1)
+        one = lm.features
+        lm.forward(torch.tensor([8, 9, 10]), last=3)
+        features.append((one, lm.features))
+    for got, want in zip(*features, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert tuple(head.config.taps) in target.compiled
+    prompt, generator = torch.arange(3, 20), torch.Generator().manual_seed(0)
+    target.record_features(None)
+    want = autoregressive_decode(target, prompt, 30, GREEDY, generator).tokens
+    target.record_features(head.config.taps)
+    drafter = EagleDrafter(head, target, 3, GREEDY, generator)
+    assert speculative_decode(target, drafter, prompt, 3, 30, GREEDY, generator).tokens == want
