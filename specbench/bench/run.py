@@ -488,8 +488,8 @@ def decoded_text(pair: Pair) -> Callable[[list[int]], str]:
 
 def forward_facts(pair: Pair) -> dict[str, dict]:
     """What runs each model's forward in specbench's loop and what building it took (lm.forward_facts), by role."""
-    models = (("target", pair.target_lm), ("draft", pair.draft_lm))
-    return {role: lm.forward_facts() for role, lm in models if lm is not None}
+    models = (("target", pair.target_lm), ("draft", pair.draft_lm), ("head", pair.head))
+    return {role: lm.forward_facts() for role, lm in models if lm is not None and hasattr(lm, "forward_facts")}
 
 
 def describe_forward(role: str, facts: dict) -> str:

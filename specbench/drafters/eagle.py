@@ -10,7 +10,7 @@ from specbench.decoding.decode import Draft
 from specbench.decoding.sampling import Sampling, Verdict
 from specbench.decoding.transfer import ids_to_device, to_device
 from specbench.drafters.propose import propose_chain, propose_tree
-from specbench.models.eagle_head import EagleHead, HeadCache
+from specbench.models.eagle_head import EagleHead
 
 
 class EagleDrafter:
@@ -37,7 +37,7 @@ class EagleDrafter:
         self.shape, self.dynamic, self.p_min = shape, dynamic, p_min
 
     def start(self, prompt_ids: torch.Tensor, first: torch.Tensor) -> None:
-        self.cache = HeadCache()
+        self.cache = self.head.new_cache()
         # The pair at position t: the target's feature there, and the token at t + 1.
         self.tokens, self.features = torch.cat([prompt_ids[1:], first]), self.target.features
 

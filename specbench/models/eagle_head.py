@@ -224,6 +224,10 @@ class EagleHead(nn.Module):
             "fc": packed(self.fc) if self.fc is not None else None,
         }
 
+    def new_cache(self) -> HeadCache:
+        """An empty cache for a new sequence (models/static.StaticHead gives its static one)."""
+        return HeadCache()
+
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
         """The target's features [n, len(taps) * target_hidden] as the layer reads them [n, hidden]."""
         return features if self.fc is None else self.products["fc"](features)
@@ -352,7 +356,7 @@ class HeadLM:
         self.reset()
 
     def reset(self) -> None:
-        self.cache = HeadCache()
+        self.cache = self.head.new_cache()
 
     def prefill(self, prompt_ids: torch.Tensor) -> None:
         self.reset()

@@ -20,7 +20,7 @@ from specbench.models.eagle_head import EagleHead, load_head
 from specbench.models.fast import FastLlama, unsupported
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import LoadedModel, Wanted, load_models
-from specbench.models.static import StaticLM
+from specbench.models.static import StaticHead, StaticLM
 from specbench.workloads.prompts import Prompt, Turn, some, turns_of
 
 log = logging.getLogger("specbench")
@@ -39,7 +39,7 @@ class Pair:
     width: int  # the logit width target and draft share
     prompt_tokenizer: object | None  # what encodes the prompts (models.Loaded.prompt_tokenizer)
     clock: PhaseClock | None = None  # set on a timed pair: what methods lap their own timed parts on
-    head: EagleHead | None = None  # the --speculator head, when an EAGLE method decodes here
+    head: EagleHead | StaticHead | None = None  # the --speculator head, when an EAGLE method decodes here
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -48,8 +48,8 @@ class Pair:
     def reserve(self, tokens: int) -> None:
         """Room for sequences of ``tokens`` in the caches of the models on the static path, allocated
         now, before anything is compiled against them or timed."""
-        for lm in (self.target_lm, self.draft_lm):
-            if isinstance(lm, StaticLM):
+        for lm in (self.target_lm, self.draft_lm, self.head):
+            if isinstance(lm, (StaticLM, StaticHead)):
                 lm.reserve(tokens)
 
     def without_weights(self) -> Pair:
@@ -100,9 +100,12 @@ def load_pair(wanted: Wanted, compile: bool | None = None, threads: int = 0, gra
     pair = Pair(target, None, draft, None, loaded.device, loaded.dtype, width, loaded.prompt_tokenizer)
     if not wanted.weights:  # only vLLM decodes: it loads the weights, this process needs their shapes
         return pair
-    head = load_head(loaded.speculator, target.model, compile) if loaded.speculator else None
+    # Packed products are oneDNN's, which the static path's compiler cannot take: the head packs without it.
+    head = load_head(loaded.speculator, target.model, compile and not graphs) if loaded.speculator else None
     target_lm = loop_lm(target.model, width, None, compile, graphs, target.name)
     draft_lm = loop_lm(draft.model, width, draft.head_tokens, compile, graphs, draft.name) if draft else None
+    if head is not None and isinstance(target_lm, StaticLM):  # the head's steps on the static path too
+        head = StaticHead(head, target_lm.kv.capacity)
     return replace(pair, target_lm=target_lm, draft_lm=draft_lm, head=head)
 
 

@@ -36,13 +36,16 @@ import torch
 
 from specbench.decoding.kv import StaticKV, static_mask
 from specbench.decoding.transfer import ids_to_device
-from specbench.models.fast import FastLlama
+from specbench.models.fast import FastLlama, attend
 from specbench.models.lm import HFCausalLM
 
 log = logging.getLogger("specbench")
 
 GRAPHED_UP_TO = 64  # forwards of at most this many tokens run compiled (and graphed); wider ones, prefills, run eagerly
 DEFAULT_CAPACITY = 1024  # cache positions before the run reserves its own (StaticLM.reserve)
+# A reservation is rounded up to a multiple of this: attention reads every position, so no larger than
+# that, but runs of nearly the same length compile the same graphs, which inductor's cache then serves.
+CAPACITY_STEP = 256
 
 
 @dataclass
@@ -65,6 +68,11 @@ def step(lm: StaticLM, ids, depth, tree, start, queries: list | None = None, tap
     slots = start + torch.arange(n, device=ids.device)
     mask = static_mask(start, tree, lm.kv.capacity, lm.fast.dtype)
     return lm.fast.hidden(ids, start + depth, Slots(lm.kv, slots), mask, n, queries, taps)
+
+
+def chain_tree(n: int, device) -> torch.Tensor:
+    """The tree [n, n] of a chain of ``n`` new tokens: each sees itself and those before it."""
+    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
 def tapped(lm: StaticLM, ids, depth, tree, start, layers: tuple[int, ...] | None):
@@ -91,34 +99,40 @@ def own_code(function: types.FunctionType) -> types.FunctionType:
 
 
 class Graph:
-    """One token count's forward (``run``: a compiled ``tapped``) captured as a CUDA graph over fixed
-    input buffers."""
+    """``run`` (a compiled forward of one token count) captured as a CUDA graph over fixed input
+    ``buffers``; a call copies its inputs into them (None: the buffer already holds it), replays, and
+    returns copies of the outputs (a tuple)."""
 
-    def __init__(self, lm: StaticLM, run, n: int, pool):
-        device = lm.device
-        self.ids = torch.zeros(n, dtype=torch.long, device=device)
-        self.depth = torch.arange(n, device=device)
-        self.tree = torch.ones(n, n, dtype=torch.bool, device=device).tril()
-        self.chain = True  # the buffers hold a chain's depth and tree
-        start = lm.start
+    def __init__(self, run, buffers: tuple[torch.Tensor, ...], pool):
+        self.buffers = buffers
+        device = buffers[0].device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # capture needs the kernels chosen and compiled first
             for _ in range(2):
-                run(lm, self.ids, self.depth, self.tree, start)
+                run(*buffers)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            self.out = run(lm, self.ids, self.depth, self.tree, start)
+            out = run(*buffers)
+        self.out = out if isinstance(out, tuple) else (out,)
 
-    def __call__(self, ids, depth, tree) -> tuple[torch.Tensor, torch.Tensor | None]:
-        self.ids.copy_(ids)
-        if depth is not None or not self.chain:
-            self.depth.copy_(depth if depth is not None else torch.arange(len(ids), device=ids.device))
-            self.tree.copy_(tree if tree is not None else torch.ones_like(self.tree).tril())
-            self.chain = depth is None
+    def __call__(self, *inputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+        for buffer, value in zip(self.buffers, inputs, strict=True):
+            if value is not None:
+                buffer.copy_(value)
         self.graph.replay()
         return tuple(None if out is None else out.clone() for out in self.out)  # the next replay overwrites them
+
+
+def graphed(graphs: dict, key, run, buffers, pool) -> tuple[Graph, float]:
+    """The graph under ``key`` in ``graphs``, captured now (over ``buffers``) if it is not there yet,
+    and the seconds capturing took."""
+    if key in graphs:
+        return graphs[key], 0.0
+    began = time.perf_counter()
+    graphs[key] = Graph(run, buffers, pool)
+    return graphs[key], time.perf_counter() - began
 
 
 class StaticLM(HFCausalLM):
@@ -220,9 +234,10 @@ class StaticLM(HFCausalLM):
 
     def reserve(self, tokens: int) -> None:
         """Room for sequences of ``tokens`` (the run's longest prompt, --max-new-tokens and K + 1): the
-        cache is allocated once at that size, and the forwards compiled for it, before anything is timed."""
-        tokens = min(tokens, self.window) if self.window else tokens
-        self.allocate(tokens)  # no larger than needed either: attention reads every position
+        cache is allocated once at that size (rounded up to CAPACITY_STEP, within the context window), and
+        the forwards compiled for it, before anything is timed."""
+        tokens = -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
+        self.allocate(min(tokens, self.window) if self.window else tokens)
         self.ready()
 
     @property
@@ -262,7 +277,7 @@ class StaticLM(HFCausalLM):
         depth = tree = None
         if positions is not None:  # a tree (tree_inputs): it sees the whole past, then its own ancestors
             depth = positions.to(self.device) - start
-            tree = mask[:, start:].to(self.device) if mask is not None else None
+            tree = mask[:, start:].to(self.device).contiguous() if mask is not None else None  # compiled: one layout
         hidden = self._hidden(ids, depth, tree, start)
         return self._fast_head(hidden[-last:], ids)
 
@@ -273,17 +288,23 @@ class StaticLM(HFCausalLM):
         layers = None if self._taps is None else tuple(self.feature_layers)
         forms = None if n > GRAPHED_UP_TO or self.queries is not None else self._forms(layers)
         if forms is not None and self.graphed:
-            graph = self.graphs.get((n, layers))
-            if graph is None:
-                began = time.perf_counter()
-                graph = self.graphs[n, layers] = Graph(self, forms[n > 1], n, self.pool)
-                self.capture_seconds += time.perf_counter() - began
+            chain = depth is None
+            buffers = (ids.new_zeros(n), torch.arange(n, device=self.device), chain_tree(n, self.device))
+            graph, seconds = graphed(
+                self.graphs, (n, layers), lambda *inputs: forms[n > 1](self, *inputs, self.start), buffers, self.pool
+            )
+            self.capture_seconds += seconds
+            if chain and getattr(graph, "chain", True):  # the buffers hold a chain's depth and tree already
+                depth = tree = None
+            elif chain:
+                depth, tree = torch.arange(n, device=self.device), chain_tree(n, self.device)
+            graph.chain = chain
             hidden, features = graph(ids, depth, tree)
         else:
             if depth is None:
                 depth = torch.arange(n, device=self.device)
             if tree is None:
-                tree = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
+                tree = chain_tree(n, self.device)
             if forms is None:
                 hidden, features = step(self, ids, depth, tree, self.start, self.queries, self._taps), None
             else:  # the compiled graph guards on the kind of tensor too: all made in inference mode, as the loop's
@@ -307,3 +328,158 @@ class StaticLM(HFCausalLM):
         path = list(path)
         offsets = None if path == list(range(len(path))) else ids_to_device(path, self.device)
         self.kv.keep(offsets, len(path), new)
+
+
+class StaticHeadCache:
+    """An EAGLE head's cache on the static path: a StaticKV of one layer, read as eagle_head.HeadCache
+    is (``update`` appends and returns the held keys and values, ``crop`` moves ``length``), so the
+    head's own step runs over it unchanged where the static step does not (trees)."""
+
+    def __init__(self, kv: StaticKV):
+        self.kv = kv
+
+    @property
+    def length(self) -> int:
+        return self.kv.length
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n, start = keys.shape[2], self.kv.length
+        if start + n > self.kv.capacity:
+            raise ValueError(f"the head's static cache holds {self.kv.capacity} positions: reserve more")
+        self.kv.keys[0][:, :, start : start + n] = keys
+        self.kv.values[0][:, :, start : start + n] = values
+        self.kv.length = start + n
+        return self.kv.keys[0][:, :, : start + n], self.kv.values[0][:, :, : start + n]
+
+    def crop(self, length: int) -> None:
+        self.kv.length = length
+
+
+def head_step(head, kv: StaticKV, ids, hidden, start):
+    """The EAGLE head's decoder layer over a chain of ``ids`` [n] with ``hidden`` [n, h], written at
+    slots ``start`` [1] onwards, which are also their positions (a chain's, as the drafter gives them)."""
+    n = ids.shape[0]
+    slots = start + torch.arange(n, device=ids.device)
+    mask = static_mask(start, chain_tree(n, ids.device), kv.capacity, head.dtype)[None, None]
+    grouped = head.device.type != "cuda"
+
+    def attend_static(q, k, v):
+        keys, values = kv.write(0, slots, k, v)
+        return attend(q, keys, values, mask, grouped)
+
+    return head.layer(head.embed[ids], hidden, slots, attend_static)
+
+
+def _head_one(head, kv, ids, hidden, start):  # a single pair
+    return head_step(head, kv, ids, hidden, start)
+
+
+def _head_many(head, kv, ids, hidden, start):  # 2..GRAPHED_UP_TO pairs, the count dynamic
+    return head_step(head, kv, ids, hidden, start)
+
+
+class StaticHead:
+    """An EAGLE head (models/eagle_head.EagleHead) on the static path: its cache a StaticKV allocated
+    once, its chain steps (the pending pairs it reads, each drafted token) compiled as StaticLM's are
+    and, on CUDA, replayed as CUDA graphs. Steps with a mask (trees) run the head's own step over the
+    same cache. Everything else is the head's."""
+
+    def __init__(self, head, capacity: int, compiled: bool = True):
+        self.head, self.compiling = head, compiled
+        self.graphed = compiled and head.device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.graphed else None
+        self.start = torch.zeros(1, dtype=torch.long, device=head.device)
+        self.kv, self.forms, self.graphs, self.capture_seconds, self.build_seconds = None, None, {}, 0.0, 0.0
+        self.allocate(capacity)
+
+    def forward_facts(self) -> dict:
+        """What meta.json says of the head's steps, as StaticLM.forward_facts does of a model's forward."""
+        route = "graphs" if self.graphed and self.compiling else "static-inductor" if self.compiling else "static"
+        return {
+            "route": route,
+            "build_s": self.build_seconds,
+            "graphs": sorted(self.graphs),
+            "captured": len(self.graphs),
+            "capture_s": self.capture_seconds,
+            "cache_positions": self.kv.capacity,
+            "cache_mb": 2 * self.kv.keys[0].numel() * self.kv.keys[0].element_size() / 2**20,
+        }
+
+    def __getattr__(self, name: str):  # config, fuse, draft_logits, draft_ids, embed, ...: the head's
+        return getattr(self.head, name)
+
+    def allocate(self, capacity: int) -> None:
+        if self.kv is not None and self.kv.capacity == capacity:
+            return
+        c = self.head.config
+        self.kv = StaticKV(1, c.kv_heads, c.head_dim, capacity, self.head.dtype, self.head.device)
+        self.forms, self.graphs = None, {}  # compiled for the old capacity
+
+    def reserve(self, tokens: int) -> None:
+        """Room for sequences of ``tokens``, the forwards compiled for it (before anything is timed). The
+        head holds a pair per position read and, within a round, what it drafted: a dynamic tree reads
+        up to its width times its depth, so GRAPHED_UP_TO positions more are kept."""
+        self.allocate(-(-(tokens + GRAPHED_UP_TO) // CAPACITY_STEP) * CAPACITY_STEP)
+        self.ready()
+
+    def ready(self) -> None:
+        if not self.compiling or self.forms is not None:
+            return
+        began = time.perf_counter()
+        try:
+            self.forms = self._compile()
+        finally:
+            self.build_seconds += time.perf_counter() - began
+
+    def _compile(self):
+        """The compiled steps, run once each so that compiling happens now; None, with one log line,
+        when the compiler fails (the head's own step then runs)."""
+        forms = tuple(
+            torch.compile(own_code(function), fullgraph=True, dynamic=dynamic)
+            for function, dynamic in ((_head_one, False), (_head_many, None))
+        )
+        self.start.fill_(0)
+        try:
+            with torch.inference_mode():
+                for n, run in ((1, forms[0]), (2, forms[1])):
+                    ids = torch.zeros(n, dtype=torch.long, device=self.head.device)
+                    hidden = self.head.embed.new_zeros(n, self.head.config.hidden)
+                    if n > 1:
+                        for tensor in (ids, hidden):
+                            torch._dynamo.mark_dynamic(tensor, 0, min=2, max=GRAPHED_UP_TO)
+                    run(self.head, self.kv, ids, hidden, self.start)
+        except Exception as e:  # noqa: BLE001 - whatever the compiler raises, the head's own step still runs
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            log.warning("torch.compile failed, the EAGLE head runs its steps eagerly: %s", reason)
+            self.compiling = False
+            return None
+        return forms
+
+    def new_cache(self) -> StaticHeadCache:
+        """The cache for a new sequence: the one StaticKV, emptied (one sequence at a time)."""
+        self.kv.length = 0
+        return StaticHeadCache(self.kv)
+
+    def step(self, tokens, hidden, positions, cache: StaticHeadCache, mask=None) -> torch.Tensor:
+        """EagleHead.step: without a mask (a chain, whose ``positions`` are its slots) on the static
+        step, compiled and on CUDA graphed; with one, the head's own."""
+        n, start = len(tokens), cache.length
+        self.ready()
+        if mask is not None or self.forms is None or n > GRAPHED_UP_TO:
+            return self.head.step(tokens, hidden, positions, cache, mask)
+        if start + n > self.kv.capacity:
+            raise ValueError(f"the head's static cache holds {self.kv.capacity} positions: reserve more")
+        self.start.fill_(start)
+        run = self.forms[n > 1]
+        if self.graphed:
+            buffers = (tokens.new_zeros(n), hidden.new_zeros(hidden.shape))
+            graph, seconds = graphed(
+                self.graphs, n, lambda *inputs: run(self.head, self.kv, *inputs, self.start), buffers, self.pool
+            )
+            self.capture_seconds += seconds
+            (out,) = graph(tokens, hidden)
+        else:
+            tokens, hidden = (t if t.is_inference() else t.clone() for t in (tokens, hidden))
+            out = run(self.head, self.kv, tokens, hidden, self.start)
+        self.kv.length = start + n
+        return out

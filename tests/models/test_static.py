@@ -20,7 +20,7 @@ from specbench.models.fast import FastLlama
 from specbench.models.lm import HFCausalLM, SparseView
 from specbench.models.load import Wanted
 from specbench.models.pair import default_graphs, load_pair, loop_lm
-from specbench.models.static import StaticLM
+from specbench.models.static import StaticHead, StaticLM
 
 from ..helpers import LawLM, tiny_law_model
 from ..toy import P_FLOOR, speculative_law_p
@@ -300,3 +300,58 @@ def test_an_eagle_targets_features_come_from_the_compiled_path(tmp_path, monkeyp
     target.record_features(head.config.taps)
     drafter = EagleDrafter(head, target, 3, GREEDY, generator)
     assert speculative_decode(target, drafter, prompt, 3, 30, GREEDY, generator).tokens == want
+
+
+# ---------------------------------------------------------------- the EAGLE head's steps
+
+
+def static_eagle(tmp_path, seed: int = 3, compiled: bool = True):
+    """A compiled static law target, an EAGLE head for it (taps 0, 1 and its final states, two of
+    three ids), and that head on the static path."""
+    from specbench.models.eagle_head import read_head
+
+    from ..helpers import build_eagle3_head
+
+    target = StaticLawLM(attentive(tiny_law_model(1, tmp_path)))
+    config = target.model.config
+    path = build_eagle3_head(tmp_path / f"head{seed}", config, taps=(0, 1, 2), draft_ids=[0, 2], seed=seed, scale=1.0)
+    embed = target.model.get_input_embeddings().weight
+    head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
+    static_head = StaticHead(head, 64, compiled=compiled)
+    target.reserve(64)
+    static_head.reserve(64)
+    target.record_features(head.config.taps)
+    return target, head, static_head
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [{}, {"shape": (2, 1)}, {"dynamic": (3, 2)}], ids=["chain", "tree", "dynamic"])
+def test_the_static_head_drafts_as_the_head_itself(tmp_path, monkeypatch, one_thread, shape):
+    # The same drafts, round for round, so the same accepted counts: chains through the compiled steps,
+    # trees through the head's own step over the static cache.
+    from specbench.drafters.eagle import EagleDrafter
+
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    target, head, static_head = static_eagle(tmp_path)
+    assert static_head.forward_facts()["route"] == "static-inductor" and static_head.forms is not None
+    runs = []
+    for drafting in (head, static_head):
+        generator = torch.Generator().manual_seed(0)
+        counts = []
+        for prompt in ([0, 2], [1, 1, 0], [2, 0, 1, 1, 2]):
+            drafter = EagleDrafter(drafting, target, 3, GREEDY, generator, **shape)
+            result = speculative_decode(target, drafter, torch.tensor(prompt), 3, 24, GREEDY, generator)
+            counts.append((result.tokens, result.accept_counts))
+        runs.append(counts)
+    assert runs[0] == runs[1]
+    assert 0 < sum(sum(accepts) for _, accepts in runs[1])
+
+
+@pytest.mark.slow
+def test_eagle_on_the_static_path_gives_the_target_law(tmp_path, one_thread):
+    from specbench.drafters.eagle import EagleDrafter
+
+    target, _, static_head = static_eagle(tmp_path)
+    cfg, generator = Sampling(temperature=1.0), torch.Generator().manual_seed(0)
+    drafter = EagleDrafter(static_head, target, 3, cfg, generator)
+    assert speculative_law_p(target, drafter, 3, cfg, generator) > P_FLOOR
