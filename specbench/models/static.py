@@ -28,7 +28,7 @@ import functools
 import logging
 import time
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -96,6 +96,31 @@ def own_code(function: types.FunctionType) -> types.FunctionType:
     object, so two models of different shapes (a target and its draft, a Llama and a Qwen3 in one
     process) compiling one function would each recompile the other's graph."""
     return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
+
+
+def compile_forms(one, many, inputs: Callable[[int], list[tuple[torch.Tensor, list[int]]]], run, what: str):
+    """``one`` (a single token, every shape static) and ``many`` (2..GRAPHED_UP_TO tokens, the count
+    dynamic) compiled, each under its own code object, and run once through ``run(form, *tensors)`` on
+    ``inputs(n)`` (each tensor with its token-count dimensions) so that compiling happens now. None,
+    with one log line ("torch.compile failed, ``what`` eagerly: ...") when the compiler fails (no Triton, no C
+    compiler: torch.compile fails at the first call)."""
+    forms = (
+        torch.compile(own_code(one), fullgraph=True, dynamic=False),
+        torch.compile(own_code(many), fullgraph=True),  # only the dimensions marked below are dynamic
+    )
+    try:
+        with torch.inference_mode():
+            for n, form in ((1, forms[0]), (2, forms[1])):
+                tensors = inputs(n)
+                if n > 1:
+                    for tensor, dims in tensors:
+                        torch._dynamo.mark_dynamic(tensor, dims, min=2, max=GRAPHED_UP_TO)
+                run(form, *(tensor for tensor, _ in tensors))
+    except Exception as e:  # noqa: BLE001 - whatever the compiler raises, the eager path still runs
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        log.warning("torch.compile failed, %s eagerly: %s", what, reason)
+        return None
+    return forms
 
 
 class Graph:
@@ -179,30 +204,24 @@ class StaticLM(HFCausalLM):
         return self.compiled[layers]
 
     def _compile(self, layers: tuple[int, ...] | None):
-        """The forwards compiled, each a ``tapped`` of its own code object with ``layers`` bound, and run
-        once so that compiling happens now; None, with one log line, when the compiler fails. The
-        cache's capacity is part of what they compile (the mask's width)."""
-        forms = tuple(
-            functools.partial(torch.compile(own_code(function), fullgraph=True, dynamic=dynamic), layers=layers)
-            for function, dynamic in ((_one, False), (_many, None))  # _many: the token count marked dynamic below
-        )
+        """The forwards (compile_forms) of ``tapped`` with ``layers`` bound. The cache's capacity is part
+        of what they compile (the mask's width)."""
+        device = self.device
+
+        def inputs(n: int):
+            ids, depth = torch.zeros(n, dtype=torch.long, device=device), torch.arange(n, device=device)
+            return [(ids, [0]), (depth, [0]), (chain_tree(n, device), [0, 1])]
+
         # The warm-up forwards write two slots from here: past every position the cache holds.
         self.start.fill_(min(self.kv.length, self.kv.capacity - 2))
-        try:
-            with torch.inference_mode():
-                for n, run in ((1, forms[0]), (2, forms[1])):
-                    ids = torch.zeros(n, dtype=torch.long, device=self.device)
-                    depth = torch.arange(n, device=self.device)
-                    tree = torch.ones(n, n, dtype=torch.bool, device=self.device).tril()
-                    if n > 1:
-                        for tensor, dims in ((ids, [0]), (depth, [0]), (tree, [0, 1])):
-                            torch._dynamo.mark_dynamic(tensor, dims, min=2, max=GRAPHED_UP_TO)
-                    run(self, ids, depth, tree, self.start)
-        except Exception as e:  # noqa: BLE001 - whatever the compiler raises, the eager path still runs
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            log.warning("torch.compile failed, the static path runs its forwards eagerly: %s", reason)
-            return None
-        return forms
+        forms = compile_forms(
+            _one,
+            _many,
+            inputs,
+            lambda form, *t: form(self, *t, self.start, layers=layers),
+            "the static path runs its forwards",
+        )
+        return None if forms is None else tuple(functools.partial(form, layers=layers) for form in forms)
 
     def refresh(self, more_tokens: torch.Tensor) -> None:
         super().refresh(more_tokens)
@@ -432,27 +451,22 @@ class StaticHead:
             self.build_seconds += time.perf_counter() - began
 
     def _compile(self):
-        """The compiled steps, run once each so that compiling happens now; None, with one log line,
-        when the compiler fails (the head's own step then runs)."""
-        forms = tuple(
-            torch.compile(own_code(function), fullgraph=True, dynamic=dynamic)
-            for function, dynamic in ((_head_one, False), (_head_many, None))
-        )
+        """The chain steps compiled (compile_forms); None when the compiler fails."""
+        head = self.head
+
+        def inputs(n: int):
+            ids = torch.zeros(n, dtype=torch.long, device=head.device)
+            return [(ids, [0]), (head.embed.new_zeros(n, head.config.hidden), [0])]
+
         self.start.fill_(0)
-        try:
-            with torch.inference_mode():
-                for n, run in ((1, forms[0]), (2, forms[1])):
-                    ids = torch.zeros(n, dtype=torch.long, device=self.head.device)
-                    hidden = self.head.embed.new_zeros(n, self.head.config.hidden)
-                    if n > 1:
-                        for tensor in (ids, hidden):
-                            torch._dynamo.mark_dynamic(tensor, 0, min=2, max=GRAPHED_UP_TO)
-                    run(self.head, self.kv, ids, hidden, self.start)
-        except Exception as e:  # noqa: BLE001 - whatever the compiler raises, the head's own step still runs
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-            log.warning("torch.compile failed, the EAGLE head runs its steps eagerly: %s", reason)
-            self.compiling = False
-            return None
+        forms = compile_forms(
+            _head_one,
+            _head_many,
+            inputs,
+            lambda form, *t: form(head, self.kv, *t, self.start),
+            "the EAGLE head runs its steps",
+        )
+        self.compiling = forms is not None
         return forms
 
     def new_cache(self) -> StaticHeadCache:

@@ -161,6 +161,26 @@ def test_a_sparse_view_of_a_static_target_drafts_as_one_of_a_growing_cache(polic
     torch.testing.assert_close(views[1], views[0], rtol=1e-5, atol=1e-5)
 
 
+def test_a_compiler_that_fails_leaves_the_static_path_eager_with_one_log_line(monkeypatch, caplog):
+    def compile_without_a_compiler(function, **_):
+        def fails(*args, **kwargs):
+            raise RuntimeError("Cannot find a working triton installation\nmore detail")
+
+        return fails
+
+    monkeypatch.setattr(torch, "compile", compile_without_a_compiler)
+    model = llama(0)
+    lm = static(model, compiled=True)
+    with caplog.at_level(logging.WARNING, logger="specbench"):
+        lm.reserve(64)
+    assert lm.route == "static" and lm.compiled is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "torch.compile failed, the static path runs its forwards eagerly: Cannot find a working triton installation"
+    ]
+    for g, w in zip(scores(lm), scores(HFCausalLM(model, model.config.vocab_size)), strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_static_kv_keeps_a_paths_entries_in_order():
     kv = StaticKV(layers=1, kv_heads=1, head_dim=2, capacity=8, dtype=torch.float32, device=CPU)
     kv.keys[0][0, 0, :, 0] = torch.arange(8.0)
