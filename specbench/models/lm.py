@@ -9,6 +9,7 @@ from functools import cache
 
 import torch
 
+from specbench.decoding.decode import cache_keyword
 from specbench.decoding.kv import GrowingKV, Window, retrieval_positions
 from specbench.decoding.transfer import ids_to_device
 from specbench.models.fast import FastLlama, unsupported
@@ -130,7 +131,7 @@ class HFCausalLM:
 
     def _inputs(self, token_ids: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None) -> dict:
         """Keyword arguments of the model call; without positions and mask, exactly the linear decode's."""
-        inputs = {"input_ids": token_ids.view(1, -1), "past_key_values": self.cache, "use_cache": True}
+        inputs = {"input_ids": token_ids.view(1, -1), cache_keyword(type(self.model)): self.cache, "use_cache": True}
         if positions is None and mask is None:
             return inputs
         n, past = token_ids.shape[0], self.cache.get_seq_length()

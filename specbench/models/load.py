@@ -454,10 +454,11 @@ def random_weights_dtype(wanted: Wanted, device: torch.device) -> torch.dtype:
 
 
 def tokenizer_in(directory: Path):
-    """The tokenizer saved in ``directory``, or None when it holds none."""
+    """The tokenizer saved in ``directory``, or None when it holds none (transformers 5.0 then tries a
+    slow tokenizer from the config alone, and raises ImportError where sentencepiece's needs are missing)."""
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(directory)
-    except (OSError, ValueError):
+    except (OSError, ValueError, ImportError):
         return None

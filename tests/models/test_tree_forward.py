@@ -229,6 +229,9 @@ def test_a_mask_of_the_wrong_shape_is_refused(target_lm):
 def test_grouped_attention_on_cpu_changes_no_logit(tiny_pair, monkeypatch, mask):
     # load() sets TRANSFORMERS_SDPA_FORCE_GQA on CPU so verification skips the copy of repeated
     # key/value heads; the scores of a multi-token forward (causal or tree-masked) must not move.
+    # transformers reads the variable from 5.23 on: before, the copies stay (pyproject allows 5.0).
+    import transformers
+    from packaging.version import Version
     from transformers.integrations import sdpa_attention
 
     from specbench.models.load import GROUPED_SDPA
@@ -251,7 +254,8 @@ def test_grouped_attention_on_cpu_changes_no_logit(tiny_pair, monkeypatch, mask)
             lm.forward(prefix)
             scores[grouped] = lm.forward(torch.tensor(nodes), last=4)
         copied[grouped] = len(copies)
-    assert copied["0"] > 0 and copied["1"] == 0  # the setting removes the copies...
+    honoured = Version(transformers.__version__) >= Version("5.23")
+    assert copied["0"] > 0 and copied["1"] == (0 if honoured else copied["0"])  # the setting removes the copies...
     assert torch.equal(scores["0"], scores["1"])  # ...and nothing else
 
 
