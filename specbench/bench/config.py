@@ -14,15 +14,11 @@ from typing import TYPE_CHECKING
 
 from specbench.core.errors import SpecbenchError
 from specbench.core.options import (
-    CONFIDENCE,
     ENGINE,
-    ENGINE_PANEL,
     FIXED,
     LLAMA,
-    LLAMA_PANEL,
     RUN,
     SERVER,
-    SERVER_PANEL,
     SINKS,
     Option,
 )
@@ -42,7 +38,7 @@ from specbench.methods.served import (
     served_names,
 )
 from specbench.models.names import default_speculator, resolve
-from specbench.workloads.prompts import LONG_DATASETS
+from specbench.workloads.prompts import LONG_DATASETS, dataset_kind, datasets_of
 
 # A configuration is built and checked without torch (the command line refuses bad options in well
 # under a second): what decodes is imported by the properties that describe it.
@@ -65,9 +61,68 @@ def declared() -> dict[str, Option]:
 
 OPTIONS = declared()
 
+
+def readers() -> dict[str, tuple[str, ...]]:
+    """Who reads each option that not every run reads, as parts of a run (KIND:VALUE, as Option.read_by
+    names them): its declaration's ``read_by``, and for a method's own option the methods that list it (and
+    --speculator, the methods that need an EAGLE head)."""
+    found = {name: list(option.read_by) for name, option in OPTIONS.items() if option.read_by}
+    for method in [*METHODS.values(), *SERVED.values()]:
+        for name in [o.name for o in method.options] + (["speculator"] if method.needs_speculator else []):
+            found.setdefault(name, []).append(f"method:{method.name}")
+    return {name: tuple(dict.fromkeys(parts)) for name, parts in found.items()}
+
+
+READERS = readers()
+RUN_NAMES = ("run", "sweep-k", "sweep-context")  # the commands that are `run` (options.RUN_COMMAND)
+
+
+def _either(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def shown(kind: str, values: list[str]) -> str:
+    """Parts of a run of one kind as a refusal names them: --engine vllm or server, --dataset longcode."""
+    if kind == "dataset":
+        return "--dataset " + _either([name for value in values for name in datasets_of(value)])
+    if kind == "command":
+        commands = [name for value in values for name in (RUN_NAMES if value == "run" else [value])]
+        return "specbench " + _either(commands)
+    if kind == "weights":
+        return _either(["--random-weights" if value == "random" else "checkpoint weights" for value in values])
+    return f"--{kind} " + _either(values)
+
+
+def readers_by_kind(name: str) -> dict[str, list[str]]:
+    """The readers of option ``name`` by kind: {"engine": ["server", "llama-cpp"]} (empty: every run)."""
+    by_kind: dict[str, list[str]] = {}
+    for reader in READERS.get(name, ()):
+        kind, _, value = reader.partition(":")
+        by_kind.setdefault(kind, []).append(value)
+    return by_kind
+
+
+def read_by(name: str) -> str:
+    """Who reads option ``name``, as docs/options.md says it (empty: every run)."""
+    return "; by ".join(shown(kind, values) for kind, values in readers_by_kind(name).items())
+
+
+def fix(kind: str, values: list[str], own: list[str], flag: str) -> str:
+    """What a refusal of ``flag``, read only by ``values`` of ``kind`` (the run has ``own``), says to do."""
+    if kind == "command":
+        return f"drop {flag} (the audit times nothing, and decodes at its own --setting, --greedy-tokens and --length)"
+    if kind == "dataset" and "workload" in values and "file" not in values:  # --dataset-path
+        return f"drop {flag}" if own == ["file"] else f"a file of your own is --dataset FILE; or drop {flag}"
+    add = {
+        "method": "add one of them with --method",
+        "engine": f"add --engine {values[0]}",
+        "dataset": "choose one of those",
+        "weights": "add --random-weights",
+    }.get(kind, f"add it with --{kind}")
+    return f"{add}, or drop {flag}"
+
+
 LAUNCHED = (SERVER_BASELINE, SERVER_DRAFT)  # --launch names that are not speculating servers
-# The server options --engine llama-cpp takes too (it speaks to the servers it starts as to any).
-LLAMA_TAKES = ("api", "request_timeout")
 
 # The shortest --context-tokens of a long dataset. Those datasets measure long prompts, where the
 # methods that draft over part of the cache differ from the others; every such view keeps at least
@@ -361,25 +416,43 @@ class BenchConfig:
 
         return Settings(self.max_new_tokens, self.sampling, self.options_of(method))
 
-    def refuse_unused_options(self) -> None:
-        """A method's own option set away from its default while none of the methods that read it runs
-        would be ignored without a word (--kv-budget 64 with speculative alone): refuse it, naming them."""
-        owners: dict[str, list[str]] = {}
-        for method in [*METHODS.values(), *SERVED.values()]:
-            for option in method.options:
-                owners.setdefault(option.name, []).append(method.name)
-            if method.needs_speculator:
-                owners.setdefault("speculator", []).append(method.name)
-        for name, methods in owners.items():
-            option = OPTIONS[name]
-            if getattr(self, name) != option.default and not set(methods) & set(self.methods):
-                users = " or ".join(dict.fromkeys(methods))
-                raise SpecbenchError(
-                    f"{option.flag} is read only by --method {users}, which this run does not run: "
-                    f"add it with --method, or drop {option.flag}"
-                )
+    def parts(self, command: str = "run") -> dict[str, list[str]]:
+        """What this run is, by kind, as options name their readers (Option.read_by): the command
+        (run stands for sweep-k and sweep-context too), the kind of its dataset, its weights, and its
+        engines, methods and --k-policy values."""
+        return {
+            "command": [command],
+            "dataset": [dataset_kind(self.dataset)],
+            "weights": ["random" if self.random_weights else "checkpoint"],
+            "engine": list(self.engines),
+            "method": list(self.methods),
+            "k-policy": list(self.k_policies),
+        }
 
-    def validate(self) -> None:
+    def unread(self, name: str, command: str = "run") -> str | None:
+        """Why this run (of ``command``) does not read option ``name``, as its refusal says it; None when
+        it reads it: for each kind of part among the option's readers, the run has one of them."""
+        parts, option = self.parts(command), OPTIONS[name]
+        for kind, values in readers_by_kind(name).items():
+            own = parts[kind]
+            if not set(values) & set(own):
+                this = f"--dataset {self.dataset}" if kind == "dataset" else shown(kind, own)
+                given = getattr(self, name)
+                flag = f"--no-{option.flag[2:]}" if option.is_flag and given is False else option.flag
+                return f"{flag} is read only by {shown(kind, values)}, not by {this}: {fix(kind, values, own, flag)}"
+        return None
+
+    def refuse_unread_options(self, command: str = "run") -> None:
+        """An option set away from its default in a run that does not read it would be ignored without a
+        word (--dataset-path with --dataset humaneval, --kv-budget with speculative alone, --tensor-parallel-size
+        without vLLM): refuse it, naming who reads it. Each option says who reads it (Option.read_by)."""
+        for name in READERS:
+            if getattr(self, name) != OPTIONS[name].default and (why := self.unread(name, command)) is not None:
+                raise SpecbenchError(why)
+
+    def validate(self, command: str = "run") -> None:
+        """Refuse what this configuration cannot run, each in one line, before anything loads; ``command``
+        is the one it runs under (run, for sweep-k and sweep-context too; audit)."""
         if "llama-cpp" in self.engines:
             self.validate_llama_cpp()
         elif unknown := [name for name in self.methods if name not in METHODS and name not in SERVED]:
@@ -392,7 +465,7 @@ class BenchConfig:
         for name in self.methods:  # a method's rules that tie its own options to the others
             if name in METHODS:
                 METHODS[name].check_options(self)
-        self.refuse_unused_options()
+        self.refuse_unread_options(command)
         if "llama-cpp" in self.engines:
             heads = [decoder.method.name for decoder in self.served_plan if decoder.method.needs_speculator]
         else:
@@ -409,21 +482,12 @@ class BenchConfig:
         long = self.dataset in LONG_DATASETS
         problems = [
             (
-                self.prompt_tokens > 0 and not self.random_weights,
-                "--prompt-tokens sets the length of random prompts: use it with --random-weights",
-            ),
-            (
                 self.device_map is not None and self.random_weights,
                 "--device-map places a checkpoint's weights as it loads them: with --random-weights use --device",
             ),
             (
-                long and bool(self.categories or self.per_category or self.max_turns or self.dataset_path),
-                f"--dataset {' / '.join(LONG_DATASETS)} is made on this machine, one turn per prompt and no category: "
-                "drop --category, --per-category, --max-turns and --dataset-path",
-            ),
-            (
-                bool(self.context_tokens) != long,
-                f"--dataset {' / '.join(LONG_DATASETS)} takes its prompt length from --context-tokens N, and only it",
+                long and not self.context_tokens,
+                f"--dataset {' / '.join(LONG_DATASETS)} takes its prompt length from --context-tokens N",
             ),
             (
                 long and 0 < self.context_tokens < MIN_CONTEXT,
@@ -434,10 +498,6 @@ class BenchConfig:
             (
                 self.random_weights and self.learns,
                 "--method online learns from the target's rows, which mean nothing with --random-weights: drop one",
-            ),
-            (
-                self.draft_p_min != OPTIONS["draft_p_min"].default and CONFIDENCE not in self.k_policies,
-                "--draft-p-min is where --k-policy confidence stops a round: add that policy or drop --draft-p-min",
             ),
         ]
         for bad, message in problems:
@@ -501,19 +561,6 @@ class BenchConfig:
             )
         if "torch" in self.engines and self.request_rate != OPTIONS["request_rate"].default:
             raise SpecbenchError("--request-rate sends requests to a serving engine: add --engine vllm or server")
-        shared = ("engines", "concurrency", "request_rate", *(LLAMA_TAKES if llama else ()))
-        for panel, who, needed, engine in (
-            (ENGINE_PANEL, "the vLLM engine", vllm, "vllm"),
-            (SERVER_PANEL, "servers", "server" in self.engines, "server"),
-            (LLAMA_PANEL, "llama.cpp", llama, "llama-cpp"),
-        ):
-            given = [
-                o.flag
-                for o in OPTIONS.values()
-                if o.panel == panel and o.name not in shared and getattr(self, o.name) != o.default
-            ]  # fmt: skip
-            if given and not needed:
-                raise SpecbenchError(f"{', '.join(given)} set(s) {who}: add --engine {engine}")
         if not (vllm or server):
             return
         prompts = self.num_prompts or (None if self.per_category else 10)  # --per-category: known once read

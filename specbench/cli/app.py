@@ -209,9 +209,9 @@ def run(out: Path | None = None, resume: bool = False, wide: bool = False, ctx=N
         )
     lengths = values["context_tokens"] if isinstance(values["context_tokens"], list) else [values["context_tokens"]]
     values["context_tokens"] = lengths[0] if len(lengths) == 1 else 0  # a sweep sets each length in turn
-    if values["random_weights"] and not values["assume_alpha"]:
-        values["assume_alpha"] = list(ASSUMED_ALPHAS)
     cfg = BenchConfig(**values)
+    if cfg.random_weights and not cfg.assume_alpha and cfg.unread("assume_alpha") is None:
+        cfg.assume_alpha = list(ASSUMED_ALPHAS)  # random weights' default, where the run reads it
     if resume and out is None:
         raise SpecbenchError("--resume needs --out DIR: the run directory to continue")
     for length in lengths:  # bad options are refused here, before torch loads (benchmark checks them again)
@@ -287,7 +287,7 @@ def audit_command(out: Path | None = None, **given) -> None:
     reference, with a control arm and the TV it could detect). Exit 0 when every subject passes, 1 when
     one fails, 2 on bad input, 3 when one could not be judged (not exercised, inconclusive, underpowered)."""
     cfg = BenchConfig(**{name: OPTIONS[name].value(text) for name, text in given.items() if name in OPTIONS})
-    cfg.validate()
+    cfg.validate("audit")
     _setup_logging()
     from specbench.audit.run import audit, plan_of
     from specbench.audit.verdicts import FAIL, NOT_APPLICABLE, PASS

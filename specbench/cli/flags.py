@@ -111,13 +111,16 @@ def panel_of(option: Option) -> str:
 def reference(options, audit_options) -> str:
     """docs/options.md: the options of `run` (``options``) and then `audit`'s own (``audit_options``) in
     --help's panels, each with its value, default and help."""
+    from specbench.bench.config import read_by
+
     outputs = [(p.name, p.annotation.__metadata__[0]) for p in (RUN_OUT, RESUME, WIDE)]
     rows: dict[str, list[str]] = {}
     for option in [*options, *audit_options]:
         default = ", ".join(map(str, option.default)) if isinstance(option.default, list) else option.default
         shown = "" if default in (None, "") else f"`{default}`"  # a list's is joined: empty when it is
         value = "" if option.is_flag else f"`{metavar(option)}`"
-        text = help_of(option).replace("|", "\\|")
+        readers = read_by(option.name) if option not in audit_options else ""
+        text = (help_of(option) + (f" Read only by {readers}." if readers else "")).replace("|", "\\|")
         rows.setdefault(panel_of(option), []).append(f"| `{option.flag}` | {value} | {shown} | {text} |")
     for name, info in outputs:
         rows.setdefault(OUTPUT_PANEL, []).append(f"| `--{name}` | | | {info.help} |")
@@ -128,6 +131,10 @@ def reference(options, audit_options) -> str:
         "same options with other defaults (their `--help` says which); `specbench audit` takes them too, and the",
         "audit's own panel last. This page is written from the declarations (core/options.py and each method's in",
         "methods/registry.py) by `python -m specbench.cli.flags`; a test fails while it differs from them.",
+        "",
+        'An option that only some runs read says which ("Read only by"): the dataset, engine, method or command',
+        "that reads it. Set for a run that has none of them, it is refused in one line before anything loads, as",
+        "it would otherwise be ignored without a word (`--dataset-path` with `--dataset humaneval`).",
     ]
     for panel, panel_rows in rows.items():
         lines += [

@@ -60,7 +60,9 @@ class Option:
     the value (lists) or ``repeat`` collects a repeatable flag. ``choices`` are shown in --help and
     enforced, ``low`` is an inclusive minimum (of every element of a list), ``check`` any other rule
     with ``problem`` the error it gives. ``recorded`` options of a method go into its summary's
-    ``options`` column.
+    ``options`` column. ``read_by`` says which parts of a run read it (bench/config.py: READERS): none
+    of them, of any one kind, refuses it set away from its default; a method's own options are read
+    by the methods that list them.
     """
 
     name: str
@@ -77,6 +79,7 @@ class Option:
     kind: type = str  # the type of an option whose default is None, or of a list's elements when it is empty
     recorded: bool = True
     panel: str = ""  # the --help section it is listed in (empty: the general options, or its method's)
+    read_by: tuple[str, ...] = ()  # the parts of a run that read it, KIND:VALUE (empty: every run)
 
     @property
     def flag(self) -> str:
@@ -163,6 +166,18 @@ FIXED, HEURISTIC, CONFIDENCE = "fixed", "heuristic", "confidence"
 K_POLICIES = (FIXED, HEURISTIC, CONFIDENCE)
 
 
+# Who reads an option (Option.read_by): parts of a run, KIND:VALUE; bench/config.py says which parts a run
+# has. An option is read when the run has, for each kind among its readers, one of them: --engine-args only
+# by --engine vllm, --repeats only by specbench's loop (--engine torch) in a run (the audit times nothing).
+TORCH, VLLM, SERVER_ENGINE, LLAMA_CPP = "engine:torch", "engine:vllm", "engine:server", "engine:llama-cpp"
+# --dataset: a local file; a named workload read from its file (spec-bench, mt-bench, speed-bench, sharegpt);
+# a built-in set of single prompts (humaneval, xsum, pydoc); a long dataset made here (longcode).
+FILE, WORKLOAD, BUILT_IN, LONG = "dataset:file", "dataset:workload", "dataset:built-in", "dataset:long"
+FILES = (WORKLOAD, FILE)  # the datasets read from a file: conversations, with categories
+RUN_COMMAND = "command:run"  # run, sweep-k and sweep-context; not the audit, which decodes at its own settings
+RANDOM_WEIGHTS = "weights:random"
+CONFIDENCE_POLICY = f"k-policy:{CONFIDENCE}"
+
 # --help's panels of the run's options, by purpose (the engines', the audit's and each method's follow).
 COMPARE_PANEL = "What to compare: methods, models, the lookahead K"
 WORKLOAD_PANEL = "Workload: the prompts"
@@ -213,6 +228,7 @@ RUN: tuple[Option, ...] = (
         "probability (its warped distribution under sampling, the softmax of its logits under greedy).",
         check=lambda p: 0 < p <= 1,
         problem="--draft-p-min must be in (0, 1]",
+        read_by=(CONFIDENCE_POLICY,),
         panel=COMPARE_PANEL,
     ),
     Option(
@@ -228,12 +244,14 @@ RUN: tuple[Option, ...] = (
         None,
         "The file of a named workload (spec-bench, mt-bench, speed-bench, sharegpt) when it is not in its default "
         "place, ~/.cache/specbench/datasets/NAME/.",
+        read_by=(WORKLOAD,),
         panel=WORKLOAD_PANEL,
     ),
     Option(
         "prompt_field",
         "prompt",
         "Field holding the prompt in a local dataset file of single prompts.",
+        read_by=FILES,
         panel=WORKLOAD_PANEL,
     ),
     Option(
@@ -251,6 +269,7 @@ RUN: tuple[Option, ...] = (
         "Only prompts of these categories, repeatable or comma-separated (an unknown one lists the dataset's).",
         flags=("--category",),
         repeat=names_given,
+        read_by=FILES,
         panel=WORKLOAD_PANEL,
     ),
     Option(
@@ -259,6 +278,7 @@ RUN: tuple[Option, ...] = (
         "Draw this many prompts of each category, seeded by --seed, so that a short run covers every category (0: off).",
         low=0,
         problem="--per-category must be >= 0 (0 turns it off)",
+        read_by=FILES,
         panel=WORKLOAD_PANEL,
     ),
     Option(
@@ -267,6 +287,7 @@ RUN: tuple[Option, ...] = (
         "Decode at most this many user turns of each conversation (0: all); each turn is a row of its own.",
         low=0,
         problem="--max-turns must be >= 0 (0: every turn)",
+        read_by=(*FILES, RUN_COMMAND),
         panel=WORKLOAD_PANEL,
     ),
     Option(
@@ -276,10 +297,16 @@ RUN: tuple[Option, ...] = (
         "turn (of a conversation) or input_length (SPEED-Bench's configured length, else the prompt's length rounded "
         "up to a power of two).",
         choices=("category", "sub_category", "turn", "input_length"),
+        read_by=(RUN_COMMAND,),
         panel=WORKLOAD_PANEL,
     ),
     Option(
-        "max_new_tokens", 64, "Tokens to generate per prompt (decoding also stops at EOS).", low=1, panel=DECODING_PANEL
+        "max_new_tokens",
+        64,
+        "Tokens to generate per prompt (decoding also stops at EOS).",
+        low=1,
+        read_by=(RUN_COMMAND,),
+        panel=DECODING_PANEL,
     ),
     Option(
         "temperature",
@@ -287,6 +314,7 @@ RUN: tuple[Option, ...] = (
         "0 = greedy (exact argmax); > 0 samples.",
         low=0,
         problem="--temperature must be >= 0 (0 means greedy)",
+        read_by=(RUN_COMMAND,),
         panel=DECODING_PANEL,
     ),
     Option(
@@ -295,6 +323,7 @@ RUN: tuple[Option, ...] = (
         "Keep the k most likely tokens (0 = off).",
         low=0,
         problem="--top-k must be >= 0 (0 turns it off)",
+        read_by=(RUN_COMMAND,),
         panel=DECODING_PANEL,
     ),
     Option(
@@ -303,6 +332,7 @@ RUN: tuple[Option, ...] = (
         "Nucleus sampling mass (1.0 = off).",
         check=lambda p: 0 < p <= 1,
         problem="--top-p must be in (0, 1]",
+        read_by=(RUN_COMMAND,),
         panel=DECODING_PANEL,
     ),
     Option(
@@ -311,6 +341,7 @@ RUN: tuple[Option, ...] = (
         "Eta sampling's epsilon, applied to target and draft alike after top-k and top-p (0 = off).",
         check=lambda e: 0 <= e < 1,
         problem="--eta must be in [0, 1) (0 turns it off)",
+        read_by=(RUN_COMMAND,),
         panel=DECODING_PANEL,
     ),
     Option(
@@ -351,9 +382,30 @@ RUN: tuple[Option, ...] = (
         choices=("auto", "float32", "bfloat16", "float16"),
         panel=DECODING_PANEL,
     ),
-    Option("repeats", 1, "Timed repeats per prompt and method; the median is kept.", low=1, panel=TIMING_PANEL),
-    Option("warmup", 1, "Untimed warm-up passes over the first prompt before timing.", low=0, panel=TIMING_PANEL),
-    Option("cost_repeats", 10, "Repeats per forward-cost measurement (c, verify_ratio).", low=1, panel=TIMING_PANEL),
+    Option(
+        "repeats",
+        1,
+        "Timed repeats per prompt and method; the median is kept.",
+        low=1,
+        read_by=(TORCH, RUN_COMMAND),
+        panel=TIMING_PANEL,
+    ),
+    Option(
+        "warmup",
+        1,
+        "Untimed warm-up passes over the first prompt before timing.",
+        low=0,
+        read_by=(RUN_COMMAND,),
+        panel=TIMING_PANEL,
+    ),
+    Option(
+        "cost_repeats",
+        10,
+        "Repeats per forward-cost measurement (c, verify_ratio).",
+        low=1,
+        read_by=(TORCH, RUN_COMMAND),
+        panel=TIMING_PANEL,
+    ),
     Option(
         "threads",
         0,
@@ -373,6 +425,7 @@ RUN: tuple[Option, ...] = (
         check=lambda text: text == "" or len([part for part in text.split(",") if part.strip()]) == 2,
         problem="--thinking-markers takes two tokens, OPEN,CLOSE (e.g. '<think>,</think>'), or '' for no split",
         metavar="OPEN,CLOSE",
+        read_by=(RUN_COMMAND,),
         panel=WORKLOAD_PANEL,
     ),
     Option(
@@ -395,6 +448,7 @@ RUN: tuple[Option, ...] = (
         "With --random-weights: random prompts of this many tokens (0: the dataset's lengths).",
         low=0,
         problem="--prompt-tokens must be >= 0 (0: the dataset's prompt lengths)",
+        read_by=(RANDOM_WEIGHTS,),
         panel=WORKLOAD_PANEL,
     ),
     Option(
@@ -406,6 +460,7 @@ RUN: tuple[Option, ...] = (
         kind=float,
         check=lambda alphas: all(0 <= a < 1 for a in alphas),
         problem="--assume-alpha values must lie in [0, 1)",
+        read_by=(TORCH, RUN_COMMAND),
         panel=TIMING_PANEL,
     ),
     Option(
@@ -414,6 +469,7 @@ RUN: tuple[Option, ...] = (
         "Spread the target over the GPUs with accelerate: auto, balanced, balanced_low_0 or sequential "
         "(empty: all on --device). The map goes into meta.json.",
         choices=("auto", "balanced", "balanced_low_0", "sequential"),
+        read_by=(TORCH,),
         panel=DECODING_PANEL,
     ),
     Option(
@@ -423,6 +479,7 @@ RUN: tuple[Option, ...] = (
         "list runs once per length into OUT/context-N/ and writes context.csv, crossover.json and context.png.",
         parse=int_list,
         low=0,
+        read_by=(LONG,),
         panel=WORKLOAD_PANEL,
     ),
     Option(
@@ -433,6 +490,7 @@ RUN: tuple[Option, ...] = (
         "torch.compile. --no-compile runs transformers' eager forward (and turns CUDA's --graphs default off). Default: "
         "on for a CPU; on CUDA --graphs runs instead. The hf-* methods always run transformers'.",
         kind=bool,
+        read_by=(TORCH,),
         panel=DECODING_PANEL,
     ),
     Option(
@@ -443,6 +501,7 @@ RUN: tuple[Option, ...] = (
         "as CUDA graphs; a rejected draft only moves a position. Default: on with CUDA, off on a CPU, where the "
         "packed forward measured faster. --no-graphs runs the forward --compile chooses.",
         kind=bool,
+        read_by=(TORCH,),
         panel=DECODING_PANEL,
     ),
     Option(
@@ -451,6 +510,7 @@ RUN: tuple[Option, ...] = (
         "Prefill prompts longer than this in chunks of it, so memory stays bounded (0: one forward).",
         low=0,
         problem="--prefill-chunk must be >= 0 (0: the whole prompt in one forward)",
+        read_by=(TORCH, RUN_COMMAND),
         panel=DECODING_PANEL,
     ),
 )
@@ -477,17 +537,26 @@ ENGINE: tuple[Option, ...] = (
         parse=int_list,
         low=1,
         problem="--concurrency must be at least 1 (requests in flight)",
+        read_by=(RUN_COMMAND,),
         panel=ENGINE_PANEL,
     ),
-    Option("tensor_parallel_size", 1, "vLLM: devices that split each layer.", low=1, panel=ENGINE_PANEL),
     Option(
-        "pipeline_parallel_size", 1, "vLLM: devices (or machines) that split the layers.", low=1, panel=ENGINE_PANEL
+        "tensor_parallel_size", 1, "vLLM: devices that split each layer.", low=1, read_by=(VLLM,), panel=ENGINE_PANEL
+    ),
+    Option(
+        "pipeline_parallel_size",
+        1,
+        "vLLM: devices (or machines) that split the layers.",
+        low=1,
+        read_by=(VLLM,),
+        panel=ENGINE_PANEL,
     ),
     Option(
         "distributed_executor_backend",
         None,
         "vLLM's workers: mp (processes on this machine) or ray (a Ray cluster, for many machines); empty: vLLM's choice.",
         choices=("mp", "ray"),
+        read_by=(VLLM,),
         panel=ENGINE_PANEL,
     ),
     Option(
@@ -496,6 +565,7 @@ ENGINE: tuple[Option, ...] = (
         "Any other vLLM engine argument as a JSON object, e.g. '{\"enforce_eager\": true}'; recorded in meta.json.",
         parse=json_object,
         metavar="JSON",
+        read_by=(VLLM,),
         panel=ENGINE_PANEL,
     ),
 )
@@ -514,6 +584,7 @@ SERVER: tuple[Option, ...] = (
         "--engine server: the API URL of a server running the target alone, e.g. http://127.0.0.1:8000/v1 "
         "(every server's speedup is over it).",
         metavar="URL",
+        read_by=(SERVER_ENGINE,),
         panel=SERVER_PANEL,
     ),
     Option(
@@ -523,6 +594,7 @@ SERVER: tuple[Option, ...] = (
         flags=("--server",),
         repeat=entries_given,
         metavar="NAME=URL",
+        read_by=(SERVER_ENGINE,),
         panel=SERVER_PANEL,
     ),
     Option(
@@ -534,6 +606,7 @@ SERVER: tuple[Option, ...] = (
         "127.0.0.1 only for its own requests, logged to OUT/servers/NAME.log (NAME-kK.log for each K).",
         repeat=entries_given,
         metavar="NAME=COMMAND",
+        read_by=(SERVER_ENGINE,),
         panel=SERVER_PANEL,
     ),
     Option(
@@ -541,6 +614,7 @@ SERVER: tuple[Option, ...] = (
         None,
         "--engine server: a server running the draft model alone, for c (its one-token decode time over the baseline's).",
         metavar="URL",
+        read_by=(SERVER_ENGINE,),
         panel=SERVER_PANEL,
     ),
     Option(
@@ -551,6 +625,7 @@ SERVER: tuple[Option, ...] = (
         parse=float_list,
         check=lambda rates: all(rate > 0 for rate in rates),
         problem="--request-rate must be above 0 requests per second (inf: all at once)",
+        read_by=(RUN_COMMAND,),
         panel=SERVER_PANEL,
     ),
     Option(
@@ -559,6 +634,7 @@ SERVER: tuple[Option, ...] = (
         "--engine server: completions (the prompt as token ids, rendered here: every server gets the same ids) "
         "or chat (messages; each server renders them with its own template).",
         choices=("completions", "chat"),
+        read_by=(SERVER_ENGINE, LLAMA_CPP),
         panel=SERVER_PANEL,
     ),
     Option(
@@ -567,6 +643,7 @@ SERVER: tuple[Option, ...] = (
         "--engine server: the environment variable that holds the servers' API key (sent as a bearer token, "
         "never written anywhere).",
         metavar="NAME",
+        read_by=(SERVER_ENGINE,),
         panel=SERVER_PANEL,
     ),
     Option(
@@ -574,6 +651,7 @@ SERVER: tuple[Option, ...] = (
         600.0,
         "--engine server: seconds a request may take before it is recorded as failed.",
         low=1.0,
+        read_by=(SERVER_ENGINE, LLAMA_CPP),
         panel=SERVER_PANEL,
     ),
 )
@@ -586,6 +664,7 @@ LLAMA: tuple[Option, ...] = (
         "--engine llama-cpp: the llama-server binary (default: $LLAMA_CPP_DIR/bin, .llama-cpp/bin, then PATH; "
         "`make install-llama-cpp` builds it).",
         metavar="PATH",
+        read_by=(LLAMA_CPP,),
         panel=LLAMA_PANEL,
     ),
     Option(
@@ -595,6 +674,7 @@ LLAMA: tuple[Option, ...] = (
         "target as it is and converts checkpoints to f32 (specbench's loop on a CPU); f32, f16, bf16 or q8_0 converts "
         "every model, a .gguf target from the float32 copy specbench's loop decodes.",
         choices=("auto", "f32", "f16", "bf16", "q8_0"),
+        read_by=(LLAMA_CPP,),
         panel=LLAMA_PANEL,
     ),
     Option(
@@ -605,6 +685,7 @@ LLAMA: tuple[Option, ...] = (
         "(sampled, verified by rejection sampling).",
         parse=name_list,
         choices=("greedy", "probabilistic"),
+        read_by=(LLAMA_CPP,),
         panel=LLAMA_PANEL,
     ),
     Option(
@@ -612,6 +693,7 @@ LLAMA: tuple[Option, ...] = (
         0,
         "--engine llama-cpp: CPU threads of each llama-server (0: llama.cpp's default, the physical cores).",
         low=0,
+        read_by=(LLAMA_CPP,),
         panel=LLAMA_PANEL,
     ),
 )

@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import sys
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,6 +70,61 @@ def local_dir(source: ModelSource) -> Path:
         ) from None
 
 
+REDOWNLOAD = "download it again (an interrupted download leaves a file cut short)"
+SAFETENSORS_HEADER = 100_000_000  # the longest header safetensors reads
+
+
+def weights_problem(path: Path) -> str | None:
+    """Why the weights file ``path`` cannot be read, from its header and size alone (a safetensors file,
+    or a PyTorch zip archive): cut short, corrupt, or not weights at all; None when it looks whole."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if path.suffix == ".bin":
+            if head[:4] != b"PK\x03\x04":
+                return None  # torch's legacy pickle format: nothing to check cheaply
+            try:
+                zipfile.ZipFile(f).close()
+            except (zipfile.BadZipFile, OSError):
+                return f"it holds {size:,} bytes that are not a whole zip archive (PyTorch's format)"
+            return None
+        length = int.from_bytes(head, "little") if len(head) == 8 else 0
+        if len(head) < 8 or length > min(size - 8, SAFETENSORS_HEADER):
+            return f"it holds {size:,} bytes, fewer than its header says it has: not a whole safetensors file"
+        try:
+            header = json.loads(f.read(length))
+            ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+            return f"its header is not a safetensors header ({size:,} bytes): not a safetensors file"
+    expected = 8 + length + max(ends, default=0)
+    if size != expected:
+        return f"it holds {size:,} bytes and its header lists {expected:,}"
+    return None
+
+
+def check_weights(directory: Path) -> None:
+    """Refuse a checkpoint whose weights files cannot be read, in one line naming the file, before
+    transformers reads them (its error would be a long traceback that names no file)."""
+    files = sorted(directory.glob("*.safetensors")) or sorted(directory.glob("pytorch_model*.bin"))
+    for file in files:
+        if (why := weights_problem(file)) is not None:
+            raise SpecbenchError(f"cannot read the weights file {file}: {why}; {REDOWNLOAD}")
+
+
+def gguf_problem(gguf: Path) -> str | None:
+    """Why ``gguf`` cannot be read as a GGUF file (cut short, corrupt, not a GGUF file), or None."""
+    with open(gguf, "rb") as f:
+        if f.read(4) != b"GGUF":
+            return "it does not begin with GGUF's magic bytes: not a GGUF file"
+    from gguf import GGUFReader
+
+    try:
+        GGUFReader(gguf)
+    except Exception:  # where the file breaks off, the reader fails in struct, numpy or value errors
+        return f"the GGUF reader cannot read its {gguf.stat().st_size:,} bytes through: it is cut short or corrupt"
+    return None
+
+
 def _converted_gguf(gguf: Path) -> Path:
     """Dequantise a GGUF file once into a float32 safetensors checkpoint under the user cache.
 
@@ -84,12 +140,25 @@ def _converted_gguf(gguf: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to safetensors once (about 30 s), cached in %s", gguf.name, out)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     # transformers draws a bar per tensor (tqdm, which ignores its progress-bar switch): a line per update
     # in a log, so it is shown on a terminal only.
     quiet = contextlib.nullcontext() if sys.stderr.isatty() else contextlib.redirect_stderr(io.StringIO())
-    with quiet:
-        quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with quiet:
+            quantised = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    except Exception as e:
+        # A file that cannot be read fails in many ways inside the GGUF reader: said in one line, as is a
+        # whole GGUF file that holds no model transformers can make (an adapter, a vision projector, an
+        # architecture it does not convert). Anything else is raised as it is.
+        if (why := gguf_problem(gguf)) is not None:
+            raise SpecbenchError(f"cannot read the GGUF file {gguf}: {why}; {REDOWNLOAD}") from None
+        if isinstance(e, (ValueError, KeyError, NotImplementedError)):
+            raise SpecbenchError(
+                f"cannot make a model of the GGUF file {gguf} ({str(e).splitlines()[0]}): give the GGUF of a "
+                "language model transformers converts (Llama, Qwen, ...), or its checkpoint directory"
+            ) from None
+        raise
     config = quantised.config
     del config.quantization_config
     plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -197,13 +266,20 @@ def load(spec: str, device: torch.device, dtype: torch.dtype, device_map: str | 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     use_grouped_attention(device)
+    from safetensors import SafetensorError
+
     source = resolve(spec)
     path = local_dir(source)
+    check_weights(path)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         # Without a placement strategy, every weight is read straight onto the device: never the whole
         # model in host memory first (a 7B model in bfloat16 is 14 GB of RAM that a GPU box may not have).
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map=device_map or {"": device})
+    except SafetensorError as e:  # a file whose header passed check_weights, and still could not be read
+        raise SpecbenchError(
+            f"cannot read the weights of model '{spec}' in {path} ({str(e).splitlines()[0]}); {REDOWNLOAD}"
+        ) from None
     except (OSError, ValueError) as e:
         raise SpecbenchError(f"cannot load model '{spec}' from {path}: {str(e).splitlines()[0]}") from e
     model.eval()

@@ -65,6 +65,29 @@ PLACEHOLDER = "FULL BENCHMARK DATA SHOULD BE FETCHED FROM THE SOURCE"
 SPEED_BENCH_LENGTHS = {f"throughput_{n}k": f"{n}k" for n in (1, 2, 8, 16, 32)}
 
 
+def dataset_kind(dataset: str) -> str:
+    """What --dataset ``dataset`` is, as read_dataset reads it: "long" (made on this machine to a length),
+    "built-in" (single prompts through a template: humaneval, xsum, pydoc), "workload" (a named workload
+    read from its file: spec-bench, mt-bench, speed-bench, sharegpt) or "file" (a local file). The kinds
+    are what an option's readers name (core/options.py: FILE, WORKLOAD, BUILT_IN, LONG)."""
+    if dataset in LONG_DATASETS:
+        return "long"
+    specs = read_config("datasets.toml")
+    name = dataset.partition(":")[0]
+    if name not in specs or name == "file":
+        return "file"
+    return "built-in" if "template" in specs[name] else "workload"
+
+
+def datasets_of(kind: str) -> list[str]:
+    """The --dataset names of ``kind`` (dataset_kind), for an error that names them."""
+    if kind == "file":
+        return ["a local file"]
+    if kind == "long":
+        return list(LONG_DATASETS)
+    return [name for name in read_config("datasets.toml") if name != "file" and dataset_kind(name) == kind]
+
+
 def data_dir() -> Path:
     """Where a named workload's file is looked for when --dataset-path does not give it."""
     return cache_dir() / "datasets"
@@ -91,6 +114,16 @@ def load_prompts(
         return [Prompt(r["id"], (r["text"],), r["text"]) for r in records]
     prompts = read_dataset(dataset, prompt_field, path)
     prompts = select(prompts, dataset, categories or [], per_category, seed)
+    if num_prompts is not None and num_prompts > len(prompts):
+        chosen = " of what --category and --per-category select" if categories or per_category else ""
+        log.warning(
+            "%s holds %d prompt(s)%s, fewer than --num-prompts %d: the run decodes those %d",
+            dataset,
+            len(prompts),
+            chosen,
+            num_prompts,
+            len(prompts),
+        )
     if num_prompts is not None or not per_category:
         prompts = prompts[: num_prompts or 10]
     if max_turns:
@@ -184,7 +217,9 @@ def _templated(record: dict, spec: dict, prompt_id: str, name: str) -> Prompt:
     try:
         return Prompt(prompt_id, (spec["instruction"].format(**record),), spec["template"].format(**record))
     except KeyError as e:
-        raise SpecbenchError(f"dataset '{name}' records have no field {e}: choose one with --prompt-field") from None
+        raise SpecbenchError(
+            f"dataset '{name}' records have no field {e}, which its template in configs/datasets.toml reads"
+        ) from None
 
 
 def _text(value) -> str:
@@ -288,10 +323,22 @@ def select(prompts: list[Prompt], dataset: str, categories: list[str], per_categ
         prompts = [p for p in prompts if p.category in categories]
     if per_category:
         rng = random.Random(seed)
-        drawn = set()
+        drawn, short = set(), {}
         for category in categories or present:
             members = [i for i, p in enumerate(prompts) if p.category == category]
             drawn.update(rng.sample(members, min(per_category, len(members))))
+            if len(members) < per_category:
+                short[category] = len(members)
+        if short:
+            log.warning(
+                "%s: %d of the %d categories drawn from hold fewer prompts than --per-category %d (%s): each "
+                "gives all it holds",
+                dataset,
+                len(short),
+                len(categories or present),
+                per_category,
+                ", ".join(f"{c} {n}" for c, n in short.items()),
+            )
         prompts = [p for i, p in enumerate(prompts) if i in drawn]
     return prompts
 

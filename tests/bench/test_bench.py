@@ -12,8 +12,9 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from specbench.bench.config import FIELDS_BEGIN, FIELDS_END, OPTIONS, BenchConfig, fields_source
+from specbench.bench.config import FIELDS_BEGIN, FIELDS_END, OPTIONS, READERS, BenchConfig, fields_source
 from specbench.bench.run import Results, benchmark
+from specbench.core.errors import SpecbenchError
 from specbench.methods.registry import METHODS
 from specbench.results import report, schema
 from specbench.results.report import phase_table, serving_table, summary_table
@@ -63,6 +64,67 @@ def test_the_configuration_declares_one_field_per_option_as_the_declarations_wri
     first, second = BenchConfig(), BenchConfig()
     first.ks.append(8)  # each configuration has lists of its own
     assert second.ks == OPTIONS["ks"].default == [4]
+
+
+# A run with each part of a run (options.READ_BY's kinds) and one without it, for each kind.
+WITH = {"engine": "engines", "method": "methods", "k-policy": "k_policies"}  # kinds of several values: lists
+DATASETS = {"file": "my.jsonl", "workload": "spec-bench", "built-in": "humaneval", "long": "longcode"}
+OTHERS = {
+    "engine": ["torch", "vllm", "server", "llama-cpp"],
+    "method": ["speculative", "prompt-lookup"],
+    "k-policy": ["fixed", "heuristic", "confidence"],
+    "dataset": list(DATASETS),
+    "weights": ["checkpoint", "random"],
+    "command": ["run", "audit"],
+}
+
+
+def run_of(parts: dict[str, str]) -> tuple[dict, str]:
+    """Configuration fields and a command for a run with one part of each kind in ``parts``."""
+    fields, command = {}, "run"
+    for kind, value in parts.items():
+        if kind in WITH:
+            fields[WITH[kind]] = [value]
+        elif kind == "dataset":
+            fields["dataset"] = DATASETS[value]
+        elif kind == "weights":
+            fields["random_weights"] = value == "random"
+        else:
+            command = value
+    return fields, command
+
+
+def set_away(option) -> object:
+    """A value of ``option`` that is not its default."""
+    kind = type(option.default) if option.default is not None else option.kind
+    value = {bool: True, int: 7, float: 0.5, str: "x", list: [7], dict: {"x": 1}}[kind]
+    return (not option.default) if kind is bool else value
+
+
+def test_every_option_that_some_runs_read_is_refused_in_a_run_without_its_readers():
+    """Each option declares who reads it (Option.read_by; a method's, the methods that list it): set away
+    from its default, it is refused in a run that lacks its readers of any one kind, naming them, and
+    passes the check in a run that has one of each."""
+    assert {"dataset_path", "repeats", "tensor_parallel_size", "baseline_url", "gguf_type", "kv_budget"} <= set(READERS)
+    for name, readers in READERS.items():
+        option, by_kind = OPTIONS[name], {}
+        for reader in readers:
+            kind, _, value = reader.partition(":")
+            by_kind.setdefault(kind, []).append(value)
+        having = {kind: values[0] for kind, values in by_kind.items()}
+        fields, command = run_of(having)
+        cfg = BenchConfig(**fields, **{name: set_away(option)})
+        assert cfg.unread(name, command) is None, (name, having)
+        for kind, values in by_kind.items():
+            other = next(value for value in OTHERS[kind] if value not in values)
+            fields, command = run_of({**having, kind: other})
+            cfg = BenchConfig(**fields, **{name: set_away(option)})
+            why = cfg.unread(name, command)
+            assert why is not None and why.startswith(f"{option.flag} is read only by "), (name, kind, other)
+            with pytest.raises(SpecbenchError, match=re.escape(why)):
+                cfg.refuse_unread_options(command)
+            cfg = BenchConfig(**fields)  # left at its default: nothing to refuse
+            cfg.refuse_unread_options(command)
 
 
 def test_a_k_list_sweeps_and_writes_best_k_and_the_plot(tiny_pair, prompts_file, tmp_path):

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import time
 
 import pandas as pd
 import pytest
@@ -201,11 +202,14 @@ def test_uncached_hub_model_fails_fast_with_one_line(tmp_path):
         (["--seed", "-1"], "--seed must be >= 0"),
         (["--k-policy", "sometimes"], "--k-policy sometimes: use one of fixed, heuristic, confidence"),
         (["--draft-p-min", "0"], "--draft-p-min must be in (0, 1]"),
-        (["--draft-p-min", "0.5"], "add that policy or drop --draft-p-min"),
+        (["--draft-p-min", "0.5"], "--draft-p-min is read only by --k-policy confidence, not by --k-policy fixed"),
         (["--k", "1,,2"], "--k '1,,2' has an empty item"),
         (["--method", "speculative,"], "--method 'speculative,' has an empty item"),
         (["--assume-alpha", "0.5,"], "--assume-alpha '0.5,' has an empty item"),
-        (["--kv-budget", "64"], "--kv-budget is read only by --method self-sparse or triforce, which this run does"),
+        (
+            ["--kv-budget", "64"],
+            "--kv-budget is read only by --method self-sparse or triforce, not by --method speculative",
+        ),
         (["--method", "speculative,tree", "--lookup-k", "3"], "--lookup-k is read only by --method lookup-or-draft"),
     ],
 )
@@ -215,6 +219,40 @@ def test_bad_input_is_one_clear_line(tiny_pair, prompts_file, tmp_path, args, ne
     result = cli("run", *[x for kv in base.items() for x in kv], "--out", str(tmp_path / "run"))
     one_line_error(result, needle)
     assert not (tmp_path / "run").exists()  # refused before the run's folder was made
+
+
+@pytest.mark.parametrize(
+    "command, args, needles",
+    [
+        ("run", ["--dataset-path", "my.jsonl"], ["--dataset-path is read only by --dataset spec-bench", "sharegpt"]),
+        ("run", ["--category", "writing"], ["--category is read only by --dataset", "not by --dataset humaneval"]),
+        (
+            "run",
+            ["--dataset", "longcode", "--context-tokens", "64", "--per-category", "2"],
+            ["--per-category is read only"],
+        ),
+        ("run", ["--engine", "vllm", "--repeats", "3"], ["--repeats is read only by --engine torch, not by --engine"]),
+        ("run", ["--engine", "vllm", "--no-compile"], ["--no-compile is read only by --engine torch"]),
+        ("run", ["--api", "chat"], ["--api is read only by --engine server or llama-cpp", "add --engine server"]),
+        ("audit", ["--max-new-tokens", "8"], ["--max-new-tokens is read only by specbench run", "specbench audit"]),
+        ("audit", ["--temperature", "1"], ["--temperature is read only by specbench run", "--setting"]),
+    ],
+)
+def test_an_option_the_run_does_not_read_is_one_line_before_anything_loads(command, args, needles, tmp_path):
+    out = tmp_path / "run"
+    result = cli(command, *args, "--out", str(out))
+    one_line_error(result, *needles)
+    assert result.returncode == 2 and not out.exists()
+
+
+def test_a_file_given_to_a_built_in_dataset_is_refused_at_once_not_ignored(prompts_file, tmp_path):
+    """Issue 73: --dataset-path with HumanEval (the default) decoded HumanEval and exited 0. A fresh
+    process, as a user starts it, refuses it in one line in well under 5 seconds, and says how to give the file."""
+    began = time.monotonic()
+    result = specbench("run", "--dataset-path", prompts_file, "--out", str(tmp_path / "run"))
+    assert time.monotonic() - began < 5
+    one_line_error(result, "--dataset-path", "not by --dataset humaneval", "--dataset FILE")
+    assert result.returncode == 2 and not (tmp_path / "run").exists()
 
 
 def test_hf_assisted_refuses_unequal_widths(tiny_pair, padded_draft, prompts_file, tmp_path):

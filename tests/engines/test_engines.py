@@ -182,7 +182,10 @@ def test_methods_map_to_their_vllm_counterparts():
         (["--engine", "vllm", "--concurrency", "4", "--num-prompts", "2"], "needs as many prompts"),
         (["--engine", "vllm", "--tensor-parallel-size", "512"], "needs 512 devices and this machine has"),
         (["--engine", "gpu"], "--engine gpu: use one of torch, vllm"),
-        (["--tensor-parallel-size", "2"], "--tensor-parallel-size set(s) the vLLM engine: add --engine vllm"),
+        (
+            ["--tensor-parallel-size", "2"],
+            "--tensor-parallel-size is read only by --engine vllm, not by --engine torch: add --engine vllm",
+        ),
         (["--engine", "vllm", "--engine-args", "{bad"], "--engine-args '{bad' is not valid JSON"),
         (["--engine", "vllm", "--eta", "0.1"], "vLLM has no eta sampling"),
     ],

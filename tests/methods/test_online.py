@@ -130,7 +130,7 @@ def test_a_draft_that_learns_from_a_repeated_prompt_accepts_more(untied_target, 
 @pytest.mark.parametrize(
     "args,needle",
     [
-        (["--save-draft", "somewhere"], "--save-draft is read only by --method online, which this run does not run"),
+        (["--save-draft", "somewhere"], "--save-draft is read only by --method online, not by --method speculative"),
         (["--method", "online", "--random-weights"], "--random-weights"),
         (["--method", "online", "--online-every", "0"], "--online-every"),
         (["--method", "online", "--resume"], "--resume cannot restore"),

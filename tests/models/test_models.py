@@ -1,14 +1,20 @@
-"""Choosing how models load: the dtype --dtype auto picks on each device, and a hub model that cannot
-be had (gated, missing) as one line naming the model and the fix."""
+"""Choosing how models load: the dtype --dtype auto picks on each device, a hub model that cannot
+be had (gated, missing), and a weights or GGUF file that cannot be read (cut short, not a model), each as
+one line naming the model or file and the fix."""
 
 import logging
+import shutil
 import sys
 
+import numpy as np
 import pytest
 import torch
+from gguf import GGUFWriter
 
 from specbench.core.errors import SpecbenchError
-from specbench.models.load import load, resolve_dtype
+from specbench.models.load import gguf_problem, load, resolve_dtype
+
+from ..helpers import cli, one_line_error
 
 CUDA = torch.device("cuda", 1)
 
@@ -70,3 +76,48 @@ def test_a_hub_model_that_cannot_be_had_is_one_line(monkeypatch, error, needles)
         load("org/llama-gated", torch.device("cpu"), torch.float32)
     said = str(raised.value)
     assert "\n" not in said and all(needle in said for needle in needles), said
+
+
+@pytest.mark.parametrize("damage", ["cut short", "not weights", "a cut zip"])
+def test_a_weights_file_that_cannot_be_read_is_one_line_naming_it(tiny_pair, prompts_file, tmp_path, damage):
+    """Issue 73: the tiny target's model.safetensors cut to 5,000 bytes (an interrupted download) ended in
+    a 73-line traceback. Refused in one line that names the file and says to download it again, exit 2,
+    with no run folder left behind."""
+    target = tmp_path / "target"
+    shutil.copytree(tiny_pair[0], target)
+    weights = target / "model.safetensors"
+    if damage == "cut short":
+        weights.write_bytes(weights.read_bytes()[:5000])
+    elif damage == "not weights":
+        weights.write_text("<html><body>404 Not Found</body></html>")  # a download that fetched an error page
+    else:  # PyTorch's zip format, cut short
+        weights.unlink()
+        weights = target / "pytorch_model.bin"
+        torch.save({"x": torch.zeros(4096)}, weights)
+        weights.write_bytes(weights.read_bytes()[:5000])
+    out = tmp_path / "run"
+    result = cli("run", "--target", target, "--draft", tiny_pair[1], "--dataset", prompts_file, "--out", out)
+    one_line_error(result, f"the weights file {weights}:", "download it again")
+    assert result.returncode == 2 and not out.exists()
+
+
+def test_a_gguf_file_cut_short_or_not_gguf_is_one_line_naming_it(prompts_file, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path / "cache"))
+    whole = tmp_path / "whole.gguf"
+    writer = GGUFWriter(str(whole), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.ones((64, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    cut, other = tmp_path / "cut.gguf", tmp_path / "notes.gguf"
+    cut.write_bytes(whole.read_bytes()[: whole.stat().st_size // 2])
+    other.write_text("not a model")
+    assert gguf_problem(whole) is None
+    for file in (cut, other):
+        out = tmp_path / "run"
+        result = cli("run", "--target", file, "--method", "baseline", "--dataset", prompts_file, "--out", out)
+        one_line_error(result, f"the GGUF file {file}:", "download it again")
+        assert result.returncode == 2 and not out.exists()
+    assert not list((tmp_path / "cache").rglob("*.safetensors"))  # nothing converted

@@ -176,13 +176,40 @@ def test_categories_select_and_per_category_draws_every_category(spec_bench_file
         load_prompts(spec_bench_file, None, categories=["poetry"])
 
 
+def test_fewer_prompts_or_category_members_than_asked_are_said_in_one_line(prompts_file, spec_bench_file, caplog):
+    """Issue 73: --num-prompts 100000 on a file of fewer prompts decoded those and never said so."""
+    with caplog.at_level(logging.WARNING, logger="specbench"):
+        assert len(load_prompts(prompts_file, 100000)) == 3
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert f"{prompts_file} holds 3 prompt(s), fewer than --num-prompts 100000: the run decodes those 3" == line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specbench"):
+        assert len(load_prompts(spec_bench_file, 5, categories=["translation"])) == 3
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "holds 3 prompt(s) of what --category and --per-category select, fewer than --num-prompts 5" in line
+    caplog.clear()
+    # writing, roleplay and reasoning hold 2 each, translation 3, summarization 1
+    with caplog.at_level(logging.WARNING, logger="specbench"):
+        assert len(load_prompts(spec_bench_file, None, per_category=3)) == 10
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "4 of the 5 categories drawn from hold fewer prompts than --per-category 3" in line
+    assert "writing 2, roleplay 2, reasoning 2, summarization 1" in line and "translation" not in line
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="specbench"):  # what the data holds, or the default 10: no line
+        load_prompts(prompts_file, 3), load_prompts(prompts_file), load_prompts(spec_bench_file, None, per_category=1)
+    assert not caplog.records
+
+
 def test_bad_workloads_are_one_line_each(tiny_pair, spec_bench_file, prompts_file, tmp_path):
     out = str(tmp_path / "run")
     cases = [
         (("--dataset", spec_bench_file, "--category", "poetry"), ("unknown --category poetry", "writing")),
         (("--dataset", prompts_file, "--per-category", "2"), ("--per-category", "no category")),
         (("--dataset", "speed-bench:qualitative", "--dataset-path", str(tmp_path / "none.jsonl")), ("is not a file",)),
-        (("--dataset", "longcode", "--context-tokens", "64", "--max-turns", "1"), ("drop --category",)),
+        (
+            ("--dataset", "longcode", "--context-tokens", "64", "--max-turns", "1"),
+            ("--max-turns is read only by --dataset", "not by --dataset longcode"),
+        ),
         (("--dataset", spec_bench_file, "--group-by", "topic"), ("--group-by topic",)),
         (("--dataset", spec_bench_file, "--max-turns", "-1"), ("--max-turns must be >= 0",)),
     ]
