@@ -236,6 +236,7 @@ class Check:
     seconds: dict[str, float] = field(default_factory=dict)  # each finished command's wall time, by name
     running: list[Running] = field(default_factory=list)  # the commands started and not yet waited for
     stopped_by: str | None = None  # the signal that told the check to stop
+    starting: bool = False  # start() is starting a process: a stop waits until it is in self.running
 
     def stop(self, signum, frame) -> None:
         """The SIGTERM handler: every command of a step is killed at once, then Stopped is raised
@@ -244,17 +245,29 @@ class Check:
         self.stopped_by = signal.Signals(signum).name
         for running in self.running:
             running.kill()
-        raise Stopped(self.stopped_by)
+        if not self.starting:  # else start() raises it once the process it is starting is in the list
+            raise Stopped(self.stopped_by)
 
     def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> Running:
         """``args`` started with this Python, logged to <name>.log, due by the step's deadline."""
         log = self.folder / f"{name}.log"
-        with log.open("w") as out:
-            process = subprocess.Popen(
-                [sys.executable, *args], cwd=ROOT, env=self.env | (env or {}), stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True,  # its compile workers are stopped with it
-            )  # fmt: skip
-        self.running.append(Running(name, process, log, time.monotonic(), self.deadline))
+        # A stop raised inside Popen would leave its new process running, in no list (step b starts
+        # three at once, and CI once saw one left): while starting, the handler kills the others and
+        # returns, and the stop is raised here, once this one is in the list too.
+        self.starting = True
+        try:
+            with log.open("w") as out:
+                process = subprocess.Popen(
+                    [sys.executable, *args], cwd=ROOT, env=self.env | (env or {}), stdout=out, stderr=subprocess.STDOUT,
+                    start_new_session=True,  # its compile workers are stopped with it
+                )  # fmt: skip
+            self.running.append(Running(name, process, log, time.monotonic(), self.deadline))
+        finally:
+            self.starting = False
+        if self.stopped_by:
+            for running in self.running:
+                running.kill()
+            raise Stopped(self.stopped_by)
         return self.running[-1]
 
     def wait(self, running: Running) -> None:
