@@ -112,6 +112,10 @@ class HFCausalLM:
         self.cache = DynamicCache(config=self.model.config)
         grow = growing_layer()
         self.cache.layers = [grow() if type(layer) is DynamicLayer else layer for layer in self.cache.layers]
+        self.reset_shortlist()
+
+    def reset_shortlist(self) -> None:
+        """The shortlisted head back to its own ids, before a new sequence (a no-op without one)."""
         if self.head_tokens is not None:
             self.in_head = self.shortlist_mask.clone()
             self.head_ids, self.head = self.head_tokens, self.shortlist_head  # _read replaces, never mutates, them

@@ -150,13 +150,13 @@ class Graph:
         return tuple(None if out is None else out.clone() for out in self.out)  # the next replay overwrites them
 
 
-def graphed(graphs: dict, key, run, buffers, pool) -> tuple[Graph, float]:
-    """The graph under ``key`` in ``graphs``, captured now (over ``buffers``) if it is not there yet,
-    and the seconds capturing took."""
+def graphed(graphs: dict, key, run, buffers: Callable[[], tuple], pool) -> tuple[Graph, float]:
+    """The graph under ``key`` in ``graphs``, captured now (over the input buffers that ``buffers()``
+    makes, only then: a replay allocates nothing) if it is not there yet, and the seconds capturing took."""
     if key in graphs:
         return graphs[key], 0.0
     began = time.perf_counter()
-    graphs[key] = Graph(run, buffers, pool)
+    graphs[key] = Graph(run, buffers(), pool)
     return graphs[key], time.perf_counter() - began
 
 
@@ -268,9 +268,7 @@ class StaticLM(HFCausalLM):
         if self.kv is None:  # HFCausalLM.__init__'s call, before the cache exists
             return
         self.kv.length = 0
-        if self.head_tokens is not None:
-            self.in_head = self.shortlist_mask.clone()
-            self.head_ids, self.head = self.head_tokens, self.shortlist_head
+        self.reset_shortlist()
 
     @property
     def length(self) -> int:
@@ -308,7 +306,10 @@ class StaticLM(HFCausalLM):
         forms = None if n > GRAPHED_UP_TO or self.queries is not None else self._forms(layers)
         if forms is not None and self.graphed:
             chain = depth is None
-            buffers = (ids.new_zeros(n), torch.arange(n, device=self.device), chain_tree(n, self.device))
+
+            def buffers():
+                return ids.new_zeros(n), torch.arange(n, device=self.device), chain_tree(n, self.device)
+
             graph, seconds = graphed(
                 self.graphs, (n, layers), lambda *inputs: forms[n > 1](self, *inputs, self.start), buffers, self.pool
             )
@@ -486,7 +487,10 @@ class StaticHead:
         self.start.fill_(start)
         run = self.forms[n > 1]
         if self.graphed:
-            buffers = (tokens.new_zeros(n), hidden.new_zeros(hidden.shape))
+
+            def buffers():
+                return tokens.new_zeros(n), hidden.new_zeros(hidden.shape)
+
             graph, seconds = graphed(
                 self.graphs, n, lambda *inputs: run(self.head, self.kv, *inputs, self.start), buffers, self.pool
             )
