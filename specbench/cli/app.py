@@ -520,6 +520,12 @@ def distill(
             help="The drafter's vocabulary: the N ids the target ranks first most often in the training data (0: all of them). Each id costs a row of the vocabulary projection, a large part of a drafter's step."
         ),
     ] = 0,
+    tokenizer_vocab: Annotated[
+        int,
+        typer.Option(
+            help="--kind draft: give the draft a tokenizer of its own, a byte-level BPE of N tokens trained on the target's answers and --source (0: the target's tokenizer). It learns the answers' text by cross-entropy (distributions over another vocabulary cannot be distilled); --teacher-tokens then counts tokens of --source it reads as text."
+        ),
+    ] = 0,
     source: Annotated[
         list[str] | None,
         typer.Option(help="Training text: files or directories of .py (default: Python's standard library)."),
@@ -612,6 +618,7 @@ def distill(
             label = {
                 "generate": "target answers prompts",
                 "student": "draft training (steps)",
+                "tokenizer": "draft's own tokenizer",
                 "features": "target features (sequences)",
                 "head": "EAGLE head training (steps)",
             }.get(p.phase, f"target labels {p.phase.split(':')[-1]} (sequences)")
@@ -619,7 +626,8 @@ def distill(
                 tasks[p.phase] = progress.add_task(label, total=p.total, loss="")
             loss = f"loss {p.loss:.3f}" if p.loss is not None else ""
             if p.agreement is not None:
-                loss += f" held-out agreement {'/'.join(f'{a:.3f}' for a in (p.agreement, *p.later))}"
+                kind_of = "text/token " if tokenizer_vocab else ""
+                loss += f" held-out {kind_of}agreement {'/'.join(f'{a:.3f}' for a in (p.agreement, *p.later))}"
             progress.update(tasks[p.phase], completed=p.done, total=p.total, loss=loss)
             if progress.disable and (
                 last is None or p.phase != last.phase or p.done == p.total or time.monotonic() - said_at >= LOG_EVERY_S
@@ -628,7 +636,12 @@ def distill(
                 said_at = time.monotonic()
             last = p
     console.print(f"{kind} saved in {out}/ (use {'--speculator' if cfg.trains_head else '--draft'} {out})")
-    if last is not None and last.agreement is not None:
+    if last is not None and last.agreement is not None and tokenizer_vocab:
+        console.print(
+            f"held-out greedy answers of the target, per position in the draft's tokens: the draft's greedy token "
+            f"begins the target's text at {last.agreement:.3f}, is its next token at {last.later[0]:.3f}"
+        )
+    elif last is not None and last.agreement is not None:
         steps = f" (training-time test steps 0..{len(last.later)})" if last.later else ""
         console.print(
             f"top-1 agreement with held-out greedy answers of the target: {'/'.join(f'{a:.3f}' for a in (last.agreement, *last.later))}{steps} (step 0 estimates greedy alpha)"

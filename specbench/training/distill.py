@@ -10,7 +10,8 @@ Three resumable phases, all seeded:
    it generates. This is the text the draft will be asked to predict, so it weighs most;
 3. student: a small Llama sharing the target's tokenizer learns those distributions (a KL loss
    against the renormalised top-k), starting from a PCA projection of the target's embeddings
-   or from an earlier draft.
+   or from an earlier draft. With --tokenizer-vocab N the draft gets a tokenizer of its own and
+   learns the answers' text instead (training/distill_own_tokenizer.py).
 
 The result is a plain transformers checkpoint in half precision that ``--draft DIR`` loads.
 """
@@ -42,6 +43,8 @@ from specbench.workloads.sources import source_files
 log = logging.getLogger("specbench")
 
 SHARD_SEQUENCES = 64
+HELD_OUT_EVERY = 16  # of the greedy answers (counted among all answers), this one in so many is held out
+MIN_TOKENIZER_VOCAB = 300  # a byte-level tokenizer's 256 bytes, special tokens and some merges
 KINDS = {"draft": "a draft", "eagle": "an EAGLE head"}  # what --kind trains
 
 
@@ -58,6 +61,8 @@ class DistillConfig:
     # A head: "pca" or "random" start afresh (distill_eagle.new_head); a head's directory or alias goes on training.
     init: str = "pca"
     draft_vocab: int = 0  # the drafter's vocabulary: the ids the teacher ranks first most often (0: all of them)
+    # A draft with its own tokenizer of this many tokens (training/distill_own_tokenizer.py); 0: the target's.
+    tokenizer_vocab: int = 0
     seq_len: int = 256
     teacher_tokens: int = 300_000
     teacher_batch: int = 8
@@ -110,6 +115,18 @@ class DistillConfig:
             )
         if self.draft_vocab < 0:
             raise SpecbenchError("--draft-vocab must be at least 0 (0: every id the target ranks first)")
+        if 0 < self.tokenizer_vocab < MIN_TOKENIZER_VOCAB or self.tokenizer_vocab < 0:
+            raise SpecbenchError(
+                f"--tokenizer-vocab must be 0 (the target's tokenizer) or at least {MIN_TOKENIZER_VOCAB}: 256 bytes, "
+                "the target's special tokens and merges"
+            )
+        if self.tokenizer_vocab and (self.trains_head or self.draft_vocab):
+            raise SpecbenchError(
+                "--tokenizer-vocab gives a draft its own tokenizer: use it with --kind draft and without --draft-vocab "
+                "(a shortlist of the target's ids)"
+            )
+        if self.tokenizer_vocab and not (self.generate_prompts or self.teacher_tokens):
+            raise SpecbenchError("--tokenizer-vocab: the draft learns the target's answers; give --generate-prompts")
         if self.kind not in KINDS:
             raise SpecbenchError(f"--kind {self.kind}: use draft or eagle")
         if self.top_k < 1:
@@ -372,7 +389,8 @@ def load_examples(cfg: DistillConfig, features: Path | None = None) -> tuple[lis
             # The distribution of answer token j conditions on the prompt and answer[:j], so it
             # is learned at the position just before that token.
             example = Example(doc["ids"], doc["prompt_len"] - 1, doc["top_logp"], doc["top_idx"], features=f)
-            (held_out if greedy and (len(answers) + len(held_out)) % 16 == 0 else answers).append(example)
+            held = greedy and (len(answers) + len(held_out)) % HELD_OUT_EVERY == 0
+            (held_out if held else answers).append(example)
     if not source and not answers:
         raise SpecbenchError(f"no teacher data in {cfg.out}: raise --teacher-tokens or --generate-prompts")
     return source + answers * cfg.generated_repeats, held_out
@@ -440,8 +458,8 @@ def optimise(cfg: DistillConfig, model, lengths: list[int], batch_loss, evaluate
             model.load_state_dict(state["model"])
         except RuntimeError:  # shapes differ: the options that size the model changed between runs
             raise SpecbenchError(
-                f"{state_path} was saved by a run with a model of another shape (--init, --draft-vocab or the size "
-                "options): run again with that run's options, or give another --out"
+                f"{state_path} was saved by a run with a model of another shape (--init, --draft-vocab, --tokenizer-vocab "
+                "or the size options): run again with that run's options, or give another --out"
             ) from None
         optimizer.load_state_dict(state["optimizer"])
         schedule.load_state_dict(state["schedule"])
@@ -488,10 +506,17 @@ def head_tokens(examples: list[Example], limit: int = 0) -> list[int]:
 
 
 def save_draft(
-    student, target: LoadedModel, cfg: DistillConfig, held_out_agreement: float | None, shortlist: list[int]
+    student,
+    target: LoadedModel,
+    cfg: DistillConfig,
+    held_out_agreement: float | None,
+    shortlist: list[int] | None,
+    tokenizer=None,
+    **more,
 ) -> None:
-    """The distilled draft (see save_checkpoint) and distill.json, its recipe."""
-    save_checkpoint(student, target.tokenizer, cfg.out, shortlist)
+    """The distilled draft (see save_checkpoint) with ``tokenizer`` (default: the target's), and
+    distill.json, its recipe, with ``more`` figures."""
+    save_checkpoint(student, tokenizer or target.tokenizer, cfg.out, shortlist)
     meta = recipe(cfg)
     c = student.config  # a draft trained further keeps its own shape, whatever the size options said
     shape = {
@@ -501,7 +526,8 @@ def save_draft(
         "kv_heads": c.num_key_value_heads,
         "intermediate_size": c.intermediate_size,
     }
-    meta.update(shape, held_out_greedy_agreement=held_out_agreement, head_tokens=len(shortlist))
+    head = len(shortlist) if shortlist is not None else None
+    meta.update(shape, held_out_greedy_agreement=held_out_agreement, head_tokens=head, **more)
     earlier = Path(cfg.init) / "distill.json"
     if earlier.is_file():  # a draft trained further keeps the recipe it started from
         meta["init_recipe"] = json.loads(earlier.read_text())
@@ -513,9 +539,15 @@ def recipe(cfg: DistillConfig) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
 
 
-def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Iterator[TrainingProgress]:
-    """The teacher and generate phases, then ``train`` (a draft's student phase, or distill_eagle's)."""
+def distill(cfg: DistillConfig, target: LoadedModel, train=None) -> Iterator[TrainingProgress]:
+    """The teacher and generate phases, then ``train`` (default: a draft's student phase, with
+    --tokenizer-vocab distill_own_tokenizer's; or distill_eagle's)."""
     cfg.validate()
+    if train is None and cfg.tokenizer_vocab:
+        from specbench.training.distill_own_tokenizer import train_own_vocabulary
+
+        train = train_own_vocabulary
+    train = train or train_student
     if cfg.top_k > target.width:
         # A k beyond the vocabulary asks for every probability, and keeping the whole vocabulary gives
         # exactly that (transformers' top-k sampling clamps k alike); refusing would only make the user
@@ -525,7 +557,7 @@ def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Ite
         )
         cfg = replace(cfg, top_k=target.width)
     cfg.out.mkdir(parents=True, exist_ok=True)
-    if cfg.teacher_tokens:
+    if cfg.teacher_tokens and not cfg.tokenizer_vocab:  # a draft of its own tokenizer reads --source as text
         stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
         yield from teacher_shards(cfg, target, stream, cfg.teacher_tokens, cfg.out / "teacher")
     if cfg.generate_prompts:
