@@ -37,12 +37,13 @@ from specbench.engines.loop import Loop
 from specbench.engines.server import unreachable
 from specbench.engines.vllm import EngineSpec, vllm_version
 from specbench.methods.base import Decoder
-from specbench.methods.registry import BASELINE
+from specbench.methods.registry import BASELINE, check_vocabularies
 from specbench.methods.served import HTTP_ENGINES
 from specbench.models.costs import ForwardCosts, Roofline, measure_costs, noisy_costs, roofline
 from specbench.models.load import model_dir, placement
 from specbench.models.names import resolve, speculator_dir
 from specbench.models.pair import Conversations, Pair, encode_prompts, load_pair
+from specbench.models.vocab import check_share
 from specbench.results import schema, serving
 from specbench.results.plot import plot_categories, plot_concurrency, plot_online, plot_pareto, plot_phases, plot_run
 from specbench.results.rundir import RunWriter
@@ -72,6 +73,11 @@ def prepare(cfg: BenchConfig) -> tuple[Pair, Conversations]:
     """Validate, load the pair and the prompts; every input error surfaces here, before timing."""
     pair, prompts = load_inputs(cfg)
     conversations = encode_prompts(pair, prompts, cfg.rendering)
+    if pair.bridge is not None:
+        share = check_share(
+            pair.bridge, [ids.tolist() for ids in conversations.first], pair.target.name, pair.draft.name
+        )
+        log.info("%s holds %.1f%% of the prompts' tokens of %s", pair.draft.name, 100 * share, pair.target.name)
     pair.reserve(conversations.longest + cfg.rendering.max_new_tokens + cfg.rendering.widest)
     return pair, conversations
 
@@ -93,6 +99,7 @@ def load_inputs(cfg: BenchConfig) -> tuple[Pair, list]:
     )
     pair = load_pair(cfg.wanted, cfg.compile, cfg.threads, cfg.graphs)
     for decoder in cfg.plan:
+        check_vocabularies(decoder.method, pair)
         decoder.method.check(pair)
     return pair, prompts
 

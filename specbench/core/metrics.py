@@ -85,7 +85,7 @@ def phase_figures(run: Mapping[str, float], base: Mapping[str, float], decodes: 
     """How a run's decode time compares with the baseline's on the same prompts, forward by forward.
 
     ``run`` and ``base`` hold totals over ``decodes`` decodes: new_tokens, target_forwards,
-    draft_forwards, method_s, prefill_s, draft_s, inner_s, verify_s. Each decode's prefill forward
+    draft_forwards, method_s, prefill_s, draft_s, inner_s, retokenize_s, verify_s. Each decode's prefill forward
     yields its first token, so decoding proper is the other tokens and the other target forwards
     (rounds). The baseline's mean one-token forward is the unit of cost. ``predicted_speedup_run``
     is what the run would reach if only its drafting levels and forwards took time; ``efficiency``
@@ -95,8 +95,10 @@ def phase_figures(run: Mapping[str, float], base: Mapping[str, float], decodes: 
     rounds = run["target_forwards"] - decodes
     c_run = ratio(ratio(run["draft_s"], run["draft_forwards"]), step)
     verify_ratio = ratio(ratio(run["verify_s"], rounds), step)
-    # Drafting per round, in target steps: the draft model's forwards and any level beneath it.
-    drafting = ratio(ratio(run["draft_s"] + run["inner_s"], rounds), step) if run["draft_forwards"] else 0.0
+    # Drafting per round, in target steps: the draft model's forwards, any level beneath it, and the
+    # conversions of a draft with its own vocabulary.
+    spent = run["draft_s"] + run["inner_s"] + run.get("retokenize_s", 0.0)
+    drafting = ratio(ratio(spent, rounds), step) if run["draft_forwards"] else 0.0
     predicted = ratio(ratio(run["new_tokens"] - decodes, rounds), drafting + verify_ratio)
     rate = ratio(run["new_tokens"] - decodes, run["method_s"] - run["prefill_s"])
     base_rate = ratio(base["new_tokens"] - decodes, base["method_s"] - base["prefill_s"])

@@ -196,7 +196,8 @@ RUN: tuple[Option, ...] = (
     Option(
         "draft",
         DEFAULT_DRAFT,
-        "Draft model (same forms as --target); must share the target's tokenizer.",
+        "Draft model (same forms as --target): with the target's tokenizer, or with its own for the methods that "
+        "draft across vocabularies (speculative-intersection, speculative-text, hf-universal).",
         panel=COMPARE_PANEL,
     ),
     Option(

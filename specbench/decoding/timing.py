@@ -31,18 +31,20 @@ def synchronize(device: torch.device) -> None:
 class Phases:
     """Seconds per phase of one decode. ``verify`` is every target forward after the prefill
     (for the baseline, its one-token steps); ``draft`` every draft forward after the draft's prefill;
-    ``inner`` the level beneath the draft model in a cascade (its prompt lookup); ``other`` the
+    ``inner`` the level beneath the draft model in a cascade (its prompt lookup); ``retokenize`` the
+    conversions between a draft's vocabulary and the target's (drafters/vocab.py); ``other`` the
     rest: sampling, accept/reject, cache bookkeeping, Python."""
 
     prefill: float = 0.0
     draft: float = 0.0
     inner: float = 0.0
+    retokenize: float = 0.0
     verify: float = 0.0
     other: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.prefill + self.draft + self.inner + self.verify + self.other
+        return self.prefill + self.draft + self.inner + self.retokenize + self.verify + self.other
 
 
 class PhaseClock:

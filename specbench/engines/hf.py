@@ -81,12 +81,18 @@ def hf_generate(
     assistant=None,
     k: int | None = None,
     clock=None,
+    universal: bool = False,
 ):
     """transformers' own ``generate`` of ``target`` (a models.LoadedModel) with ``settings``
     (loop.Settings: the tokens to generate and the warp): plain, or assisted by ``assistant``
     (another) with exactly ``k`` draft tokens per round (constant schedule, confidence threshold
     off, so K means what it means in specbench's loop). Returns the engine's DecodeResult with
     forward counts; ``clock`` (a timing.PhaseClock) is lapped around every forward of both models.
+
+    ``universal``: the assistant has a tokenizer of its own, and generate gets both tokenizers
+    (transformers' universal assisted generation: its draft's text re-tokenized under greedy, the
+    vocabularies' intersection under sampling). Its drafts are then counted in the assistant's tokens,
+    which the target's accepted ones cannot be set against: the result counts none.
 
     transformers' first target call also verifies the first drafts, so its prefill holds a round.
     """
@@ -97,6 +103,8 @@ def hf_generate(
         config.num_assistant_tokens_schedule = "constant"
         config.assistant_confidence_threshold = 0.0
         kwargs["assistant_model"] = assistant.model
+        if universal:
+            kwargs.update(tokenizer=target.tokenizer, assistant_tokenizer=assistant.tokenizer)
     counters = [_HookedLaps(target.model, clock, "verify")]
     if assistant is not None:
         counters.append(_HookedLaps(assistant.model, clock, "draft"))
@@ -109,7 +117,9 @@ def hf_generate(
             counter.remove()
     tokens = out[0, prompt_ids.shape[0] :].tolist()
     result = DecodeResult(tokens=tokens, target_forwards=counters[0].laps.count)
-    if assistant is not None:
+    if assistant is not None and universal:
+        result.draft_forwards = counters[1].laps.count - 1
+    elif assistant is not None:
         result.drafted = counters[1].laps.count  # every assistant call drafts one token, its first one too
         result.draft_forwards = counters[1].laps.count - 1  # after its prefill, as in specbench's loop
         result.accepted = len(tokens) - result.target_forwards  # each target pass adds accepted + 1

@@ -87,6 +87,7 @@ class Method:
     shapes_tree = False  # takes K, but drafts a tree of a shape of its own each round (K is its depth)
     needs_draft = False  # the --draft model must be loaded
     needs_speculator = False  # the --speculator head must be given
+    crosses_vocabularies = False  # drafts with a draft whose tokenizer is not the target's (drafters/vocab.py)
     learns = False  # changes between prompts (begin_run, after_prompt and save say how)
     draft_level = "draft model"  # what drafts the tokens the target verifies
     inner_level = ""  # what proposes beneath the drafting model, in a method of several levels
@@ -126,6 +127,11 @@ class Method:
 
     def c(self, costs) -> float:
         """Cost of one drafting step in one-token target forwards (NaN: the method does not draft)."""
+        return math.nan
+
+    def proposable(self, decoder: Decoder, tokens: list[int]) -> float:
+        """The share of ``tokens`` (the baseline's output) this method can propose, for a draft with its
+        own tokenizer (NaN: every other method)."""
         return math.nan
 
     def begin_run(self, pair: Pair, settings: Settings, decoder: Decoder) -> None:

@@ -65,6 +65,59 @@ class Speculative(SpeculativeLoop):
         return ModelDrafter(pair.draft_lm, settings.sampling, generator, decoder.p_min(settings))
 
 
+class SpeculativeIntersection(SpeculativeLoop):
+    name, help, needs_draft = (
+        "speculative-intersection",
+        "for a draft with its own tokenizer: the draft samples K tokens among those whose text both vocabularies "
+        "hold (token-level intersection, its rows renormalised there), one target forward verifies them",
+        True,
+    )
+    crosses_vocabularies = True
+    k_policies = K_POLICIES  # a ModelDrafter given decoder.p_min: it can stop where unsure
+    adjusts_logits = True  # a chain of its own rows, in the target's ids
+
+    def c(self, costs):
+        return costs.c
+
+    def begin_run(self, pair, settings, decoder):
+        decoder.state = pair.bridge  # what proposable reads
+
+    def proposable(self, decoder, tokens):
+        return decoder.state.share(tokens)
+
+    def drafter(self, pair, settings, decoder, generator):
+        from specbench.drafters.model import ModelDrafter
+        from specbench.models.vocab import VocabView
+
+        view = VocabView(pair.draft_lm, pair.bridge, pair.target_lm.width, pair.clock)
+        return ModelDrafter(view, settings.sampling, generator, decoder.p_min(settings))
+
+
+class SpeculativeText(SpeculativeLoop):
+    name, help, needs_draft = (
+        "speculative-text",
+        "for a draft with its own tokenizer: the draft writes K tokens, their text is tokenized for the target and "
+        "verified as fixed candidates (exact at any temperature, as prompt lookup)",
+        True,
+    )
+    crosses_vocabularies = True
+    adjusts_logits = True  # its candidates have no q; the target's rows are adjusted in verify
+
+    def c(self, costs):
+        return costs.c
+
+    def begin_run(self, pair, settings, decoder):
+        decoder.state = pair.bridge  # what proposable reads
+
+    def proposable(self, decoder, tokens):
+        return decoder.state.spellable(tokens)
+
+    def drafter(self, pair, settings, decoder, generator):
+        from specbench.drafters.vocab import TextDrafter
+
+        return TextDrafter(pair.draft_lm, pair.bridge, settings.sampling, generator, pair.clock)
+
+
 KV_BUDGET = Option(
     "kv_budget",
     1024,
@@ -564,6 +617,32 @@ class HFAssisted(Method):
         return hf_generate(pair.target, ids, settings, seed, pair.stop_ids, pair.draft, decoder.k, pair.clock)
 
 
+class HFUniversal(HFAssisted):
+    name, help = (
+        "hf-universal",
+        "transformers' universal assisted generation, for a draft with its own tokenizer: generate(assistant_model="
+        "draft, tokenizer, assistant_tokenizer) with K draft tokens per round",
+    )
+    crosses_vocabularies = True
+    # The eager levels' costs are timed on the target's ids, which the draft cannot read: c is that of the
+    # loop's own forwards, the draft's measured through the vocabularies' bridge (costs.draft_reading_target_ids).
+    levels = ()
+
+    def check(self, pair):
+        pass  # the widths differ with the vocabularies
+
+    def c(self, costs):
+        return costs.c
+
+    def decode(self, pair, settings, decoder, ids, generator):
+        from specbench.engines.hf import hf_generate
+
+        seed = _seed(generator)
+        return hf_generate(
+            pair.target, ids, settings, seed, pair.stop_ids, pair.draft, decoder.k, pair.clock, universal=True
+        )
+
+
 class HFGenerate(Method):
     name, help, takes_k = "hf-generate", "transformers' plain generate (checks that the baseline is as fast)", False
     engine, adjusts_logits = "hf", True
@@ -585,6 +664,8 @@ METHODS: dict[str, Method] = {
     for m in (
         Baseline(),
         Speculative(),
+        SpeculativeIntersection(),
+        SpeculativeText(),
         SpeculativeWindow(),
         PromptLookup(),
         LookupOrDraft(),
@@ -598,9 +679,30 @@ METHODS: dict[str, Method] = {
         EagleTree(),
         EagleDynamic(),
         HFAssisted(),
+        HFUniversal(),
         HFGenerate(),
     )
 }
+
+
+def check_vocabularies(method: Method, pair) -> None:
+    """Raise SpecbenchError when ``method`` cannot draft with ``pair``'s draft because of its tokenizer:
+    only the methods that cross vocabularies take a draft with its own, and they need one."""
+    if not method.needs_draft or pair.draft is None:
+        return
+    crossing = " and ".join(m.name for m in METHODS.values() if m.crosses_vocabularies)
+    if pair.bridge is not None and not method.crosses_vocabularies:
+        raise SpecbenchError(
+            f"the tokenizers of {pair.target.name} and {pair.draft.name} differ: --method {method.name} needs a draft "
+            f"with the target's tokenizer; {crossing} draft across vocabularies"
+        )
+    if pair.bridge is None and method.crosses_vocabularies:
+        raise SpecbenchError(
+            f"{pair.draft.name} shares {pair.target.name}'s tokenizer: --method {method.name} is for a draft with a "
+            "tokenizer of its own; --method speculative runs this pair"
+        )
+
+
 BASELINE = METHODS["baseline"]
 DEFAULT = [Speculative.name]  # what `specbench run` measures when no --method is given
 # What sweep-context runs by default: the one-level draft model, and the methods built for long contexts.

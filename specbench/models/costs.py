@@ -20,6 +20,7 @@ from specbench.decoding.timing import synchronize
 from specbench.models.lm import HFCausalLM, SparseView
 from specbench.models.load import available_memory
 from specbench.models.pair import Pair
+from specbench.models.vocab import VocabView
 
 
 def seconds_of(device: torch.device, fn: Callable[[], object]) -> float:
@@ -192,7 +193,7 @@ def measure_costs(
     tokens = torch.cat(prompt_ids)
     context = tokens.repeat(length // len(tokens) + 2)[: length + sizes[-1]]
     prefix, probe = context[:length], context[length:]
-    models = [pair.target_lm] + ([pair.draft_lm] if pair.draft_lm else [])
+    models = [pair.target_lm] + ([draft_reading_target_ids(pair)] if pair.draft_lm else [])
     with torch.inference_mode():
         for view in levels.values():
             if isinstance(view, SparseView):
@@ -215,6 +216,15 @@ def measure_costs(
         repeats,
         dict(zip(levels, costs[len(costs) - len(levels) :], strict=True)),
     )
+
+
+def draft_reading_target_ids(pair: Pair):
+    """The draft model as the cost measurement feeds it the target's ids: itself, or for a draft with
+    its own tokenizer its models/vocab.VocabView, which reads them as its own ids, as the methods that
+    cross vocabularies draft."""
+    if pair.bridge is None:
+        return pair.draft_lm
+    return VocabView(pair.draft_lm, pair.bridge, pair.target_lm.width)
 
 
 NOISY = 0.1  # a forward-cost ratio whose interquartile range exceeds this share of it is noisy

@@ -415,8 +415,9 @@ def model_dir(model: LoadedModel) -> str:
     return str(directory)
 
 
-def shared_width(target: LoadedModel, draft: LoadedModel) -> int:
-    """Logit width both models share, after checking that their vocabularies agree.
+def shared_width(target: LoadedModel, draft: LoadedModel) -> int | None:
+    """Logit width both models share when their vocabularies agree; None when their tokenizers differ
+    (only the methods that draft across vocabularies, drafters/vocab.py, take such a pair).
 
     Judged on vocabulary contents, never on vocab_size: models of one family pad their
     embeddings to different widths while sharing a tokenizer, and unrelated tokenizers can have
@@ -426,21 +427,15 @@ def shared_width(target: LoadedModel, draft: LoadedModel) -> int:
         sizes = target.model.config.vocab_size, draft.model.config.vocab_size
         if sizes[0] != sizes[1]:
             raise SpecbenchError(
-                f"{target.name} and {draft.name} have vocabularies of {sizes[0]} and {sizes[1]} tokens: "
-                "a draft must share the target's tokenizer"
+                f"{target.name} and {draft.name} have vocabularies of {sizes[0]} and {sizes[1]} tokens and no "
+                "tokenizers to bridge them: a draft must share the target's tokenizer, or both must have one"
             )
         return min(target.width, draft.width)
-    t_vocab = {i: s for s, i in target.tokenizer.get_vocab().items()}
-    d_vocab = {i: s for s, i in draft.tokenizer.get_vocab().items()}
-    # Ids past the smaller vocabulary are tokens one side added at the end (padding, specials).
-    for i in range(min(len(t_vocab), len(d_vocab))):
-        if t_vocab.get(i) != d_vocab.get(i):
-            raise SpecbenchError(
-                f"tokenizers of {target.name} and {draft.name} differ (id {i} is {t_vocab.get(i)!r} vs "
-                f"{d_vocab.get(i)!r}): speculative decoding needs a draft with the target's tokenizer"
-            )
-    width = min(target.width, draft.width)
-    return width
+    # Equal vocabularies, or the draft reads other ids: a draft whose vocabulary is the target's cut short
+    # (or grown) would, over the shorter width, drop the target's other tokens from its law.
+    if target.tokenizer.get_vocab() != draft.tokenizer.get_vocab():
+        return None
+    return min(target.width, draft.width)  # beyond their tokenizers, models pad their embeddings to other widths
 
 
 @dataclass(frozen=True)
@@ -472,6 +467,7 @@ class Loaded:
     # The target's tokenizer; for random weights the one that measures prompt lengths (length_tokenizer),
     # None when there is none (then --prompt-tokens must give the lengths).
     prompt_tokenizer: object | None = None
+    vocabularies_differ: bool = False  # the draft has a tokenizer of its own (drafters/vocab.py)
 
 
 def load_models(wanted: Wanted) -> Loaded:
@@ -494,7 +490,7 @@ def load_models(wanted: Wanted) -> Loaded:
         draft = load(wanted.draft, device, dtype) if wanted.draft else None
     width = shared_width(target, draft) if draft else target.width
     tokenizer = length_tokenizer(target) if wanted.random_weights else target.tokenizer
-    return Loaded(target, draft, width, device, dtype, speculator, tokenizer)
+    return Loaded(target, draft, width or target.width, device, dtype, speculator, tokenizer, width is None)
 
 
 def length_tokenizer(target: LoadedModel):

@@ -21,6 +21,7 @@ from specbench.models.fast import FastLlama, unsupported
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import LoadedModel, Wanted, load_models
 from specbench.models.static import StaticHead, StaticLM
+from specbench.models.vocab import Bridge, bridge_of
 from specbench.workloads.prompts import Prompt, Turn, some, turns_of
 
 log = logging.getLogger("specbench")
@@ -40,6 +41,7 @@ class Pair:
     prompt_tokenizer: object | None  # what encodes the prompts (models.Loaded.prompt_tokenizer)
     clock: PhaseClock | None = None  # set on a timed pair: what methods lap their own timed parts on
     head: EagleHead | StaticHead | None = None  # the --speculator head, when an EAGLE method decodes here
+    bridge: Bridge | None = None  # the two vocabularies, when the draft's tokenizer is not the target's
 
     @property
     def stop_ids(self) -> frozenset[int]:
@@ -103,10 +105,15 @@ def load_pair(wanted: Wanted, compile: bool | None = None, threads: int = 0, gra
     # Packed products are oneDNN's, which the static path's compiler cannot take: the head packs without it.
     head = load_head(loaded.speculator, target.model, compile and not graphs) if loaded.speculator else None
     target_lm = loop_lm(target.model, width, None, compile, graphs, target.name)
-    draft_lm = loop_lm(draft.model, width, draft.head_tokens, compile, graphs, draft.name) if draft else None
+    bridge = None
+    if loaded.vocabularies_differ:  # the draft keeps its own logits; drafters/vocab.py maps them
+        bridge = bridge_of(target.tokenizer, draft.tokenizer, target.width, draft.width)
+        log.info("%s and %s have tokenizers of their own: %d tokens in both", target.name, draft.name, bridge.shared)
+    draft_width = draft.width if bridge else width
+    draft_lm = loop_lm(draft.model, draft_width, draft.head_tokens, compile, graphs, draft.name) if draft else None
     if head is not None and isinstance(target_lm, StaticLM):  # the head's steps on the static path too
         head = StaticHead(head, target_lm.kv.capacity)
-    return replace(pair, target_lm=target_lm, draft_lm=draft_lm, head=head)
+    return replace(pair, target_lm=target_lm, draft_lm=draft_lm, head=head, bridge=bridge)
 
 
 def loop_lm(model, width: int, head_tokens, compile: bool, graphs: bool, name: str) -> HFCausalLM:

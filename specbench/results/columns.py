@@ -354,6 +354,16 @@ COLUMNS: tuple[Column, ...] = (
         gated=True,
     ),
     Column(
+        "proposable",
+        DETERMINISTIC,
+        HIGHER,
+        ".3f",
+        "for a draft with its own tokenizer: the share of the baseline's output tokens the method can propose "
+        "(speculative-intersection: those in both vocabularies; speculative-text: those whose text the draft's "
+        "tokenizer writes back unchanged); empty for the other methods",
+        header="propose",
+    ),
+    Column(
         "alpha_estimate",
         DETERMINISTIC,
         HIGHER,
@@ -454,6 +464,14 @@ COLUMNS: tuple[Column, ...] = (
         LOWER,
         ".3f",
         "seconds in the level beneath the drafting model (cascade: prompt lookup; triforce: the windowed draft model)",
+        absolute=True,
+    ),
+    Column(
+        "retokenize_s",
+        TIMING,
+        LOWER,
+        ".3f",
+        "seconds converting between a draft's vocabulary and the target's (speculative-intersection, speculative-text)",
         absolute=True,
     ),
     Column(

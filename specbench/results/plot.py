@@ -105,7 +105,8 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
         title="acceptance by position",
         ylim=(0, 1.02),
     )
-    ax_accept.legend(fontsize="small")
+    if len(acceptance):  # none when no row counted its drafts by position (hf-universal alone)
+        ax_accept.legend(fontsize="small")
 
     # Bars span the interquartile range of the ratio within the repeats: the measurement's own noise.
     spread = verify["ratio_iqr"] / 2 if "ratio_iqr" in verify else None
@@ -122,7 +123,7 @@ def plot_run(run_dir: Path, name: str = "sweep.png") -> Path | None:
     return _saved(fig, run_dir / name)
 
 
-PHASE_COLORS = dict(zip(schema.PHASES, ("#9e9e9e", "#4c9be8", "#8e6bd1", "#e8834c", "#d64550"), strict=True))
+PHASE_COLORS = dict(zip(schema.PHASES, ("#9e9e9e", "#4c9be8", "#8e6bd1", "#4caf50", "#e8834c", "#d64550"), strict=True))
 
 
 def _summary(run_dir: Path):

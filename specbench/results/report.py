@@ -26,6 +26,7 @@ BRIEF = (
     "k_policy",
     "spec_tokens_per_s",
     "speedup",
+    "proposable",  # shown only for a draft with its own tokenizer
     "alpha",
     "tau",
     "c",
@@ -223,11 +224,13 @@ def k_cell(row: dict) -> str:
 
 def phase_table(rows: list[dict]) -> Table | None:
     """Where each method's time went: milliseconds per generated token, phase by phase (inner only
-    when a method has a level beneath its draft model). None when no row is specbench's loop's."""
+    when a method has a level beneath its draft model, retokenize when its draft has a vocabulary of its own).
+    None when no row is specbench's loop's."""
     rows = [row for row in rows if row["engine"] in OWN_ENGINES]  # a serving engine's time is not split into phases
     if not rows:
         return None
-    phases = [name for name in schema.PHASES if name != "inner_s" or any(row[name] for row in rows)]
+    rare = ("inner_s", "retokenize_s")
+    phases = [name for name in schema.PHASES if name not in rare or any(row.get(name) for row in rows)]
     names = (f"{name.removesuffix('_s')} ms" for name in phases)
     table = Table("method", "K", "tree", *names, "total ms", "other %")
     table.title = "time per generated token"

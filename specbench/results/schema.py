@@ -29,7 +29,7 @@ RATES = {
 }
 OWN_ENGINES = ("torch", "hf")  # the engines of specbench's process: its loop, and transformers' generate
 # Where a decode's time went; they add up to its wall time (timing.Phases has one field for each).
-PHASES = ("prefill_s", "draft_s", "inner_s", "verify_s", "other_s")
+PHASES = ("prefill_s", "draft_s", "inner_s", "retokenize_s", "verify_s", "other_s")
 
 # The columns of the other files a run writes (outputs.jsonl: the keys of each line).
 VERIFY_COST = ("model", "tokens", "context_tokens", "seconds", "iqr_s", "ratio", "ratio_iqr", "repeats")

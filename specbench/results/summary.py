@@ -109,6 +109,7 @@ def record(
         "speedup": rate / base_rate,
         "alpha": s.beta_sum / s.tested if s.tested else math.nan,
         "alpha_estimate": s.accepted / s.tested if s.tested else math.nan,
+        "proposable": method.proposable(decoder, b.tokens),
         "acceptance_rate": s.accepted / s.drafted if s.drafted else math.nan,
         "tau": len(s.tokens) / s.target_forwards if drafts else math.nan,
         "nodes": s.drafted / (s.target_forwards - 1) if drafts and s.target_forwards > 1 else math.nan,
@@ -249,6 +250,9 @@ def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], col
             "throughput_speedup": speedup,
             "vs_specbench": (tokens / seconds) / specbench_rate,
             "alpha_estimate": totals["accepted"] / totals["tested"] if drafts and totals["tested"] else math.nan,
+            # Over the baseline's tokens of every prompt: each prompt's share weighed by its tokens.
+            "proposable": sum(r["proposable"] * r["baseline_tokens"] for r in rs)
+            / sum(r["baseline_tokens"] for r in rs),
             **metrics.phase_figures(run, base, len(rs)),
             **{name: sum(r[name] for r in rs) if method.inner_level else math.nan for name in INNER},
             "method": method.name,
