@@ -620,7 +620,7 @@ class HFAssisted(Method):
 class HFUniversal(HFAssisted):
     name, help = (
         "hf-universal",
-        "transformers' universal assisted generation, for a draft with its own tokenizer: generate(assistant_model="
+        "transformers' universal assisted generation, for a draft with its own tokenizer (greedy only): generate(assistant_model="
         "draft, tokenizer, assistant_tokenizer) with K draft tokens per round",
     )
     crosses_vocabularies = True
@@ -631,16 +631,33 @@ class HFUniversal(HFAssisted):
     def check(self, pair):
         pass  # the widths differ with the vocabularies
 
+    def check_options(self, cfg):
+        if cfg.temperature > 0:
+            raise SpecbenchError(sampled_universal())
+
     def c(self, costs):
         return costs.c
 
     def decode(self, pair, settings, decoder, ids, generator):
         from specbench.engines.hf import hf_generate
 
+        if not settings.sampling.greedy:  # the audit's sampled settings reach here without check_options
+            raise SpecbenchError(sampled_universal())
         seed = _seed(generator)
         return hf_generate(
             pair.target, ids, settings, seed, pair.stop_ids, pair.draft, decoder.k, pair.clock, universal=True
         )
+
+
+def sampled_universal() -> str:
+    """Why hf-universal runs greedy only."""
+    from importlib.metadata import version
+
+    return (
+        f"--method hf-universal decodes greedily only: under sampling transformers {version('transformers')}'s "
+        "universal assisted generation stops with \"'AssistantToTargetTranslator' object has no attribute "
+        "'assistant_overlap_token_ids'\" (measured 2026-11-28): use --temperature 0, or speculative-intersection"
+    )
 
 
 class HFGenerate(Method):

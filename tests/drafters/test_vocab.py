@@ -266,3 +266,10 @@ def test_a_draft_whose_vocabulary_shares_too_little_is_refused(tiny_pair, prompt
     result = cli(*run_args(tiny_pair[0], str(draft), prompts_file, tmp_path / "run", "--method", "speculative-text"))
     one_line_error(result, "of the prompts' tokens", "at least 50%")
     assert not (tmp_path / "run" / "summary.csv").exists()
+
+
+def test_universal_assisted_generation_under_sampling_is_refused_in_one_line(
+    tiny_pair, own_tokenizer_draft, prompts_file, tmp_path
+):
+    args = run_args(tiny_pair[0], own_tokenizer_draft, prompts_file, tmp_path / "run", "--method", "hf-universal")
+    one_line_error(cli(*args, "--temperature", "0.8"), "greedily only", "--temperature 0")
