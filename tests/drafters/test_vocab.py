@@ -273,3 +273,19 @@ def test_universal_assisted_generation_under_sampling_is_refused_in_one_line(
 ):
     args = run_args(tiny_pair[0], own_tokenizer_draft, prompts_file, tmp_path / "run", "--method", "hf-universal")
     one_line_error(cli(*args, "--temperature", "0.8"), "greedily only", "--temperature 0")
+
+
+def test_the_audit_takes_a_draft_with_its_own_tokenizer(untied_target, own_tokenizer_draft, prompts_file, tmp_path):
+    result = cli(
+        "audit", "--target", untied_target, "--draft", own_tokenizer_draft, "--dataset", prompts_file,
+        "--method", "speculative-intersection,speculative-text", "--k", "2", "--setting", "greedy",
+        "--prompts", "1", "--num-prompts", "2", "--greedy-tokens", "16", "--threads", "1", "--out", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+    rows = json.loads((tmp_path / "audit.json").read_text())["rows"]
+    greedy = {r["subject"]: r["verdict"] for r in rows if r["test"] == "greedy"}
+    assert greedy == {
+        "torch baseline (control)": "pass",
+        "speculative-intersection K=2": "pass",
+        "speculative-text K=2": "pass",
+    }
