@@ -9,6 +9,7 @@ live in ``validate``; a single option's rules live in its declaration.
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -23,7 +24,7 @@ from specbench.core.options import (
     Option,
 )
 from specbench.engines.llamacpp import find_server
-from specbench.engines.vllm import INSTALL, available, device_count
+from specbench.engines.vllm import BIND, INSTALL, available, device_count, on_cpu
 from specbench.methods.base import Decoder
 from specbench.methods.registry import BASELINE, METHOD, METHODS
 from specbench.methods.served import (
@@ -578,13 +579,24 @@ class BenchConfig:
             return
         for decoder in self.served_plan:
             decoder.method.check_served(self)
+        cpu = on_cpu(self.device)
+        if self.pipeline_parallel_size > 1 and self.served_plan and cpu:
+            raise SpecbenchError(
+                f"--pipeline-parallel-size {self.pipeline_parallel_size} with speculation ({self.served_plan[0].label}): "
+                "vLLM's CPU worker cannot draft across pipeline stages (its engine fails to start): split the "
+                "model with --tensor-parallel-size instead"
+            )
         devices = self.tensor_parallel_size * self.pipeline_parallel_size
         count, what = device_count(self.device)
-        if devices > count and self.distributed_executor_backend != "ray":
+        # On a CPU specbench binds each worker to cores of its own (engines/vllm.py: cpu_binding), unless
+        # the user bound them (VLLM_CPU_OMP_THREADS_BIND), which vLLM then judges.
+        bound = cpu and os.environ.get(BIND) is not None
+        if devices > count and self.distributed_executor_backend != "ray" and not bound:
+            bind = f", bind vLLM's workers to cores yourself with {BIND}," if cpu else ","
             raise SpecbenchError(
                 f"--tensor-parallel-size {self.tensor_parallel_size} x --pipeline-parallel-size "
                 f"{self.pipeline_parallel_size} needs {devices} devices and this machine has {count} {what}: "
-                "lower them, or spread over machines with --distributed-executor-backend ray"
+                f"lower them{bind} or spread over machines with --distributed-executor-backend ray"
             )
         if not available():
             raise SpecbenchError(INSTALL)

@@ -20,7 +20,7 @@ from specbench.decoding.sampling import Sampling, synthetic_rates
 from specbench.engines import Served
 from specbench.engines.launch import launched
 from specbench.engines.server import Server
-from specbench.engines.vllm import Engine, EngineSpec
+from specbench.engines.vllm import LOG_NAME, Engine, EngineSpec
 from specbench.methods.base import Decoder
 from specbench.methods.served import Remote
 from specbench.models.pair import Conversations
@@ -201,12 +201,12 @@ def draft_alone(run: ServingRun, conversations: Conversations) -> Iterator[Progr
 @contextmanager
 def opened(run: ServingRun, conversations: Conversations, decoder: Decoder | None) -> Iterator:
     """The engine of ``decoder`` (None: the draft model alone), warmed up by ``run.warmup`` untimed
-    requests of the first prompt; closed on exit. A server specbench launches is started first (its
-    log in out/servers) and stopped after. A speculating server that cannot be started or reached
-    yields None and its reason in decoder.state (its requests are recorded as failed, and the run goes
-    on to the next); the baseline's is an error."""
+    requests of the first prompt; closed on exit. vLLM's output goes to out/vllm.log. A server
+    specbench launches is started first (its log in out/servers) and stopped after. A speculating
+    server that cannot be started or reached yields None and its reason in decoder.state (its
+    requests are recorded as failed, and the run goes on to the next); the baseline's is an error."""
     if run.engine == "vllm":
-        with warmed_up(Engine(run.spec(decoder)), run, conversations) as engine:
+        with warmed_up(Engine(run.spec(decoder), log=run.out / LOG_NAME), run, conversations) as engine:
             yield engine
         return
     remote = run.draft_server if decoder is None else decoder.method

@@ -542,12 +542,18 @@ ENGINE: tuple[Option, ...] = (
         panel=ENGINE_PANEL,
     ),
     Option(
-        "tensor_parallel_size", 1, "vLLM: devices that split each layer.", low=1, read_by=(VLLM,), panel=ENGINE_PANEL
+        "tensor_parallel_size",
+        1,
+        "vLLM: devices that split each layer; on a CPU, workers that specbench binds to cores of their own "
+        "(unless VLLM_CPU_OMP_THREADS_BIND is set).",
+        low=1,
+        read_by=(VLLM,),
+        panel=ENGINE_PANEL,
     ),
     Option(
         "pipeline_parallel_size",
         1,
-        "vLLM: devices (or machines) that split the layers.",
+        "vLLM: devices (or machines) that split the layers; on a CPU, not with speculation.",
         low=1,
         read_by=(VLLM,),
         panel=ENGINE_PANEL,

@@ -5,17 +5,28 @@ it. Like specbench's own loop, the engine sees token ids only: prompts go in as 
 not even loaded in vLLM) and outputs come back as ids. Requests are driven through vLLM's AsyncLLM
 in this process, at most N at a time, as a server's clients would send them, and timed from the
 client's side: submission, first token, last token.
+
+vLLM's own output (its log, and whatever the processes it starts print: the engine core, a worker
+per device) goes to a log file in the run's folder (LOG_NAME), not to the terminal: a start that
+fails is one line naming that file. On a CPU, workers of tensor or pipeline parallelism are bound
+to cores of their own here (cpu_binding) where vLLM's own binding, a NUMA node per worker, cannot.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import os
 import queue
+import re
+import sys
 import time
-from collections.abc import Iterator
+import traceback
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from specbench.core.errors import SpecbenchError
@@ -29,6 +40,9 @@ INSTALL = (
     "(CPU; docs/engines.md has the CUDA command), then run .venv-vllm/bin/specbench"
 )
 KV_CACHE_GIB = "2"  # VLLM_CPU_KVCACHE_SPACE when unset: enough for a small model's few requests
+LOG_NAME = "vllm.log"  # vLLM's own output, in the run's folder: every engine of the run, one after the other
+BIND = "VLLM_CPU_OMP_THREADS_BIND"  # vLLM's cores for each CPU worker: "0-3|4-7" binds two
+BOUND: set[str] = set()  # the bindings said so far
 
 
 @dataclass(frozen=True)
@@ -85,30 +99,58 @@ def available() -> bool:
 
 
 class Engine:
-    """A started vLLM engine, driven from an event loop on a thread of its own (LoopThread)."""
+    """A started vLLM engine, driven from an event loop on a thread of its own (LoopThread). With
+    ``log``, vLLM's own output goes to that file (EngineLog) and a start that fails says so."""
 
-    def __init__(self, spec: EngineSpec):
+    def __init__(self, spec: EngineSpec, log: Path | None = None):
         if not available():
             raise SpecbenchError(INSTALL)
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", KV_CACHE_GIB)
-        # vLLM logs every step of its start; VLLM_LOGGING_LEVEL=INFO brings that back.
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+        # vLLM logs every step of its start: all of it to the log file; without one only its errors
+        # (VLLM_LOGGING_LEVEL sets it).
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO" if log is not None else "ERROR")
+        self.log = EngineLog(log, spec) if log is not None else None
         self.driver = LoopThread()
         self.llm = None
-        self.llm = self.driver.wait(self._start(spec))
+        try:
+            self.llm = self.driver.wait(self._start(spec))
+        except BaseException:
+            self.close()
+            raise
         self.requests = 0
         self.detokenizes = not spec.kwargs()["skip_tokenizer_init"]
 
     async def _start(self, spec: EngineSpec):
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.v1.engine.async_llm import AsyncLLM
+        with self.log.starting() if self.log is not None else _nothing():
+            from vllm.engine.arg_utils import AsyncEngineArgs
+            from vllm.platforms import current_platform
+            from vllm.v1.engine.async_llm import AsyncLLM
 
-        try:
-            return AsyncLLM.from_engine_args(AsyncEngineArgs(**spec.kwargs()))
-        except TypeError as e:  # an --engine-args key vLLM does not have
-            raise SpecbenchError(f"vLLM refused its arguments ({e}): check --engine-args") from None
-        except Exception as e:
-            raise SpecbenchError(f"vLLM could not start the engine for {spec.model}: {first_line(e)}") from None
+            binding = None
+            if current_platform.is_cpu() and spec.parallel.get("distributed_executor_backend") != "ray":
+                binding = cpu_binding(workers(spec), os.sched_getaffinity(0), numa_nodes(), os.environ.get(BIND))
+            if binding is not None and binding not in BOUND:  # said once a process
+                BOUND.add(binding)
+                logging.getLogger("specbench").info(
+                    "vLLM's %d CPU workers bound to cores %s (%s=%s; set it to bind them otherwise)",
+                    workers(spec),
+                    binding.replace("|", ", "),
+                    BIND,
+                    binding,
+                )
+            try:
+                with environment({BIND: binding} if binding is not None else {}):
+                    return AsyncLLM.from_engine_args(AsyncEngineArgs(**spec.kwargs()))
+            except TypeError as e:  # an --engine-args key vLLM does not have
+                raise SpecbenchError(f"vLLM refused its arguments ({e}): check --engine-args") from None
+            except Exception as e:
+                if self.log is None:
+                    raise SpecbenchError(f"vLLM could not start the engine for {spec.model}: {first_line(e)}") from None
+                said = self.log.error_line() or first_line(e)
+                self.log.write("".join(traceback.format_exception(e)))
+                raise SpecbenchError(
+                    f"vLLM could not start the engine for {spec.model}: {said} (vLLM's output: {self.log.path})"
+                ) from None
 
     async def _stop(self) -> None:
         # The output handler goes first: it would report the engine it waits on as dead.
@@ -242,10 +284,14 @@ class Engine:
         return found
 
     def close(self) -> None:
-        if self.llm is not None:
-            self.driver.wait(self._stop())
-            self.llm = None
-        self.driver.close()
+        try:
+            if self.llm is not None:
+                self.driver.wait(self._stop())
+                self.llm = None
+            self.driver.close()
+        finally:
+            if self.log is not None:
+                self.log.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -254,10 +300,209 @@ class Engine:
         self.close()
 
 
+def on_cpu(device: str) -> bool:
+    """Whether vLLM runs on this machine's CPU (--device cpu, or no GPU that torch sees)."""
+    import torch
+
+    return device == "cpu" or not torch.cuda.is_available()
+
+
 def device_count(device: str) -> tuple[int, str]:
     """The devices vLLM can split a model over here: the GPUs, or on a CPU machine its cores."""
     import torch
 
-    if device != "cpu" and torch.cuda.is_available():
+    if not on_cpu(device):
         return torch.cuda.device_count(), "GPU(s)"
     return len(os.sched_getaffinity(0)), "CPU cores"
+
+
+def workers(spec: EngineSpec) -> int:
+    """The worker processes of ``spec``'s engine on this machine: tensor times pipeline parallel size."""
+    return spec.parallel.get("tensor_parallel_size", 1) * spec.parallel.get("pipeline_parallel_size", 1)
+
+
+def cpu_binding(workers: int, cores: Iterable[int], numa_nodes: int, given: str | None) -> str | None:
+    """What VLLM_CPU_OMP_THREADS_BIND is set to for ``workers`` CPU workers: nothing where the user
+    set it (``given``), for one worker, or where vLLM's own binding (a NUMA node per worker) finds a
+    node each; else the usable ``cores`` split between the workers (cpu_split)."""
+    if given is not None or workers <= 1 or numa_nodes >= workers:
+        return None
+    return cpu_split(cores, workers)
+
+
+def cpu_split(cores: Iterable[int], parts: int) -> str:
+    """``cores`` in order, cut into ``parts`` groups as equal as they go, in VLLM_CPU_OMP_THREADS_BIND's
+    form: "0|1" for cores 0 and 1 in two, "0-3|4-7" for eight, "0-2|3,5" for cores 0 to 3 and 5.
+    Fewer cores than parts are refused in one line that names the setting."""
+    cores = sorted(set(cores))
+    if len(cores) < parts:
+        raise SpecbenchError(
+            f"{parts} vLLM CPU workers (--tensor-parallel-size x --pipeline-parallel-size) need a core each and "
+            f"this process may use {len(cores)}: lower them, or bind the workers yourself with {BIND}"
+        )
+    size, larger = divmod(len(cores), parts)
+    groups, at = [], 0
+    for part in range(parts):
+        groups.append(cores[at : at + size + (part < larger)])
+        at += len(groups[-1])
+    return "|".join(ranges(group) for group in groups)
+
+
+def ranges(ids: list[int]) -> str:
+    """Sorted ids as runs: [0, 1, 2, 5] is "0-2,5"."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs)
+
+
+def numa_nodes() -> int:
+    """The NUMA nodes vLLM's own CPU binding may use here (1 where vLLM cannot say)."""
+    try:
+        from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+        return len(get_visible_memory_node())
+    except Exception:  # an older or newer vLLM without it: bind as on one node
+        return 1
+
+
+@contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """``values`` in os.environ meanwhile (what processes started meanwhile inherit)."""
+    before = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+# A line of a Python traceback that says what was raised: "AssertionError: Not enough ...", after
+# vLLM's prefix of a process's lines ("(EngineCore pid=7) ERROR 11-28 13:18:48 [core.py:1510] ").
+RAISED = re.compile(r"(?:^|\] )((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception)): (\S.*)$")
+
+
+def error_line(text: str) -> str | None:
+    """The last line of ``text`` (vLLM's output) that says what was raised, without vLLM's prefix or
+    the exception's module; None if none does. vLLM's "See root cause above" is not one."""
+    for line in reversed(text.splitlines()):
+        found = RAISED.search(line.strip())
+        if found and "See root cause above" not in found.group(2):
+            return f"{found.group(1).rsplit('.', 1)[-1]}: {found.group(2)}"
+    return None
+
+
+class EngineLog:
+    """vLLM's output while an engine lives, appended to ``path`` under a line naming the engine.
+
+    vLLM writes from this process (its loggers, named vllm) and from the processes it starts: the
+    engine core, and a worker per device under tensor or pipeline parallelism. Those inherit their
+    output from this process's descriptors 1 and 2 as they start: while the engine starts, those
+    point at the log (``starting``), and sys.stdout and sys.stderr keep writing where they did, so
+    specbench's own lines and progress stay on the terminal. This process's vLLM loggers write to
+    the log from the start until the engine is closed."""
+
+    def __init__(self, path: Path, spec: EngineSpec):
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.file = open(path, "a", encoding="utf-8", buffering=1)
+        self.began = self.file.tell()
+        speculative = spec.speculative["method"] if spec.speculative else "no speculation"
+        self.write(f"==== {time.strftime('%Y-%m-%d %H:%M:%S')} vLLM engine: {spec.model}, {speculative}\n")
+        self.moved: list[tuple[logging.StreamHandler, object]] = []
+        # Where vLLM's loggers in this process write: descriptor 1, not a sys.stdout that a display replaced.
+        os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.__stdout__")
+        os.environ.setdefault("VLLM_LOGGING_COLOR", "0")  # a file holds no colours
+
+    def write(self, text: str) -> None:
+        self.file.write(text)
+        self.file.flush()
+
+    @contextmanager
+    def starting(self) -> Iterator[None]:
+        """Descriptors 1 and 2 to the log meanwhile; sys.stdout and sys.stderr, where they wrote
+        to those descriptors, to copies of them; vLLM's loggers to the log."""
+        streams = {"stdout": 1, "stderr": 2}
+        for name in streams:
+            _flush(getattr(sys, name))
+        _flush(sys.__stdout__)
+        _flush(sys.__stderr__)
+        saved = {fd: os.dup(fd) for fd in streams.values()}
+        kept = {}
+        for name, fd in streams.items():
+            stream = getattr(sys, name)
+            if _descriptor(stream) == fd:
+                kept[name] = stream
+                copy = open(os.dup(saved[fd]), "w", encoding=getattr(stream, "encoding", None) or "utf-8", buffering=1)
+                setattr(sys, name, copy)
+        vllm = logging.getLogger("vllm")
+        mine = logging.StreamHandler(self.file)
+        # Records before vLLM configures its loggers (at import: "Triton is installed, but ...").
+        alone, propagates = not vllm.handlers, vllm.propagate
+        if alone:
+            vllm.addHandler(mine)
+            vllm.propagate = False
+        try:
+            for fd in streams.values():
+                os.dup2(self.file.fileno(), fd)
+            yield
+        finally:
+            _flush(sys.__stdout__)
+            _flush(sys.__stderr__)
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
+            for name, stream in kept.items():
+                getattr(sys, name).close()
+                setattr(sys, name, stream)
+            if mine in vllm.handlers:  # vLLM did not configure its loggers meanwhile
+                vllm.removeHandler(mine)
+                vllm.propagate = propagates
+            self.follow()
+
+    def follow(self) -> None:
+        """vLLM's loggers in this process write to the log until close."""
+        for handler in logging.getLogger("vllm").handlers:
+            if type(handler) is logging.StreamHandler and handler.stream is not self.file:
+                self.moved.append((handler, handler.setStream(self.file)))
+
+    def error_line(self) -> str | None:
+        """What this engine's part of the log last says was raised (error_line)."""
+        _flush(sys.__stdout__)
+        _flush(sys.__stderr__)
+        with open(self.path, encoding="utf-8", errors="replace") as f:
+            f.seek(self.began)
+            return error_line(f.read())
+
+    def close(self) -> None:
+        for handler, stream in reversed(self.moved):
+            handler.setStream(stream)
+        self.moved.clear()
+        if not self.file.closed:
+            self.file.close()
+
+
+def _descriptor(stream) -> int | None:
+    try:
+        return stream.fileno()
+    except (AttributeError, OSError, ValueError):  # io.StringIO and the like: not a descriptor
+        return None
+
+
+def _flush(stream) -> None:
+    try:
+        stream.flush()
+    except (AttributeError, OSError, ValueError):
+        pass

@@ -16,7 +16,7 @@ from specbench.core import metrics
 from specbench.core.errors import SpecbenchError
 from specbench.core.thinking import Markers
 from specbench.engines import Served
-from specbench.engines.vllm import EngineSpec
+from specbench.engines.vllm import EngineLog, EngineSpec, cpu_binding, cpu_split, error_line
 from specbench.methods.base import Decoder
 from specbench.methods.served import SERVED, SERVED_BASELINE
 from specbench.results import schema, serving
@@ -198,6 +198,88 @@ def test_bad_engine_input_is_one_line_and_exit_2_before_anything_starts(args, sa
     assert exited.value.code == 2 and says in " ".join(said.split()), said
     assert len(said.strip().splitlines()) <= 2 and "Traceback" not in said  # one line (wrapped at most once)
     assert not (tmp_path / "run" / "meta.json").exists()  # refused before the run began
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ["--pipeline-parallel-size", "2", "--method", "prompt-lookup"],
+            "--pipeline-parallel-size 2 with speculation (ngram K=4): vLLM's CPU worker cannot draft across "
+            "pipeline stages",
+        ),
+        (["--tensor-parallel-size", "512"], "bind vLLM's workers to cores yourself with VLLM_CPU_OMP_THREADS_BIND"),
+    ],
+)
+def test_what_vllm_cannot_run_on_a_cpu_is_refused_before_it_starts(args, says, tmp_path, monkeypatch, capsys):
+    """Pipeline parallelism with speculation fails inside vLLM's CPU worker ('CPUModelRunner' object
+    has no attribute 'drafter'); more workers than cores name the setting that binds them."""
+    import time
+
+    import specbench.bench.config
+
+    monkeypatch.setattr(specbench.bench.config, "on_cpu", lambda device: True)
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(sys, "argv", ["specbench", "run", "--engine", "vllm", *args, "--out", str(tmp_path / "run")])
+    began = time.monotonic()
+    with pytest.raises(SystemExit) as exited:
+        main()
+    said = capsys.readouterr().err
+    assert exited.value.code == 2 and says in " ".join(said.split()), said
+    assert len(said.strip().splitlines()) <= 2 and "Traceback" not in said
+    assert not (tmp_path / "run").exists() and time.monotonic() - began < 5
+
+
+def test_cpu_workers_get_the_usable_cores_split_between_them():
+    assert cpu_split({0, 1}, 2) == "0|1"
+    assert cpu_split(range(8), 2) == "0-3|4-7"
+    assert cpu_split([5, 0, 1, 2, 3], 2) == "0-2|3,5"  # a core the process may not use is left out
+    assert cpu_split(range(7), 3) == "0-2|3-4|5-6"  # the first groups take what does not divide
+    with pytest.raises(
+        SpecbenchError, match="need a core each and this process may use 1: .*VLLM_CPU_OMP_THREADS_BIND"
+    ):
+        cpu_split([3], 2)
+    # specbench binds only where vLLM's own binding, a NUMA node per worker, cannot, and never over the user's.
+    assert cpu_binding(2, range(4), numa_nodes=1, given=None) == "0-1|2-3"
+    assert cpu_binding(2, range(4), numa_nodes=2, given=None) is None
+    assert cpu_binding(2, range(4), numa_nodes=1, given="0|0") is None
+    assert cpu_binding(1, range(4), numa_nodes=1, given=None) is None
+
+
+def test_the_error_line_of_vllms_output_is_the_last_thing_raised():
+    log = (
+        "(EngineCore pid=7) ERROR 11-28 13:18:48 [core.py:1510] EngineCore failed to start.\n"
+        "(EngineCore pid=7) ERROR 11-28 13:18:48 [core.py:1510] Traceback (most recent call last):\n"
+        "(EngineCore pid=7) ERROR 11-28 13:18:48 [core.py:1510]     len(allowed_numa_nodes) >= local_world_size\n"
+        "(EngineCore pid=7) ERROR 11-28 13:18:48 [core.py:1510] AssertionError: Not enough allowed NUMA nodes to "
+        "bind threads of 2 local CPUWorkers.\n"
+        "RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}\n"
+    )
+    assert error_line(log) == "AssertionError: Not enough allowed NUMA nodes to bind threads of 2 local CPUWorkers."
+    assert error_line("torch._C._LinAlgError: singular\n  File x\n") == "_LinAlgError: singular"
+    assert error_line("INFO all well\n") is None
+
+
+def test_what_processes_started_while_an_engine_starts_print_goes_to_its_log(tmp_path, capfd):
+    """vLLM's engine core and workers inherit descriptors 1 and 2 as they start: those point at the
+    log meanwhile, while this process's own output (sys.stdout, sys.stderr) stays where it was."""
+    import logging
+    import subprocess
+
+    log = EngineLog(tmp_path / "run" / "vllm.log", EngineSpec("m", "float32", 0, 64, 1))
+    with log.starting():
+        child = "import sys; print('from the engine core'); print('Traceback (most recent', file=sys.stderr)"
+        subprocess.run([sys.executable, "-c", child], check=True)
+        print("specbench's progress")
+        logging.getLogger("vllm.platforms").warning("vLLM in this process")
+    log.close()
+    shown = capfd.readouterr()
+    assert "specbench's progress" in shown.out and "engine core" not in shown.out + shown.err
+    assert "Traceback" not in shown.err and "vLLM in this process" not in shown.err
+    text = (tmp_path / "run" / "vllm.log").read_text()
+    assert text.startswith("==== ") and "vLLM engine: m, no speculation" in text.splitlines()[0]
+    assert "from the engine core" in text and "Traceback (most recent" in text and "vLLM in this process" in text
+    assert "specbench's progress" not in text
 
 
 def test_vllm_missing_names_its_install_command(monkeypatch):

@@ -19,6 +19,7 @@ from tests.helpers import (
     build_tokenizer,
     check_thinking_split,
     cli,
+    one_line_error,
     processes,
     specbench,
 )
@@ -96,34 +97,96 @@ def test_engines_side_by_side_on_the_same_prompts(vllm_pair, prompts_file, tmp_p
     )
 
 
-def test_vllm_counters_equal_the_sum_of_its_per_request_histograms(vllm_pair):
+@pytest.fixture(scope="module")
+def sharded_pair(tmp_path_factory) -> tuple[str, str]:
+    """A 2-layer target whose 4 attention heads and 2 key/value heads split over two workers, with
+    untied embeddings so that its greedy answers vary (vllm_pair's repeat one token), and a draft
+    made of its first layer under a noisy head: it agrees with 39 of the target's 64 greedy tokens
+    on the requests below (float32, transformers), so drafts are both accepted and rejected."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("sharded-pair")
+    tokenizer = build_tokenizer(root / "tok")
+    target = build_llama(root / "target", tokenizer, layers=2, hidden=128, seed=1, tie=False)
+    full = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    draft = LlamaForCausalLM(type(full.config)(**{**full.config.to_dict(), "num_hidden_layers": 1}))
+    draft.load_state_dict(full.state_dict(), strict=False)  # the second layer's weights have no place
+    torch.manual_seed(2)
+    with torch.no_grad():
+        head = draft.lm_head.weight
+        head.add_(0.3 * head.std() * torch.randn_like(head))
+    draft.save_pretrained(root / "draft")
+    tokenizer.save_pretrained(root / "draft")
+    return str(target), str(root / "draft")
+
+
+def test_tensor_parallel_2_speculates_as_1_and_vllms_counters_equal_its_histograms(sharded_pair, tmp_path):
+    """The same draft-model engine at tensor parallel size 1, then 2 (two worker processes, which
+    specbench binds to cores of their own where vLLM's own binding, a NUMA node per worker, cannot):
+    greedy, every request's tokens are equal, and in each engine vLLM's counters are the sum of its
+    per-request histograms. One test for both, as each engine takes 15 s (TP = 1) to 40 s to start."""
+    import os
+
     from specbench.decoding.sampling import Sampling
-    from specbench.engines.vllm import Engine, EngineSpec
+    from specbench.engines.vllm import BIND, Engine, EngineSpec, numa_nodes
 
-    spec = {"method": "draft_model", "model": vllm_pair[1], "num_speculative_tokens": 3}
+    target, draft = sharded_pair
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 3}
     requests = [[5, 6, 7, 8, 9], [10, 11, 12], [13, 14, 15, 16], [17, 18]]
-    with Engine(EngineSpec(vllm_pair[0], "float32", 0, 64, 2, spec, extra={"enforce_eager": True})) as engine:
-        before = engine.counters()
-        served = list(engine.run(requests, 2, Sampling(max_new_tokens=16)))
-        after = engine.counters()
-    assert sorted(s.index for s in served) == [0, 1, 2, 3] and all(len(s.tokens) == 16 for s in served)
-    # vLLM's per-step counts arrived: no more steps rejected a draft than accepted fewer than K.
-    assert all(s.rejected is not None and s.rejected <= sum(s.histogram[:-1]) for s in served)
-    hist = [sum(column) for column in zip(*(s.histogram for s in served), strict=True)]
+    answers = {}
+    for tp in (1, 2):
+        engine_spec = EngineSpec(target, "float32", 0, 64, 2, spec, parallel={"tensor_parallel_size": tp},
+                                 extra={"enforce_eager": True})  # fmt: skip
+        with Engine(engine_spec, log=tmp_path / f"tp{tp}" / "vllm.log") as engine:
+            before = engine.counters()
+            served = sorted(engine.run(requests, 2, Sampling(max_new_tokens=16)), key=lambda s: s.index)
+            after = engine.counters()
+        answers[tp] = [s.tokens for s in served]
+        assert [s.index for s in served] == [0, 1, 2, 3] and all(len(s.tokens) == 16 for s in served)
+        # vLLM's per-step counts arrived: no more steps rejected a draft than accepted fewer than K.
+        assert all(s.rejected is not None and s.rejected <= sum(s.histogram[:-1]) for s in served)
+        hist = [sum(column) for column in zip(*(s.histogram for s in served), strict=True)]
+        assert sum(hist[1:]) > 0 and sum(hist[:-1]) > 0  # drafts both accepted and rejected
+        delta = {
+            name: after.get(name, 0) - before.get(name, 0) for name in after if name != "num_accepted_tokens_per_pos"
+        }
+        assert delta["num_drafts"] == sum(hist)
+        assert delta["num_draft_tokens"] == sum(s.drafted for s in served)
+        assert delta["num_accepted_tokens"] == sum(n * count for n, count in enumerate(hist))
+        per_position = [
+            a - b
+            for a, b in zip(
+                after["num_accepted_tokens_per_pos"], before.get("num_accepted_tokens_per_pos", [0] * 3), strict=True
+            )
+        ]
+        assert per_position == [sum(hist[i + 1 :]) for i in range(3)]  # position i accepted when more than i were
+    assert answers[2] == answers[1]
+    assert len(set(answers[1][0])) > 4  # greedy answers that vary: no token repeated throughout
+    log = (tmp_path / "tp2" / "vllm.log").read_text()
+    assert "world_size=2" in log  # vLLM's own output, its workers' included, is in the log
+    if numa_nodes() < 2:
+        assert "VLLM_CPU_OMP_THREADS_BIND='0|1'" in log  # specbench's binding reached vLLM
+    assert BIND not in os.environ  # set for that engine's start alone
 
-    def delta(name):
-        return after.get(name, 0) - before.get(name, 0)
 
-    assert delta("num_drafts") == sum(hist)
-    assert delta("num_draft_tokens") == sum(s.drafted for s in served)
-    assert delta("num_accepted_tokens") == sum(n * count for n, count in enumerate(hist))
-    per_position = [
-        a - b
-        for a, b in zip(
-            after["num_accepted_tokens_per_pos"], before.get("num_accepted_tokens_per_pos", [0] * 3), strict=True
-        )
-    ]
-    assert per_position == [sum(hist[i + 1 :]) for i in range(3)]  # position i accepted when more than i were
+def test_a_vllm_engine_that_cannot_start_is_one_line_naming_its_log(sharded_pair, tmp_path, monkeypatch, capfd):
+    """A binding that vLLM refuses (one core list for two workers) fails in vLLM's engine core
+    process: one line says what vLLM raised and names the log in the run folder, which holds its
+    traceback; nothing of vLLM's reaches the terminal."""
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0")
+    out = tmp_path / "run"
+    args = ["--target", sharded_pair[0], "--num-prompts", "1", "--max-new-tokens", "4", "--engine", "vllm"]
+    args += ["--method", "ngram", "--k", "2", "--tensor-parallel-size", "2", *EAGER, "--out", str(out)]
+    result = cli("run", *args)
+    assert result.returncode == 2, result.stderr[-3000:]
+    one_line_error(
+        result, "vLLM could not start the engine for", "doesn't match local world size 2", str(out / "vllm.log")
+    )
+    shown = capfd.readouterr()
+    assert "Traceback" not in shown.out + shown.err and "EngineCore" not in shown.out + shown.err
+    log = (out / "vllm.log").read_text()
+    assert "Traceback" in log and "AssertionError: Given number of CPU id list ['0']" in log
 
 
 def test_random_weights_time_the_architecture_in_vllm(tmp_path):
