@@ -151,7 +151,8 @@ def own_tokenizer(cfg: DistillConfig, target: LoadedModel, answers: list[StoredA
         return AutoTokenizer.from_pretrained(where)
     yield TrainingProgress("tokenizer", 0, 1)
     tokenizer = init_tokenizer(cfg, target)
-    if tokenizer is not None:
+    kept = tokenizer is not None
+    if kept:
         log.info("--init %s has its own tokenizer (%d tokens): the draft keeps it", cfg.init, len(tokenizer))
     else:
         tokenizer = train_tokenizer(tokenizer_texts(cfg, answers), cfg.tokenizer_vocab, target.tokenizer)
@@ -161,7 +162,7 @@ def own_tokenizer(cfg: DistillConfig, target: LoadedModel, answers: list[StoredA
     trained = {
         "tokenizer_vocab": cfg.tokenizer_vocab,
         "tokens": len(tokenizer),
-        "from": cfg.init if cfg.goes_on else None,
+        "kept_from": cfg.init if kept else None,  # --init's own tokenizer, or None: trained here
     }
     (tmp / TRAINED).write_text(json.dumps(trained) + "\n")
     os.replace(tmp, where)

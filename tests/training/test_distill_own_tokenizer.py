@@ -264,6 +264,8 @@ def test_an_init_draft_of_the_targets_tokenizer_keeps_its_layers_and_maps_its_em
     more = dataclasses.replace(cfg, out=tmp_path / "more", init=str(cfg.out), tokenizer_vocab=600)
     list(distill(more, target))
     assert (more.out / "tokenizer.json").read_text() == (cfg.out / "tokenizer.json").read_text()
+    kept = [json.loads((o / "tokenizer" / "trained.json").read_text())["kept_from"] for o in (cfg.out, more.out)]
+    assert kept == [None, str(cfg.out)]
     again = load_file(more.out / "model.safetensors")
     assert all(torch.equal(again[k], after[k]) for k in after)
 
