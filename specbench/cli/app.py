@@ -591,6 +591,7 @@ def distill(
     from specbench.models.load import load, resolve_device
     from specbench.training import distill as distillation
     from specbench.training.distill_eagle import distill_eagle
+    from specbench.training.distill_own_tokenizer import distill_own_vocabulary
 
     _setup_logging()
     # Every option of this command but --source and --device is the DistillConfig field of its name.
@@ -614,7 +615,10 @@ def distill(
     tasks: dict[str, int] = {}
     last, said_at = None, 0.0
     with progress:
-        for p in (distill_eagle if cfg.trains_head else distillation.distill)(cfg, teacher):
+        phases = (
+            distill_eagle if cfg.trains_head else distill_own_vocabulary if tokenizer_vocab else distillation.distill
+        )
+        for p in phases(cfg, teacher):
             label = {
                 "generate": "target answers prompts",
                 "student": "draft training (steps)",

@@ -425,6 +425,8 @@ def agreement(student, examples: list[Example], batch: int) -> float | None:
 
 def train_student(cfg: DistillConfig, target: LoadedModel) -> Iterator[TrainingProgress]:
     """Train (or resume training) the student on the stored teacher data."""
+    if cfg.tokenizer_vocab:
+        raise SpecbenchError("--tokenizer-vocab: the draft trains in distill_own_tokenizer.distill_own_vocabulary")
     examples, held_out = load_examples(cfg)
     student = new_student(cfg, target)
 
@@ -539,15 +541,10 @@ def recipe(cfg: DistillConfig) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
 
 
-def distill(cfg: DistillConfig, target: LoadedModel, train=None) -> Iterator[TrainingProgress]:
-    """The teacher and generate phases, then ``train`` (default: a draft's student phase, with
-    --tokenizer-vocab distill_own_tokenizer's; or distill_eagle's)."""
+def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Iterator[TrainingProgress]:
+    """The teacher and generate phases, then ``train`` (a draft's student phase, or distill_eagle's, or
+    with --tokenizer-vocab distill_own_tokenizer's)."""
     cfg.validate()
-    if train is None and cfg.tokenizer_vocab:
-        from specbench.training.distill_own_tokenizer import train_own_vocabulary
-
-        train = train_own_vocabulary
-    train = train or train_student
     if cfg.top_k > target.width:
         # A k beyond the vocabulary asks for every probability, and keeping the whole vocabulary gives
         # exactly that (transformers' top-k sampling clamps k alike); refusing would only make the user

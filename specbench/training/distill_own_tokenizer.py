@@ -49,6 +49,7 @@ from specbench.training.distill import (
     HELD_OUT_EVERY,
     DistillConfig,
     TrainingProgress,
+    distill,
     draft_config,
     is_sampled,
     optimise,
@@ -349,3 +350,8 @@ def train_own_vocabulary(cfg: DistillConfig, target: LoadedModel) -> Iterator[Tr
         held_out_draft_tokens=draft_tokens,
         held_out_target_tokens_per_draft_token=target_tokens / draft_tokens if draft_tokens else None,
     )
+
+
+def distill_own_vocabulary(cfg: DistillConfig, target: LoadedModel) -> Iterator[TrainingProgress]:
+    """`specbench distill --tokenizer-vocab N`: distill's generate phase, then train_own_vocabulary."""
+    yield from distill(cfg, target, train=train_own_vocabulary)

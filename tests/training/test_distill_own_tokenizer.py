@@ -14,7 +14,8 @@ import torch
 from specbench.core.errors import SpecbenchError
 from specbench.models.load import load
 from specbench.training import distill_own_tokenizer as own
-from specbench.training.distill import DistillConfig, distill
+from specbench.training.distill import DistillConfig
+from specbench.training.distill_own_tokenizer import distill_own_vocabulary
 from specbench.training.draft_tokenizer import token_bytes, train_tokenizer
 
 from ..helpers import CORPUS, build_llama, build_tokenizer, cli, one_line_error
@@ -178,7 +179,7 @@ def test_the_draft_has_its_own_vocabulary_and_writes_the_targets_answers_in_it(c
 
     target = load(chat_target, CPU, F32)
     cfg = tiny_config(tmp_path / "draft", write_sources(tmp_path))
-    phases = [p.phase for p in distill(cfg, target)]
+    phases = [p.phase for p in distill_own_vocabulary(cfg, target)]
     assert "tokenizer" in phases and phases[-1] == "student" and not any(p.startswith("teacher") for p in phases)
     tokenizer = AutoTokenizer.from_pretrained(cfg.out, local_files_only=True)
     model = AutoModelForCausalLM.from_pretrained(cfg.out, local_files_only=True)
@@ -197,7 +198,7 @@ def test_the_draft_has_its_own_vocabulary_and_writes_the_targets_answers_in_it(c
     assert recipe["held_out_greedy_agreement"] == recipe["held_out_token_agreement"] == 1.0
     assert recipe["held_out_target_tokens_per_draft_token"] > 0 and recipe["head_tokens"] is None
     # Finished: a rerun trains nothing.
-    assert "student" not in [p.phase for p in distill(cfg, target)]
+    assert "student" not in [p.phase for p in distill_own_vocabulary(cfg, target)]
 
 
 def test_a_student_trained_on_the_targets_ids_fails_the_check(chat_target, tmp_path, monkeypatch):
@@ -214,7 +215,7 @@ def test_a_student_trained_on_the_targets_ids_fails_the_check(chat_target, tmp_p
 
     monkeypatch.setattr(own, "answer_example", target_ids)
     cfg = tiny_config(tmp_path / "draft", write_sources(tmp_path))
-    list(distill(cfg, target))
+    list(distill_own_vocabulary(cfg, target))
     held = next(a for a in own.stored_answers(cfg, target.tokenizer) if a.held_out)
     assert not writes_the_answer(cfg.out, held)
 
@@ -225,13 +226,13 @@ def test_training_resumes_to_the_weights_of_an_uninterrupted_run(chat_target, tm
     target = load(chat_target, CPU, F32)
     sources = write_sources(tmp_path)
     whole = tiny_config(tmp_path / "whole", sources, epochs=3)
-    list(distill(whole, target))
+    list(distill_own_vocabulary(whole, target))
     cut = dataclasses.replace(whole, out=tmp_path / "cut")
-    for p in distill(cut, target):
+    for p in distill_own_vocabulary(cut, target):
         if p.phase == "student" and p.done == 4:
             break  # interrupted after four saved steps
     assert not (cut.out / "config.json").exists()
-    resumed = [p for p in distill(cut, target)]
+    resumed = [p for p in distill_own_vocabulary(cut, target)]
     assert resumed[0].phase == "generate" and resumed[1].phase == "tokenizer" and resumed[1].done == 1
     assert [p.done for p in resumed if p.phase == "student"][0] == 5
     a, b = load_file(whole.out / "model.safetensors"), load_file(cut.out / "model.safetensors")
@@ -239,7 +240,7 @@ def test_training_resumes_to_the_weights_of_an_uninterrupted_run(chat_target, tm
     assert (whole.out / "tokenizer.json").read_text() == (cut.out / "tokenizer.json").read_text()
     # A resumed run with another --tokenizer-vocab is refused: the stored tokenizer is another's.
     with pytest.raises(SpecbenchError, match="--tokenizer-vocab 300"):
-        list(distill(dataclasses.replace(cut, tokenizer_vocab=512), target))
+        list(distill_own_vocabulary(dataclasses.replace(cut, tokenizer_vocab=512), target))
 
 
 def test_an_init_draft_of_the_targets_tokenizer_keeps_its_layers_and_maps_its_embeddings(chat_target, tmp_path):
@@ -250,7 +251,7 @@ def test_an_init_draft_of_the_targets_tokenizer_keeps_its_layers_and_maps_its_em
     earlier = build_llama(tmp_path / "earlier", target.tokenizer, layers=1, hidden=32, seed=3)
     sources = write_sources(tmp_path)
     cfg = tiny_config(tmp_path / "draft", sources, init=str(earlier), lr=0.0, epochs=1)
-    list(distill(cfg, target))
+    list(distill_own_vocabulary(cfg, target))
     before, after = load_file(earlier / "model.safetensors"), load_file(cfg.out / "model.safetensors")
     for name in before:
         if "embed" not in name and "lm_head" not in name:  # every layer as it was (in half precision)
@@ -262,12 +263,25 @@ def test_an_init_draft_of_the_targets_tokenizer_keeps_its_layers_and_maps_its_em
     torch.testing.assert_close(after["model.embed_tokens.weight"][i].float(), embed[ids].mean(0).half().float())
     # Training goes on from a draft with its own tokenizer: it keeps that tokenizer and its weights.
     more = dataclasses.replace(cfg, out=tmp_path / "more", init=str(cfg.out), tokenizer_vocab=600)
-    list(distill(more, target))
+    list(distill_own_vocabulary(more, target))
     assert (more.out / "tokenizer.json").read_text() == (cfg.out / "tokenizer.json").read_text()
     kept = [json.loads((o / "tokenizer" / "trained.json").read_text())["kept_from"] for o in (cfg.out, more.out)]
     assert kept == [None, str(cfg.out)]
     again = load_file(more.out / "model.safetensors")
     assert all(torch.equal(again[k], after[k]) for k in after)
+
+
+def test_the_command_trains_a_draft_with_its_own_tokenizer(chat_target, tmp_path):
+    out = tmp_path / "draft"
+    result = cli(
+        "distill", "--target", chat_target, "--out", str(out), "--source", str(write_sources(tmp_path)),
+        "--tokenizer-vocab", "300", "--hidden-size", "32", "--layers", "1", "--intermediate-size", "64",
+        "--teacher-tokens", "0", "--generate-prompts", "4", "--generate-new-tokens", "8", "--generate-batch", "2",
+        "--epochs", "1", "--batch", "2",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "draft's own tokenizer 1/1" in result.stdout and "begins the target's text at" in result.stdout
+    assert (out / "tokenizer.json").is_file() and (out / "tokenizer" / "trained.json").is_file()
 
 
 @pytest.mark.parametrize(
