@@ -461,8 +461,21 @@ def serving_run(cfg: BenchConfig, pair: Pair, conversations: Conversations, out:
         extra=cfg.engine_args,
     )
     draft = model_dir(pair.draft) if pair.draft is not None else None
-    alone = replace(target, model=draft) if draft and any(d.method.needs_draft for d in plan) else None
-    return ServingRun(**common, target=target, draft_alone=alone, draft=draft, speculator=cfg.speculator)
+    own_vocabulary = pair.bridge is not None
+    # A draft with its own tokenizer is not timed alone: its engine would be sent the target's ids (c is left empty).
+    alone = (
+        replace(target, model=draft)
+        if draft and not own_vocabulary and any(d.method.needs_draft for d in plan)
+        else None
+    )
+    return ServingRun(
+        **common,
+        target=target,
+        draft_alone=alone,
+        draft=draft,
+        speculator=cfg.speculator,
+        own_vocabulary=own_vocabulary,
+    )
 
 
 def thinking_markers(option: str, tokenizer) -> Markers | None:

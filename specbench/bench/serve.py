@@ -65,12 +65,16 @@ class ServingRun:
     api_key: str | None = field(default=None, repr=False)  # from the environment; never written
     timeout_s: float = 600.0
     encode: Callable[[str], list[int]] | None = None  # text to the target's ids (servers that answer in text)
+    own_vocabulary: bool = False  # vLLM: the draft's tokenizer is not the target's
 
     def spec(self, decoder: Decoder | None) -> EngineSpec:
         """The vLLM engine of ``decoder`` (None: the draft model alone)."""
         if decoder is None:
             return self.draft_alone
         speculative = decoder.method.speculative_config(decoder.k, self.draft, self.speculator)
+        if speculative is not None and self.own_vocabulary and speculative["method"] == "draft_model":
+            # vLLM's token-level intersection (its VocabMapping): the draft's logits cut to the shared tokens.
+            speculative = {**speculative, "use_heterogeneous_vocab": True}
         if speculative is not None and (acceptance := self.sampling.synthetic_acceptance) is not None:
             # vLLM's rates are unconditional per position, as llama.cpp's: the same law as specbench's loop.
             rates = synthetic_rates(acceptance, decoder.k)

@@ -87,7 +87,8 @@ class Method:
     shapes_tree = False  # takes K, but drafts a tree of a shape of its own each round (K is its depth)
     needs_draft = False  # the --draft model must be loaded
     needs_speculator = False  # the --speculator head must be given
-    crosses_vocabularies = False  # drafts with a draft whose tokenizer is not the target's (drafters/vocab.py)
+    # Whether it drafts with a draft whose tokenizer is not the target's (drafters/vocab.py); None: with either.
+    crosses_vocabularies: bool | None = False
     learns = False  # changes between prompts (begin_run, after_prompt and save say how)
     draft_level = "draft model"  # what drafts the tokens the target verifies
     inner_level = ""  # what proposes beneath the drafting model, in a method of several levels

@@ -73,6 +73,7 @@ class SpeculativeIntersection(SpeculativeLoop):
         True,
     )
     crosses_vocabularies = True
+    counterpart = "draft"  # vLLM's draft model over a draft with its own vocabulary is this algorithm
     k_policies = K_POLICIES  # a ModelDrafter given decoder.p_min: it can stop where unsure
     adjusts_logits = True  # a chain of its own rows, in the target's ids
 
@@ -620,7 +621,7 @@ class HFAssisted(Method):
 class HFUniversal(HFAssisted):
     name, help = (
         "hf-universal",
-        "transformers' universal assisted generation, for a draft with its own tokenizer (greedy only): generate(assistant_model="
+        "transformers' universal assisted generation, for a draft with its own tokenizer (greedy only; transformers 5.23 on): generate(assistant_model="
         "draft, tokenizer, assistant_tokenizer) with K draft tokens per round",
     )
     crosses_vocabularies = True
@@ -632,8 +633,8 @@ class HFUniversal(HFAssisted):
         pass  # the widths differ with the vocabularies
 
     def check_options(self, cfg):
-        if cfg.temperature > 0:
-            raise SpecbenchError(sampled_universal())
+        if problem := universal_problem(cfg.temperature == 0):
+            raise SpecbenchError(problem)
 
     def c(self, costs):
         return costs.c
@@ -641,23 +642,37 @@ class HFUniversal(HFAssisted):
     def decode(self, pair, settings, decoder, ids, generator):
         from specbench.engines.hf import hf_generate
 
-        if not settings.sampling.greedy:  # the audit's sampled settings reach here without check_options
-            raise SpecbenchError(sampled_universal())
+        # The audit's sampled settings reach here without check_options.
+        if problem := universal_problem(settings.sampling.greedy):
+            raise SpecbenchError(problem)
         seed = _seed(generator)
         return hf_generate(
             pair.target, ids, settings, seed, pair.stop_ids, pair.draft, decoder.k, pair.clock, universal=True
         )
 
 
-def sampled_universal() -> str:
-    """Why hf-universal runs greedy only."""
+# The transformers release hf-universal was measured on. On 5.0, pyproject's lowest, greedy generate with an
+# assistant of another tokenizer fails inside transformers' Llama attention (a mask of the wrong length).
+UNIVERSAL_FROM = (5, 23)
+
+
+def universal_problem(greedy: bool) -> str | None:
+    """Why hf-universal cannot run with the installed transformers, or under sampling; None when it can."""
     from importlib.metadata import version
 
-    return (
-        f"--method hf-universal decodes greedily only: under sampling transformers {version('transformers')}'s "
-        "universal assisted generation stops with \"'AssistantToTargetTranslator' object has no attribute "
-        "'assistant_overlap_token_ids'\" (measured 2026-11-28): use --temperature 0, or speculative-intersection"
-    )
+    installed = version("transformers")
+    if tuple(int(part) for part in installed.split(".")[:2]) < UNIVERSAL_FROM:
+        return (
+            f"--method hf-universal needs transformers {'.'.join(map(str, UNIVERSAL_FROM))} or later (installed: "
+            f"{installed}, whose universal assisted generation fails): upgrade transformers, or drop hf-universal"
+        )
+    if not greedy:
+        return (
+            f"--method hf-universal decodes greedily only: under sampling transformers {installed}'s universal "
+            "assisted generation stops with \"'AssistantToTargetTranslator' object has no attribute "
+            "'assistant_overlap_token_ids'\" (measured 2026-11-28): use --temperature 0, or speculative-intersection"
+        )
+    return None
 
 
 class HFGenerate(Method):
@@ -705,7 +720,7 @@ METHODS: dict[str, Method] = {
 def check_vocabularies(method: Method, pair) -> None:
     """Raise SpecbenchError when ``method`` cannot draft with ``pair``'s draft because of its tokenizer:
     only the methods that cross vocabularies take a draft with its own, and they need one."""
-    if not method.needs_draft or pair.draft is None:
+    if not method.needs_draft or pair.draft is None or method.crosses_vocabularies is None:  # None: takes either
         return
     crossing = " and ".join(m.name for m in METHODS.values() if m.crosses_vocabularies)
     if pair.bridge is not None and not method.crosses_vocabularies:

@@ -36,7 +36,13 @@ class ServedBaseline(VllmMethod):
 
 
 class ServedDraft(VllmMethod):
-    name, help, needs_draft = "draft", "vLLM's draft-model speculation with --draft (specbench's: speculative)", True
+    name, help, needs_draft = (
+        "draft",
+        "vLLM's draft-model speculation with --draft (specbench's: speculative; for a draft with its own tokenizer, "
+        "vLLM's token-level intersection, as speculative-intersection)",
+        True,
+    )
+    crosses_vocabularies = None  # either: ServingRun.spec asks for vLLM's heterogeneous vocabularies where they differ
 
     def speculative_config(self, k, draft, speculator):
         return {"method": "draft_model", "model": draft, "num_speculative_tokens": k}

@@ -99,21 +99,21 @@ def load_pair(wanted: Wanted, compile: bool | None = None, threads: int = 0, gra
     graphs = default_graphs(device, compile) if graphs is None else graphs
     compile = default_compile(device) if compile is None else compile
     target, draft, width = loaded.target, loaded.draft, loaded.width
-    pair = Pair(target, None, draft, None, loaded.device, loaded.dtype, width, loaded.prompt_tokenizer)
+    bridge = None
+    if loaded.vocabularies_differ:  # the draft keeps its own logits; drafters/vocab.py maps them
+        bridge = bridge_of(target.tokenizer, draft.tokenizer, target.width, draft.width)
+        log.info("%s and %s have tokenizers of their own: %d tokens in both", target.name, draft.name, bridge.shared)
+    pair = Pair(target, None, draft, None, loaded.device, loaded.dtype, width, loaded.prompt_tokenizer, bridge=bridge)
     if not wanted.weights:  # only vLLM decodes: it loads the weights, this process needs their shapes
         return pair
     # Packed products are oneDNN's, which the static path's compiler cannot take: the head packs without it.
     head = load_head(loaded.speculator, target.model, compile and not graphs) if loaded.speculator else None
     target_lm = loop_lm(target.model, width, None, compile, graphs, target.name)
-    bridge = None
-    if loaded.vocabularies_differ:  # the draft keeps its own logits; drafters/vocab.py maps them
-        bridge = bridge_of(target.tokenizer, draft.tokenizer, target.width, draft.width)
-        log.info("%s and %s have tokenizers of their own: %d tokens in both", target.name, draft.name, bridge.shared)
     draft_width = draft.width if bridge else width
     draft_lm = loop_lm(draft.model, draft_width, draft.head_tokens, compile, graphs, draft.name) if draft else None
     if head is not None and isinstance(target_lm, StaticLM):  # the head's steps on the static path too
         head = StaticHead(head, target_lm.kv.capacity)
-    return replace(pair, target_lm=target_lm, draft_lm=draft_lm, head=head, bridge=bridge)
+    return replace(pair, target_lm=target_lm, draft_lm=draft_lm, head=head)
 
 
 def loop_lm(model, width: int, head_tokens, compile: bool, graphs: bool, name: str) -> HFCausalLM:

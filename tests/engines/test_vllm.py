@@ -52,6 +52,29 @@ def vllm_pair(tmp_path_factory) -> tuple[str, str]:
     )
 
 
+def test_vllms_draft_with_its_own_tokenizer_is_the_intersection_beside_specbenchs(vllm_pair, prompts_file, tmp_path):
+    """A draft with a tokenizer of its own: --method speculative-intersection under --engine vllm runs
+    vLLM's draft model with use_heterogeneous_vocab (its token-level intersection), greedy equal to
+    vLLM's baseline and to specbench's loop doing the same."""
+    root = tmp_path / "own"
+    tokenizer = build_tokenizer(root / "tok", vocab_size=290)  # the target's 320 cut short: its own vocabulary
+    draft = str(build_llama(root / "draft", tokenizer, layers=1, hidden=128, seed=1))
+    out = tmp_path / "run"
+    args = ["--target", vllm_pair[0], "--draft", draft, "--dataset", prompts_file, "--num-prompts", "2"]
+    args += ["--max-new-tokens", "12", "--k", "2", "--engine", "torch,vllm", "--method", "speculative-intersection"]
+    result = cli("run", *args, *EAGER, "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = pd.read_csv(out / "records.csv")
+    assert records["outputs_match"].all()
+    served = records[(records["engine"] == "vllm") & (records["method"] == "draft")]
+    assert len(served) == 2 and (served["drafted"] > 0).all()
+    outputs = [json.loads(line) for line in (out / "outputs.jsonl").read_text().splitlines()]
+    answers = {}
+    for o in outputs:
+        answers.setdefault(o["prompt_index"], set()).add(tuple(o["token_ids"]))
+    assert all(len(tokens) == 1 for tokens in answers.values())  # every engine and method, one answer per prompt
+
+
 def test_engines_side_by_side_on_the_same_prompts(vllm_pair, prompts_file, tmp_path):
     out = tmp_path / "run"
     args = ["--target", vllm_pair[0], "--draft", vllm_pair[1], "--dataset", prompts_file, "--num-prompts", "3"]
