@@ -65,26 +65,34 @@ class Speculative(SpeculativeLoop):
         return ModelDrafter(pair.draft_lm, settings.sampling, generator, decoder.p_min(settings))
 
 
-class SpeculativeIntersection(SpeculativeLoop):
-    name, help, needs_draft = (
-        "speculative-intersection",
-        "for a draft with its own tokenizer: the draft samples K tokens among those whose text both vocabularies "
-        "hold (token-level intersection, its rows renormalised there), one target forward verifies them",
-        True,
-    )
-    crosses_vocabularies = True
-    counterpart = "draft"  # vLLM's draft model over a draft with its own vocabulary is this algorithm
-    k_policies = K_POLICIES  # a ModelDrafter given decoder.p_min: it can stop where unsure
-    adjusts_logits = True  # a chain of its own rows, in the target's ids
+class AcrossVocabularies(SpeculativeLoop):
+    """A method of specbench's loop for a draft with its own tokenizer (drafters/vocab.py): the run's
+    models/vocab.Bridge is its state, from which ``reach`` says what share of the baseline's tokens it
+    can propose."""
+
+    needs_draft, crosses_vocabularies = True, True
+    reach = ""  # the Bridge's measure of what it can propose: share or spellable
 
     def c(self, costs):
         return costs.c
 
     def begin_run(self, pair, settings, decoder):
-        decoder.state = pair.bridge  # what proposable reads
+        decoder.state = pair.bridge
 
     def proposable(self, decoder, tokens):
-        return decoder.state.share(tokens)
+        return getattr(decoder.state, self.reach)(tokens)
+
+
+class SpeculativeIntersection(AcrossVocabularies):
+    name, help = (
+        "speculative-intersection",
+        "for a draft with its own tokenizer: the draft samples K tokens among those whose text both vocabularies "
+        "hold (token-level intersection, its rows renormalised there), one target forward verifies them",
+    )
+    reach = "share"
+    counterpart = "draft"  # vLLM's draft model over a draft with its own vocabulary is this algorithm
+    k_policies = K_POLICIES  # a ModelDrafter given decoder.p_min: it can stop where unsure
+    adjusts_logits = True  # a chain of its own rows, in the target's ids
 
     def drafter(self, pair, settings, decoder, generator):
         from specbench.drafters.model import ModelDrafter
@@ -94,24 +102,14 @@ class SpeculativeIntersection(SpeculativeLoop):
         return ModelDrafter(view, settings.sampling, generator, decoder.p_min(settings))
 
 
-class SpeculativeText(SpeculativeLoop):
-    name, help, needs_draft = (
+class SpeculativeText(AcrossVocabularies):
+    name, help = (
         "speculative-text",
         "for a draft with its own tokenizer: the draft writes K tokens, their text is tokenized for the target and "
         "verified as fixed candidates (exact at any temperature, as prompt lookup)",
-        True,
     )
-    crosses_vocabularies = True
+    reach = "spellable"
     adjusts_logits = True  # its candidates have no q; the target's rows are adjusted in verify
-
-    def c(self, costs):
-        return costs.c
-
-    def begin_run(self, pair, settings, decoder):
-        decoder.state = pair.bridge  # what proposable reads
-
-    def proposable(self, decoder, tokens):
-        return decoder.state.spellable(tokens)
 
     def drafter(self, pair, settings, decoder, generator):
         from specbench.drafters.vocab import TextDrafter
