@@ -105,6 +105,20 @@ def build_tokenizer(path: Path, vocab_size: int = 320, seed_text: list[str] = CO
     return fast
 
 
+def write_sources(tmp_path: Path) -> Path:
+    """A directory of Python source for distill's --source: two documented functions, repeated."""
+    sources = tmp_path / "src"
+    sources.mkdir(exist_ok=True)
+    (sources / "lib.py").write_text(
+        (
+            'def add_up(a: int, b: int) -> int:\n    """Add two numbers and return their sum, whatever their type."""\n    return a + b\n\n\n'
+            'def greet(name):\n    """Say hello to someone by name, on standard output, then return."""\n    print("hello " + name)\n\n\n'
+        )
+        * 6
+    )
+    return sources
+
+
 def build_llama(
     path: Path,
     tokenizer,

@@ -17,7 +17,7 @@ from specbench.models.load import load
 from specbench.training.distill import DistillConfig
 from specbench.training.distill_eagle import FEATURES, DividedBy, distill_eagle, feature_scale, ttt_outputs
 
-from ..helpers import build_llama, build_tokenizer, cli, cli_on_tiny_pair, one_line_error
+from ..helpers import build_llama, build_tokenizer, cli, cli_on_tiny_pair, one_line_error, write_sources
 
 CPU, F32 = torch.device("cpu"), torch.float32
 STEPS = 3
@@ -90,19 +90,6 @@ def test_fc_trains_on_features_divided_by_their_scale_and_saves_what_inference_a
         save_head(head, tmp_path / "head", 3)
         saved = read_head(tmp_path / "head", head.embed, 3, 32, 50)
         assert torch.allclose(saved.fuse(features), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
-
-
-def write_sources(tmp_path: Path) -> Path:
-    sources = tmp_path / "src"
-    sources.mkdir()
-    (sources / "lib.py").write_text(
-        (
-            'def add_up(a: int, b: int) -> int:\n    """Add two numbers and return their sum, whatever their type."""\n    return a + b\n\n\n'
-            'def greet(name):\n    """Say hello to someone by name, on standard output, then return."""\n    print("hello " + name)\n\n\n'
-        )
-        * 6
-    )
-    return sources
 
 
 def tiny_config(out: Path, sources: Path, **more) -> DistillConfig:

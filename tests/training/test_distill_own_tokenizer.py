@@ -18,7 +18,7 @@ from specbench.training.distill import DistillConfig
 from specbench.training.distill_own_tokenizer import distill_own_vocabulary
 from specbench.training.draft_tokenizer import token_bytes, train_tokenizer
 
-from ..helpers import CORPUS, build_llama, build_tokenizer, cli, one_line_error
+from ..helpers import CORPUS, build_llama, build_tokenizer, cli, one_line_error, write_sources
 
 CPU, F32 = torch.device("cpu"), torch.float32
 CHAT = ("<|im_start|>", "<|im_end|>")
@@ -49,19 +49,6 @@ def chat_target(tmp_path_factory) -> str:
     """A 2-layer untied random Llama with chat_tokenizer's tokenizer: it writes varied text."""
     root = tmp_path_factory.mktemp("chat")
     return str(build_llama(root / "target", chat_tokenizer(root / "tok"), layers=2, hidden=32, seed=0, tie=False))
-
-
-def write_sources(tmp_path: Path) -> Path:
-    sources = tmp_path / "src"
-    sources.mkdir(exist_ok=True)
-    (sources / "lib.py").write_text(
-        (
-            'def add_up(a: int, b: int) -> int:\n    """Add two numbers and return their sum, whatever their type."""\n    return a + b\n\n\n'
-            'def greet(name):\n    """Say hello to someone by name, on standard output, then return."""\n    print("hello " + name)\n\n\n'
-        )
-        * 6
-    )
-    return sources
 
 
 def tiny_config(out: Path, sources: Path, **more) -> DistillConfig:
