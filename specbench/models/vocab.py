@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -191,9 +192,9 @@ class VocabView:
             ids = torch.tensor([d for piece in pieces for d in piece], dtype=torch.long, device=self.device)
         self.spans += [len(piece) for piece in pieces]
         # Each of the last ``last`` target tokens' row is the draft's after that token's last piece.
-        ends = torch.tensor(self.spans[len(self.spans) - last :]).cumsum(0)
-        rows = self.draft.forward(ids, last=int(ends[-1]))
-        draft_rows = rows[ends - 1] if last > 1 else rows[-1:]
+        ends = list(accumulate(self.spans[len(self.spans) - last :]))
+        rows = self.draft.forward(ids, last=ends[-1])
+        draft_rows = rows[[end - 1 for end in ends]] if last > 1 else rows[-1:]
         out = torch.full((last, self.width), float("-inf"), dtype=rows.dtype, device=self.device)
         out[:, self.target_index] = draft_rows[:, self.draft_index]
         return out
