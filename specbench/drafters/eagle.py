@@ -149,6 +149,12 @@ class EagleDrafter:
         else:  # it read nothing this round: what it had not read comes first
             self.tokens, self.features = torch.cat([self.tokens, tokens]), torch.cat([self.features, features])
 
+    def read_round(self, draft: Draft, verdict: Verdict) -> None:
+        """A round another drafter proposed (drafters.chained): the tokens the target kept, with its
+        features there, join what the head reads with its next forward."""
+        self.read = False
+        self.accepted(draft, verdict)
+
 
 def _lineage(node: int, parents: list[int]) -> list[int]:
     """``node`` and its ancestors, the root's child first."""

@@ -207,6 +207,33 @@ class PromptLookup(SpeculativeLoop):
         return PromptLookupDrafter()
 
 
+# Prompt lookup's rounds beside a drafting model (lookup-or-draft, lookup-or-eagle).
+LOOKUP_K = Option(
+    "lookup_k",
+    6,
+    "lookup-or-draft, lookup-or-eagle: the most tokens a round drafted by lookup proposes (a copy costs no "
+    "forward, so it may run longer than K).",
+    low=1,
+    problem="--lookup-k must be at least 1",
+)
+LOOKUP_NGRAM = Option(
+    "lookup_ngram",
+    2,
+    "lookup-or-draft, lookup-or-eagle: lookup drafts a round when the sequence's last N or more tokens occurred "
+    "before (it matches the longest n-gram up to max(N, 3)); 1 also copies after a single repeated token.",
+    low=1,
+    problem="--lookup-ngram must be at least 1",
+)
+
+
+def lookup_first(drafter, settings):
+    """Prompt lookup where the sequence repeats, ``drafter`` elsewhere (drafters.chained)."""
+    from specbench.drafters.chained import FirstThatDrafts
+    from specbench.drafters.lookup import PromptLookupDrafter
+
+    return FirstThatDrafts([PromptLookupDrafter(shortest=settings.lookup_ngram, lookahead=settings.lookup_k), drafter])
+
+
 class LookupOrDraft(SpeculativeLoop):
     name, help, needs_draft = (
         "lookup-or-draft",
@@ -218,24 +245,7 @@ class LookupOrDraft(SpeculativeLoop):
     chains = False  # a lookup round drafts up to --lookup-k tokens for free: the chain formulas do not apply
     k_policies = K_POLICIES  # its model rounds are a ModelDrafter's, given decoder.p_min
     adjusts_logits = True  # the model's rows are adjusted in drafting, lookup's candidates in verify
-    options = (
-        Option(
-            "lookup_k",
-            6,
-            "lookup-or-draft: the most tokens a round drafted by lookup proposes (a copy costs no forward, so it may "
-            "run longer than K).",
-            low=1,
-            problem="--lookup-k must be at least 1",
-        ),
-        Option(
-            "lookup_ngram",
-            2,
-            "lookup-or-draft: lookup drafts a round when the sequence's last N or more tokens occurred before (it "
-            "matches the longest n-gram up to max(N, 3)); 1 also copies after a single repeated token.",
-            low=1,
-            problem="--lookup-ngram must be at least 1",
-        ),
-    )
+    options = (LOOKUP_K, LOOKUP_NGRAM)
 
     def longest_draft(self, cfg, k: int) -> int:
         return max(k, cfg.lookup_k)
@@ -244,13 +254,11 @@ class LookupOrDraft(SpeculativeLoop):
         return costs.c  # one draft-model forward; lookup's rounds run none
 
     def drafter(self, pair, settings, decoder, generator):
-        from specbench.drafters.chained import FirstThatDrafts
-        from specbench.drafters.lookup import PromptLookupDrafter
         from specbench.drafters.model import ModelDrafter
 
-        model = ModelDrafter(pair.draft_lm, settings.sampling, generator, decoder.p_min(settings))
-        lookup = PromptLookupDrafter(shortest=settings.lookup_ngram, lookahead=settings.lookup_k)
-        return FirstThatDrafts([lookup, model])
+        return lookup_first(
+            ModelDrafter(pair.draft_lm, settings.sampling, generator, decoder.p_min(settings)), settings
+        )
 
 
 class Cascade(SpeculativeLoop):
@@ -482,7 +490,7 @@ SPECULATOR = Option(
     "speculator",
     None,
     "An EAGLE-3 head's checkpoint directory (the format vLLM and SGLang load; `specbench distill --kind eagle` "
-    "trains one) or a shipped head's alias: the head of --method eagle, eagle-tree and eagle-dynamic, and of "
+    "trains one) or a shipped head's alias: the head of --method eagle, eagle-tree, eagle-dynamic and lookup-or-eagle, and of "
     "vLLM's eagle3 / eagle1. Default: the target's own head where specbench ships one (smollm2-135m-eagle).",
 )
 
@@ -566,12 +574,41 @@ class EagleDynamic(Eagle):
     k_policies = (FIXED,)  # K is its depth; a round drafts a fixed number of nodes
     options = (
         SPECULATOR,
-        Option("dynamic_nodes", 5, "eagle-dynamic: draft tokens the target verifies per round.", low=1),
-        Option("dynamic_width", 2, "eagle-dynamic: nodes expanded per level, and children offered by each.", low=1),
+        Option(
+            "dynamic_nodes", 5, "eagle-dynamic, lookup-or-eagle: draft tokens the target verifies per round.", low=1
+        ),
+        Option(
+            "dynamic_width",
+            2,
+            "eagle-dynamic, lookup-or-eagle: nodes expanded per level, and children offered by each.",
+            low=1,
+        ),
     )
 
     def shape(self, settings, decoder):
         return {"dynamic": (settings.dynamic_nodes, settings.dynamic_width)}
+
+    def longest_draft(self, cfg, k: int) -> int:
+        # A round verifies --dynamic-nodes tokens, and the head's cache holds the --dynamic-width nodes it read
+        # at each of the K - 1 levels above the last: either may be more than K.
+        return max(k, cfg.dynamic_nodes, cfg.dynamic_width * (k - 1))
+
+
+class LookupOrEagle(EagleDynamic):
+    name, help = (
+        "lookup-or-eagle",
+        "prompt lookup where the sequence repeats (as lookup-or-draft: up to --lookup-k tokens that followed its last "
+        "--lookup-ngram or more), EAGLE-2's dynamic tree from the head elsewhere (as eagle-dynamic); the target "
+        "verifies either",
+    )
+    inner_level, inner_beside = "prompt lookup", True  # beside the head: the target checks its rounds
+    options = (*EagleDynamic.options, LOOKUP_K, LOOKUP_NGRAM)
+
+    def longest_draft(self, cfg, k: int) -> int:
+        return max(super().longest_draft(cfg, k), cfg.lookup_k)
+
+    def drafter(self, pair, settings, decoder, generator):
+        return lookup_first(super().drafter(pair, settings, decoder, generator), settings)
 
 
 # generate runs the eager forward (full head): hf-assisted's c is timed on it, not on the fast path.
@@ -708,6 +745,7 @@ METHODS: dict[str, Method] = {
         Eagle(),
         EagleTree(),
         EagleDynamic(),
+        LookupOrEagle(),
         HFAssisted(),
         HFUniversal(),
         HFGenerate(),

@@ -5,6 +5,7 @@ that fails the same test, and greedy outputs equal the baseline's."""
 import copy
 import dataclasses
 import json
+from collections import Counter
 
 import pytest
 import torch
@@ -18,9 +19,11 @@ from specbench.models.load import load
 
 from ..helpers import LawLM, build_eagle3_head, cli_on_tiny_pair, one_line_error, tiny_law_model
 from ..toy import P_FLOOR, SAMPLES, speculative_law_p
+from .test_lookup_or_draft import CountedRounds, LookupTokensWithModelRows
 
 CPU, F32 = torch.device("cpu"), torch.float32
 DRAFT_IDS = [0, 2]  # of the law model's 3: q is zero at id 1, which the head never drafts
+LAW_TAPS = (0, 1, 2)  # the law head reads the target's input layers 0 and 1 and its final states
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +32,7 @@ def law(tmp_path_factory):
     its final states, over a reduced vocabulary."""
     tmp = tmp_path_factory.mktemp("law")
     target = LawLM(tiny_law_model(1, tmp), packed=True)
-    path = build_eagle3_head(tmp / "head", target.model.config, taps=(0, 1, 2), draft_ids=DRAFT_IDS, seed=3)
+    path = build_eagle3_head(tmp / "head", target.model.config, taps=LAW_TAPS, draft_ids=DRAFT_IDS, seed=3)
     return target, head_for(target, path)
 
 
@@ -42,7 +45,7 @@ def head_for(target, path):
 def sampled_p(target, drafter_of, k: int = 2, schedule=None, negative_control: bool = False) -> float:
     cfg, generator = Sampling(temperature=1.0), torch.Generator().manual_seed(0)
     drafter = drafter_of(cfg, generator)
-    target.record_features(drafter.head.config.taps)
+    target.record_features(LAW_TAPS)
     return speculative_law_p(target, drafter, k, cfg, generator, schedule, negative_control=negative_control)
 
 
@@ -217,6 +220,68 @@ def test_greedy_eagle_equals_the_greedy_target(law, how, tmp_path):
     assert accepted > 0
 
 
+# ---------------------------------------------------------------- lookup-or-eagle
+
+
+class ReadChecked(EagleDrafter):
+    """An EagleDrafter that checks, at each forward that reads what is pending, that the head then
+    holds one pair for every position the target holds: lookup's rounds read too, none twice."""
+
+    def _read_pending(self):
+        out = super()._read_pending()
+        assert self.cache.length == self.target.length
+        return out
+
+
+def lookup_or_eagle(head, target, cfg, generator, kind=CountedRounds, **shape):
+    return kind(ReadChecked(head, target, 3, cfg, generator, **shape), lookup_k=3, shortest=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["chain", "dynamic"])
+def test_lookup_or_eagle_gives_the_target_law(law, one_thread, how):
+    target, head = law
+    drafters = []
+
+    def drafter_of(cfg, g):
+        drafters.append(lookup_or_eagle(head, target, cfg, g, **SHAPES[how]))
+        return drafters[-1]
+
+    assert sampled_p(target, drafter_of) > P_FLOOR
+    assert drafters[0].rounds["lookup"] > 1000 and drafters[0].rounds["model"] > 1000  # both kinds of round ran
+
+
+@pytest.mark.slow
+def test_the_test_catches_lookup_tokens_passed_up_with_the_heads_rows(law, one_thread):
+    target, head = law
+    drafters = []
+
+    def drafter_of(cfg, g):
+        drafters.append(lookup_or_eagle(head, target, cfg, g, LookupTokensWithModelRows))
+        return drafters[-1]
+
+    assert sampled_p(target, drafter_of, negative_control=True) < P_FLOOR
+    assert drafters[0].rounds["lookup"] > 1000
+
+
+@pytest.mark.parametrize("how", ["chain", "dynamic"])
+def test_greedy_lookup_or_eagle_equals_the_greedy_target(law, how, tmp_path):
+    target, _ = law
+    cfg, generator = Sampling(), torch.Generator()
+    rounds = Counter()
+    for seed in range(4):
+        path = build_eagle3_head(tmp_path / f"g{seed}", target.model.config, (0, 1, 2), DRAFT_IDS, seed=seed, scale=1.0)
+        head = head_for(target, path)
+        target.record_features(head.config.taps)
+        for prompt in ([0, 2, 0, 2], [1, 1, 0], [2]):
+            ids = torch.tensor(prompt)
+            base = autoregressive_decode(target, ids, 16, cfg, generator).tokens
+            drafter = lookup_or_eagle(head, target, cfg, generator, **SHAPES[how])
+            assert speculative_decode(target, drafter, ids, 3, 16, cfg, generator).tokens == base
+            rounds += drafter.rounds
+    assert rounds["lookup"] > 0 and rounds["model"] > 0
+
+
 # ---------------------------------------------------------------- end to end
 
 
@@ -231,7 +296,7 @@ def test_eagle_methods_run_end_to_end_on_a_published_head(tiny_pair, tiny_head, 
     result = cli_on_tiny_pair(
         "run",
         tiny_pair,
-        "--method", "eagle,eagle-tree,eagle-dynamic", "--speculator", tiny_head, "--k", "2", "--tree", "2,1",
+        "--method", "eagle,eagle-tree,eagle-dynamic,lookup-or-eagle", "--speculator", tiny_head, "--k", "2", "--tree", "2,1",
         "--num-prompts", "2", "--max-new-tokens", "12", "--repeats", "1", "--warmup", "0", "--cost-repeats", "2",
         "--dataset", "humaneval", "--out", str(out),
     )  # fmt: skip
@@ -241,6 +306,7 @@ def test_eagle_methods_run_end_to_end_on_a_published_head(tiny_pair, tiny_head, 
     summary = pd.read_csv(out / "summary.csv")
     eagle = summary[summary["method"].str.startswith("eagle")]
     assert set(eagle["method"]) == {"eagle", "eagle-tree", "eagle-dynamic"}
+    assert summary.set_index("method").loc["lookup-or-eagle", "outputs_match"] == 2
     assert (eagle["outputs_match"] == 2).all()  # greedy: each prompt's output is the baseline's
     assert (eagle["c"] > 0).all() and (eagle["draft_forwards"] > 0).all()
     costs = pd.read_csv(out / "verify_cost.csv")
@@ -290,3 +356,17 @@ def test_the_default_target_brings_its_shipped_head():
         assert {weights.get_tensor(name).dtype for name in weights.keys() if name != "d2t"} == {torch.float16}
     with pytest.raises(SpecbenchError, match="no such directory"):
         speculator_dir("no-such-head")
+
+
+def test_the_caches_make_room_for_a_dynamic_trees_widest_round():
+    """A dynamic tree verifies --dynamic-nodes tokens, and its head's cache holds --dynamic-width nodes of
+    each level but the last: both may pass K. The static caches are reserved for the widest round."""
+    from specbench.bench.config import BenchConfig
+
+    def widest(method, k, **options):
+        return BenchConfig(methods=[method], ks=[k], speculator="smollm2-135m-eagle", **options).widest
+
+    assert widest("eagle", 2) == 3
+    assert widest("eagle-dynamic", 2, dynamic_nodes=5) == 6
+    assert widest("eagle-dynamic", 4, dynamic_nodes=3, dynamic_width=3) == 10
+    assert widest("lookup-or-eagle", 2, dynamic_nodes=5, lookup_k=8) == 9
