@@ -437,7 +437,10 @@ def train_student(cfg: DistillConfig, target: LoadedModel) -> Iterator[TrainingP
     held = yield from optimise(
         cfg, student, [len(e.ids) for e in examples], batch_loss, lambda: (agreement(student, held_out, cfg.batch),)
     )
-    save_draft(student, target, cfg, held[0] if held else None, head_tokens(examples, cfg.draft_vocab))
+    shortlist = head_tokens(examples, cfg.draft_vocab, target.width)
+    save_draft(
+        student, target, cfg, held[0] if held else None, shortlist, held_out_coverage=coverage(shortlist, held_out)
+    )
 
 
 def optimise(cfg: DistillConfig, model, lengths: list[int], batch_loss, evaluate, phase: str = "student"):
@@ -496,15 +499,31 @@ def optimise(cfg: DistillConfig, model, lengths: list[int], batch_loss, evaluate
     return held
 
 
-def head_tokens(examples: list[Example], limit: int = 0) -> list[int]:
+def head_tokens(examples: list[Example], limit: int = 0, vocab: int = 0) -> list[int]:
     """The ids that are the teacher's top choice somewhere in the training data, sorted: the
     drafter's vocabulary (a few thousand of the target's tens of thousands of ids). With ``limit``,
     only the ``limit`` most frequent of them (ties to the lower id): the vocabulary projection is
-    much of a small drafter's step, and the rarest ids are first choices at few positions."""
+    much of a small drafter's step, and the rarest ids are first choices at few positions. Where the
+    data holds fewer than ``limit`` such ids, the lowest of the target's other ids (below ``vocab``)
+    fill the rest: a BPE vocabulary numbers its tokens in the order it merged them, the commonest
+    first, so they are the likeliest of the ids the data never showed."""
     ids, counts = torch.cat([e.top_idx[:, 0] for e in examples]).unique(return_counts=True)  # ids ascending
     if 0 < limit < len(ids):  # a stable sort keeps the lower id first among equal counts
         ids = ids[torch.sort(-counts, stable=True).indices[:limit]]
-    return sorted(ids.tolist())
+    chosen = set(ids.tolist())
+    unseen = (i for i in range(vocab) if i not in chosen)
+    chosen.update(next(unseen) for _ in range(min(limit, vocab) - len(chosen)))
+    return sorted(chosen)
+
+
+def coverage(ids: list[int], examples: list[Example]) -> float | None:
+    """The share of the teacher's top choices at the examples' labelled positions that are among ``ids``
+    (on held-out greedy answers: the share of the target's output tokens a drafter of that vocabulary
+    can propose at all)."""
+    if not examples:
+        return None
+    top = torch.cat([e.top_idx[:, 0] for e in examples]).long()
+    return torch.isin(top, torch.tensor(ids)).float().mean().item()
 
 
 def save_draft(

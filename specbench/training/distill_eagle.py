@@ -43,6 +43,7 @@ from specbench.models.student import Example, collate
 from specbench.training.distill import (
     DistillConfig,
     TrainingProgress,
+    coverage,
     data_shards,
     distill,
     head_tokens,
@@ -272,7 +273,7 @@ def train_head(cfg: DistillConfig, target: LoadedModel) -> Iterator[TrainingProg
     """The features phase, then the head trained (or its training resumed) on them."""
     yield from feature_shards(cfg, target)
     examples, held_out = load_examples(cfg, cfg.out / FEATURES)
-    draft_ids = head_tokens(examples, cfg.draft_vocab)
+    draft_ids = head_tokens(examples, cfg.draft_vocab, target.width)
     head = new_head(cfg, target, draft_ids)
     if head.fc is not None:
         scale = feature_scale(examples)
@@ -299,6 +300,7 @@ def train_head(cfg: DistillConfig, target: LoadedModel) -> Iterator[TrainingProg
         feature_layers=list(head.config.taps),
         intermediate_size=head.config.intermediate,
         draft_vocab=len(draft_ids),
+        held_out_coverage=coverage(draft_ids, held_out),
         held_out_greedy_agreement=held[0] if held else None,
         held_out_agreement_by_step=list(held) if held else None,
     )

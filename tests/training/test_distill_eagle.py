@@ -261,7 +261,22 @@ def test_the_vocabulary_is_the_ids_ranked_first_most_often():
     assert head_tokens(examples) == [1, 3, 5, 7, 9]
     assert head_tokens(examples, 3) == [3, 7, 9]
     assert head_tokens(examples, 4) == [1, 3, 7, 9]  # 1 and 5 tie: the lower id stays
-    assert head_tokens(examples, 50) == head_tokens(examples, 0)
+    assert head_tokens(examples, 50) == head_tokens(examples, 0)  # no more ids than the data ranked first
+    # With the target's vocabulary given, its lowest other ids fill a limit the data cannot.
+    assert head_tokens(examples, 8, vocab=12) == [0, 1, 2, 3, 4, 5, 7, 9]
+    assert head_tokens(examples, 3, vocab=12) == [3, 7, 9]
+    assert head_tokens(examples, 50, vocab=12) == list(range(12))
+
+
+def test_coverage_is_the_share_of_top_choices_a_vocabulary_holds():
+    from specbench.models.student import Example
+    from specbench.training.distill import coverage
+
+    top = torch.tensor([[7, 1], [3, 2], [7, 0], [9, 9]])
+    example = Example(torch.zeros(5, dtype=torch.long), 0, torch.zeros(4, 2), top)
+    assert coverage([3, 7], [example]) == 0.75
+    assert coverage([1, 2], [example]) == 0.0  # only the top choice counts
+    assert coverage([3, 7], []) is None
 
 
 def head_logits(head: EagleHead, ids: torch.Tensor, features: torch.Tensor) -> dict[int, torch.Tensor]:
