@@ -636,7 +636,9 @@ def distill(
             if progress.disable and (
                 last is None or p.phase != last.phase or p.done == p.total or time.monotonic() - said_at >= LOG_EVERY_S
             ):
-                _log_line(f"{label} {p.done}/{p.total} {loss}".rstrip())
+                left = next(t for t in progress.tasks if t.id == tasks[p.phase]).time_remaining
+                eta = f" (about {left / 60:.0f} min left)" if left and p.done < p.total else ""
+                _log_line(f"{label} {p.done}/{p.total}{eta} {loss}".rstrip())
                 said_at = time.monotonic()
             last = p
     console.print(f"{kind} saved in {out}/ (use {'--speculator' if cfg.trains_head else '--draft'} {out})")
@@ -649,6 +651,12 @@ def distill(
         steps = f" (training-time test steps 0..{len(last.later)})" if last.later else ""
         console.print(
             f"top-1 agreement with held-out greedy answers of the target: {'/'.join(f'{a:.3f}' for a in (last.agreement, *last.later))}{steps} (step 0 estimates greedy alpha)"
+        )
+    spent = distillation.PhaseSeconds(out).seconds
+    if spent:
+        each = ", ".join(f"{phase.split(':')[0]} {seconds / 60:.1f}" for phase, seconds in spent.items())
+        console.print(
+            f"minutes per phase, over every run on {out}: {each}; {sum(spent.values()) / 60:.1f} in all", soft_wrap=True
         )
 
 

@@ -23,6 +23,7 @@ import logging
 import math
 import random
 import sysconfig
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -243,6 +244,34 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Traini
             dropped,
             written,
         )
+    summary = answers_summary(out_dir, paths)
+    log.info(
+        "the target's answers: %d to %d prompts, %d answer tokens (and %d of prompts), %.0f MB in %s",
+        summary["answers"],
+        len(chosen),
+        summary["answer_tokens"],
+        summary["prompt_tokens"],
+        summary["bytes"] / 1e6,
+        out_dir,
+    )
+
+
+def answers_summary(out_dir: Path, paths: list[Path]) -> dict:
+    """What the generate phase stored (answers, tokens, bytes), also written to ``out_dir``/answers.json."""
+    answers = answer_tokens = prompt_tokens = 0
+    for path in paths:
+        for doc in torch.load(path):
+            answers += 1
+            prompt_tokens += doc["prompt_len"]
+            answer_tokens += len(doc["ids"]) - doc["prompt_len"]
+    summary = {
+        "answers": answers,
+        "answer_tokens": answer_tokens,
+        "prompt_tokens": prompt_tokens,
+        "bytes": sum(path.stat().st_size for path in paths),
+    }
+    (out_dir / "answers.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
 
 
 @contextmanager
@@ -560,10 +589,44 @@ def recipe(cfg: DistillConfig) -> dict:
     return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
 
 
+class PhaseSeconds:
+    """The wall-clock seconds each phase has taken, summed over every run that worked on it (a resumed
+    run adds its own), kept in OUT/phases.json: what a recipe costs, however often it was interrupted."""
+
+    SAVE_EVERY_S = 30.0
+
+    def __init__(self, out: Path):
+        self.path = out / "phases.json"
+        self.seconds: dict[str, float] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+
+    def timed(self, phases: Iterator[TrainingProgress]) -> Iterator[TrainingProgress]:
+        began = saved = time.monotonic()
+        try:
+            for p in phases:
+                now = time.monotonic()
+                self.seconds[p.phase] = self.seconds.get(p.phase, 0.0) + now - began
+                began = now
+                if now - saved >= self.SAVE_EVERY_S or p.done == p.total:
+                    self.save()
+                    saved = now
+                yield p
+        finally:  # an interrupted run keeps what it spent
+            self.save()
+
+    def save(self) -> None:
+        with replacing(self.path) as tmp:
+            tmp.write_text(json.dumps({k: round(v, 3) for k, v in self.seconds.items()}, indent=2) + "\n")
+
+
 def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Iterator[TrainingProgress]:
     """The teacher and generate phases, then ``train`` (a draft's student phase, or distill_eagle's, or
-    with --tokenizer-vocab distill_own_tokenizer's)."""
+    with --tokenizer-vocab distill_own_tokenizer's), each phase's time added to OUT/phases.json."""
     cfg.validate()
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    yield from PhaseSeconds(cfg.out).timed(_phases(cfg, target, train))
+
+
+def _phases(cfg: DistillConfig, target: LoadedModel, train) -> Iterator[TrainingProgress]:
     if cfg.top_k > target.width:
         # A k beyond the vocabulary asks for every probability, and keeping the whole vocabulary gives
         # exactly that (transformers' top-k sampling clamps k alike); refusing would only make the user
@@ -572,7 +635,6 @@ def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Ite
             "--top-k %d is more than %s's %d ids: the teacher keeps all of them", cfg.top_k, cfg.target, target.width
         )
         cfg = replace(cfg, top_k=target.width)
-    cfg.out.mkdir(parents=True, exist_ok=True)
     if cfg.teacher_tokens and not cfg.tokenizer_vocab:  # a draft of its own tokenizer reads --source as text
         stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
         yield from teacher_shards(cfg, target, stream, cfg.teacher_tokens, cfg.out / "teacher")

@@ -116,6 +116,11 @@ def test_distill_kind_eagle_trains_a_head_that_runs_equal_to_the_baseline(tiny_p
     # In a log, each phase has timed lines (a bar would show its last frame only)
     phases = re.findall(r"^\[ *\d+\.\d s\] (.+?) \d+/\d+", result.stdout, re.MULTILINE)
     assert "target features (sequences)" in phases and phases[-1] == "EAGLE head training (steps)", phases
+    assert re.search(
+        r"minutes per phase, over every run on .+: teacher [\d.]+, generate [\d.]+, features", result.stdout
+    )
+    answers = json.loads((out / "generated" / "answers.json").read_text())
+    assert answers["answers"] == 3 and 0 < answers["answer_tokens"] <= 3 * 8 and answers["bytes"] > 0
     target = load(tiny_pair[0], CPU, F32)
     config = target.model.config
     head = read_head(
@@ -156,7 +161,11 @@ def test_head_training_resumes_from_its_saved_step(tiny_pair, tmp_path):
                 break  # interrupted after two saved steps
     assert steps == [1, 2]
     assert not (cfg.out / "config.json").exists()
+    interrupted = json.loads((cfg.out / "phases.json").read_text())  # what the interrupted run spent is kept
+    assert set(interrupted) == {"teacher:teacher", "generate", "features", "head"}
     resumed = [p for p in distill_eagle(cfg, target) if p.phase == "head"]
+    spent = json.loads((cfg.out / "phases.json").read_text())
+    assert spent["head"] > interrupted["head"] and spent["generate"] >= interrupted["generate"]  # the runs add up
     assert resumed[0].done == 3 and resumed[-1].done == resumed[-1].total > 3
     assert (cfg.out / "config.json").exists()
     # Finished: a rerun recomputes nothing, and the features are kept.
