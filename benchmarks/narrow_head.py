@@ -6,7 +6,9 @@ head measures what the larger vocabulary itself buys (coverage, acceptance) agai
     python benchmarks/narrow_head.py HEAD DISTILL_DIR --vocab N --out DIR
 
 DISTILL_DIR is the `specbench distill --kind eagle` directory the head was trained in (its stored
-answers rank the ids, as distill ranked them). DIR gets the cut head in the published format.
+answers rank the ids, as distill ranked them). DIR gets the cut head in the published format, and a
+distill.json: DISTILL_DIR's recipe, the cut head's vocabulary, held-out coverage and agreement, and
+the same figures of the head it was cut from under ``cut_from``.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.held_out_agreement import held_out_by_source
 from specbench.models.eagle_head import save_head
 from specbench.models.load import load, speculator_dir
 from specbench.training.distill import DistillConfig, coverage, head_tokens, load_examples
-from specbench.training.distill_eagle import new_head
+from specbench.training.distill_eagle import new_head, ttt_agreement
 
 
 def main() -> None:
@@ -42,11 +45,29 @@ def main() -> None:
     if not set(ids) <= wide_ids:
         raise SystemExit(f"{args.head} does not score all of the {args.vocab} ids: give a vocabulary below its own")
     # new_head keeps the rows of the ids the head scored: all of them here, so nothing starts afresh.
-    save_head(new_head(cfg, target, ids), args.out, target.model.config.num_hidden_layers)
-    print(
-        f"{wide}: {len(wide_ids)} ids, held-out coverage {coverage(sorted(wide_ids), held_out):.4f}; "
-        f"{args.out}: {len(ids)} ids, held-out coverage {coverage(ids, held_out):.4f}"
-    )
+    head = new_head(cfg, target, ids)
+    save_head(head, args.out, target.model.config.num_hidden_layers)
+    held = [e for examples in held_out_by_source(args.distill_dir).values() for e in examples]  # with features
+    agreement = list(ttt_agreement(head.eval(), held, cfg.batch, cfg.ttt_steps))
+    cut_from = {
+        "head": str(wide),
+        "draft_vocab": len(wide_ids),
+        "held_out_coverage": coverage(sorted(wide_ids), held_out),
+        "held_out_agreement_by_step": recipe["held_out_agreement_by_step"],
+        "by": "benchmarks/narrow_head.py",
+    }
+    figures = {
+        "draft_vocab": len(ids),
+        "held_out_coverage": coverage(ids, held_out),
+        "held_out_greedy_agreement": agreement[0],
+        "held_out_agreement_by_step": agreement,
+    }
+    (args.out / "distill.json").write_text(json.dumps({**recipe, **figures, "cut_from": cut_from}, indent=2) + "\n")
+    for name, facts in ((wide, cut_from), (args.out, figures)):
+        steps = " / ".join(f"{a:.3f}" for a in facts["held_out_agreement_by_step"])
+        print(
+            f"{name}: {facts['draft_vocab']} ids, held-out coverage {facts['held_out_coverage']:.4f}, agreement {steps}"
+        )
 
 
 if __name__ == "__main__":

@@ -112,10 +112,12 @@ def test_greedy_self_speculation_equals_greedy_target_at_2k_tokens(target):
 def test_greedy_eagle_equals_greedy_target_on_smollm2(tmp_path, target):
     # A head of random weights in SmolLM2's shape (vLLM's default layers 2, 15, 27, the draft's
     # shortlist as its vocabulary), and the shipped head, on the fast forward and on transformers':
-    # chains, a tree, a dynamic tree.
+    # chains, a tree, a dynamic tree, and the dynamic tree beside prompt lookup (lookup-or-eagle).
     import json
 
+    from specbench.drafters.chained import FirstThatDrafts
     from specbench.drafters.eagle import EagleDrafter
+    from specbench.drafters.lookup import PromptLookupDrafter
     from specbench.models.eagle_head import read_head
     from specbench.models.fast import FastLlama
     from specbench.models.load import HEAD_TOKENS
@@ -136,8 +138,12 @@ def test_greedy_eagle_equals_greedy_target_on_smollm2(tmp_path, target):
             lm = HFCausalLM(target.model, target.width, fast=fast)
             want = autoregressive_decode(lm, ids, 40, greedy, g, target.stop_ids).tokens
             lm.record_features(head.config.taps)
-            for how, k in (({}, 3), ({"shape": (2, 1)}, 2), ({"dynamic": (5, 2)}, 3)):
-                drafter = EagleDrafter(head, lm, target.width, greedy, g, **how)
+            for how, k in (({}, 3), ({"shape": (2, 1)}, 2), ({"dynamic": (5, 2)}, 3), ({"lookup": True}, 3)):
+                if how.get("lookup"):  # lookup-or-eagle: prompt lookup's rounds, the dynamic tree's elsewhere
+                    eagle = EagleDrafter(head, lm, target.width, greedy, g, dynamic=(5, 2))
+                    drafter = FirstThatDrafts([PromptLookupDrafter(shortest=2, lookahead=6), eagle])
+                else:
+                    drafter = EagleDrafter(head, lm, target.width, greedy, g, **how)
                 got = speculative_decode(lm, drafter, ids, k, 40, greedy, g, target.stop_ids)
                 assert got.tokens == want, f"{name} head, {how or 'chain'}, fast={fast is not None}"
             lm.record_features(None)
