@@ -598,14 +598,14 @@ COLUMNS: tuple[Column, ...] = (
         None,
         "d",
         "tokens the level beneath the drafting model proposed to it (cascade: prompt lookup; triforce: the draft model; "
-        "lookup-or-draft: lookup, beside it, to the target)",
+        "lookup-or-draft and lookup-or-eagle: lookup, beside it, to the target)",
     ),
     Column(
         "inner_accepted",
         DETERMINISTIC,
         None,
         "d",
-        "of them, those the drafting model's exact check accepted (lookup-or-draft: the target's)",
+        "of them, those the drafting model's exact check accepted (lookup-or-draft and lookup-or-eagle: the target's)",
     ),
     Column(
         "from_inner",

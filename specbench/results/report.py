@@ -294,7 +294,7 @@ def levels_table(rows: list[dict]) -> Table | None:
         "output tokens",
         "ms/token",
         title="levels: what each level ran, proposed, had accepted and chose, and its time",
-        caption="accepted: by the level above (lookup-or-draft's lookup: by the target); output tokens: the tokens "
+        caption="accepted: by the level above (lookup-or-draft's and lookup-or-eagle's lookup: by the target); output tokens: the tokens "
         "of the output the level chose (the target adds one of its own per forward); ms/token: the level's time over every output token. With --cascade-split, "
         "lookup's tokens after the split go to the target unchecked: output tokens count them, proposed does not",
     )
