@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.held_out_agreement import held_out_by_source
+from benchmarks.vocabulary_coverage import vocabulary
 from specbench.models.eagle_head import save_head
 from specbench.models.load import load, speculator_dir
 from specbench.training.distill import DistillConfig, coverage, head_tokens, load_examples
@@ -38,17 +39,18 @@ def main() -> None:
     known = {f.name for f in fields(DistillConfig)} - {"out", "init"}
     cfg = DistillConfig(out=args.distill_dir, init=args.head, **{k: v for k, v in recipe.items() if k in known})
     target = load(cfg.target, torch.device("cpu"), torch.float32)
-    examples, held_out = load_examples(cfg)
+    examples, _ = load_examples(cfg)
     ids = head_tokens(examples, args.vocab, target.width)
     wide = speculator_dir(args.head)
-    wide_ids = set(head_tokens(examples, recipe["draft_vocab"], target.width))
+    wide_ids = vocabulary(wide)  # the ids the head scores, read from its d2t
     if not set(ids) <= wide_ids:
         raise SystemExit(f"{args.head} does not score all of the {args.vocab} ids: give a vocabulary below its own")
     # new_head keeps the rows of the ids the head scored: all of them here, so nothing starts afresh.
     head = new_head(cfg, target, ids)
     save_head(head, args.out, target.model.config.num_hidden_layers)
-    held = [e for examples in held_out_by_source(args.distill_dir).values() for e in examples]  # with features
-    agreement = list(ttt_agreement(head.eval(), held, cfg.batch, cfg.ttt_steps))
+    # distill's held-out answers, with their features
+    held_out = [e for examples in held_out_by_source(args.distill_dir).values() for e in examples]
+    agreement = list(ttt_agreement(head, held_out, cfg.batch, cfg.ttt_steps))
     cut_from = {
         "head": str(wide),
         "draft_vocab": len(wide_ids),
