@@ -24,12 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specbench.core.errors import SpecbenchError
 from specbench.decoding.kv import GrowingKV
-from specbench.models.fast import Linear, can_pack, rms_norm, rope, swiglu
+from specbench.models.fast import Linear, attend, can_pack, rms_norm, rope, swiglu
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what config.json names: vLLM's and SGLang's EAGLE-3 loaders read it
 
@@ -268,17 +267,17 @@ class EagleHead(nn.Module):
     ) -> torch.Tensor:
         """Append the pairs (``hidden`` [n, h], ``tokens`` [n]) to ``cache``; ``mask`` [n, cached + n]
         bool says what each attends to (None: causal). Returns the layer's output [n, h]."""
-        n, grouped = len(tokens), self.config.kv_heads != self.config.heads
+        n = len(tokens)
 
-        def attend(q, k, v):
+        def attend_cache(q, k, v):
             keys, values = cache.update(k, v)
             if mask is None and n > 1:  # a causal append: each pair sees the cache and the pairs before it
                 allowed = torch.ones(n, cache.length, dtype=torch.bool, device=q.device).tril(cache.length - n)
             else:
                 allowed = mask
-            return F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, enable_gqa=grouped)
+            return attend(q, keys, values, allowed)
 
-        return self.layer(self.embed[tokens], hidden, positions, attend)
+        return self.layer(self.embed[tokens], hidden, positions, attend_cache)
 
 
 def read_head(path: Path, embed: torch.Tensor, target_layers: int, target_hidden: int, vocab: int) -> EagleHead:

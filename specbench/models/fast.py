@@ -259,7 +259,7 @@ class FastLlama:
             queries[i] = qkv[-1, : heads * d].clone()  # before RoPE, as lm.take_queries expects
         q, k, v = self._rope(qkv, cos, sin, heads, kv, d)
         keys, values = cache.update(k, v, i)  # the cache object stays outside compiled code
-        attended = attend(q, keys, values, mask, grouped=self.device.type != "cuda")
+        attended = attend(q, keys, values, mask)
         x = x + layer.out(attended[0].transpose(0, 1).reshape(n, heads * d))
         gate_up = layer.gate_up(self._rms(x, layer.mlp_norm, self.eps))
         return x + layer.down(self._swiglu(gate_up))
@@ -316,22 +316,49 @@ def rope(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv
     return rotated[:, :heads], rotated[:, heads:], v
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, grouped: bool):
-    """Attention of queries [1, heads, n, d] over a cache of fewer key/value heads (grouped-query).
+def kernel_takes_masked_groups(device: torch.device) -> bool:
+    """Whether SDPA attends grouped heads under a mask without falling back to its math kernel."""
+    return device.type != "cuda"
+
+
+def attend(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None, grouped: bool | None = None
+) -> torch.Tensor:
+    """Attention of queries [b, heads, n, d] over a cache of fewer key/value heads (grouped-query).
 
     With ``grouped`` the kernel reads each key/value head for its group of queries (enable_gqa): on a
     CPU that saves copying the cache. On CUDA only the flash kernel takes grouped heads, and it takes
-    no mask: a masked grouped call (every verification) falls back to the slow math kernel. So there a
-    masked call gets the key/value heads repeated, which the memory-efficient kernel attends with the
-    mask; a one-token forward has no mask and stays grouped, on flash."""
+    no mask: a masked grouped call (every verification, and every step on the static path, whose
+    mask hides stale slots) would fall back to the slow math kernel. So there each key/value head's
+    group of queries is folded into one sequence of group * n queries (fold_groups), which the
+    memory-efficient kernel attends under the mask without copying the cache; a one-token forward
+    without a mask stays grouped, on flash. ``grouped`` None: whichever the device's kernels favour."""
     heads, kv = q.shape[1], keys.shape[1]
+    if grouped is None:
+        grouped = kernel_takes_masked_groups(q.device)
     if kv == heads:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
     if grouped or mask is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    return fold_groups(q, keys, values, mask)
+
+
+def fold_groups(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention as ordinary attention without repeating the cache: query head h reads
+    key/value head h // group, so the queries [b, heads, n, d] are viewed as [b, kv, group * n, d]
+    (group-major) and the mask [..., n, L] is repeated over the group; what is copied is the mask's
+    n * group rows, instead of (group - 1) copies of every cached key and value."""
+    b, heads, n, d = q.shape
+    kv = keys.shape[1]
     group = heads // kv
-    keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+    while mask.dim() < 4:
+        mask = mask[None]
+    if mask.shape[1] != 1:
+        raise ValueError(f"a mask per head {tuple(mask.shape)} cannot be folded over grouped heads")
+    folded = F.scaled_dot_product_attention(
+        q.reshape(b, kv, group * n, d), keys, values, attn_mask=mask.repeat(1, 1, group, 1)
+    )
+    return folded.view(b, heads, n, d)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -381,11 +381,10 @@ def head_step(head, kv: StaticKV, ids, hidden, start):
     n = ids.shape[0]
     slots = start + torch.arange(n, device=ids.device)
     mask = static_mask(start, chain_tree(n, ids.device), kv.capacity, head.dtype)[None, None]
-    grouped = head.device.type != "cuda"
 
     def attend_static(q, k, v):
         keys, values = kv.write(0, slots, k, v)
-        return attend(q, keys, values, mask, grouped)
+        return attend(q, keys, values, mask)
 
     return head.layer(head.embed[ids], hidden, slots, attend_static)
 

@@ -35,7 +35,7 @@ from torch.nn.utils import parametrize
 from specbench.core.errors import SpecbenchError
 from specbench.core.files import replacing
 from specbench.models.eagle_head import EagleHead, HeadConfig, default_taps, read_head, save_head
-from specbench.models.fast import FastLlama, unsupported
+from specbench.models.fast import FastLlama, attend, unsupported
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import LoadedModel
 from specbench.models.names import speculator_dir
@@ -194,25 +194,22 @@ def ttt_outputs(head: EagleHead, ids: torch.Tensor, features: torch.Tensor, step
     Row t of step j is chain t's output at position t + j (see the module's docstring)."""
     rows, length = ids.shape
     positions = torch.arange(length, device=ids.device).repeat(rows)
-    grouped = head.config.kv_heads != head.config.heads
     keys, values = [], []
 
     def per_row(x: torch.Tensor) -> torch.Tensor:  # [1, heads, rows * length, d] -> [rows, heads, length, d]
         return x[0].unflatten(1, (rows, length)).transpose(0, 1)
 
-    def attend(q, k, v):
+    def attend_chains(q, k, v):
         keys.append(per_row(k))
         values.append(per_row(v))
         mask = ttt_mask(length, len(keys) - 1).to(q.device)
-        out = F.scaled_dot_product_attention(
-            per_row(q), torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask, enable_gqa=grouped
-        )
+        out = attend(per_row(q), torch.cat(keys, 2), torch.cat(values, 2), mask)
         return out.transpose(0, 1).flatten(1, 2)[None]
 
     hidden, outs = head.fuse(features.flatten(0, 1)), []
     for step in range(steps):
         tokens = F.pad(ids[:, step + 1 :], (0, step + 1))  # chain t reads x_{t+step+1}
-        hidden = head.layer(head.embed[tokens.flatten()], hidden, positions + step, attend)
+        hidden = head.layer(head.embed[tokens.flatten()], hidden, positions + step, attend_chains)
         outs.append(hidden.view(rows, length, -1))
     return outs
 

@@ -180,17 +180,27 @@ def test_the_test_catches_a_fast_forward_that_misplaces_its_rows(tmp_path, one_t
     assert sampled_law_p(target, draft, k=2, negative_control=True) < P_FLOOR
 
 
-def test_repeated_key_value_heads_attend_as_grouped_ones():
-    """CUDA's route for a masked grouped-query forward (heads repeated, no enable_gqa: the memory-efficient
-    kernel) and the CPU's (grouped in the kernel) attend alike, with and without a mask."""
+def test_folded_query_groups_attend_as_grouped_heads():
+    """CUDA's route for a masked grouped-query forward (each key/value head's queries folded into one
+    sequence, no enable_gqa: the memory-efficient kernel) and the CPU's (grouped in the kernel) attend
+    as the key/value heads repeated would: additive and boolean masks, with and without their leading
+    dimensions, a batch of rows (distill's training-time test), and no mask."""
     torch.manual_seed(0)
-    q, keys, values = torch.randn(1, 8, 5, 16), torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)
-    mask = torch.zeros(5, 12).masked_fill(torch.rand(5, 12) < 0.3, float("-inf"))
-    mask[:, 0] = 0.0  # every query attends to something
-    for m in (mask[None, None], None):
-        torch.testing.assert_close(attend(q, keys, values, m, grouped=False), attend(q, keys, values, m, grouped=True))
-    wrong = attend(q, keys.repeat(1, 4, 1, 1), values.repeat(1, 4, 1, 1), mask[None, None], grouped=True)
-    assert not torch.allclose(wrong, attend(q, keys, values, mask[None, None], grouped=True))  # the grouping matters
+    q, keys, values = torch.randn(2, 8, 5, 16), torch.randn(2, 2, 12, 16), torch.randn(2, 2, 12, 16)
+    allowed = torch.rand(5, 12) > 0.3
+    allowed[:, 0] = True  # every query attends to something
+    additive = torch.zeros(5, 12).masked_fill(~allowed, float("-inf"))
+    repeated = keys.repeat_interleave(4, dim=1), values.repeat_interleave(4, dim=1)
+    for mask in (additive[None, None], additive, allowed, None):
+        want = torch.nn.functional.scaled_dot_product_attention(q, *repeated, attn_mask=mask)
+        torch.testing.assert_close(attend(q, keys, values, mask, grouped=False), want)
+        torch.testing.assert_close(attend(q, keys, values, mask, grouped=True), want)
+    # Which key/value head a query head reads shows: the two swapped, every route differs from the law.
+    want = torch.nn.functional.scaled_dot_product_attention(q, *repeated, attn_mask=additive)
+    for grouped in (False, True):
+        assert not torch.allclose(attend(q, keys.flip(1), values.flip(1), additive, grouped=grouped), want)
+    with pytest.raises(ValueError, match="per head"):
+        attend(q, keys, values, additive.expand(1, 8, 5, 12), grouped=False)
 
 
 @pytest.mark.gpu

@@ -15,6 +15,7 @@ from specbench.decoding.kv import StaticKV
 from specbench.decoding.sampling import Sampling
 from specbench.decoding.tree import tree_inputs
 from specbench.drafters.model import ModelDrafter
+from specbench.models import fast
 from specbench.models import static as static_path
 from specbench.models.fast import FastLlama
 from specbench.models.lm import HFCausalLM, SparseView
@@ -59,6 +60,14 @@ def qwen3(seed: int, layers: int = 2, hidden: int = 64, vocab: int = 300):
 
 
 FAMILIES = [pytest.param(llama, id="llama"), pytest.param(qwen3, id="qwen3")]
+# How grouped heads attend under a mask: in the kernel (the CPU's route) or folded into the query
+# length (CUDA's, fast.fold_groups), which these tests also run on the CPU.
+ATTENTION = [pytest.param(False, id="grouped-kernel"), pytest.param(True, id="folded")]
+
+
+def attention_route(monkeypatch, folded: bool) -> None:
+    if folded:
+        monkeypatch.setattr(fast, "kernel_takes_masked_groups", lambda device: False)
 
 
 def noisy(model, scale: float = 0.3, seed: int = 1):
@@ -91,11 +100,16 @@ def scores(lm) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.parametrize("folded", ATTENTION)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_static_path_scores_as_transformers(family):
+def test_the_static_path_scores_as_transformers(family, folded, monkeypatch):
     model = family(0)
     want = scores(HFCausalLM(model, model.config.vocab_size))
+    attention_route(monkeypatch, folded)
+    folds, fold = [], fast.fold_groups
+    monkeypatch.setattr(fast, "fold_groups", lambda *args: folds.append(1) or fold(*args))
     got = scores(static(model))
+    assert bool(folds) == folded  # the route the test names is the route that ran
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
         assert torch.equal(g.argmax(-1), w.argmax(-1))
@@ -193,12 +207,16 @@ def test_static_kv_keeps_a_paths_entries_in_order():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("folded", ATTENTION)
 @pytest.mark.parametrize("family", FAMILIES)
-def test_the_compiled_path_never_recompiles_and_decodes_the_baselines_greedy_tokens(family, monkeypatch, one_thread):
+def test_the_compiled_path_never_recompiles_and_decodes_the_baselines_greedy_tokens(
+    family, folded, monkeypatch, one_thread
+):
     # Rounds, K (2 and 4: verify forwards of 3 and 5 tokens, draft catch-ups of 1 and 2) and prompts
     # of several lengths: every forward after the build reuses the two compiled graphs, and models
     # of other shapes compiled in the same process (the draft, another test's) leave them alone.
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    attention_route(monkeypatch, folded)
     other = static(llama(2, layers=1, hidden=32), compiled=True)  # another model in the process, of another shape
     other.reserve(40)
     model = family(0, layers=3)
@@ -231,10 +249,12 @@ class StaticLawLM(StaticLM):
     logits_after = LawLM.logits_after
 
 
-# CPU: compiled by inductor; CUDA: graphed (make gpu-check runs those).
+# CPU: compiled by inductor, grouped heads attending in the kernel or folded (CUDA's route); CUDA:
+# graphed (make gpu-check runs those).
 DEVICES = [
-    pytest.param("cpu", id="static-inductor", marks=pytest.mark.slow),
-    pytest.param("cuda", id="graphs", marks=pytest.mark.gpu),
+    pytest.param("cpu", False, id="static-inductor", marks=pytest.mark.slow),
+    pytest.param("cpu", True, id="static-inductor-folded", marks=pytest.mark.slow),
+    pytest.param("cuda", False, id="graphs", marks=pytest.mark.gpu),
 ]
 
 
@@ -262,13 +282,16 @@ def static_law_p(tmp_path, device: str, negative_control: bool = False) -> float
     return speculative_law_p(target, drafter, 2, cfg, generator, negative_control=negative_control)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_speculative_sampling_on_the_static_path_matches_the_target_law(tmp_path, one_thread, device):
+@pytest.mark.parametrize(("device", "folded"), DEVICES)
+def test_speculative_sampling_on_the_static_path_matches_the_target_law(
+    tmp_path, one_thread, monkeypatch, device, folded
+):
+    attention_route(monkeypatch, folded)
     assert static_law_p(tmp_path, device) > P_FLOOR
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_the_test_catches_a_mask_that_lets_drafts_see_ahead(tmp_path, one_thread, monkeypatch, device):
+@pytest.mark.parametrize(("device", "folded"), DEVICES)
+def test_the_test_catches_a_mask_that_lets_drafts_see_ahead(tmp_path, one_thread, monkeypatch, device, folded):
     # A bug of the static path's own: a verification mask that lets each new token see every new slot,
     # the drafts after it included, so each row is scored on tokens not yet emitted. (A rejection that
     # left the rejected slot inside the length was tried too: it moved the law of these 4-token
@@ -277,6 +300,7 @@ def test_the_test_catches_a_mask_that_lets_drafts_see_ahead(tmp_path, one_thread
     monkeypatch.setattr(
         static_path, "static_mask", lambda start, tree, *rest: mask(start, torch.ones_like(tree), *rest)
     )
+    attention_route(monkeypatch, folded)
     assert static_law_p(tmp_path, device, negative_control=True) < P_FLOOR
 
 
@@ -345,13 +369,15 @@ def static_eagle(tmp_path, seed: int = 3, compiled: bool = True):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("folded", ATTENTION)
 @pytest.mark.parametrize("shape", [{}, {"shape": (2, 1)}, {"dynamic": (3, 2)}], ids=["chain", "tree", "dynamic"])
-def test_the_static_head_drafts_as_the_head_itself(tmp_path, monkeypatch, one_thread, shape):
+def test_the_static_head_drafts_as_the_head_itself(tmp_path, monkeypatch, one_thread, shape, folded):
     # The same drafts, round for round, so the same accepted counts: chains through the compiled steps,
     # trees through the head's own step over the static cache.
     from specbench.drafters.eagle import EagleDrafter
 
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    attention_route(monkeypatch, folded)
     target, head, static_head = static_eagle(tmp_path)
     assert static_head.forward_facts()["route"] == "static-inductor" and static_head.forms is not None
     runs = []
