@@ -149,7 +149,7 @@ class Engine:
                 said = self.log.error_line() or first_line(e)
                 self.log.write("".join(traceback.format_exception(e)))
                 raise SpecbenchError(
-                    f"vLLM could not start the engine for {spec.model}: {said} (vLLM's output: {self.log.path})"
+                    f"vLLM could not start the engine for {spec.model}: {said}{self.log.where}"
                 ) from None
 
     async def _stop(self) -> None:
@@ -172,7 +172,10 @@ class Engine:
         tag, self.requests = self.requests, self.requests + len(requests)
         indices = list(range(len(requests))) if indices is None else list(indices)
         drive = lambda finished: self._drive(requests, concurrency, sampling, rate, tag, indices, finished)  # noqa: E731
-        yield from self.driver.stream(len(requests), drive, "the vLLM engine")
+        try:
+            yield from self.driver.stream(len(requests), drive, "the vLLM engine")
+        except SpecbenchError as e:
+            raise SpecbenchError(self.log.explained(str(e)) if self.log is not None else str(e)) from None
 
     async def _drive(self, requests, concurrency, sampling: Sampling, rate, tag, indices, finished: queue.Queue):
         from vllm import SamplingParams
@@ -485,6 +488,17 @@ class EngineLog:
         with open(self.path, encoding="utf-8", errors="replace") as f:
             f.seek(self.began)
             return error_line(f.read())
+
+    @property
+    def where(self) -> str:
+        return f" (vLLM's output: {self.path})"
+
+    def explained(self, failure: str) -> str:
+        """``failure``, a line saying the engine failed mid-run (its engine core's "EngineDeadError: ...
+        See stack trace above"), with the root cause the log last names and where the log is."""
+        said = self.error_line()
+        cause = f"; the log last says {said}" if said and said not in failure else ""
+        return f"{failure}{cause}{self.where}"
 
     def close(self) -> None:
         for handler, stream in reversed(self.moved):

@@ -260,6 +260,37 @@ def test_the_error_line_of_vllms_output_is_the_last_thing_raised():
     assert error_line("INFO all well\n") is None
 
 
+def test_an_engine_that_dies_mid_run_names_the_root_cause_and_its_log(tmp_path):
+    """vLLM's client says only that its engine core died ("See stack trace above"): the line a run
+    stops with adds what vLLM's output last says was raised, and where that output is."""
+    from specbench.decoding.sampling import Sampling
+    from specbench.engines import LoopThread
+    from specbench.engines.vllm import Engine
+
+    log = EngineLog(tmp_path / "run" / "vllm.log", EngineSpec("m", "float32", 0, 64, 1))
+    log.write("(EngineCore pid=7) ERROR [core.py:1] torch.OutOfMemoryError: could not allocate 2.0 GiB\n")
+    engine = Engine.__new__(Engine)
+    engine.log, engine.driver, engine.requests, engine.detokenizes = log, LoopThread(), 0, False
+
+    class EngineDeadError(Exception):
+        pass
+
+    async def dies(requests, concurrency, sampling, rate, tag, indices, finished):
+        finished.put(EngineDeadError("EngineCore encountered an issue. See stack trace (above) for the root cause."))
+
+    engine._drive = dies
+    try:
+        with pytest.raises(SpecbenchError) as raised:
+            list(engine.run([[1, 2]], 1, Sampling(temperature=0.0)))
+    finally:
+        engine.driver.close()
+        log.close()
+    said = str(raised.value)
+    assert said.startswith("the vLLM engine failed mid-run: EngineDeadError: EngineCore encountered an issue")
+    assert "the log last says OutOfMemoryError: could not allocate 2.0 GiB" in said
+    assert said.endswith(f"(vLLM's output: {tmp_path / 'run' / 'vllm.log'})")
+
+
 def test_what_processes_started_while_an_engine_starts_print_goes_to_its_log(tmp_path, capfd):
     """vLLM's engine core and workers inherit descriptors 1 and 2 as they start: those point at the
     log meanwhile, while this process's own output (sys.stdout, sys.stderr) stays where it was."""
