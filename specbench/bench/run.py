@@ -74,9 +74,7 @@ def prepare(cfg: BenchConfig) -> tuple[Pair, Conversations]:
     pair, prompts = load_inputs(cfg)
     conversations = encode_prompts(pair, prompts, cfg.rendering)
     if pair.bridge is not None:
-        share = check_share(
-            pair.bridge, [ids.tolist() for ids in conversations.first], pair.target.name, pair.draft.name
-        )
+        share = check_share(pair.bridge, conversations.user_ids(), pair.target.name, pair.draft.name)
         log.info("%s holds %.1f%% of the prompts' tokens of %s", pair.draft.name, 100 * share, pair.target.name)
     pair.reserve(conversations.longest + cfg.rendering.max_new_tokens + cfg.rendering.widest)
     return pair, conversations

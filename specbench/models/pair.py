@@ -153,6 +153,14 @@ class Conversations:
             )
         return ids.to(self.first[turn.conversation].device)
 
+    def user_ids(self) -> list[list[int]]:
+        """The token ids of what the run's users write: each first turn as it is decoded, and each
+        later turn's own message (its rendering waits for the answers before it)."""
+        later = [t.prompt.turns[t.turn - 1] for t in self.turns if t.turn > 1]
+        return [ids.tolist() for ids in self.first] + [
+            self.tokenizer(text, add_special_tokens=False).input_ids for text in later
+        ]
+
     def messages(self, turn: Turn, answers: list[str]) -> list[dict]:
         """``turn`` after ``answers`` as chat messages, for a server that renders its own template."""
         return chat_messages(turn.prompt, answers)

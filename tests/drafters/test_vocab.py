@@ -256,20 +256,39 @@ def test_a_method_across_vocabularies_refuses_a_draft_that_shares_the_targets(ti
     one_line_error(result, "shares", "--method speculative runs this pair")
 
 
-def test_a_draft_whose_vocabulary_shares_too_little_is_refused(tiny_pair, prompts_file, tmp_path):
+def digits_draft(tmp_path) -> str:
+    """A draft whose vocabulary is digits alone: none of the target's code tokens but its end of text are its own."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    # A vocabulary of digits alone: none of the target's code tokens but its end of text are its own.
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.train_from_iterator(["0123456789 31415926"] * 40, trainers.BpeTrainer(special_tokens=["<eos>", "<unk>"]))
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>", unk_token="<unk>")
     tokenizer.save_pretrained(tmp_path / "far")
-    draft = build_llama(tmp_path / "far", tokenizer, layers=1, hidden=32, seed=1)
-    result = cli(*run_args(tiny_pair[0], str(draft), prompts_file, tmp_path / "run", "--method", "speculative-text"))
+    return str(build_llama(tmp_path / "far", tokenizer, layers=1, hidden=32, seed=1))
+
+
+def test_a_draft_whose_vocabulary_shares_too_little_is_refused(tiny_pair, prompts_file, tmp_path):
+    draft = digits_draft(tmp_path)
+    result = cli(*run_args(tiny_pair[0], draft, prompts_file, tmp_path / "run", "--method", "speculative-text"))
     one_line_error(result, "of the prompts' tokens", "at least 50%")
     assert not (tmp_path / "run" / "summary.csv").exists()
+
+
+def test_the_share_counts_every_users_turn_not_the_first_alone(tiny_pair, tmp_path):
+    # First turns of digits, which the digits draft holds, then long later turns it holds none of:
+    # counted over first turns alone the share passed, and the run drafted text it cannot read.
+    later = "def fetch_user_record(identifier): return database.lookup(identifier)"
+    rows = [{"turns": [f"{i} 31415926 0123456789 2718281828", later]} for i in range(3)]
+    conversations = tmp_path / "turns.jsonl"
+    conversations.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    draft = digits_draft(tmp_path)
+    base = run_args(tiny_pair[0], draft, conversations, tmp_path / "run", "--method", "speculative-text")
+    one_line_error(cli(*base, "--max-new-tokens", "4"), "of the prompts' tokens", "at least 50%")
+    passes = cli(*run_args(tiny_pair[0], draft, conversations, tmp_path / "one", "--method", "speculative-text"),
+                 "--max-turns", "1", "--max-new-tokens", "4")  # fmt: skip
+    assert passes.returncode == 0, passes.stderr[-2000:]  # the first turns alone pass: the later ones refuse it
 
 
 def test_universal_assisted_generation_under_sampling_is_refused_in_one_line(
