@@ -39,6 +39,98 @@ def growing_layer():
     return GrowingLayer
 
 
+def host_reads_free(device: torch.device) -> bool:
+    """Whether reading a value back to the host costs no wait (the tensors are already there)."""
+    return device.type == "cpu"
+
+
+SPARE_ROWS = 256  # rows a shortlisted head holds free for the ids a sequence reads, before it must grow
+
+
+class ShortlistedHead:
+    """A vocabulary shortlist as a head scores it: the shortlisted ``ids`` plus every id read since
+    ``reset``, each with its row of the output embeddings ``weight``; the rest of the ``width`` ids
+    score -inf.
+
+    The rows sit in buffers of a fixed size that ``read`` appends to on the device, so reading costs no
+    host read: on CUDA one a forward would make the host wait for each draft step before it queues
+    the next. The host keeps a bound on the rows filled (every id read counts) and reads the true
+    count only when the spare rows could run out, then grows the buffers if they must. Unfilled rows
+    hold zeros and score a column past ``width``, which is dropped. Where the host reads for free (a
+    CPU) only the filled rows are scored."""
+
+    def __init__(self, weight: torch.Tensor, ids: torch.Tensor, width: int):
+        self.weight, self.width, self.device = weight.detach(), width, weight.device
+        self.base = torch.zeros(0, dtype=torch.long, device=self.device)
+        self.extend(ids)
+        self.claims = torch.zeros(
+            width, dtype=torch.long, device=self.device
+        )  # scratch: which read of an id is its first
+        self.version = 0  # counts the buffers' allocations (a new one invalidates a packed copy)
+        self.reset()
+
+    def extend(self, ids: torch.Tensor) -> None:
+        """Add ``ids`` to the shortlist itself, their rows (and the others') gathered from the weights as
+        they are now (online updates change them): from the next ``reset``."""
+        ids = ids.to(self.device)
+        ids = ids[(ids >= 0) & (ids < self.width)]
+        self.base = torch.cat([self.base, ids]).unique(sorted=False) if len(self.base) else ids.unique()
+        self.base_mask = torch.zeros(self.width, dtype=torch.bool, device=self.device)
+        self.base_mask[self.base] = True
+        self.base_rows = self.weight[self.base]
+
+    def reset(self) -> None:
+        """Back to the shortlist's own ids, before a new sequence."""
+        self.seen = self.base_mask.clone()
+        self.count = torch.tensor(len(self.base), device=self.device)
+        self.bound = len(self.base)
+        self._allocate(len(self.base) + SPARE_ROWS, self.base, self.base_rows)
+
+    def _allocate(self, capacity: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
+        # One row past ``capacity`` takes the writes of ids that are not new; it is never filled.
+        self.ids = torch.full((capacity + 1,), self.width, dtype=torch.long, device=self.device)
+        self.rows = torch.zeros(capacity + 1, self.weight.shape[1], dtype=self.weight.dtype, device=self.device)
+        self.ids[: len(ids)], self.rows[: len(rows)] = ids, rows
+        self.version += 1
+
+    def filled(self) -> int:
+        """The rows filled: a host read."""
+        return int(self.count)
+
+    def read(self, token_ids: torch.Tensor) -> None:
+        """Add the ids of ``token_ids`` not yet scored, each once, in the next free rows."""
+        if host_reads_free(self.device) and self.seen[token_ids].all():
+            return  # most reads, checked where the check is free: the appending below is a dozen small kernels
+        n, capacity = len(token_ids), len(self.ids) - 1
+        if self.bound + n > capacity:  # the spare rows could run out: count them, and grow if they must
+            filled = self.filled()
+            if filled + n > capacity:
+                self._allocate(filled + n + SPARE_ROWS, self.ids[:filled], self.rows[:filled])
+            self.bound = filled
+        order = torch.arange(n, device=self.device)
+        self.claims[token_ids] = order  # of repeated ids one read is kept, whichever
+        new = ~self.seen[token_ids] & (self.claims[token_ids] == order)
+        slots = torch.where(new, self.count + new.cumsum(0) - 1, len(self.ids) - 1)
+        self.ids[slots] = torch.where(new, token_ids, self.width)
+        self.rows[slots] = self.weight[token_ids] * new[:, None].to(self.rows.dtype)
+        self.seen[token_ids] = True
+        self.count += new.sum()
+        self.bound += n
+
+    def scored(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ids and rows to score: on a CPU the filled ones, elsewhere all (no host read)."""
+        if host_reads_free(self.device):
+            filled = self.filled()
+            return self.ids[:filled], self.rows[:filled]
+        return self.ids, self.rows
+
+    def logits(self, scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, width] from the ``scores`` [rows, len(ids)] of the rows of ``ids``."""
+        out = torch.full((scores.shape[0], self.width + 1), float("-inf"), dtype=scores.dtype, device=self.device)
+        out[:, ids] = scores
+        return out[:, : self.width]
+
+
 class HFCausalLM:
     """A transformers model with its own DynamicCache, speaking the decode loop's protocol (decoding.decode.CausalLM).
 
@@ -61,11 +153,9 @@ class HFCausalLM:
         self.width = width  # logits beyond the shared width are dropped so p and q align
         self.device = model.device
         self.queries: list[torch.Tensor] | None = None  # see watch_queries
-        self.head_tokens = None if head_tokens is None else head_tokens[head_tokens < width].to(self.device)
-        if self.head_tokens is not None:  # gathered once; reset() returns to these without copying
-            self.shortlist_mask = torch.zeros(width, dtype=torch.bool, device=self.device)
-            self.shortlist_mask[self.head_tokens] = True
-            self.shortlist_head = self.model.get_output_embeddings().weight[self.head_tokens]
+        self.shortlist = None
+        if head_tokens is not None:
+            self.shortlist = ShortlistedHead(self.model.get_output_embeddings().weight, head_tokens, width)
         self.reset()
 
     @classmethod
@@ -97,13 +187,14 @@ class HFCausalLM:
         with ``more_tokens`` added to the shortlist. Takes effect at the next ``reset``."""
         if self.fast is not None:  # its packed copies of the weights are stale
             self.fast = FastLlama(self.model, self.fast.packed, self.fast.compiled)
-        if self.head_tokens is None:
+        if self.shortlist is None:
             return  # the full projection reads the weights themselves
-        more = more_tokens.to(self.device)
-        more = more[(more < self.width) & ~self.shortlist_mask[more.clamp(max=self.width - 1)]].unique()
-        self.head_tokens = torch.cat([self.head_tokens, more])
-        self.shortlist_mask[more] = True
-        self.shortlist_head = self.model.get_output_embeddings().weight[self.head_tokens].detach()
+        self.shortlist.extend(more_tokens)
+
+    @property
+    def head_tokens(self) -> torch.Tensor | None:
+        """The shortlist's own ids (None: the whole vocabulary is scored)."""
+        return None if self.shortlist is None else self.shortlist.base
 
     def reset(self) -> None:
         from transformers import DynamicCache
@@ -116,22 +207,12 @@ class HFCausalLM:
 
     def reset_shortlist(self) -> None:
         """The shortlisted head back to its own ids, before a new sequence (a no-op without one)."""
-        if self.head_tokens is not None:
-            self.in_head = self.shortlist_mask.clone()
-            self.head_ids, self.head = self.head_tokens, self.shortlist_head  # _read replaces, never mutates, them
+        if self.shortlist is not None:
+            self.shortlist.reset()
 
     @property
     def length(self) -> int:
         return self.cache.get_seq_length()
-
-    def _read(self, token_ids: torch.Tensor) -> None:
-        """Add ids the model reads to the shortlist."""
-        unseen = ~self.in_head[token_ids]
-        if unseen.any():  # rarely, once the prompt is read: one cheap test rather than a unique() per forward
-            new = token_ids[unseen].unique()
-            self.in_head[new] = True
-            self.head_ids = torch.cat([self.head_ids, new])
-            self.head = torch.cat([self.head, self.model.get_output_embeddings().weight[new]])
 
     def _inputs(self, token_ids: torch.Tensor, positions: torch.Tensor | None, mask: torch.Tensor | None) -> dict:
         """Keyword arguments of the model call; without positions and mask, exactly the linear decode's."""
@@ -258,14 +339,13 @@ class HFCausalLM:
         if self.fast is not None:
             return self._fast_call(token_ids, last, positions, mask)
         inputs = self._inputs(token_ids, positions, mask)
-        if self.head_tokens is None:
+        if self.shortlist is None:
             out = self.model(**inputs, logits_to_keep=last)
             return out.logits[0, :, : self.width]
-        self._read(token_ids)
+        self.shortlist.read(token_ids.to(self.device))
         hidden = self.model.base_model(**inputs).last_hidden_state[0, -last:]
-        logits = torch.full((last, self.width), float("-inf"), dtype=hidden.dtype, device=self.device)
-        logits[:, self.head_ids] = hidden @ self.head.T
-        return logits
+        ids, rows = self.shortlist.scored()
+        return self.shortlist.logits(hidden @ rows.T, ids)
 
     def _fast_call(
         self, token_ids: torch.Tensor, last: int, positions: torch.Tensor | None, mask: torch.Tensor | None
@@ -284,15 +364,16 @@ class HFCausalLM:
     def _fast_head(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Logits [rows, width] of the fast forward's final states ``hidden`` [rows, hidden] after it read
         ``ids``: the whole projection, or the shortlist (which ``ids`` may grow)."""
-        last = hidden.shape[0]
-        if self.head_tokens is None:
+        if self.shortlist is None:
             return self.fast.logits(hidden)[:, : self.width]
-        self._read(ids)
-        if self.fast_head is None or self.fast_head[0] is not self.head:  # the shortlist grew: pack it again
-            self.fast_head = self.head, self.fast.linear(self.head)
-        logits = torch.full((last, self.width), float("-inf"), dtype=hidden.dtype, device=self.device)
-        logits[:, self.head_ids] = self.fast_head[1](hidden)
-        return logits
+        self.shortlist.read(ids)
+        scored, rows = self.shortlist.scored()
+        # A packed copy (a CPU's, where counting is free) is a snapshot: made again when a row is
+        # filled. An unpacked map reads the buffers themselves: only new buffers need a new map.
+        key = (self.shortlist.version, len(rows), self.shortlist.filled() if self.fast.packed else None)
+        if self.fast_head is None or self.fast_head[0] != key:
+            self.fast_head = key, self.fast.linear(rows)
+        return self.shortlist.logits(self.fast_head[1](hidden), scored)
 
     @torch.inference_mode()  # the cache holds inference tensors, which only change in place in this mode
     def keep(self, path: Sequence[int], new: int) -> None:

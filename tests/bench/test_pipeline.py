@@ -12,7 +12,8 @@ from specbench.core import metrics
 from specbench.decoding.decode import autoregressive_decode, heuristic_k, speculative_decode
 from specbench.decoding.sampling import Sampling
 from specbench.drafters.model import ModelDrafter
-from specbench.models.lm import HFCausalLM
+from specbench.models import lm as lm_module
+from specbench.models.lm import HFCausalLM, ShortlistedHead
 from specbench.models.load import load, shared_width
 from specbench.results import schema
 
@@ -46,7 +47,10 @@ def test_shared_width_slices_the_padded_draft(tiny_pair, padded_draft):
     assert max(sampled) < target.width
 
 
-def test_shortlisted_head_scores_the_shortlist_and_what_it_read(tiny_pair):
+@pytest.mark.parametrize("host_reads", [True, False], ids=["filled-rows", "all-rows"])
+def test_shortlisted_head_scores_the_shortlist_and_what_it_read(tiny_pair, monkeypatch, host_reads):
+    # all-rows: CUDA's route, which scores every row of the buffers rather than read their count.
+    monkeypatch.setattr(lm_module, "host_reads_free", lambda device: host_reads)
     target, _, draft_lm = wrapped(tiny_pair)
     shortlist = torch.arange(0, draft_lm.width, 3)
     short = HFCausalLM(draft_lm.model, draft_lm.width, shortlist)
@@ -61,7 +65,38 @@ def test_shortlisted_head_scores_the_shortlist_and_what_it_read(tiny_pair):
     assert torch.isinf(short.forward(prompt[:1])[0, ~scored & (torch.arange(draft_lm.width) % 3 != 0)]).all()
 
 
-def test_greedy_speculative_with_a_shortlisted_draft_equals_the_baseline(tiny_pair):
+def test_a_shortlisted_head_reads_ids_on_the_device_and_counts_them_only_when_it_may_run_out(monkeypatch):
+    torch.manual_seed(0)
+    monkeypatch.setattr(lm_module, "SPARE_ROWS", 4)
+    monkeypatch.setattr(lm_module, "host_reads_free", lambda device: False)
+    reads = []
+    filled = ShortlistedHead.filled
+    monkeypatch.setattr(ShortlistedHead, "filled", lambda self: reads.append(1) or filled(self))
+    weight, hidden = torch.randn(50, 8), torch.randn(2, 8)
+    head = ShortlistedHead(weight, torch.tensor([0, 1, 2, 45]), 40)  # 45: past the width, never scored
+
+    def scored_ids() -> set[int]:
+        ids, rows = head.scored()
+        logits = head.logits(hidden @ rows.T, ids)
+        finite = torch.isfinite(logits[0])
+        torch.testing.assert_close(logits[:, finite], (hidden @ weight[:40].T)[:, finite])
+        assert torch.isinf(logits[:, ~finite]).all()
+        return set(torch.nonzero(finite).flatten().tolist())
+
+    head.read(torch.tensor([5, 5, 1]))  # 3 of 7 rows filled, at most 6: no need to count
+    assert scored_ids() == {0, 1, 2, 5} and not reads
+    head.read(torch.tensor([6, 7]))  # at most 8 of 7: counted (4), and 6 fit
+    assert scored_ids() == {0, 1, 2, 5, 6, 7} and len(reads) == 1
+    head.read(torch.tensor([8, 9, 10, 11, 8]))  # 6 + 5 > 7: counted again, and the buffers grow, rows kept
+    assert scored_ids() == set(range(12)) - {3, 4} and len(reads) == 2 and len(head.ids) > 11
+    head.reset()
+    assert scored_ids() == {0, 1, 2}
+
+
+@pytest.mark.parametrize("host_reads", [True, False], ids=["filled-rows", "all-rows"])
+def test_greedy_speculative_with_a_shortlisted_draft_equals_the_baseline(tiny_pair, monkeypatch, host_reads):
+    monkeypatch.setattr(lm_module, "SPARE_ROWS", 2)  # the buffers grow mid-sequence too
+    monkeypatch.setattr(lm_module, "host_reads_free", lambda device: host_reads)
     target, target_lm, draft_lm = wrapped(tiny_pair)
     short = HFCausalLM(draft_lm.model, draft_lm.width, torch.arange(0, draft_lm.width, 2))
     prompt = target.tokenizer("def add(a, b):\n", return_tensors="pt").input_ids[0]

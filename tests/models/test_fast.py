@@ -46,6 +46,22 @@ def test_the_own_forward_is_transformers_arithmetic(target, shortlisted):
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("host_reads", [True, False], ids=["filled-rows", "all-rows"])
+def test_a_packed_shortlisted_head_scores_the_ids_read_since_it_was_packed(target, monkeypatch, host_reads):
+    # The packed head is a copy: each forward that read new ids must score them, whichever rows it scores.
+    from specbench.models import lm as lm_module
+
+    monkeypatch.setattr(lm_module, "host_reads_free", lambda device: host_reads)
+    width = target.get_output_embeddings().weight.shape[0]
+    head = torch.arange(0, width, 3)
+    prefix, chain = torch.arange(5, 40), torch.tensor([41, 44, 47, 50])  # the chain's ids are new
+    want = scores(HFCausalLM(target, width, head), prefix, chain, [-1, 0, 0])
+    got = scores(HFCausalLM(target, width, head, FastLlama(target, packed=True)), prefix, chain, [-1, 0, 0])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(torch.isinf(g), torch.isinf(w))
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+
+
 def test_packed_weights_move_the_logits_by_rounding_only(target):
     width = target.get_output_embeddings().weight.shape[0]
     fast = FastLlama(target, packed=True)
