@@ -63,9 +63,8 @@ class ShortlistedHead:
         self.weight, self.width, self.device = weight.detach(), width, weight.device
         self.base = torch.zeros(0, dtype=torch.long, device=self.device)
         self.extend(ids)
-        self.claims = torch.zeros(
-            width, dtype=torch.long, device=self.device
-        )  # scratch: which read of an id is its first
+        # Scratch for ``read``: which of an id's reads in one call is the one that adds it.
+        self.claims = torch.zeros(width, dtype=torch.long, device=self.device)
         self.version = 0  # counts the buffers' allocations (a new one invalidates a packed copy)
         self.reset()
 
@@ -74,7 +73,7 @@ class ShortlistedHead:
         they are now (online updates change them): from the next ``reset``."""
         ids = ids.to(self.device)
         ids = ids[(ids >= 0) & (ids < self.width)]
-        self.base = torch.cat([self.base, ids]).unique(sorted=False) if len(self.base) else ids.unique()
+        self.base = torch.cat([self.base, ids]).unique()
         self.base_mask = torch.zeros(self.width, dtype=torch.bool, device=self.device)
         self.base_mask[self.base] = True
         self.base_rows = self.weight[self.base]
