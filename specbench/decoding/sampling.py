@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specbench.decoding.transfer import ids_to_device
+
 
 @dataclass(frozen=True)
 class Sampling:
@@ -197,6 +199,11 @@ class Verdict:
         return len(self.path)
 
 
+def uniforms(n: int, generator: torch.Generator, device) -> torch.Tensor:
+    """``n`` independent Uniform[0, 1) draws on ``device``: one for each candidate an acceptance test may try."""
+    return torch.rand(n, generator=generator, device=device)
+
+
 def verify_chain_sampled(
     draft_tokens: torch.Tensor,
     q: torch.Tensor | None,
@@ -221,7 +228,7 @@ def verify_chain_sampled(
     # position (and the bonus token after the last): draws past the first rejection go unused, which
     # leaves the used ones independent, so the law of the output is unchanged. What is known only
     # after the uniforms (where the first rejection is) is then read with the tokens in one transfer.
-    r = torch.rand(k, generator=generator, device=p.device)
+    r = uniforms(k, generator, p.device)
     accept = r * q_x < p_x  # r < p/q without dividing by a q_x that could underflow
     accepted = accept.cumprod(0).sum()
     drafted_rows = p[:k]
@@ -316,7 +323,8 @@ def verify_tree_greedy(tokens: torch.Tensor, parents: list[int], target_logits: 
     accepted node is the target's argmax there, so the output equals greedy target decoding.
     """
     choices = argmax(target_logits).squeeze(-1)
-    choice, ids, kids = choices.tolist(), tokens.tolist(), children(parents)
+    read = torch.cat([choices, tokens.to(choices.dtype)]).tolist()  # one host read: the target's choices and the tree's tokens
+    choice, ids, kids = read[: len(choices)], read[len(choices) :], children(parents)
     path, node = [], -1
     while (child := next((c for c in kids.get(node, []) if ids[c] == choice[node + 1]), None)) is not None:
         path.append(child)
@@ -340,29 +348,51 @@ def verify_tree_sampled(
       renormalised, and the next child is tried.
     After an acceptance the walk continues from that child with the target's row there; when no
     child is accepted (or the node has none) the next token is sampled from what p has become.
-    """
-    ids, kids = tokens.tolist(), children(parents)
+
+    The host reads the device once. Everything the walk may compare is computed first, for every
+    node: a uniform per child, the values of p (as it is when that child is tried) and q at its token,
+    and the token that would follow if the walk ended there, drawn from what p becomes once all its
+    children are rejected. The walk, on the host, then uses some of these draws; the rest go unused,
+    which leaves the used ones independent, so the law of the output is unchanged."""
+    n, device, kids = len(parents), p.device, children(parents)
+    drawn = uniforms(n, generator, device)
+    ends = p.clone()  # row v + 1: p at node v, then as it becomes after each of v's children is rejected
+    tried, p_x, q_x = [], [], []  # by sibling rank j: the children tried j-th, p and q at their tokens
+    for j in range(max(map(len, kids.values()), default=0)):
+        at = [v for v in kids if len(kids[v]) > j]
+        tried += [kids[v][j] for v in at]
+        rows, child = ids_to_device([v + 1 for v in at], device), ids_to_device([kids[v][j] for v in at], device)
+        x, now = tokens[child], ends[rows]
+        p_x.append(now.gather(-1, x[:, None]).squeeze(-1))
+        if q is None:
+            q_x.append(torch.ones_like(p_x[-1]))
+            now[torch.arange(len(at), device=device), x] = 0.0
+            ends[rows] = normalised(now)
+        else:
+            q_x.append(q[child].gather(-1, x[:, None]).squeeze(-1))
+            ends[rows] = normalised(residual(now, q[child]))
+    firsts = ids_to_device([kids[v][0] for v in kids], device)
+    first_rows = ids_to_device([v + 1 for v in kids], device)
+    if q is None:  # beta at a node: sum min(p, q) over its row before any child is tried
+        beta = p[first_rows, tokens[firsts]]
+    else:
+        beta = torch.minimum(p[first_rows], q[firsts]).sum(-1)
+    following = sample(ends, generator).view(-1)  # [n + 1]: the token after the walk, wherever it ends
+    parts = [drawn, *p_x, *q_x, beta, following, tokens]
+    read = torch.cat([t.double() for t in parts]).tolist()  # the one host read
+    u, read = read[:n], read[n:]
+    at_p = dict(zip(tried, read[: len(tried)], strict=True))
+    at_q = dict(zip(tried, read[len(tried) : 2 * len(tried)], strict=True))
+    read = read[2 * len(tried) :]
+    beta_at = dict(zip(kids, read[: len(kids)], strict=True))
+    after, ids = [int(t) for t in read[len(kids) : len(kids) + n + 1]], [int(t) for t in read[len(kids) + n + 1 :]]
     path, node, beta_sum, tested = [], -1, 0.0, 0
-    while True:
-        p_row, accepted = p[node + 1], None
-        siblings = kids.get(node, [])
-        if siblings:
-            first = ids[siblings[0]]
-            q_row = None if q is None else q[siblings[0]]
-            beta_sum += float(p_row[first] if q_row is None else torch.minimum(p_row, q_row).sum())
-            tested += 1
-        for child in siblings:
-            x, u = ids[child], float(torch.rand((), generator=generator, device=p.device))
-            if u * (1.0 if q_row is None else float(q_row[x])) < float(p_row[x]):
-                accepted = child
-                break
-            if q_row is None:
-                p_row = p_row.clone()
-                p_row[x] = 0.0
-                p_row = normalised(p_row)
-            else:
-                p_row = normalised(residual(p_row, q_row))
+    while node in kids:
+        beta_sum += beta_at[node]
+        tested += 1
+        accepted = next((c for c in kids[node] if u[c] * at_q[c] < at_p[c]), None)
         if accepted is None:
-            return Verdict(path, sample(p_row, generator), beta_sum, tested)
+            break
         path.append(accepted)
         node = accepted
+    return Verdict(path, following[node + 1 : node + 2], beta_sum, tested, [ids[i] for i in path] + [after[node + 1]])

@@ -8,7 +8,7 @@ import torch
 
 from specbench.decoding.decode import Draft
 from specbench.decoding.sampling import Sampling, Verdict
-from specbench.decoding.transfer import ids_to_device, to_device
+from specbench.decoding.transfer import ids_to_device
 from specbench.drafters.propose import propose_chain, propose_tree
 from specbench.models.eagle_head import EagleHead
 
@@ -96,48 +96,48 @@ class EagleDrafter:
         nodes of the last (by the product of the draft's probabilities along their branch) are read
         in one forward and offer their ``width`` most probable children; of every node offered, the
         ``nodes`` most probable make the tree. A node is never more probable than its parent (ties go
-        to the shallower), so the tree holds every chosen node's ancestors. The candidates are
-        deterministic given the draft (q is None), which tree verification takes exactly, under
-        sampling too."""
+        to the earlier, so the shallower), so the tree holds every chosen node's ancestors. The
+        candidates are deterministic given the draft (q is None), which tree verification takes
+        exactly, under sampling too.
+
+        Every choice is made on the device, so the host reads it once, for the tree's shape, when the
+        tree is made (on CUDA each read would leave the GPU idle while the host waits, then queues the
+        next level: a level per read made it 10 reads a round at K = 3)."""
         nodes, width = self.dynamic
-        tokens, parents, scores = [], [], []  # every node offered (a draft id), with its branch's log-probability
-        outs, frontier, read = {-1: out}, [-1], []  # the layer's output per node read; nodes in the cache
+        device = out.device
+        tokens, parents, scores = [], [], []  # per level, its nodes offered: draft id, parent (-1: the root), branch log-probability
+        # The nodes read last (at first the root): their outputs, indices, branch log-probabilities and lineages.
+        rows, read, above, ancestors = out, None, torch.zeros(1, device=device), None
         for level in range(depth):
-            rows = torch.cat([outs[n] for n in frontier])
             offered = torch.log_softmax(self.head.draft_logits(rows).float(), dim=-1).topk(width)
-            new = []
-            for row, parent in enumerate(frontier):
-                above = scores[parent] if parent >= 0 else 0.0
-                for value, token in zip(offered.values[row].tolist(), offered.indices[row].tolist(), strict=True):
-                    new.append(len(tokens))
-                    tokens.append(token)
-                    parents.append(parent)
-                    scores.append(above + value)
+            first = sum(len(t) for t in tokens)  # the level's first node
+            branch = (above[:, None] + offered.values).flatten()  # node first + i is child i % width of row i // width
+            tokens.append(offered.indices.flatten())
+            parents.append(torch.full_like(tokens[-1], -1) if read is None else read.repeat_interleave(width))
+            scores.append(branch)
             if level + 1 == depth:
                 break
-            frontier = sorted(new, key=lambda n: -scores[n])[:width]
-            read += frontier
-            # Each reads the pending pairs and its ancestors (all read at earlier levels) and itself.
-            mask = torch.zeros(len(frontier), self.base + len(read), dtype=torch.bool)  # built on the host
-            mask[:, : self.base] = True
-            lineages = [_lineage(n, parents) for n in frontier]
-            for row, lineage in enumerate(lineages):
-                mask[row, [self.base + read.index(n) for n in lineage]] = True
-            mask = to_device(mask, out.device)
-            positions = ids_to_device([self.base + len(lineage) - 1 for lineage in lineages], out.device)
-            ids = self.head.draft_ids[ids_to_device([tokens[n] for n in frontier], out.device)]
-            hidden = torch.cat([outs[parents[n]] for n in frontier])
-            result = self.head.step(ids, hidden, positions, self.cache, mask)
-            outs.update({n: result[row : row + 1] for row, n in enumerate(frontier)})
-        ranked = sorted(range(len(tokens)), key=lambda n: (-scores[n], len(_lineage(n, parents))))
-        chosen = sorted(ranked[:nodes])  # a parent was offered before its children: index order keeps it first
-        index = {n: i for i, n in enumerate(chosen)}
-        return Draft(
-            self.head.draft_ids[ids_to_device([tokens[n] for n in chosen], out.device)],
-            [index[parents[n]] if parents[n] >= 0 else -1 for n in chosen],
-            None,
-            forwards=depth,
-        )
+            # A stable sort, not topk, so ties go to the earlier node (topk's order among ties is not specified).
+            frontier = branch.sort(descending=True, stable=True).indices[:width]
+            parent_row = frontier // width
+            # What each frontier node attends to: the pairs read before the tree, its ancestors (read at
+            # earlier levels, in the cache in the order they were read) and itself.
+            lineage = torch.eye(len(frontier), dtype=torch.bool, device=device)
+            if ancestors is not None:
+                lineage = torch.cat([ancestors[parent_row], lineage], dim=1)
+            mask = torch.cat([torch.ones(len(frontier), self.base, dtype=torch.bool, device=device), lineage], dim=1)
+            positions = torch.full((len(frontier),), self.base + level, dtype=torch.long, device=device)
+            ids = self.head.draft_ids[tokens[-1][frontier]]
+            rows = self.head.step(ids, rows[parent_row], positions, self.cache, mask)
+            read, above, ancestors = first + frontier, branch[frontier], lineage
+        tokens, parents, scores = torch.cat(tokens), torch.cat(parents), torch.cat(scores)
+        # Levels were offered in order, so a stable sort ranks ties shallower first: a parent before its children.
+        chosen = scores.sort(descending=True, stable=True).indices[:nodes].sort().values
+        index = torch.full_like(parents, -1)
+        index[chosen] = torch.arange(len(chosen), device=device)
+        chosen_parents = parents[chosen]
+        shape = torch.where(chosen_parents >= 0, index[chosen_parents.clamp(min=0)], -1)
+        return Draft(self.head.draft_ids[tokens[chosen]], shape.tolist(), None, forwards=depth)
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         # Its own entries of the round give way: the accepted tokens are read again with the target's features.
@@ -154,12 +154,3 @@ class EagleDrafter:
         features there, join what the head reads with its next forward."""
         self.read = False
         self.accepted(draft, verdict)
-
-
-def _lineage(node: int, parents: list[int]) -> list[int]:
-    """``node`` and its ancestors, the root's child first."""
-    chain = []
-    while node >= 0:
-        chain.append(node)
-        node = parents[node]
-    return chain[::-1]

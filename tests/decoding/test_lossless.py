@@ -193,6 +193,19 @@ def test_the_test_catches_a_tree_verifier_that_does_not_renormalise(monkeypatch)
     assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, Sampling(temperature=1.0), negative_control=True) < P_FLOOR
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("drafting", ["drawn from q", "deterministic"])
+def test_the_test_catches_a_tree_verifier_whose_candidates_share_a_uniform(monkeypatch, drafting):
+    # The verifier draws every uniform before its walk: each candidate it tries must have its own.
+    monkeypatch.setattr(sampling, "uniforms", lambda n, generator, device: torch.rand(1, generator=generator).expand(n))
+    cfg = Sampling(temperature=1.0)
+    if drafting == "deterministic":
+        drafter = LookupTreeDrafter(nodes=6, depth=2, max_ngram=2)
+    else:
+        drafter = TreeDrafter(ToyLM(VOCAB, seed=2), cfg, torch.Generator().manual_seed(5), (2, 2))
+    assert chi_square_p(ToyLM(VOCAB, seed=1), drafter, 2, cfg, negative_control=True) < P_FLOOR
+
+
 @pytest.mark.parametrize("shape", [(2, 2), (3, 1, 1), (2, 2, 1), (4,)])
 def test_greedy_tree_decoding_equals_the_greedy_baseline_on_toy(shape):
     target, prompt, greedy = ToyLM(5, seed=3), torch.tensor([1, 4]), Sampling(0.0)

@@ -18,6 +18,7 @@ from specbench.decoding.transfer import ids_to_device
 from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.lookup import PromptLookupDrafter
 from specbench.drafters.model import ModelDrafter
+from specbench.drafters.trees import TreeDrafter
 from specbench.models.eagle_head import read_head
 from specbench.models.fast import FastLlama
 from specbench.models.lm import HFCausalLM
@@ -135,7 +136,14 @@ def test_a_chain_round_reads_the_device_once(request, pair, temperature, draftin
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_an_eagle_chain_round_reads_the_device_once(tmp_path, temperature):
+@pytest.mark.parametrize(
+    "drafting,reads_a_round",
+    [({}, 1), ({"shape": (2, 2)}, 1), ({"dynamic": (5, 2)}, 2)],
+    ids=["chain", "tree", "dynamic tree"],
+)
+def test_an_eagle_round_reads_the_device_once_and_a_dynamic_tree_once_more(tmp_path, temperature, drafting, reads_a_round):
+    # A dynamic tree's shape is chosen on the device from the head's scores: the host reads it once,
+    # to build the verification's mask, and then the verdict.
     target = LawLM(tiny_law_model(1, tmp_path), packed=True)
     config = target.model.config
     path = build_eagle3_head(tmp_path / "head", config, taps=(0, 1, 2), draft_ids=[0, 2], seed=3)
@@ -143,11 +151,21 @@ def test_an_eagle_chain_round_reads_the_device_once(tmp_path, temperature):
     head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
     target.record_features(head.config.taps)
     cfg, generator = Sampling(temperature=temperature), torch.Generator().manual_seed(0)
-    drafter = EagleDrafter(head, target, 3, cfg, generator)
+    drafter = EagleDrafter(head, target, 3, cfg, generator, **drafting)
     with HostReads() as reads:
         result = speculative_decode(target, drafter, torch.tensor([0, 2, 1]), 3, 30, cfg, generator)
     rounds = len(result.accept_counts)
-    assert rounds >= 5 and reads.count <= rounds + 2, f"{reads.count} reads in {rounds} rounds"
+    assert rounds >= 5 and reads.count <= reads_a_round * rounds + 2, f"{reads.count} reads in {rounds} rounds"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_tree_round_reads_the_device_once(models, temperature):
+    target, draft = models
+    cfg, generator = Sampling(temperature=temperature), torch.Generator().manual_seed(0)
+    with HostReads() as reads:
+        result = speculative_decode(target, TreeDrafter(draft, cfg, generator, (2, 2)), PROMPT, 2, 40, cfg, generator)
+    rounds = len(result.accept_counts)
+    assert rounds >= 8 and reads.count <= rounds + 2, f"{reads.count} reads in {rounds} rounds"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
