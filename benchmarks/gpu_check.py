@@ -890,6 +890,7 @@ def host_reads(check: Check) -> Outcome:
     from specbench.decoding.sampling import Sampling
     from specbench.drafters.lookup import PromptLookupDrafter
     from specbench.drafters.model import ModelDrafter
+    from specbench.drafters.trees import TreeDrafter
     from specbench.models.fast import FastLlama
     from specbench.models.load import random_model
     from specbench.models.static import StaticLM
@@ -912,12 +913,18 @@ def host_reads(check: Check) -> Outcome:
     prompt = torch.tensor([5, 9, 14, 5, 9, 14, 5, 9, 3, 7, 5, 9], device=device)  # repeats: lookup finds matches
     rows = ["| decode | rounds | host reads | per round | CUDA syncs | per round |", "|---|---|---|---|---|---|"]
     figures, problems = {}, []
-    cases = [(f"{d}, T={t}", d, t) for d in ("draft model", "prompt lookup", "baseline") for t in (0.0, 1.0)]
+    kinds = ("draft model", "draft tree 2,2", "prompt lookup", "baseline")
+    cases = [(f"{d}, T={t}", d, t) for d in kinds for t in (0.0, 1.0)]
 
     def decode(drafting: str, sampling: Sampling, generator: torch.Generator):
         if drafting == "baseline":
             return autoregressive_decode(target, prompt, 40, sampling, generator)
-        drafter = ModelDrafter(draft, sampling, generator) if drafting == "draft model" else PromptLookupDrafter()
+        if drafting == "draft model":
+            drafter = ModelDrafter(draft, sampling, generator)
+        elif drafting == "draft tree 2,2":
+            drafter = TreeDrafter(draft, sampling, generator, (2, 2))
+        else:
+            drafter = PromptLookupDrafter()
         return speculative_decode(target, drafter, prompt, 3, 40, sampling, generator)
 
     for label, drafting, temperature in cases:
@@ -938,7 +945,7 @@ def host_reads(check: Check) -> Outcome:
                 if device.type == "cuda":
                     torch.cuda.set_sync_debug_mode("default")
             syncs = sum("synchroniz" in str(w.message) for w in caught)
-        # The baseline's unit is a read every STOP_CHECK tokens; a chain round's is one read a round.
+        # The baseline's unit is a read every STOP_CHECK tokens; a round's (a chain's or a tree's) is one read.
         rounds = len(result.tokens) if drafting == "baseline" else len(result.accept_counts)
         bound = -(-40 // STOP_CHECK) + 1 if drafting == "baseline" else rounds + 4
         cuda = device.type == "cuda"
