@@ -2,12 +2,15 @@
 the target at training-time test steps 0, 1 and 2, by the source of the prompt (sharegpt, humaneval
 or a file).
 
-    python benchmarks/held_out_agreement.py DISTILL_DIR HEAD [HEAD ...] [--target T]
+    python benchmarks/held_out_agreement.py DISTILL_DIR HEAD [HEAD ...] [--trained-on DIR ...] [--target T]
 
 DISTILL_DIR is a `specbench distill --kind eagle` output directory with its generated/ answers and
 features/ (what the run stored). Its held-out answers are the ones distill held out (every 16th
-greedy answer), so a head trained in DISTILL_DIR never saw them; another head may have been trained
-on other data. Agreement at step 0 estimates greedy acceptance of the first drafted token.
+greedy answer), so a head trained in DISTILL_DIR never saw them. A head trained in another run may
+have: runs with other seeds draw from the same prompts (on the default pair's ShareGPT, two draws of
+3,072 prompts shared 842), and the greedy answer to a prompt is the same answer. --trained-on names
+those runs, and held-out answers to their prompts are left out. Agreement at step 0 estimates greedy
+acceptance of the first drafted token.
 """
 
 from __future__ import annotations
@@ -26,20 +29,36 @@ from specbench.training.distill import DistillConfig, is_sampled
 from specbench.training.distill_eagle import FEATURES, ttt_agreement
 
 
-def held_out_by_source(out: Path) -> dict[str, list[Example]]:
-    """The answers distill held out in ``out``, with their stored features, by prompt source."""
+def answers(out: Path, features: bool = False):
+    """Each answer distill stored in ``out``, in load_examples' order: (held out, prompt ids, doc, features or None)."""
     recipe = json.loads((out / "distill.json").read_text())
     cfg = DistillConfig(out=out, sampled_fraction=recipe["sampled_fraction"])
-    by_source, seen = defaultdict(list), 0
+    seen = 0
     for path in sorted((out / "generated").glob("*.pt")):
         greedy = not is_sampled(cfg, int(path.stem))
-        features = torch.load(out / FEATURES / "generated" / path.name)
-        for doc, f in zip(torch.load(path), features, strict=True):
-            if greedy and seen % 16 == 0:  # load_examples' rule, counted over all answers as it counts
-                example = Example(doc["ids"], doc["prompt_len"] - 1, doc["top_logp"], doc["top_idx"], features=f)
-                by_source[doc.get("source", "humaneval")].append(example)
+        docs = torch.load(path)
+        stored = torch.load(out / FEATURES / "generated" / path.name) if features else [None] * len(docs)
+        for doc, f in zip(docs, stored, strict=True):
+            # load_examples' rule, counted over all answers as it counts
+            yield greedy and seen % 16 == 0, tuple(doc["ids"][: doc["prompt_len"]].tolist()), doc, f
             seen += 1
-    return dict(by_source)
+
+
+def held_out_by_source(out: Path, trained_on: list[Path] = ()) -> tuple[dict[str, list[Example]], int]:
+    """The answers distill held out in ``out``, with their stored features, by prompt source; less
+    those whose prompt some run in ``trained_on`` trained on (two runs' seeds may draw the same
+    prompt, and a greedy answer to it is the same answer). Also returns how many were left out."""
+    seen_prompts = {prompt for run in trained_on for held, prompt, _, _ in answers(run) if not held}
+    by_source, left_out = defaultdict(list), 0
+    for held, prompt, doc, f in answers(out, features=True):
+        if not held:
+            continue
+        if prompt in seen_prompts:
+            left_out += 1
+            continue
+        example = Example(doc["ids"], doc["prompt_len"] - 1, doc["top_logp"], doc["top_idx"], features=f)
+        by_source[doc.get("source", "humaneval")].append(example)
+    return dict(by_source), left_out
 
 
 def main() -> None:
@@ -48,10 +67,17 @@ def main() -> None:
     parser.add_argument("heads", nargs="+", help="heads: directories or aliases")
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument(
+        "--trained-on",
+        type=Path,
+        nargs="*",
+        default=[],
+        help="other distill directories whose answers a compared head trained on: held-out answers to their prompts are left out",
+    )
     args = parser.parse_args()
     target = load(args.target, torch.device("cpu"), torch.float32)
-    held = held_out_by_source(args.distill_dir)
-    print("held out:", {source: len(examples) for source, examples in held.items()})
+    held, left_out = held_out_by_source(args.distill_dir, args.trained_on)
+    print("held out:", {source: len(examples) for source, examples in held.items()}, f"({left_out} left out: trained on)")
     for head_dir in args.heads:
         head = load_head(speculator_dir(head_dir), target.model, pack=False).float()
         for source, examples in sorted(held.items()):
