@@ -77,7 +77,9 @@ def main() -> None:
     args = parser.parse_args()
     target = load(args.target, torch.device("cpu"), torch.float32)
     held, left_out = held_out_by_source(args.distill_dir, args.trained_on)
-    print("held out:", {source: len(examples) for source, examples in held.items()}, f"({left_out} left out: trained on)")
+    print(
+        "held out:", {source: len(examples) for source, examples in held.items()}, f"({left_out} left out: trained on)"
+    )
     for head_dir in args.heads:
         head = load_head(speculator_dir(head_dir), target.model, pack=False).float()
         for source, examples in sorted(held.items()):

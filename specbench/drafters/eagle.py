@@ -105,7 +105,11 @@ class EagleDrafter:
         next level: a level per read made it 10 reads a round at K = 3)."""
         nodes, width = self.dynamic
         device = out.device
-        tokens, parents, scores = [], [], []  # per level, its nodes offered: draft id, parent (-1: the root), branch log-probability
+        tokens, parents, scores = (
+            [],
+            [],
+            [],
+        )  # per level, its nodes offered: draft id, parent (-1: the root), branch log-probability
         # The nodes read last (at first the root): their outputs, indices, branch log-probabilities and lineages.
         rows, read, above, ancestors = out, None, torch.zeros(1, device=device), None
         for level in range(depth):

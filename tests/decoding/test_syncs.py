@@ -141,7 +141,9 @@ def test_a_chain_round_reads_the_device_once(request, pair, temperature, draftin
     [({}, 1), ({"shape": (2, 2)}, 1), ({"dynamic": (5, 2)}, 2)],
     ids=["chain", "tree", "dynamic tree"],
 )
-def test_an_eagle_round_reads_the_device_once_and_a_dynamic_tree_once_more(tmp_path, temperature, drafting, reads_a_round):
+def test_an_eagle_round_reads_the_device_once_and_a_dynamic_tree_once_more(
+    tmp_path, temperature, drafting, reads_a_round
+):
     # A dynamic tree's shape is chosen on the device from the head's scores: the host reads it once,
     # to build the verification's mask, and then the verdict.
     target = LawLM(tiny_law_model(1, tmp_path), packed=True)
