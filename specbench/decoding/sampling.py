@@ -323,9 +323,8 @@ def verify_tree_greedy(tokens: torch.Tensor, parents: list[int], target_logits: 
     accepted node is the target's argmax there, so the output equals greedy target decoding.
     """
     choices = argmax(target_logits).squeeze(-1)
-    read = torch.cat(
-        [choices, tokens.to(choices.dtype)]
-    ).tolist()  # one host read: the target's choices and the tree's tokens
+    # One host read: the target's choices and the tree's tokens.
+    read = torch.cat([choices, tokens.to(choices.dtype)]).tolist()
     choice, ids, kids = read[: len(choices)], read[len(choices) :], children(parents)
     path, node = [], -1
     while (child := next((c for c in kids.get(node, []) if ids[c] == choice[node + 1]), None)) is not None:

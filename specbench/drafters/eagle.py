@@ -105,11 +105,8 @@ class EagleDrafter:
         next level: a level per read made it 10 reads a round at K = 3)."""
         nodes, width = self.dynamic
         device = out.device
-        tokens, parents, scores = (
-            [],
-            [],
-            [],
-        )  # per level, its nodes offered: draft id, parent (-1: the root), branch log-probability
+        # Per level, the nodes it offered: their draft ids, parents (-1: the root), branch log-probabilities.
+        tokens, parents, scores = [], [], []
         # The nodes read last (at first the root): their outputs, indices, branch log-probabilities and lineages.
         rows, read, above, ancestors = out, None, torch.zeros(1, device=device), None
         for level in range(depth):
