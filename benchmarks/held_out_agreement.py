@@ -25,23 +25,17 @@ import torch
 from specbench.models.eagle_head import load_head
 from specbench.models.load import load, speculator_dir
 from specbench.models.student import Example
-from specbench.training.distill import DistillConfig, is_sampled
-from specbench.training.distill_eagle import FEATURES, ttt_agreement
+from specbench.training.distill import answer_shards, feature_path, prompt_of
+from specbench.training.distill_eagle import ttt_agreement
 
 
 def answers(out: Path, features: bool = False):
     """Each answer distill stored in ``out``, in load_examples' order: (held out, prompt ids, doc, features or None)."""
     recipe = json.loads((out / "distill.json").read_text())
-    cfg = DistillConfig(out=out, sampled_fraction=recipe["sampled_fraction"])
-    seen = 0
-    for path in sorted((out / "generated").glob("*.pt")):
-        greedy = not is_sampled(cfg, int(path.stem))
-        docs = torch.load(path)
-        stored = torch.load(out / FEATURES / "generated" / path.name) if features else [None] * len(docs)
-        for doc, f in zip(docs, stored, strict=True):
-            # load_examples' rule, counted over all answers as it counts
-            yield greedy and seen % 16 == 0, tuple(doc["ids"][: doc["prompt_len"]].tolist()), doc, f
-            seen += 1
+    for path, docs, held in answer_shards(out, recipe["sampled_fraction"]):
+        stored = torch.load(feature_path(path)) if features else [None] * len(docs)
+        for doc, h, f in zip(docs, held, stored, strict=True):
+            yield h, prompt_of(doc), doc, f
 
 
 def held_out_by_source(out: Path, trained_on: list[Path] = ()) -> tuple[dict[str, list[Example]], int]:

@@ -578,6 +578,13 @@ def distill(
     generated_repeats: Annotated[
         int, typer.Option(help="Times the target's own answers count per epoch (they match what it is evaluated on).")
     ] = 4,
+    answers_from: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="An earlier distill run's --out (repeatable) whose answers to train on beside this run's: its prompts are not drawn again (--generate-prompts counts new ones), what it held out stays held out, and a head reads its stored features (computed there if missing).",
+            metavar="DIR",
+        ),
+    ] = None,
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 2e-3,
     seed: Seed = 0,
     device: Device = "auto",
@@ -596,9 +603,12 @@ def distill(
     _setup_logging()
     # Every option of this command but --source and --device is the DistillConfig field of its name.
     given, fields = locals(), distillation.DistillConfig.__dataclass_fields__
-    cfg = distillation.DistillConfig(**{name: value for name, value in given.items() if name in fields})
+    cfg = distillation.DistillConfig(
+        **{name: value for name, value in given.items() if name in fields and name != "answers_from"}
+    )
     if source:
         cfg.sources = source
+    cfg.answers_from = answers_from or []
     cfg.validate()
     with console.status("loading the target"):
         teacher = load(target, resolve_device(device), __import__("torch").float32)

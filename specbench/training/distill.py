@@ -45,6 +45,7 @@ log = logging.getLogger("specbench")
 
 SHARD_SEQUENCES = 64
 HELD_OUT_EVERY = 16  # of the greedy answers (counted among all answers), this one in so many is held out
+FEATURES = "features"  # a head's run stores the target's features of each shard under this folder
 MIN_TOKENIZER_VOCAB = 300  # a byte-level tokenizer's 256 bytes, special tokens and some merges
 KINDS = {"draft": "a draft", "eagle": "an EAGLE head"}  # what --kind trains
 
@@ -88,6 +89,9 @@ class DistillConfig:
     generate_batch: int = 64
     sampled_fraction: float = 0.25
     generated_repeats: int = 4  # in-distribution text, so it counts this many times per epoch
+    # Earlier distill runs of the same target whose answers are trained on beside this run's own; the
+    # prompts they answered are not drawn again, and what they held out stays held out.
+    answers_from: list[str] = field(default_factory=list)
     kind: str = "draft"  # "draft": a small model; "eagle": an EAGLE-3 head (training/distill_eagle.py)
     ttt_steps: int = 3  # eagle: steps of EAGLE-3's training-time test (the head reads its own outputs)
     head_intermediate: int = 0  # eagle: the head's MLP width (0: the target's)
@@ -142,6 +146,24 @@ class DistillConfig:
                     f"--out {self.out} holds {'an EAGLE head' if head else 'a draft'}, and --kind {self.kind} trains "
                     f"{KINDS[self.kind]}: give another --out"
                 )
+        if self.answers_from and self.tokenizer_vocab:
+            raise SpecbenchError(
+                "--answers-from trains on earlier runs' answers in the target's tokens; a draft of its own tokenizer "
+                "(--tokenizer-vocab) reads only its own run's: leave one of them out"
+            )
+        for run in map(Path, self.answers_from):
+            if run.resolve() == self.out.resolve():
+                raise SpecbenchError(f"--answers-from {run}: that is --out itself; name earlier runs' directories")
+            if not (run / "distill.json").is_file() or not any((run / "generated").glob("*.pt")):
+                raise SpecbenchError(
+                    f"--answers-from {run}: no finished distill run there (distill.json and generated/*.pt); "
+                    "give the --out of a run that generated answers"
+                )
+            earlier = json.loads((run / "distill.json").read_text()).get("target")
+            if earlier != self.target:
+                raise SpecbenchError(
+                    f"--answers-from {run}: its answers are {earlier}'s, not {self.target}'s: give runs of the same target"
+                )
         if not 0 <= self.sampled_fraction <= 1:
             raise SpecbenchError("--sampled-fraction must lie between 0 and 1")
         if self.hidden_size % self.heads or self.heads % self.kv_heads:
@@ -182,9 +204,42 @@ def token_stream(tokenizer, files: list[Path], seed: int) -> Iterator[int]:
             yield tokenizer.eos_token_id
 
 
-def is_sampled(cfg: DistillConfig, batch: int) -> bool:
+def is_sampled(sampled_fraction: float, batch: int) -> bool:
     """Whether answer batch ``batch`` is sampled at T=1: a ``sampled_fraction`` share, spread evenly."""
-    return math.floor((batch + 1) * cfg.sampled_fraction) > math.floor(batch * cfg.sampled_fraction)
+    return math.floor((batch + 1) * sampled_fraction) > math.floor(batch * sampled_fraction)
+
+
+def answer_runs(cfg: DistillConfig) -> list[tuple[Path, float]]:
+    """The runs whose answers this one trains on, each with the share of its batches it sampled:
+    this run's own, then --answers-from's."""
+    earlier = [(Path(run), json.loads((Path(run) / "distill.json").read_text())) for run in cfg.answers_from]
+    return [(cfg.out, cfg.sampled_fraction)] + [(run, meta.get("sampled_fraction", 0.25)) for run, meta in earlier]
+
+
+def answer_shards(run: Path, sampled_fraction: float) -> Iterator[tuple[Path, list[dict], list[bool]]]:
+    """Each answer shard of a distill run, in order, with its answers and which of them the run holds
+    out: every HELD_OUT_EVERY-th answer, counted over the run, if its batch was greedy."""
+    seen = 0
+    for path in sorted((run / "generated").glob("*.pt")):
+        greedy = not is_sampled(sampled_fraction, int(path.stem))
+        docs = torch.load(path)
+        yield path, docs, [greedy and (seen + i) % HELD_OUT_EVERY == 0 for i in range(len(docs))]
+        seen += len(docs)
+
+
+def prompt_of(doc: dict) -> tuple[int, ...]:
+    """A stored answer's prompt ids: two answers to one prompt are one greedy answer."""
+    return tuple(doc["ids"][: doc["prompt_len"]].tolist())
+
+
+def answered_elsewhere(cfg: DistillConfig) -> set[tuple[int, ...]]:
+    """The prompts --answers-from's runs answered, which this run does not draw again."""
+    return {
+        prompt_of(doc)
+        for run, fraction in answer_runs(cfg)[1:]
+        for _, docs, _ in answer_shards(run, fraction)
+        for doc in docs
+    }
 
 
 def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[TrainingProgress]:
@@ -198,7 +253,13 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Traini
     out_dir = cfg.out / "generated"
     out_dir.mkdir(parents=True, exist_ok=True)
     chosen, prompts = answered_prompts(
-        target.tokenizer, cfg.data, cfg.generate_prompts, cfg.sources, cfg.seed, cfg.max_prompt_tokens
+        target.tokenizer,
+        cfg.data,
+        cfg.generate_prompts,
+        cfg.sources,
+        cfg.seed,
+        cfg.max_prompt_tokens,
+        answered_elsewhere(cfg),
     )
     # Prompts of similar length share a batch, so little compute goes on left padding.
     order = sorted(range(len(chosen)), key=lambda i: (len(prompts[i]), i))
@@ -217,7 +278,7 @@ def generated_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Traini
                 yield TrainingProgress("generate", done, len(chosen))
                 continue
             asked = [prompts[i] for i in rows]
-            answers = answer(asked, is_sampled(cfg, b), cfg.seed * 100_003 + b)
+            answers = answer(asked, is_sampled(cfg.sampled_fraction, b), cfg.seed * 100_003 + b)
             if not checked:
                 teacher.same_weights(cfg.teacher_engine, cfg.target, target, asked, answers, cfg.out / "generated")
                 checked = True
@@ -383,8 +444,16 @@ def new_student(cfg: DistillConfig, target: LoadedModel):
 
 
 def data_shards(cfg: DistillConfig) -> list[Path]:
-    """The stored teacher and generated shards, in the order training reads them."""
-    return [path for name in ("teacher", "generated") for path in sorted((cfg.out / name).glob("*.pt"))]
+    """The stored teacher and generated shards, in the order training reads them (this run's, then
+    --answers-from's answers)."""
+    own = [path for name in ("teacher", "generated") for path in sorted((cfg.out / name).glob("*.pt"))]
+    return own + [path for run in cfg.answers_from for path in sorted((Path(run) / "generated").glob("*.pt"))]
+
+
+def feature_path(shard: Path) -> Path:
+    """Where a head's features of a teacher or generated shard are stored: in its own run's
+    directory, so a later run that trains on that run's answers reads them there."""
+    return shard.parent.parent / FEATURES / shard.parent.name / shard.name
 
 
 def shard_sequences(path: Path) -> list[torch.Tensor]:
@@ -393,13 +462,17 @@ def shard_sequences(path: Path) -> list[torch.Tensor]:
     return list(shard["ids"]) if isinstance(shard, dict) else [doc["ids"] for doc in shard]
 
 
-def load_examples(cfg: DistillConfig, features: Path | None = None) -> tuple[list[Example], list[Example]]:
+def load_examples(cfg: DistillConfig, features: bool = False) -> tuple[list[Example], list[Example]]:
     """Training examples (the target's answers repeated ``generated_repeats`` times) and a
     held-out set: every 16th answer if it is greedy, on which top-1 agreement estimates greedy alpha.
-    With ``features`` (a directory laid out as the data), each example carries its stored features."""
+    With ``features``, each example carries the features stored for it (feature_path).
+
+    The answers are this run's and --answers-from's. Each run's held-out answers stay held out, and
+    an answer to a prompt answered before, or held out by any run, is not trained on: runs drawn
+    with other seeds share prompts, and a greedy answer to one prompt is the same answer."""
 
     def stored(path: Path, count: int) -> list:
-        return torch.load(features / path.parent.name / path.name) if features else [None] * count
+        return torch.load(feature_path(path)) if features else [None] * count
 
     source = []
     for path in sorted((cfg.out / "teacher").glob("*.pt")):
@@ -410,16 +483,22 @@ def load_examples(cfg: DistillConfig, features: Path | None = None) -> tuple[lis
                 shard["ids"], shard["top_logp"], shard["top_idx"], stored(path, len(shard["ids"])), strict=True
             )
         ]
-    answers, held_out = [], []
-    for path in sorted((cfg.out / "generated").glob("*.pt")):
-        greedy = not is_sampled(cfg, int(path.stem))
-        docs = torch.load(path)
-        for doc, f in zip(docs, stored(path, len(docs)), strict=True):
+    shards = [shard for run, fraction in answer_runs(cfg) for shard in answer_shards(run, fraction)]
+    held_prompts = {prompt_of(doc) for _, docs, held in shards for doc, h in zip(docs, held, strict=True) if h}
+    answers, held_out, trained, repeated = [], [], set(), 0
+    for path, docs, held in shards:
+        for doc, h, f in zip(docs, held, stored(path, len(docs)), strict=True):
+            prompt = prompt_of(doc)
+            if not h and (prompt in held_prompts or prompt in trained):
+                repeated += 1
+                continue
+            trained.add(prompt)
             # The distribution of answer token j conditions on the prompt and answer[:j], so it
             # is learned at the position just before that token.
             example = Example(doc["ids"], doc["prompt_len"] - 1, doc["top_logp"], doc["top_idx"], features=f)
-            held = greedy and (len(answers) + len(held_out)) % HELD_OUT_EVERY == 0
-            (held_out if held else answers).append(example)
+            (held_out if h else answers).append(example)
+    if repeated:
+        log.info("%d answer(s) to a prompt answered before or held out were left out of training", repeated)
     if not source and not answers:
         raise SpecbenchError(f"no teacher data in {cfg.out}: raise --teacher-tokens or --generate-prompts")
     return source + answers * cfg.generated_repeats, held_out

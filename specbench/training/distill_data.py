@@ -89,11 +89,17 @@ def shares(parts: list[DataPart], count: int) -> list[int]:
 
 
 def training_prompts(
-    parts: list[DataPart], count: int, stubs: Callable[[int], list[str]], seed: int, fits=lambda prompt: True
+    parts: list[DataPart],
+    count: int,
+    stubs: Callable[[int], list[str]],
+    seed: int,
+    fits=lambda prompt: True,
+    answered=lambda prompt: False,
 ) -> list[TrainingPrompt]:
     """``count`` prompts drawn from ``parts`` by weight, seeded, each one that ``fits`` (the
-    prompt-length limit); ``stubs(n)`` gives n function stubs (the humaneval source, which reads the
-    --source files). A source with fewer such prompts than its share gives them all, and says so."""
+    prompt-length limit) and was not ``answered`` (by an earlier run this one trains beside);
+    ``stubs(n)`` gives n function stubs (the humaneval source, which reads the --source files). A
+    source with fewer such prompts than its share gives them all, and says so."""
     held = held_out_fingerprints()
     chosen = []
     for part, wanted in zip(parts, shares(parts, count), strict=True):
@@ -104,16 +110,18 @@ def training_prompts(
         else:
             pool = _conversations(part.source)
         random.Random(seed).shuffle(pool)
-        kept, dropped, too_long = [], [], 0
+        kept, dropped, too_long, known = [], [], 0, 0
         for prompt in pool:  # checked lazily: 17k ShareGPT conversations take seconds
             if len(kept) == wanted:
                 break
             if overlaps(prompt.text, held):
                 dropped.append(prompt)
-            elif fits(prompt):
-                kept.append(prompt)
-            else:
+            elif not fits(prompt):
                 too_long += 1
+            elif answered(prompt):
+                known += 1
+            else:
+                kept.append(prompt)
         if dropped and part.source not in BUILT_IN:
             raise SpecbenchError(
                 f"--data {part.source}: {len(dropped)} prompt(s) overlap Spec-Bench's or MT-Bench's questions "
@@ -123,8 +131,11 @@ def training_prompts(
             log.info(
                 "%s: %d prompt(s) overlapping Spec-Bench or MT-Bench questions left out", part.source, len(dropped)
             )
+        if known:
+            log.info("%s: %d prompt(s) answered in --answers-from's runs left out", part.source, known)
         if len(kept) < wanted:
             longer = f" ({too_long} longer than --max-prompt-tokens)" if too_long else ""
+            longer += f" ({known} answered in --answers-from's runs)" if known else ""
             log.warning(
                 "--data %s: %d prompts wanted, it has %d%s: using those", part.source, wanted, len(kept), longer
             )
@@ -214,10 +225,16 @@ def rendered(prompt: TrainingPrompt, tokenizer) -> str:
 
 
 def answered_prompts(
-    tokenizer, data: str, count: int, sources: list[str], seed: int, max_prompt_tokens: int
+    tokenizer,
+    data: str,
+    count: int,
+    sources: list[str],
+    seed: int,
+    max_prompt_tokens: int,
+    answered: set[tuple[int, ...]] = frozenset(),
 ) -> tuple[list[TrainingPrompt], list[list[int]]]:
     """``count`` prompts of ``data`` (--data) the target answers, and their token ids (at most
-    ``max_prompt_tokens``); stubs come from the ``sources`` files."""
+    ``max_prompt_tokens``, and none of the ids in ``answered``); stubs come from the ``sources`` files."""
     special = tokenizer.chat_template is None
 
     def encoded(prompt: TrainingPrompt) -> list[int]:
@@ -226,5 +243,8 @@ def answered_prompts(
     def fits(prompt: TrainingPrompt) -> bool:
         return len(encoded(prompt)) <= max_prompt_tokens
 
-    chosen = training_prompts(parse_data(data), count, stubs_of(sources, seed), seed, fits)
+    def known(prompt: TrainingPrompt) -> bool:
+        return tuple(encoded(prompt)) in answered
+
+    chosen = training_prompts(parse_data(data), count, stubs_of(sources, seed), seed, fits, known)
     return chosen, [encoded(p) for p in chosen]

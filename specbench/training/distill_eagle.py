@@ -41,11 +41,13 @@ from specbench.models.load import LoadedModel
 from specbench.models.names import speculator_dir
 from specbench.models.student import Example, collate
 from specbench.training.distill import (
+    FEATURES,
     DistillConfig,
     TrainingProgress,
     coverage,
     data_shards,
     distill,
+    feature_path,
     head_tokens,
     load_examples,
     optimise,
@@ -53,7 +55,6 @@ from specbench.training.distill import (
     shard_sequences,
 )
 
-FEATURES = "features"
 # The head reads the inputs of a low, a middle and a high layer of the target: vLLM's default
 # 2, L/2 and L-3, which the saved head names for vLLM's eagle3 too. A target of fewer than 3
 # layers has no layer 2 or no layer L-3; rather than stand other layers in for them (little more
@@ -86,7 +87,7 @@ def feature_shards(cfg: DistillConfig, target: LoadedModel) -> Iterator[Training
     shards = {path: shard_sequences(path) for path in data_shards(cfg)}
     total, done, lm = sum(map(len, shards.values())), 0, None
     for path, sequences in shards.items():
-        out = cfg.out / FEATURES / path.parent.name / path.name
+        out = feature_path(path)
         if out.exists():
             done += len(sequences)
             yield TrainingProgress(FEATURES, done, total)
@@ -269,7 +270,7 @@ def ttt_agreement(head: EagleHead, examples: list[Example], batch: int, steps: i
 def train_head(cfg: DistillConfig, target: LoadedModel) -> Iterator[TrainingProgress]:
     """The features phase, then the head trained (or its training resumed) on them."""
     yield from feature_shards(cfg, target)
-    examples, held_out = load_examples(cfg, cfg.out / FEATURES)
+    examples, held_out = load_examples(cfg, features=True)
     draft_ids = head_tokens(examples, cfg.draft_vocab, target.width)
     head = new_head(cfg, target, draft_ids)
     if head.fc is not None:

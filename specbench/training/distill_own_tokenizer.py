@@ -46,12 +46,11 @@ from specbench.core.errors import SpecbenchError
 from specbench.models.load import LoadedModel
 from specbench.models.student import Example, collate, kd_loss, labelled_logits
 from specbench.training.distill import (
-    HELD_OUT_EVERY,
     DistillConfig,
     TrainingProgress,
+    answer_shards,
     distill,
     draft_config,
-    is_sampled,
     optimise,
     pca_embeddings,
     save_draft,
@@ -82,13 +81,12 @@ def stored_answers(cfg: DistillConfig, target_tokenizer) -> list[StoredAnswer]:
     def text(ids: list[int]) -> str:
         return target_tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
-    for path in sorted((cfg.out / "generated").glob("*.pt")):
-        greedy = not is_sampled(cfg, int(path.stem))
-        for doc in torch.load(path):
+    for _, docs, held in answer_shards(cfg.out, cfg.sampled_fraction):
+        for doc, h in zip(docs, held, strict=True):
             ids, n = doc["ids"].tolist(), doc["prompt_len"]
             # An answer cut at --generate-new-tokens may end inside a character.
             answer = text(ids[n:]).rstrip("\ufffd")
-            found.append(StoredAnswer(text(ids[:n]), answer, greedy and len(found) % HELD_OUT_EVERY == 0, len(ids) - n))
+            found.append(StoredAnswer(text(ids[:n]), answer, h, len(ids) - n))
     return found
 
 
