@@ -586,6 +586,12 @@ def distill(
         ),
     ] = None,
     lr: Annotated[float, typer.Option(help="Peak learning rate (cosine decay).")] = 2e-3,
+    train_dtype: Annotated[
+        str,
+        typer.Option(
+            help="The training forwards' products: float32, or bfloat16 under autocast (weights, optimiser and loss stay float32), faster on CPUs with bfloat16 units and on GPUs."
+        ),
+    ] = "float32",
     seed: Seed = 0,
     device: Device = "auto",
 ) -> None:

@@ -349,3 +349,24 @@ def test_a_resumed_run_of_another_shape_is_refused_in_one_line(tiny_pair, tmp_pa
     with pytest.raises(SpecbenchError, match="another shape") as refused:
         list(distill_eagle(dataclasses.replace(cfg, draft_vocab=3), target))
     assert "\n" not in str(refused.value)
+
+
+def test_bfloat16_training_runs_its_products_in_bfloat16_and_learns(tiny_pair, tmp_path):
+    target = load(tiny_pair[0], CPU, F32)
+    sources = write_sources(tmp_path)
+    losses = {}
+    for dtype in ("float32", "bfloat16"):
+        cfg = tiny_config(tmp_path / dtype, sources, train_dtype=dtype, epochs=4)
+        losses[dtype] = [p.loss for p in distill_eagle(cfg, target) if p.phase == "head"]
+    # The same data, seed and first weights: the losses differ only by the products' rounding.
+    first32, first16 = losses["float32"][0], losses["bfloat16"][0]
+    assert first16 != first32 and abs(first16 - first32) < 0.05 * first32
+    bf16 = losses["bfloat16"]
+    assert sum(bf16[-3:]) < sum(bf16[:3])  # and it learns: the last epoch's losses against the first's
+    recipe = json.loads((tmp_path / "bfloat16" / "distill.json").read_text())
+    assert recipe["train_dtype"] == "bfloat16"
+
+
+def test_an_unknown_train_dtype_is_refused_in_one_line(tiny_pair, tmp_path):
+    result = cli("distill", "--target", tiny_pair[0], "--out", str(tmp_path / "d"), "--train-dtype", "float16")
+    one_line_error(result, "--train-dtype float16", "float32 or bfloat16")
