@@ -219,7 +219,8 @@ def answer_runs(cfg: DistillConfig) -> list[tuple[Path, float]]:
     """The runs whose answers this one trains on, each with the share of its batches it sampled:
     this run's own, then --answers-from's."""
     earlier = [(Path(run), json.loads((Path(run) / "distill.json").read_text())) for run in cfg.answers_from]
-    return [(cfg.out, cfg.sampled_fraction)] + [(run, meta.get("sampled_fraction", 0.25)) for run, meta in earlier]
+    fraction = DistillConfig.sampled_fraction  # a recipe written before the option had the default's
+    return [(cfg.out, cfg.sampled_fraction)] + [(run, meta.get("sampled_fraction", fraction)) for run, meta in earlier]
 
 
 def answer_shards(run: Path, sampled_fraction: float) -> Iterator[tuple[Path, list[dict], list[bool]]]:
