@@ -445,3 +445,24 @@ def spec_bench_rows():
     rows += [{"question_id": 241, "category": "summarization", "turns": ["Summarize: for k in range(3): total += k"]}]
     rows[0]["reference"] = ["not a turn"]
     return rows
+
+
+def distill_run(path: Path, prompts: list[list[int]], target: str = "t") -> Path:
+    """A distill output directory of one greedy shard, an answer of two tokens to each prompt, with
+    features (4 per position) stored beside it."""
+    (path / "generated").mkdir(parents=True)
+    (path / "features" / "generated").mkdir(parents=True)
+    (path / "distill.json").write_text(json.dumps({"target": target, "sampled_fraction": 0.25}))
+    docs = [
+        {
+            "ids": torch.tensor(prompt + [7, 8]).int(),
+            "prompt_len": len(prompt),
+            "top_logp": torch.zeros(2, 1),
+            "top_idx": torch.zeros(2, 1, dtype=torch.int),
+            "source": "sharegpt",
+        }
+        for prompt in prompts
+    ]
+    torch.save(docs, path / "generated" / "0000.pt")
+    torch.save([torch.zeros(len(d["ids"]), 4) for d in docs], path / "features" / "generated" / "0000.pt")
+    return path

@@ -13,34 +13,16 @@ from specbench.models.load import load
 from specbench.training.distill import FEATURES, DistillConfig, load_examples, prompt_of
 from specbench.training.distill_eagle import distill_eagle
 
-from ..helpers import cli, one_line_error, write_sources
+from ..helpers import cli, distill_run, one_line_error, write_sources
 
 CPU, F32 = torch.device("cpu"), torch.float32
-
-
-def stored_run(out: Path, prompts: list[list[int]], target: str = "t", sampled_fraction: float = 0.0) -> Path:
-    """A distill directory holding one greedy answer shard: an answer of two tokens to each prompt."""
-    (out / "generated").mkdir(parents=True)
-    docs = [
-        {
-            "ids": torch.tensor(p + [7, 8]).int(),
-            "prompt_len": len(p),
-            "top_logp": torch.zeros(2, 4),
-            "top_idx": torch.zeros(2, 4, dtype=torch.long),
-            "source": "chat",
-        }
-        for p in prompts
-    ]
-    torch.save(docs, out / "generated" / "0000.pt")
-    (out / "distill.json").write_text(json.dumps({"target": target, "sampled_fraction": sampled_fraction}))
-    return out
 
 
 def test_what_any_run_holds_out_is_never_trained_on_and_each_prompt_trains_once(tmp_path):
     p0, p1, p2, p3 = [1, 2], [3, 4], [5, 6], [9, 10]
     # Each run holds out its first answer (every 16th greedy one, counted from 0).
-    first = stored_run(tmp_path / "first", [p0, p1, p2])
-    second = stored_run(tmp_path / "second", [p1, p0, p3, p2])
+    first = distill_run(tmp_path / "first", [p0, p1, p2])
+    second = distill_run(tmp_path / "second", [p1, p0, p3, p2])
     cfg = DistillConfig(out=tmp_path / "new", target="t", generated_repeats=1, answers_from=[str(first), str(second)])
     (cfg.out / "generated").mkdir(parents=True)
     examples, held_out = load_examples(cfg)
@@ -56,7 +38,7 @@ def test_what_any_run_holds_out_is_never_trained_on_and_each_prompt_trains_once(
 
 
 def test_earlier_runs_must_be_finished_runs_of_the_same_target(tmp_path):
-    earlier = stored_run(tmp_path / "earlier", [[1, 2]], target="other")
+    earlier = distill_run(tmp_path / "earlier", [[1, 2]], target="other")
     with pytest.raises(SpecbenchError, match="other's, not t's"):
         DistillConfig(out=tmp_path / "new", target="t", answers_from=[str(earlier)]).validate()
     with pytest.raises(SpecbenchError, match="that is --out itself"):
