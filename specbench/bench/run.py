@@ -76,7 +76,8 @@ def prepare(cfg: BenchConfig) -> tuple[Pair, Conversations]:
     if pair.bridge is not None:
         share = check_share(pair.bridge, conversations.user_ids(), pair.target.name, pair.draft.name)
         log.info("%s holds %.1f%% of the prompts' tokens of %s", pair.draft.name, 100 * share, pair.target.name)
-    pair.reserve(conversations.longest + cfg.rendering.max_new_tokens + cfg.rendering.widest)
+    widest = cfg.rendering.widest
+    pair.reserve(conversations.longest + cfg.rendering.max_new_tokens + widest, widest)
     return pair, conversations
 
 

@@ -47,12 +47,15 @@ class Pair:
     def stop_ids(self) -> frozenset[int]:
         return self.target.stop_ids
 
-    def reserve(self, tokens: int) -> None:
+    def reserve(self, tokens: int, widest: int = 1) -> None:
         """Room for sequences of ``tokens`` in the caches of the models on the static path, allocated
-        now, before anything is compiled against them or timed."""
-        for lm in (self.target_lm, self.draft_lm, self.head):
+        now, before anything is compiled against them or timed; on CUDA their graphs for forwards as
+        wide as ``widest`` (the run's widest verification) and more captured now too."""
+        if isinstance(self.target_lm, StaticLM):  # an EAGLE head's target also records the head's features
+            self.target_lm.reserve(tokens, widest, None if self.head is None else self.head.config.taps)
+        for lm in (self.draft_lm, self.head):
             if isinstance(lm, (StaticLM, StaticHead)):
-                lm.reserve(tokens)
+                lm.reserve(tokens, widest)
 
     def without_weights(self) -> Pair:
         """This pair with the weights freed (moved to the meta device; shapes and configs stay),

@@ -13,13 +13,16 @@ bound (gpt-fast, vLLM, SGLang) do what this module does:
 - the forward (models/fast.py's arithmetic, the same weights) is compiled whole: one graph for a
   single token, one with a dynamic token count for every wider forward (K + 1 for each K, a tree's
   size, a draft catching up), so K, prompts and rounds never recompile it;
-- on CUDA each token count the run uses is captured once as a CUDA graph over fixed input buffers,
-  and a forward is a few copies into them and one replay. The random draws of sampling and the
-  acceptance test stay outside, on the run's generators; the host still reads once a round.
+- on CUDA the forwards of 1 to 16 tokens (more where the run verifies more) are captured as CUDA
+  graphs over fixed input buffers when the run reserves its cache, before anything is timed, and a
+  forward is a few copies into them and one replay; wider forwards run compiled. The random draws of
+  sampling and the acceptance test stay outside, on the run's generators; the host still reads once
+  a round.
 
-A prompt's prefill runs the same forward uncompiled (its length changes with every prompt, and a
-graph per length would only cost memory). On a CPU the path runs compiled without graphs: that is
-where its exactness and its freedom from recompilation are tested; it is not the CPU's default.
+A sequence's first forward (its prompt) runs the same forward uncompiled: its length changes with
+every prompt, and a graph per length would be captured inside the timed run and hold memory. On a
+CPU the path runs compiled without graphs: that is where its exactness and its freedom from
+recompilation are tested, and where tests replay its graphs' bookkeeping; it is not the CPU's default.
 """
 
 from __future__ import annotations
@@ -41,7 +44,11 @@ from specbench.models.lm import HFCausalLM
 
 log = logging.getLogger("specbench")
 
-GRAPHED_UP_TO = 64  # forwards of at most this many tokens run compiled (and graphed); wider ones, prefills, run eagerly
+GRAPHED_UP_TO = 64  # forwards of at most this many tokens run compiled; wider ones, and prompts, run eagerly
+# On CUDA, forwards of 1 to this many tokens at least are captured as graphs at reserve, before anything
+# is timed: a run's K + 1, a draft catching up and verify_cost.csv's sizes (models/costs.COST_SIZES)
+# fit. A graph holds little (its outputs; the pool is shared), and a capture takes three forwards.
+CAPTURED_AT_LEAST = 16
 DEFAULT_CAPACITY = 1024  # cache positions before the run reserves its own (StaticLM.reserve)
 # A reservation is rounded up to a multiple of this: attention reads every position, so no larger than
 # that, but runs of nearly the same length compile the same graphs, which inductor's cache then serves.
@@ -130,23 +137,32 @@ class Graph:
 
     def __init__(self, run, buffers: tuple[torch.Tensor, ...], pool):
         self.buffers = buffers
-        device = buffers[0].device
+        out = self.capture(run, pool)
+        self.out = out if isinstance(out, tuple) else (out,)
+
+    def capture(self, run, pool):
+        """Run ``run`` twice over the buffers (its kernels chosen and compiled), then record it (a capture
+        computes nothing) and return the outputs, tensors that every replay writes again. The CUDA-specific half of the class, with
+        ``replay``: tests replay a Graph on the CPU by overriding the two."""
+        device = self.buffers[0].device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # capture needs the kernels chosen and compiled first
             for _ in range(2):
-                run(*buffers)
+                run(*self.buffers)
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool):
-            out = run(*buffers)
-        self.out = out if isinstance(out, tuple) else (out,)
+            return run(*self.buffers)
+
+    def replay(self) -> None:
+        self.graph.replay()
 
     def __call__(self, *inputs: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
         for buffer, value in zip(self.buffers, inputs, strict=True):
             if value is not None:
                 buffer.copy_(value)
-        self.graph.replay()
+        self.replay()
         return tuple(None if out is None else out.clone() for out in self.out)  # the next replay overwrites them
 
 
@@ -166,6 +182,7 @@ class StaticLM(HFCausalLM):
 
     def __init__(self, model, width: int, head_tokens: torch.Tensor | None, fast: FastLlama, compiled: bool = True):
         self.kv: StaticKV | None = None
+        self.prefilling = False  # within a sequence's first forward (forward): uncompiled
         super().__init__(model, width, head_tokens, fast)
         config = model.config
         self.layers, self.kv_heads, self.head_dim = len(fast.layers), fast.kv_heads, fast.head_dim
@@ -173,6 +190,7 @@ class StaticLM(HFCausalLM):
         self.graphed = compiled and self.device.type == "cuda"
         self.start = torch.zeros(1, dtype=torch.long, device=self.device)  # the first slot a forward writes
         self.graphs: dict[int, Graph] = {}
+        self.captured_up_to = CAPTURED_AT_LEAST  # forwards of more tokens run compiled, not graphed (reserve)
         self.pool = torch.cuda.graph_pool_handle() if self.graphed else None
         self.capture_seconds = 0.0
         self.compiling = compiled  # wanted; self.compiled holds them once built (ready)
@@ -223,6 +241,19 @@ class StaticLM(HFCausalLM):
         )
         return None if forms is None else tuple(functools.partial(form, layers=layers) for form in forms)
 
+    def forward(self, token_ids, last=1, positions=None, mask=None) -> torch.Tensor:
+        """HFCausalLM.forward; a sequence's first forward (into an empty cache: its prompt, every chunk
+        of it) runs uncompiled. A prompt's length changes with every prompt: a graph captured per
+        length would put a capture inside the timed run (paid by the first method to meet that length,
+        not by the others) and hold memory for nothing."""
+        if self.kv.length:
+            return super().forward(token_ids, last, positions, mask)
+        self.prefilling = True
+        try:
+            return super().forward(token_ids, last, positions, mask)
+        finally:
+            self.prefilling = False
+
     def refresh(self, more_tokens: torch.Tensor) -> None:
         super().refresh(more_tokens)
         self.graphs = {}  # captured over the old forward's weights
@@ -251,13 +282,24 @@ class StaticLM(HFCausalLM):
         dtype = self.fast.dtype
         self.kv = StaticKV(self.layers, self.kv_heads, self.head_dim, capacity, dtype, self.device)
 
-    def reserve(self, tokens: int) -> None:
+    def reserve(self, tokens: int, widest: int = 1, taps: Sequence[int] | None = None) -> None:
         """Room for sequences of ``tokens`` (the run's longest prompt, --max-new-tokens and K + 1): the
         cache is allocated once at that size (rounded up to CAPACITY_STEP, within the context window), and
-        the forwards compiled for it, before anything is timed."""
+        the forwards compiled for it, before anything is timed. On CUDA the forwards of 1 to
+        max(``widest`` + 2, CAPTURED_AT_LEAST) tokens are captured now too (``widest``: the run's widest
+        verification; + 2: a draft reading a round's tokens and its pending one), and with ``taps`` (an
+        EAGLE head's, see record_features) the same forwards recording them; wider ones run compiled,
+        not graphed, so that no capture falls inside a timed decode. Comes before any sequence: the
+        captures' warm-up forwards write the cache's first slots."""
         tokens = -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
         self.allocate(min(tokens, self.window) if self.window else tokens)
+        self.captured_up_to = min(max(widest + 2, CAPTURED_AT_LEAST), GRAPHED_UP_TO, self.kv.capacity)
         self.ready()
+        with torch.inference_mode():  # as the loop's forwards, which the compiled forms guard on
+            for layers in (None,) if taps is None else (None, tuple(taps)):
+                for n in range(1, self.captured_up_to + 1):
+                    self.start.fill_(0)
+                    self._graph(n, layers)
 
     @property
     def memory_bytes(self) -> int:
@@ -303,17 +345,11 @@ class StaticLM(HFCausalLM):
         self.ready()
         self.start.fill_(start)  # a kernel with the value as its argument: no copy from the host, no wait
         layers = None if self._taps is None else tuple(self.feature_layers)
-        forms = None if n > GRAPHED_UP_TO or self.queries is not None else self._forms(layers)
-        if forms is not None and self.graphed:
+        eager = n > GRAPHED_UP_TO or self.prefilling or self.queries is not None
+        forms = None if eager else self._forms(layers)
+        graph = None if forms is None else self._graph(n, layers)
+        if graph is not None:
             chain = depth is None
-
-            def buffers():
-                return ids.new_zeros(n), torch.arange(n, device=self.device), chain_tree(n, self.device)
-
-            graph, seconds = graphed(
-                self.graphs, (n, layers), lambda *inputs: forms[n > 1](self, *inputs, self.start), buffers, self.pool
-            )
-            self.capture_seconds += seconds
             if chain and getattr(graph, "chain", True):  # the buffers hold a chain's depth and tree already
                 depth = tree = None
             elif chain:
@@ -335,6 +371,27 @@ class StaticLM(HFCausalLM):
                 self._taps[i] = tap
         self.kv.length = start + n
         return hidden
+
+    def _graph(self, n: int, layers: tuple[int, ...] | None) -> Graph | None:
+        """The CUDA graph of ``n``-token forwards that record ``layers``' inputs, captured now (at
+        ``start``) if it is not yet; None where such forwards are not graphed (a CPU, compiling off or
+        failed, more tokens than reserve captures)."""
+        forms = self._forms(layers) if self.graphed and n <= self.captured_up_to else None
+        if forms is None:
+            return None
+
+        def buffers():
+            return (
+                torch.zeros(n, dtype=torch.long, device=self.device),
+                torch.arange(n, device=self.device),
+                chain_tree(n, self.device),
+            )
+
+        graph, seconds = graphed(
+            self.graphs, (n, layers), lambda *inputs: forms[n > 1](self, *inputs, self.start), buffers, self.pool
+        )
+        self.capture_seconds += seconds
+        return graph
 
     def _grow(self, tokens: int) -> None:
         old, length = self.kv, self.kv.length
@@ -409,6 +466,7 @@ class StaticHead:
         self.pool = torch.cuda.graph_pool_handle() if self.graphed else None
         self.start = torch.zeros(1, dtype=torch.long, device=head.device)
         self.kv, self.forms, self.graphs, self.capture_seconds, self.build_seconds = None, None, {}, 0.0, 0.0
+        self.captured_up_to = CAPTURED_AT_LEAST  # as StaticLM's (reserve)
         self.allocate(capacity)
 
     def forward_facts(self) -> dict:
@@ -434,12 +492,18 @@ class StaticHead:
         self.kv = StaticKV(1, c.kv_heads, c.head_dim, capacity, self.head.dtype, self.head.device)
         self.forms, self.graphs = None, {}  # compiled for the old capacity
 
-    def reserve(self, tokens: int) -> None:
-        """Room for sequences of ``tokens``, the forwards compiled for it (before anything is timed). The
-        head holds a pair per position read and, within a round, what it drafted: a dynamic tree reads
-        up to its width times its depth, so GRAPHED_UP_TO positions more are kept."""
+    def reserve(self, tokens: int, widest: int = 1) -> None:
+        """Room for sequences of ``tokens``, the steps compiled for it and on CUDA captured, as
+        StaticLM.reserve does (before anything is timed). The head holds a pair per position read and,
+        within a round, what it drafted: a dynamic tree reads up to its width times its depth, so
+        GRAPHED_UP_TO positions more are kept."""
         self.allocate(-(-(tokens + GRAPHED_UP_TO) // CAPACITY_STEP) * CAPACITY_STEP)
+        self.captured_up_to = min(max(widest + 2, CAPTURED_AT_LEAST), GRAPHED_UP_TO)
         self.ready()
+        with torch.inference_mode():
+            for n in range(1, self.captured_up_to + 1):
+                self.start.fill_(0)
+                self._graph(n)
 
     def ready(self) -> None:
         if not self.compiling or self.forms is not None:
@@ -476,27 +540,36 @@ class StaticHead:
 
     def step(self, tokens, hidden, positions, cache: StaticHeadCache, mask=None) -> torch.Tensor:
         """EagleHead.step: without a mask (a chain, whose ``positions`` are its slots) on the static
-        step, compiled and on CUDA graphed; with one, the head's own."""
+        step, compiled and on CUDA graphed; with one (trees), and for a sequence's first read (the
+        prompt's pairs, of a new length each time: see StaticLM.forward), the head's own."""
         n, start = len(tokens), cache.length
         self.ready()
-        if mask is not None or self.forms is None or n > GRAPHED_UP_TO:
+        if mask is not None or self.forms is None or n > GRAPHED_UP_TO or start == 0:
             return self.head.step(tokens, hidden, positions, cache, mask)
         if start + n > self.kv.capacity:
             raise ValueError(f"the head's static cache holds {self.kv.capacity} positions: reserve more")
         self.start.fill_(start)
-        run = self.forms[n > 1]
-        if self.graphed:
-
-            def buffers():
-                return tokens.new_zeros(n), hidden.new_zeros(hidden.shape)
-
-            graph, seconds = graphed(
-                self.graphs, n, lambda *inputs: run(self.head, self.kv, *inputs, self.start), buffers, self.pool
-            )
-            self.capture_seconds += seconds
+        graph = self._graph(n)
+        if graph is not None:
             (out,) = graph(tokens, hidden)
         else:
             tokens, hidden = (t if t.is_inference() else t.clone() for t in (tokens, hidden))
-            out = run(self.head, self.kv, tokens, hidden, self.start)
+            out = self.forms[n > 1](self.head, self.kv, tokens, hidden, self.start)
         self.kv.length = start + n
         return out
+
+    def _graph(self, n: int) -> Graph | None:
+        """The CUDA graph of ``n``-pair chain steps, captured now (at ``start``) if it is not yet; None
+        where such steps are not graphed (as StaticLM._graph)."""
+        if not self.graphed or self.forms is None or n > self.captured_up_to:
+            return None
+        run, head = self.forms[n > 1], self.head
+
+        def buffers():
+            return torch.zeros(n, dtype=torch.long, device=head.device), head.embed.new_zeros(n, head.config.hidden)
+
+        graph, seconds = graphed(
+            self.graphs, n, lambda *inputs: run(head, self.kv, *inputs, self.start), buffers, self.pool
+        )
+        self.capture_seconds += seconds
+        return graph

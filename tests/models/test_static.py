@@ -203,6 +203,107 @@ def test_static_kv_keeps_a_paths_entries_in_order():
     assert kv.length == 5 and kv.keys[0][0, 0, :5, 0].tolist() == [0.0, 1.0, 2.0, 4.0, 6.0]
 
 
+# ---------------------------------------------------------------- CUDA graphs' bookkeeping, on the CPU
+
+
+class ReplayedOnCPU(static_path.Graph):
+    """A CUDA graph's contract kept on the CPU: the capture keeps the forward and its outputs; a replay
+    reads its inputs only from the graph's buffers and writes the same output tensors again. What the
+    path forgets to copy in (a tree's mask after a chain of as many tokens), or keeps of an output past
+    the next replay, then comes out wrong here as on a GPU; the CUDA calls themselves run in make
+    gpu-check."""
+
+    replays = 0
+
+    def capture(self, run, pool):
+        self.run = run
+        return run(*self.buffers)
+
+    def replay(self) -> None:
+        self.replays += 1
+        out = self.run(*self.buffers)
+        for held, new in zip(self.out, out if isinstance(out, tuple) else (out,), strict=True):
+            if held is not None:
+                held.copy_(new)
+
+
+REPLAYED = "replayed"  # the law tests' route: graphs replayed on the CPU
+
+
+def graphs_on_cpu(monkeypatch) -> None:
+    """Graphs replayed on the CPU (ReplayedOnCPU), over the forwards uncompiled: what is under test is
+    the graphs' bookkeeping, not inductor (whose forms the compiled tests below cover)."""
+    monkeypatch.setattr(static_path, "Graph", ReplayedOnCPU)
+    monkeypatch.setattr(static_path, "compile_forms", lambda one, many, *_: (one, many))
+
+
+def replay_on_cpu(lm):
+    """``lm`` (a StaticLM or StaticHead made with compiled=True, after graphs_on_cpu) taking the CUDA
+    route: its forwards captured (at reserve) and replayed."""
+    lm.graphed = True
+    return lm
+
+
+def replayed(lm) -> set:
+    """The graphs (their keys) that ``lm``'s forwards replayed."""
+    return {key for key, graph in lm.graphs.items() if graph.replays}
+
+
+def switching(lm) -> list[torch.Tensor]:
+    """Logits of a prompt, then of one graph's token count read as a chain, as a tree, and as a chain
+    again (its buffers hold the other's depth and mask each time), with rejections between them."""
+    lm.reset()
+    out = [lm.forward(torch.arange(5, 40), last=1), lm.forward(torch.tensor([7, 8, 9, 10]), last=4)]
+    lm.keep([0, 1], 4)
+    positions, mask = tree_inputs([-1, 0, 0, 1], lm.length, CPU)
+    out.append(lm.forward(torch.tensor([4, 5, 6, 7]), last=4, positions=positions, mask=mask))
+    lm.keep([0, 2], 4)
+    out.append(lm.forward(torch.tensor([3, 4, 5, 6]), last=4))
+    lm.keep([0], 4)
+    out += [lm.forward(torch.tensor([9]), last=1), lm.forward(torch.tensor([1, 2, 3]), last=3)]
+    return out
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_replayed_graphs_score_as_transformers_and_no_prompt_is_captured(family, monkeypatch):
+    graphs_on_cpu(monkeypatch)
+    model = family(0)
+    lm = replay_on_cpu(static(model, compiled=True))
+    lm.reserve(64)
+    assert lm.route == "graphs"
+    # Captured at reserve: 1 to CAPTURED_AT_LEAST tokens, before anything would be timed.
+    captured = {(n, None) for n in range(1, static_path.CAPTURED_AT_LEAST + 1)}
+    assert set(lm.graphs) == captured and not replayed(lm)
+    for got, want in zip(switching(lm), switching(HFCausalLM(model, model.config.vocab_size)), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert set(lm.graphs) == captured and replayed(lm) == {(1, None), (3, None), (4, None)}
+
+
+def test_replayed_graphs_decode_the_baselines_greedy_tokens(monkeypatch):
+    # Prompts of lengths no decode forward has (a prompt runs uncompiled: a graph per prompt length
+    # would be captured inside the timed run). The target replays 1 token (the baseline) and K + 1,
+    # the draft 1 and 2 (catching up), and nothing is captured after reserve.
+    graphs_on_cpu(monkeypatch)
+    model = llama(0, layers=3)
+    target, draft = (replay_on_cpu(static(m, compiled=True)) for m in (model, noisy(model)))
+    for lm in (target, draft):
+        lm.reserve(96, widest=5)
+    captured = [set(lm.graphs) for lm in (target, draft)]
+    generator = torch.Generator().manual_seed(0)
+    accepted = drafted = 0
+    for length in (9, 17, 30):
+        prompt = torch.arange(3, 3 + length)
+        want = autoregressive_decode(target, prompt, 40, GREEDY, generator).tokens
+        for k in (2, 4):
+            got = speculative_decode(target, ModelDrafter(draft, GREEDY, generator), prompt, k, 40, GREEDY, generator)
+            assert got.tokens == want, f"prompt of {length}, K={k}"
+            accepted, drafted = accepted + got.accepted, drafted + got.drafted
+    assert 0 < accepted < drafted
+    assert [set(lm.graphs) for lm in (target, draft)] == captured
+    assert replayed(target) == {(1, None), (3, None), (5, None)} and replayed(draft) == {(1, None), (2, None)}
+    assert target.forward_facts()["captured"] == static_path.CAPTURED_AT_LEAST
+
+
 # ---------------------------------------------------------------- compiled: never recompiled, exact
 
 
@@ -249,11 +350,13 @@ class StaticLawLM(StaticLM):
     logits_after = LawLM.logits_after
 
 
-# CPU: compiled by inductor, grouped heads attending in the kernel or folded (CUDA's route); CUDA:
-# graphed (make gpu-check runs those).
+# CPU: compiled by inductor, grouped heads attending in the kernel or folded (CUDA's route), and the
+# graphs' bookkeeping with each graph replayed on the CPU (ReplayedOnCPU); CUDA: graphed (make
+# gpu-check runs those).
 DEVICES = [
     pytest.param("cpu", False, id="static-inductor", marks=pytest.mark.slow),
     pytest.param("cpu", True, id="static-inductor-folded", marks=pytest.mark.slow),
+    pytest.param(REPLAYED, False, id="graphs-replayed-on-cpu"),
     pytest.param("cuda", False, id="graphs", marks=pytest.mark.gpu),
 ]
 
@@ -275,8 +378,11 @@ HEAD_GAIN = 10.0
 
 
 def static_law_p(tmp_path, device: str, negative_control: bool = False) -> float:
+    replayed, device = device == REPLAYED, "cpu" if device == REPLAYED else device
     target, draft = (StaticLawLM(attentive(tiny_law_model(seed, tmp_path, device))) for seed in (1, 2))
-    assert {target.route, draft.route} == {"graphs" if device == "cuda" else "static-inductor"}
+    if replayed:
+        target, draft = replay_on_cpu(target), replay_on_cpu(draft)
+    assert {target.route, draft.route} == {"graphs" if device == "cuda" or replayed else "static-inductor"}
     cfg, generator = Sampling(temperature=1.0), torch.Generator(device=device).manual_seed(0)
     drafter = ModelDrafter(draft, cfg, generator)
     return speculative_law_p(target, drafter, 2, cfg, generator, negative_control=negative_control)
@@ -287,6 +393,8 @@ def test_speculative_sampling_on_the_static_path_matches_the_target_law(
     tmp_path, one_thread, monkeypatch, device, folded
 ):
     attention_route(monkeypatch, folded)
+    if device == REPLAYED:
+        graphs_on_cpu(monkeypatch)
     assert static_law_p(tmp_path, device) > P_FLOOR
 
 
@@ -301,6 +409,8 @@ def test_the_test_catches_a_mask_that_lets_drafts_see_ahead(tmp_path, one_thread
         static_path, "static_mask", lambda start, tree, *rest: mask(start, torch.ones_like(tree), *rest)
     )
     attention_route(monkeypatch, folded)
+    if device == REPLAYED:
+        graphs_on_cpu(monkeypatch)
     assert static_law_p(tmp_path, device, negative_control=True) < P_FLOOR
 
 
@@ -349,9 +459,10 @@ def test_an_eagle_targets_features_come_from_the_compiled_path(tmp_path, monkeyp
 # ---------------------------------------------------------------- the EAGLE head's steps
 
 
-def static_eagle(tmp_path, seed: int = 3, compiled: bool = True):
+def static_eagle(tmp_path, seed: int = 3, compiled: bool = True, replayed: bool = False):
     """A compiled static law target, an EAGLE head for it (taps 0, 1 and its final states, two of
-    three ids), and that head on the static path."""
+    three ids), and that head on the static path; with ``replayed``, both on graphs replayed on the
+    CPU (after graphs_on_cpu)."""
     from specbench.models.eagle_head import read_head
 
     from ..helpers import build_eagle3_head
@@ -362,7 +473,9 @@ def static_eagle(tmp_path, seed: int = 3, compiled: bool = True):
     embed = target.model.get_input_embeddings().weight
     head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
     static_head = StaticHead(head, 64, compiled=compiled)
-    target.reserve(64)
+    if replayed:
+        replay_on_cpu(target), replay_on_cpu(static_head)
+    target.reserve(64, taps=head.config.taps)
     static_head.reserve(64)
     target.record_features(head.config.taps)
     return target, head, static_head
@@ -401,3 +514,39 @@ def test_eagle_on_the_static_path_gives_the_target_law(tmp_path, one_thread):
     cfg, generator = Sampling(temperature=1.0), torch.Generator().manual_seed(0)
     drafter = EagleDrafter(static_head, target, 3, cfg, generator)
     assert speculative_law_p(target, drafter, 3, cfg, generator) > P_FLOOR
+
+
+@pytest.mark.parametrize(
+    ("shape", "verified"), [({}, 4), ({"shape": (2, 1)}, 5), ({"dynamic": (3, 2)}, 4)], ids=["chain", "tree", "dynamic"]
+)
+def test_replayed_graphs_of_an_eagle_pair_draft_as_transformers_and_the_head(
+    tmp_path, monkeypatch, one_thread, shape, verified
+):
+    # The target's features come out of its graphs (a graph of their own per token count), the head's
+    # chain steps are graphs, its trees its own step over the same cache: round for round the drafts
+    # and accepted counts of the head over transformers' forward. The prompts' reads stay uncaptured.
+    from specbench.drafters.eagle import EagleDrafter
+
+    graphs_on_cpu(monkeypatch)
+    target, head, static_head = static_eagle(tmp_path, replayed=True)
+    eager = HFCausalLM(target.model, target.vocab)
+    eager.record_features(head.config.taps)
+    prompts = ([0, 2, 1, 1, 0, 2, 2, 1, 0, 1], [1, 1, 0, 2, 0, 0, 1, 2, 2, 1, 0, 1, 2])
+    runs = []
+    for lm, drafting in ((eager, head), (target, static_head)):
+        generator = torch.Generator().manual_seed(0)
+        counts = []
+        for prompt in prompts:
+            drafter = EagleDrafter(drafting, lm, 3, GREEDY, generator, **shape)
+            result = speculative_decode(lm, drafter, torch.tensor(prompt), 3, 24, GREEDY, generator)
+            counts.append((result.tokens, result.accept_counts))
+        runs.append(counts)
+    assert runs[0] == runs[1]
+    assert 0 < sum(sum(accepts) for _, accepts in runs[1])
+    # The target's verification (K + 1, or the tree's nodes and its root), its features with it, and
+    # the head's chain steps (1 to K + 1 pairs) replayed graphs; neither the prompts' 10 or 13 tokens.
+    assert replayed(target) == {(verified, tuple(head.config.taps))}
+    assert replayed(static_head) and replayed(static_head) <= {1, 2, 3, 4}
+    captured = range(1, static_path.CAPTURED_AT_LEAST + 1)
+    assert set(target.graphs) == {(n, layers) for n in captured for layers in (None, tuple(head.config.taps))}
+    assert set(static_head.graphs) == set(captured)
