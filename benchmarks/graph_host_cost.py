@@ -1,0 +1,103 @@
+"""What a graphed forward of the static path costs the host, measured on a CPU: the Python and the
+operations around one CUDA graph replay, the replay itself removed.
+
+On a GPU a draft step's wall time is at least the host's time to queue it. The mission's 68M draft
+reads its weights in about 30 us on an H200, and c <= 0.03 leaves it about 130 us against a 7B step
+at the bandwidth limit; so the host's share has to be a fraction of that. Here a tiny Llama on the
+static path takes the CUDA route with each graph's replay made a no-op: what is timed is everything
+a forward does besides the replay (copying its ids in, the first slot's fill, the output's copy, the
+LM head, the loop's bookkeeping), and each operation dispatched is one kernel launch on CUDA.
+
+    python -m benchmarks.graph_host_cost --repeats 7
+
+Each repeat times --forwards one-token forwards (each followed by dropping its position again); the
+figure is the median over repeats, on one thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from specbench.models import static
+from specbench.models.fast import FastLlama
+
+
+class NoReplay(static.Graph):
+    """A graph whose capture runs the forward once (for its output tensors) and whose replay does nothing."""
+
+    def capture(self, run, pool):
+        return run(*self.buffers)
+
+    def replay(self) -> None:
+        pass
+
+
+class Dispatched(TorchDispatchMode):
+    """Counts the aten operations dispatched (views included), by name."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def graphed_lm(width: int, vocab: int) -> static.StaticLM:
+    """A 2-layer Llama of ``width`` and ``vocab`` on the static path's CUDA route, replays removed."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+    )  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    static.Graph = NoReplay
+    static.compile_forms = lambda one, many, *_: (one, many)  # the forms are never run but at capture
+    lm = static.StaticLM(model, vocab, None, FastLlama(model, packed=False, compiled=False), compiled=True)
+    lm.graphed = True
+    lm.reserve(256)
+    return lm
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--forwards", type=int, default=500, help="one-token forwards per repeat")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--width", type=int, default=64, help="the tiny model's width (its LM head runs)")
+    parser.add_argument("--vocab", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    lm = graphed_lm(args.width, args.vocab)
+    token = torch.tensor([5])
+    with torch.inference_mode():
+        lm.forward(torch.arange(3, 40))  # a prompt, uncompiled
+        with Dispatched() as dispatched:
+            lm.forward(token)
+            lm.keep([], 1)
+        times = []
+        for _ in range(args.repeats):
+            began = time.perf_counter()
+            for _ in range(args.forwards):
+                lm.forward(token)
+                lm.keep([], 1)
+            times.append((time.perf_counter() - began) / args.forwards * 1e6)
+    ops = ", ".join(f"{name} {n}" for name, n in dispatched.ops.most_common())
+    print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, one thread")
+    print(
+        f"host time of a graphed one-token forward, its replay removed: {statistics.median(times):.1f} us (median of {args.repeats}: {', '.join(f'{t:.1f}' for t in times)})"
+    )
+    print(f"operations dispatched besides the replay: {sum(dispatched.ops.values())} ({ops})")
+
+
+if __name__ == "__main__":
+    main()
