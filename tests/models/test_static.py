@@ -279,6 +279,21 @@ def test_replayed_graphs_score_as_transformers_and_no_prompt_is_captured(family,
     assert set(lm.graphs) == captured and replayed(lm) == {(1, None), (3, None), (4, None)}
 
 
+def decode_as_the_baseline(target, draft, lengths) -> None:
+    """Greedy speculative decodes at K 2 and 4 of prompts of ``lengths`` equal the baseline's, with rounds
+    that kept drafts and rounds that moved the cache back."""
+    generator = torch.Generator().manual_seed(0)
+    accepted = drafted = 0
+    for length in lengths:
+        prompt = torch.arange(3, 3 + length)
+        want = autoregressive_decode(target, prompt, 40, GREEDY, generator).tokens
+        for k in (2, 4):
+            got = speculative_decode(target, ModelDrafter(draft, GREEDY, generator), prompt, k, 40, GREEDY, generator)
+            assert got.tokens == want, f"prompt of {length}, K={k}"
+            accepted, drafted = accepted + got.accepted, drafted + got.drafted
+    assert 0 < accepted < drafted
+
+
 def test_replayed_graphs_decode_the_baselines_greedy_tokens(monkeypatch):
     # Prompts of lengths no decode forward has (a prompt runs uncompiled: a graph per prompt length
     # would be captured inside the timed run). The target replays 1 token (the baseline) and K + 1,
@@ -289,16 +304,7 @@ def test_replayed_graphs_decode_the_baselines_greedy_tokens(monkeypatch):
     for lm in (target, draft):
         lm.reserve(96, widest=5)
     captured = [set(lm.graphs) for lm in (target, draft)]
-    generator = torch.Generator().manual_seed(0)
-    accepted = drafted = 0
-    for length in (9, 17, 30):
-        prompt = torch.arange(3, 3 + length)
-        want = autoregressive_decode(target, prompt, 40, GREEDY, generator).tokens
-        for k in (2, 4):
-            got = speculative_decode(target, ModelDrafter(draft, GREEDY, generator), prompt, k, 40, GREEDY, generator)
-            assert got.tokens == want, f"prompt of {length}, K={k}"
-            accepted, drafted = accepted + got.accepted, drafted + got.drafted
-    assert 0 < accepted < drafted
+    decode_as_the_baseline(target, draft, (9, 17, 30))
     assert [set(lm.graphs) for lm in (target, draft)] == captured
     assert replayed(target) == {(1, None), (3, None), (5, None)} and replayed(draft) == {(1, None), (2, None)}
     assert target.forward_facts()["captured"] == static_path.CAPTURED_AT_LEAST
@@ -326,17 +332,7 @@ def test_the_compiled_path_never_recompiles_and_decodes_the_baselines_greedy_tok
         lm.reserve(96)
     assert target.route == draft.route == "static-inductor" and target.compiled is not None
     buffers = [t.data_ptr() for t in (*target.kv.keys, *target.kv.values)]
-    generator = torch.Generator().manual_seed(0)
-    accepted = drafted = 0
-    for length in (5, 11, 23):
-        prompt = torch.arange(3, 3 + length)
-        want = autoregressive_decode(target, prompt, 40, GREEDY, generator).tokens
-        for k in (2, 4):
-            drafter = ModelDrafter(draft, GREEDY, generator)
-            got = speculative_decode(target, drafter, prompt, k, 40, GREEDY, generator)
-            assert got.tokens == want, f"prompt of {length}, K={k}"
-            accepted, drafted = accepted + got.accepted, drafted + got.drafted
-    assert 0 < accepted < drafted  # rounds that kept drafts, and rounds that moved the cache back
+    decode_as_the_baseline(target, draft, (5, 11, 23))
     assert [t.data_ptr() for t in (*target.kv.keys, *target.kv.values)] == buffers
 
 
@@ -481,29 +477,37 @@ def static_eagle(tmp_path, seed: int = 3, compiled: bool = True, replayed: bool 
     return target, head, static_head
 
 
+def assert_eagle_decodes_alike(reference, tested, prompts, shape: dict) -> None:
+    """Greedy EAGLE decodes (K = 3) of ``prompts`` by the (target, head) pairs ``reference`` and
+    ``tested`` give the same tokens and accepted counts, round for round, some accepted."""
+    from specbench.drafters.eagle import EagleDrafter
+
+    runs = []
+    for lm, drafting in (reference, tested):
+        generator = torch.Generator().manual_seed(0)
+        counts = []
+        for prompt in prompts:
+            drafter = EagleDrafter(drafting, lm, 3, GREEDY, generator, **shape)
+            result = speculative_decode(lm, drafter, torch.tensor(prompt), 3, 24, GREEDY, generator)
+            counts.append((result.tokens, result.accept_counts))
+        runs.append(counts)
+    assert runs[0] == runs[1]
+    assert 0 < sum(sum(accepts) for _, accepts in runs[1])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("folded", ATTENTION)
 @pytest.mark.parametrize("shape", [{}, {"shape": (2, 1)}, {"dynamic": (3, 2)}], ids=["chain", "tree", "dynamic"])
 def test_the_static_head_drafts_as_the_head_itself(tmp_path, monkeypatch, one_thread, shape, folded):
     # The same drafts, round for round, so the same accepted counts: chains through the compiled steps,
     # trees through the head's own step over the static cache.
-    from specbench.drafters.eagle import EagleDrafter
 
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     attention_route(monkeypatch, folded)
     target, head, static_head = static_eagle(tmp_path)
     assert static_head.forward_facts()["route"] == "static-inductor" and static_head.forms is not None
-    runs = []
-    for drafting in (head, static_head):
-        generator = torch.Generator().manual_seed(0)
-        counts = []
-        for prompt in ([0, 2], [1, 1, 0], [2, 0, 1, 1, 2]):
-            drafter = EagleDrafter(drafting, target, 3, GREEDY, generator, **shape)
-            result = speculative_decode(target, drafter, torch.tensor(prompt), 3, 24, GREEDY, generator)
-            counts.append((result.tokens, result.accept_counts))
-        runs.append(counts)
-    assert runs[0] == runs[1]
-    assert 0 < sum(sum(accepts) for _, accepts in runs[1])
+    prompts = ([0, 2], [1, 1, 0], [2, 0, 1, 1, 2])
+    assert_eagle_decodes_alike((target, head), (target, static_head), prompts, shape)
 
 
 @pytest.mark.slow
@@ -525,24 +529,13 @@ def test_replayed_graphs_of_an_eagle_pair_draft_as_transformers_and_the_head(
     # The target's features come out of its graphs (a graph of their own per token count), the head's
     # chain steps are graphs, its trees its own step over the same cache: round for round the drafts
     # and accepted counts of the head over transformers' forward. The prompts' reads stay uncaptured.
-    from specbench.drafters.eagle import EagleDrafter
 
     graphs_on_cpu(monkeypatch)
     target, head, static_head = static_eagle(tmp_path, replayed=True)
     eager = HFCausalLM(target.model, target.vocab)
     eager.record_features(head.config.taps)
     prompts = ([0, 2, 1, 1, 0, 2, 2, 1, 0, 1], [1, 1, 0, 2, 0, 0, 1, 2, 2, 1, 0, 1, 2])
-    runs = []
-    for lm, drafting in ((eager, head), (target, static_head)):
-        generator = torch.Generator().manual_seed(0)
-        counts = []
-        for prompt in prompts:
-            drafter = EagleDrafter(drafting, lm, 3, GREEDY, generator, **shape)
-            result = speculative_decode(lm, drafter, torch.tensor(prompt), 3, 24, GREEDY, generator)
-            counts.append((result.tokens, result.accept_counts))
-        runs.append(counts)
-    assert runs[0] == runs[1]
-    assert 0 < sum(sum(accepts) for _, accepts in runs[1])
+    assert_eagle_decodes_alike((eager, head), (target, static_head), prompts, shape)
     # The target's verification (K + 1, or the tree's nodes and its root), its features with it, and
     # the head's chain steps (1 to K + 1 pairs) replayed graphs; neither the prompts' 10 or 13 tokens.
     assert replayed(target) == {(verified, tuple(head.config.taps))}
