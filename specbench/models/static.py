@@ -142,8 +142,8 @@ class Graph:
 
     def capture(self, run, pool):
         """Run ``run`` twice over the buffers (its kernels chosen and compiled), then record it (a capture
-        computes nothing) and return the outputs, tensors that every replay writes again. The CUDA-specific half of the class, with
-        ``replay``: tests replay a Graph on the CPU by overriding the two."""
+        computes nothing) and return the outputs, tensors that every replay writes again. The CUDA half
+        of the class, with ``replay``: tests replay a Graph on the CPU by overriding the two."""
         device = self.buffers[0].device
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -164,6 +164,23 @@ class Graph:
                 buffer.copy_(value)
         self.replay()
         return tuple(None if out is None else out.clone() for out in self.out)  # the next replay overwrites them
+
+
+def captured_up_to(widest: int) -> int:
+    """The token counts up to which a model's forwards are captured as graphs at reserve, for a run whose
+    widest verification reads ``widest`` tokens: + 2 for a draft reading a round's tokens and its
+    pending one, at least CAPTURED_AT_LEAST, at most GRAPHED_UP_TO."""
+    return min(max(widest + 2, CAPTURED_AT_LEAST), GRAPHED_UP_TO)
+
+
+def capture_all(up_to: int, start: torch.Tensor, capture: Callable[[int], object]) -> None:
+    """``capture(n)`` for n = 1..``up_to``, each at slot 0 (``start``), in inference mode as the loop's
+    forwards run (the compiled forms guard on it). The warm-up forwards write the cache's first slots:
+    before any sequence only."""
+    with torch.inference_mode():
+        for n in range(1, up_to + 1):
+            start.fill_(0)
+            capture(n)
 
 
 def graphed(graphs: dict, key, run, buffers: Callable[[], tuple], pool) -> tuple[Graph, float]:
@@ -287,19 +304,15 @@ class StaticLM(HFCausalLM):
         cache is allocated once at that size (rounded up to CAPACITY_STEP, within the context window), and
         the forwards compiled for it, before anything is timed. On CUDA the forwards of 1 to
         max(``widest`` + 2, CAPTURED_AT_LEAST) tokens are captured now too (``widest``: the run's widest
-        verification; + 2: a draft reading a round's tokens and its pending one), and with ``taps`` (an
-        EAGLE head's, see record_features) the same forwards recording them; wider ones run compiled,
-        not graphed, so that no capture falls inside a timed decode. Comes before any sequence: the
-        captures' warm-up forwards write the cache's first slots."""
+        verification, see captured_up_to), and with ``taps`` (an EAGLE head's, see record_features) the
+        same forwards recording them; wider ones run compiled, not graphed, so that no capture falls
+        inside a timed decode. Comes before any sequence (capture_all)."""
         tokens = -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
         self.allocate(min(tokens, self.window) if self.window else tokens)
-        self.captured_up_to = min(max(widest + 2, CAPTURED_AT_LEAST), GRAPHED_UP_TO, self.kv.capacity)
+        self.captured_up_to = min(captured_up_to(widest), self.kv.capacity)
         self.ready()
-        with torch.inference_mode():  # as the loop's forwards, which the compiled forms guard on
-            for layers in (None,) if taps is None else (None, tuple(taps)):
-                for n in range(1, self.captured_up_to + 1):
-                    self.start.fill_(0)
-                    self._graph(n, layers)
+        for layers in (None,) if taps is None else (None, tuple(taps)):
+            capture_all(self.captured_up_to, self.start, lambda n, layers=layers: self._graph(n, layers))
 
     @property
     def memory_bytes(self) -> int:
@@ -346,8 +359,7 @@ class StaticLM(HFCausalLM):
         self.start.fill_(start)  # a kernel with the value as its argument: no copy from the host, no wait
         layers = None if self._taps is None else tuple(self.feature_layers)
         eager = n > GRAPHED_UP_TO or self.prefilling or self.queries is not None
-        forms = None if eager else self._forms(layers)
-        graph = None if forms is None else self._graph(n, layers)
+        graph = None if eager else self._graph(n, layers)
         if graph is not None:
             chain = depth is None
             if chain and getattr(graph, "chain", True):  # the buffers hold a chain's depth and tree already
@@ -357,6 +369,7 @@ class StaticLM(HFCausalLM):
             graph.chain = chain
             hidden, features = graph(ids, depth, tree)
         else:
+            forms = None if eager else self._forms(layers)
             if depth is None:
                 depth = torch.arange(n, device=self.device)
             if tree is None:
@@ -498,12 +511,9 @@ class StaticHead:
         within a round, what it drafted: a dynamic tree reads up to its width times its depth, so
         GRAPHED_UP_TO positions more are kept."""
         self.allocate(-(-(tokens + GRAPHED_UP_TO) // CAPACITY_STEP) * CAPACITY_STEP)
-        self.captured_up_to = min(max(widest + 2, CAPTURED_AT_LEAST), GRAPHED_UP_TO)
+        self.captured_up_to = captured_up_to(widest)
         self.ready()
-        with torch.inference_mode():
-            for n in range(1, self.captured_up_to + 1):
-                self.start.fill_(0)
-                self._graph(n)
+        capture_all(self.captured_up_to, self.start, self._graph)
 
     def ready(self) -> None:
         if not self.compiling or self.forms is not None:
