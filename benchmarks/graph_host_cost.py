@@ -11,7 +11,10 @@ LM head, the loop's bookkeeping), and each operation dispatched is one kernel la
     python -m benchmarks.graph_host_cost --repeats 7
 
 Each repeat times --forwards one-token forwards (each followed by dropping its position again); the
-figure is the median over repeats, on one thread.
+figure is the median over repeats, on one thread. Then a whole greedy speculative round at --k: the
+same model drafts and verifies, and since no replay writes new outputs every draft is accepted (K
+draft forwards, the draft's catch-up of two tokens, a verification of K + 1, the acceptance test,
+the round's one host read); its host time per round is the median over --repeats decodes.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from specbench.decoding.decode import speculative_decode
+from specbench.decoding.sampling import Sampling
+from specbench.drafters.model import ModelDrafter
 from specbench.models import static
 from specbench.models.fast import FastLlama
 
@@ -58,14 +64,14 @@ def graphed_lm(width: int, vocab: int) -> static.StaticLM:
     torch.manual_seed(0)
     config = LlamaConfig(
         vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=1024,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=2048,
     )  # fmt: skip
     model = LlamaForCausalLM(config).eval()
     static.Graph = NoReplay
     static.compile_forms = lambda one, many, *_: (one, many)  # the forms are never run but at capture
     lm = static.StaticLM(model, vocab, None, FastLlama(model, packed=False, compiled=False), compiled=True)
     lm.graphed = True
-    lm.reserve(256)
+    lm.reserve(1024)
     return lm
 
 
@@ -75,6 +81,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--width", type=int, default=64, help="the tiny model's width (its LM head runs)")
     parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--k", type=int, default=4, help="draft length of the timed speculative rounds")
+    parser.add_argument("--new-tokens", type=int, default=600, help="tokens each timed decode generates")
     args = parser.parse_args()
     torch.set_num_threads(1)
     lm = graphed_lm(args.width, args.vocab)
@@ -91,12 +99,35 @@ def main() -> None:
                 lm.forward(token)
                 lm.keep([], 1)
             times.append((time.perf_counter() - began) / args.forwards * 1e6)
+    target, draft = lm, graphed_lm(args.width, args.vocab)
+    greedy, generator, prompt = Sampling(temperature=0.0), torch.Generator().manual_seed(0), torch.arange(3, 40)
+
+    def decode():
+        drafter = ModelDrafter(draft, greedy, generator)
+        return speculative_decode(target, drafter, prompt, args.k, args.new_tokens, greedy, generator)
+
+    decode()  # untimed: the first forwards of each count
+    with Dispatched() as in_decode:
+        result = decode()
+    rounds = len(result.accept_counts)
+    per_round = []
+    for _ in range(args.repeats):
+        began = time.perf_counter()
+        decode()
+        per_round.append((time.perf_counter() - began) / rounds * 1e6)
     ops = ", ".join(f"{name} {n}" for name, n in dispatched.ops.most_common())
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, one thread")
     print(
         f"host time of a graphed one-token forward, its replay removed: {statistics.median(times):.1f} us (median of {args.repeats}: {', '.join(f'{t:.1f}' for t in times)})"
     )
     print(f"operations dispatched besides the replay: {sum(dispatched.ops.values())} ({ops})")
+    accepted = sum(result.accept_counts) / rounds
+    print(
+        f"host time of a greedy speculative round at K = {args.k} ({accepted:.1f} drafts accepted a round, "
+        f"the prompt's forwards included): {statistics.median(per_round):.0f} us "
+        f"(median of {args.repeats} decodes of {rounds} rounds); "
+        f"{sum(in_decode.ops.values()) / rounds:.0f} operations dispatched a round"
+    )
 
 
 if __name__ == "__main__":
