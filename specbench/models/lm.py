@@ -3,6 +3,7 @@ the cache. (transformers' own generate, as an engine, is engines/hf.py.)"""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from functools import cache
@@ -55,9 +56,9 @@ class ShortlistedHead:
     The rows sit in buffers of a fixed size that ``read`` appends to on the device, so reading costs no
     host read: on CUDA one a forward would make the host wait for each draft step before it queues
     the next. The host keeps a bound on the rows filled (every id read counts) and reads the true
-    count only when the spare rows could run out, then grows the buffers if they must. Unfilled rows
-    hold zeros and score a column past ``width``, which is dropped. Where the host reads for free (a
-    CPU) only the filled rows are scored."""
+    count only when the spare rows could run out, then grows the buffers if they must; a new sequence
+    keeps them. Unfilled rows score a column past ``width``, which is dropped. Where the host reads for
+    free (a CPU) only the filled rows are scored."""
 
     def __init__(self, weight: torch.Tensor, ids: torch.Tensor, width: int):
         self.weight, self.width, self.device = weight.detach(), width, weight.device
@@ -77,13 +78,22 @@ class ShortlistedHead:
         self.base_mask = torch.zeros(self.width, dtype=torch.bool, device=self.device)
         self.base_mask[self.base] = True
         self.base_rows = self.weight[self.base]
+        self.moved = True  # the next reset allocates new buffers: a packed copy of the old rows is stale
 
     def reset(self) -> None:
-        """Back to the shortlist's own ids, before a new sequence."""
-        self.seen = self.base_mask.clone()
-        self.count = torch.tensor(len(self.base), device=self.device)
-        self.bound = len(self.base)
-        self._allocate(len(self.base) + SPARE_ROWS, self.base, self.base_rows)
+        """Back to the shortlist's own ids, before a new sequence: in the buffers it has where they hold
+        them with rows to spare (a CUDA graph that scores the shortlist reads those buffers)."""
+        n = self.bound = len(self.base)
+        if self.moved or n + SPARE_ROWS > len(self.ids) - 1:
+            self.seen, self.count = self.base_mask.clone(), torch.tensor(n, device=self.device)
+            self._allocate(n + SPARE_ROWS, self.base, self.base_rows)
+            self.moved = False
+            return
+        with torch.inference_mode():  # buffers grown within a forward are inference tensors: changed in place here only
+            self.seen.copy_(self.base_mask)
+            self.count.fill_(n)
+            self.ids.fill_(self.width)
+            self.ids[:n], self.rows[:n] = self.base, self.base_rows
 
     def _allocate(self, capacity: int, ids: torch.Tensor, rows: torch.Tensor) -> None:
         # One row past ``capacity`` takes the writes of ids that are not new; it is never filled.
@@ -100,12 +110,24 @@ class ShortlistedHead:
         """Add the ids of ``token_ids`` not yet scored, each once, in the next free rows."""
         if host_reads_free(self.device) and self.seen[token_ids].all():
             return  # most reads, checked where the check is free: the appending below is a dozen small kernels
-        n, capacity = len(token_ids), len(self.ids) - 1
-        if self.bound + n > capacity:  # the spare rows could run out: count them, and grow if they must
+        self.make_room(len(token_ids))
+        self.append(token_ids)
+
+    def make_room(self, n: int) -> None:
+        """Make sure the next ``n`` ids read find free rows: on the host, reading the true count only when
+        the spare rows could run out, and growing the buffers (a new ``version``) if they must."""
+        capacity = len(self.ids) - 1
+        if self.bound + n > capacity:
             filled = self.filled()
             if filled + n > capacity:
                 self._allocate(filled + n + SPARE_ROWS, self.ids[:filled], self.rows[:filled])
             self.bound = filled
+        self.bound += n
+
+    def append(self, token_ids: torch.Tensor) -> None:
+        """``read``'s work on the device, after ``make_room``: no host read, no new buffer, so a CUDA
+        graph can hold it."""
+        n = len(token_ids)
         order = torch.arange(n, device=self.device)
         self.claims[token_ids] = order  # of repeated ids one read is kept, whichever
         new = ~self.seen[token_ids] & (self.claims[token_ids] == order)
@@ -114,7 +136,17 @@ class ShortlistedHead:
         self.rows[slots] = self.weight[token_ids] * new[:, None].to(self.rows.dtype)
         self.seen[token_ids] = True
         self.count += new.sum()
-        self.bound += n
+
+    @contextlib.contextmanager
+    @torch.inference_mode()
+    def unchanged(self):
+        """Within it, ``append`` leaves no trace: a graph's capture runs its forward on made-up ids."""
+        held = [t.clone() for t in (self.seen, self.count, self.ids, self.rows)]
+        try:
+            yield
+        finally:
+            for t, kept in zip((self.seen, self.count, self.ids, self.rows), held, strict=True):
+                t.copy_(kept)
 
     def scored(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The ids and rows to score: on a CPU the filled ones, elsewhere all (no host read)."""

@@ -14,8 +14,9 @@ bound (gpt-fast, vLLM, SGLang) do what this module does:
   single token, one with a dynamic token count for every wider forward (K + 1 for each K, a tree's
   size, a draft catching up), so K, prompts and rounds never recompile it;
 - on CUDA the forwards of 1 to 16 tokens (more where the run verifies more) are captured as CUDA
-  graphs over fixed input buffers when the run reserves its cache, before anything is timed, and a
-  forward is a few copies into them and one replay; wider forwards run compiled. The random draws of
+  graphs over fixed input buffers, LM head included (a shortlisted head's appending too), when the
+  run reserves its cache, before anything is timed, and a forward is a few copies into them and one
+  replay; wider forwards run compiled. The random draws of
   sampling and the acceptance test stay outside, on the run's generators; the host still reads once
   a round.
 
@@ -27,6 +28,7 @@ recompilation are tested, and where tests replay its graphs' bookkeeping; it is 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
 from specbench.decoding.kv import StaticKV, static_mask
 from specbench.decoding.transfer import ids_to_device
@@ -166,6 +169,11 @@ class Graph:
         return tuple(None if out is None else out.clone() for out in self.out)  # the next replay overwrites them
 
 
+def outputs_mb(graphs: dict) -> float:
+    """MB of the output tensors that ``graphs`` hold (each graph's own; their pool's scratch is shared)."""
+    return sum(out.numel() * out.element_size() for g in graphs.values() for out in g.out if out is not None) / 2**20
+
+
 def captured_up_to(widest: int) -> int:
     """The token counts up to which a model's forwards are captured as graphs at reserve, for a run whose
     widest verification reads ``widest`` tokens: + 2 for a draft reading a round's tokens and its
@@ -207,6 +215,7 @@ class StaticLM(HFCausalLM):
         self.graphed = compiled and self.device.type == "cuda"
         self.start = torch.zeros(1, dtype=torch.long, device=self.device)  # the first slot a forward writes
         self.graphs: dict[int, Graph] = {}
+        self.graphs_version = None  # the shortlist's buffers the graphs score (ShortlistedHead.version)
         self.captured_up_to = CAPTURED_AT_LEAST  # forwards of more tokens run compiled, not graphed (reserve)
         self.pool = torch.cuda.graph_pool_handle() if self.graphed else None
         self.capture_seconds = 0.0
@@ -287,6 +296,7 @@ class StaticLM(HFCausalLM):
             "graphs": sorted({n for n, _ in self.graphs}),  # token counts (an EAGLE target's also with taps)
             "captured": len(self.graphs),
             "capture_s": self.capture_seconds,
+            "graphs_mb": outputs_mb(self.graphs),  # their logits
             "cache_positions": self.kv.capacity,
             "cache_mb": self.memory_bytes / 2**20,
         }
@@ -350,15 +360,18 @@ class StaticLM(HFCausalLM):
         if positions is not None:  # a tree (tree_inputs): it sees the whole past, then its own ancestors
             depth = positions.to(self.device) - start
             tree = mask[:, start:].to(self.device).contiguous() if mask is not None else None  # compiled: one layout
-        hidden = self._hidden(ids, depth, tree, start)
-        return self._fast_head(hidden[-last:], ids)
+        return self._logits(ids, depth, tree, start, last)
 
-    def _hidden(self, ids, depth, tree, start: int) -> torch.Tensor:
+    def _logits(self, ids, depth, tree, start: int, last: int) -> torch.Tensor:
+        """The logits of the ``last`` rows of a forward of ``ids`` written from slot ``start``: a graph's
+        replay, head included, or the compiled (or eager) forward and then the head."""
         n = ids.shape[0]
         self.ready()
         self.start.fill_(start)  # a kernel with the value as its argument: no copy from the host, no wait
         layers = None if self._taps is None else tuple(self.feature_layers)
         eager = n > GRAPHED_UP_TO or self.prefilling or self.queries is not None
+        if not eager and self.graphed and self.shortlist is not None:
+            self.shortlist.make_room(n)  # before the graph is looked up: new buffers drop the graphs over the old
         graph = None if eager else self._graph(n, layers)
         if graph is not None:
             chain = depth is None
@@ -367,7 +380,8 @@ class StaticLM(HFCausalLM):
             elif chain:
                 depth, tree = torch.arange(n, device=self.device), chain_tree(n, self.device)
             graph.chain = chain
-            hidden, features = graph(ids, depth, tree)
+            logits, features = graph(ids, depth, tree)
+            logits = logits[-last:]
         else:
             forms = None if eager else self._forms(layers)
             if depth is None:
@@ -379,11 +393,20 @@ class StaticLM(HFCausalLM):
             else:  # the compiled graph guards on the kind of tensor too: all made in inference mode, as the loop's
                 ids, depth, tree = (t if t.is_inference() else t.clone() for t in (ids, depth, tree))
                 hidden, features = forms[n > 1](self, ids, depth, tree, self.start)
+            logits = self._fast_head(hidden[-last:], ids)
         if features is not None:  # the taps, as HFCausalLM._forward reads them
             for i, tap in zip(layers, features.chunk(len(layers), dim=-1), strict=True):
                 self._taps[i] = tap
         self.kv.length = start + n
-        return hidden
+        return logits
+
+    def _graphed_head(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """_fast_head's logits of every row of ``hidden``, as a graph holds them: a shortlist appends
+        ``ids`` on the device and scores all its rows, no host read (make_room came before)."""
+        if self.shortlist is None:
+            return self.fast.logits(hidden)[:, : self.width]
+        self.shortlist.append(ids)
+        return self.shortlist.logits(F.linear(hidden, self.shortlist.rows), self.shortlist.ids)
 
     def _graph(self, n: int, layers: tuple[int, ...] | None) -> Graph | None:
         """The CUDA graph of ``n``-token forwards that record ``layers``' inputs, captured now (at
@@ -392,6 +415,13 @@ class StaticLM(HFCausalLM):
         forms = self._forms(layers) if self.graphed and n <= self.captured_up_to else None
         if forms is None:
             return None
+        shortlist = self.shortlist
+        if shortlist is not None and self.graphs_version != shortlist.version:
+            self.graphs, self.graphs_version = {}, shortlist.version  # captured over the shortlist's old buffers
+
+        def run(ids, depth, tree):
+            hidden, features = forms[n > 1](self, ids, depth, tree, self.start)
+            return self._graphed_head(hidden, ids), features
 
         def buffers():
             return (
@@ -400,9 +430,9 @@ class StaticLM(HFCausalLM):
                 chain_tree(n, self.device),
             )
 
-        graph, seconds = graphed(
-            self.graphs, (n, layers), lambda *inputs: forms[n > 1](self, *inputs, self.start), buffers, self.pool
-        )
+        capturing = shortlist is not None and (n, layers) not in self.graphs
+        with shortlist.unchanged() if capturing else contextlib.nullcontext():  # its forwards read made-up ids
+            graph, seconds = graphed(self.graphs, (n, layers), run, buffers, self.pool)
         self.capture_seconds += seconds
         return graph
 
@@ -491,6 +521,7 @@ class StaticHead:
             "graphs": sorted(self.graphs),
             "captured": len(self.graphs),
             "capture_s": self.capture_seconds,
+            "graphs_mb": outputs_mb(self.graphs),
             "cache_positions": self.kv.capacity,
             "cache_mb": 2 * self.kv.keys[0].numel() * self.kv.keys[0].element_size() / 2**20,
         }

@@ -5,17 +5,20 @@ by inductor without graphs; the cuda cases (make gpu-check) replay CUDA graphs."
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
+from specbench.bench.run import describe_forward
 from specbench.decoding.decode import autoregressive_decode, speculative_decode
 from specbench.decoding.kv import StaticKV
 from specbench.decoding.sampling import Sampling
 from specbench.decoding.tree import tree_inputs
 from specbench.drafters.model import ModelDrafter
 from specbench.models import fast
+from specbench.models import lm as lm_module
 from specbench.models import static as static_path
 from specbench.models.fast import FastLlama
 from specbench.models.lm import HFCausalLM, SparseView
@@ -81,9 +84,9 @@ def noisy(model, scale: float = 0.3, seed: int = 1):
     return draft
 
 
-def static(model, compiled: bool = False) -> StaticLM:
+def static(model, compiled: bool = False, head_tokens: torch.Tensor | None = None) -> StaticLM:
     width = model.config.vocab_size
-    return StaticLM(model, width, None, FastLlama(model, packed=False, compiled=False), compiled=compiled)
+    return StaticLM(model, width, head_tokens, FastLlama(model, packed=False, compiled=False), compiled=compiled)
 
 
 def scores(lm) -> list[torch.Tensor]:
@@ -249,18 +252,23 @@ def replayed(lm) -> set:
     return {key for key, graph in lm.graphs.items() if graph.replays}
 
 
-def switching(lm) -> list[torch.Tensor]:
+def switching(lm, fresh: int = 0) -> list[torch.Tensor]:
     """Logits of a prompt, then of one graph's token count read as a chain, as a tree, and as a chain
-    again (its buffers hold the other's depth and mask each time), with rejections between them."""
+    again (its buffers hold the other's depth and mask each time), with rejections between them;
+    ``fresh`` is added to the ids read after the prompt (100: none of them is one the prompt read)."""
+
+    def ids(*values: int) -> torch.Tensor:
+        return torch.tensor(values) + fresh
+
     lm.reset()
-    out = [lm.forward(torch.arange(5, 40), last=1), lm.forward(torch.tensor([7, 8, 9, 10]), last=4)]
+    out = [lm.forward(torch.arange(5, 40), last=1), lm.forward(ids(7, 8, 9, 10), last=4)]
     lm.keep([0, 1], 4)
     positions, mask = tree_inputs([-1, 0, 0, 1], lm.length, CPU)
-    out.append(lm.forward(torch.tensor([4, 5, 6, 7]), last=4, positions=positions, mask=mask))
+    out.append(lm.forward(ids(4, 5, 6, 7), last=4, positions=positions, mask=mask))
     lm.keep([0, 2], 4)
-    out.append(lm.forward(torch.tensor([3, 4, 5, 6]), last=4))
+    out.append(lm.forward(ids(3, 4, 5, 6), last=4))
     lm.keep([0], 4)
-    out += [lm.forward(torch.tensor([9]), last=1), lm.forward(torch.tensor([1, 2, 3]), last=3)]
+    out += [lm.forward(ids(9), last=1), lm.forward(ids(1, 2, 3), last=3)]
     return out
 
 
@@ -307,7 +315,41 @@ def test_replayed_graphs_decode_the_baselines_greedy_tokens(monkeypatch):
     decode_as_the_baseline(target, draft, (9, 17, 30))
     assert [set(lm.graphs) for lm in (target, draft)] == captured
     assert replayed(target) == {(1, None), (3, None), (5, None)} and replayed(draft) == {(1, None), (2, None)}
-    assert target.forward_facts()["captured"] == static_path.CAPTURED_AT_LEAST
+    facts = target.forward_facts()
+    assert facts["captured"] == static_path.CAPTURED_AT_LEAST
+    logits_mb = sum(range(1, static_path.CAPTURED_AT_LEAST + 1)) * model.config.vocab_size * 4 / 2**20
+    assert facts["graphs_mb"] == pytest.approx(logits_mb)  # each graph holds its logits: the head runs inside
+    line = describe_forward("target", facts)
+    assert re.search(r"16 CUDA graphs captured in [\d.]+ s, outputs 0 MB; cache 0 MB for 256 positions", line)
+
+
+# Every id the first 40 but 0 (what a capture's made-up inputs read), and every third one after.
+SHORTLIST = torch.cat([torch.arange(1, 40), torch.arange(40, 300, 3)])
+
+
+@pytest.mark.parametrize("spare", [lm_module.SPARE_ROWS, 2], ids=["rows-to-spare", "rows-run-out"])
+def test_a_shortlisted_head_scores_inside_the_replayed_graphs_as_outside(spare, monkeypatch):
+    grows = spare < lm_module.SPARE_ROWS
+    # A shortlisted draft (the shipped one) runs its head inside the graph: the ids read are appended
+    # on the device and every row is scored. Two sequences score as transformers' forward with the
+    # same shortlist: the first reads ids on it, the second's graphed forwards read ids off it. With
+    # rows to spare the graphs captured at reserve serve both; when the rows run out the buffers grow
+    # and the graphs over the old ones are captured again. A capture's made-up ids leave no trace (id
+    # 0 scores -inf throughout).
+    monkeypatch.setattr(lm_module, "SPARE_ROWS", spare)
+    graphs_on_cpu(monkeypatch)
+    model = llama(0)
+    lm = replay_on_cpu(static(model, compiled=True, head_tokens=SHORTLIST))
+    lm.reserve(64)
+    captured = dict(lm.graphs)
+    want = HFCausalLM(model, model.config.vocab_size, SHORTLIST)
+    for fresh in (0, 100):
+        for got, expected in zip(switching(lm, fresh), switching(want, fresh), strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+            assert torch.isinf(got[:, 0]).all()
+    assert replayed(lm) == {(1, None), (3, None), (4, None)}
+    kept = all(lm.graphs.get(key) is graph for key, graph in captured.items())
+    assert kept != grows
 
 
 # ---------------------------------------------------------------- compiled: never recompiled, exact
