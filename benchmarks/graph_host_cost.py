@@ -9,10 +9,12 @@ a forward does besides the replay (copying its ids in, the first slot's fill, th
 LM head, the loop's bookkeeping), and each operation dispatched is one kernel launch on CUDA.
 
     python -m benchmarks.graph_host_cost --repeats 7
+    python -m benchmarks.graph_host_cost --repeats 7 --vocab 512 --shortlist 128   # a shortlisted head
 
 Each repeat times --forwards one-token forwards (each followed by dropping its position again); the
-figure is the median over repeats, on one thread. Then a whole greedy speculative round at --k: the
-same model drafts and verifies, and since no replay writes new outputs every draft is accepted (K
+figure is the median over repeats, on one thread. Then a whole greedy speculative round at --k: that
+model drafts, one of its shape with the whole vocabulary verifies, and since no replay writes new
+outputs every draft is accepted (K
 draft forwards, the draft's catch-up of two tokens, a verification of K + 1, the acceptance test,
 the round's one host read); its host time per round is the median over --repeats decodes.
 """
@@ -31,6 +33,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specbench.decoding.decode import speculative_decode
 from specbench.decoding.sampling import Sampling
 from specbench.drafters.model import ModelDrafter
+from specbench.models import lm as lm_module
 from specbench.models import static
 from specbench.models.fast import FastLlama
 
@@ -57,8 +60,10 @@ class Dispatched(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def graphed_lm(width: int, vocab: int) -> static.StaticLM:
-    """A 2-layer Llama of ``width`` and ``vocab`` on the static path's CUDA route, replays removed."""
+def graphed_lm(width: int, vocab: int, shortlist: int = 0) -> static.StaticLM:
+    """A 2-layer Llama of ``width`` and ``vocab`` on the static path's CUDA route, replays removed; with
+    ``shortlist``, its head scores that many ids (every other one) and what it reads, as a shortlisted
+    draft does on CUDA (lm.ShortlistedHead: no host read to skip the appending)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -69,7 +74,10 @@ def graphed_lm(width: int, vocab: int) -> static.StaticLM:
     model = LlamaForCausalLM(config).eval()
     static.Graph = NoReplay
     static.compile_forms = lambda one, many, *_: (one, many)  # the forms are never run but at capture
-    lm = static.StaticLM(model, vocab, None, FastLlama(model, packed=False, compiled=False), compiled=True)
+    head_tokens = torch.arange(0, 2 * shortlist, 2) if shortlist else None
+    if shortlist:
+        lm_module.host_reads_free = lambda device: False
+    lm = static.StaticLM(model, vocab, head_tokens, FastLlama(model, packed=False, compiled=False), compiled=True)
     lm.graphed = True
     lm.reserve(1024)
     return lm
@@ -81,11 +89,14 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--width", type=int, default=64, help="the tiny model's width (its LM head runs)")
     parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument(
+        "--shortlist", type=int, default=0, help="ids the head scores (every other one; 0: the whole vocabulary)"
+    )
     parser.add_argument("--k", type=int, default=4, help="draft length of the timed speculative rounds")
     parser.add_argument("--new-tokens", type=int, default=600, help="tokens each timed decode generates")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    lm = graphed_lm(args.width, args.vocab)
+    lm = graphed_lm(args.width, args.vocab, args.shortlist)
     token = torch.tensor([5])
     with torch.inference_mode():
         lm.forward(torch.arange(3, 40))  # a prompt, uncompiled
@@ -99,7 +110,7 @@ def main() -> None:
                 lm.forward(token)
                 lm.keep([], 1)
             times.append((time.perf_counter() - began) / args.forwards * 1e6)
-    target, draft = lm, graphed_lm(args.width, args.vocab)
+    target, draft = graphed_lm(args.width, args.vocab), lm
     greedy, generator, prompt = Sampling(temperature=0.0), torch.Generator().manual_seed(0), torch.arange(3, 40)
 
     def decode():
