@@ -134,7 +134,7 @@ class ShortlistedHead:
         slots = torch.where(new, self.count + new.cumsum(0) - 1, len(self.ids) - 1)
         self.ids[slots] = torch.where(new, token_ids, self.width)
         self.rows[slots] = self.weight[token_ids] * new[:, None].to(self.rows.dtype)
-        self.seen[token_ids] = True
+        self.seen.index_fill_(0, token_ids, True)  # the value a kernel argument: nothing copied from the host
         self.count += new.sum()
 
     @contextlib.contextmanager
