@@ -3,12 +3,14 @@ recompilation across rounds, K and prompts, and exactness (greedy equality, the 
 sampling, and a deliberately broken cache that the law test catches). On a CPU the path runs compiled
 by inductor without graphs; the cuda cases (make gpu-check) replay CUDA graphs."""
 
+import contextlib
 import copy
 import logging
 import re
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from specbench.bench.run import describe_forward
@@ -209,18 +211,48 @@ def test_static_kv_keeps_a_paths_entries_in_order():
 # ---------------------------------------------------------------- CUDA graphs' bookkeeping, on the CPU
 
 
+# What a CUDA graph's capture cannot hold: a value read back to the host (a tensor's item, int(), a
+# shape that depends on its values) or data from the host (a tensor made of Python values).
+HOST_BOUND = {"_local_scalar_dense", "nonzero", "masked_select", "lift_fresh"}
+HOST_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__")  # in inference mode no
+# operation is dispatched for these on a CPU
+
+
+def refused(what: str):
+    raise AssertionError(f"{what} in a captured forward: a CUDA graph cannot hold it")
+
+
+class HostBound(TorchDispatchMode):
+    """Raises at any operation of HOST_BOUND dispatched within it."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in HOST_BOUND:
+            refused(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def host_free():
+    """Within it, reading a tensor's value on the host or making one of Python values raises."""
+    with HostBound(), pytest.MonkeyPatch.context() as patch:
+        for name in HOST_READS:
+            patch.setattr(torch.Tensor, name, lambda *_, name=name: refused(f"Tensor.{name}"))
+        yield
+
+
 class ReplayedOnCPU(static_path.Graph):
-    """A CUDA graph's contract kept on the CPU: the capture keeps the forward and its outputs; a replay
-    reads its inputs only from the graph's buffers and writes the same output tensors again. What the
-    path forgets to copy in (a tree's mask after a chain of as many tokens), or keeps of an output past
-    the next replay, then comes out wrong here as on a GPU; the CUDA calls themselves run in make
-    gpu-check."""
+    """A CUDA graph's contract kept on the CPU: the capture keeps the forward and its outputs, and
+    nothing in it reads back to the host or from it (host_free); a replay reads its inputs only from
+    the graph's buffers and writes the same output tensors again. What the path forgets to copy in (a
+    tree's mask after a chain of as many tokens), or keeps of an output past the next replay, then
+    comes out wrong here as on a GPU; the CUDA calls themselves run in make gpu-check."""
 
     replays = 0
 
     def capture(self, run, pool):
         self.run = run
-        return run(*self.buffers)
+        with host_free():
+            return run(*self.buffers)
 
     def replay(self) -> None:
         self.replays += 1
