@@ -2,6 +2,12 @@ class SpecbenchError(Exception):
     """Bad input or environment: the message is one line naming the problem and the fix."""
 
 
+def first_said(e: BaseException) -> str:
+    """The first line of what ``e`` says (its type's name where it says nothing): a library's error in
+    one of ours, its pages of detail left out."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
 def out_of_memory(said: str) -> SpecbenchError:
     """A device's out-of-memory error (``said``: torch's message) as one line: what torch said of the
     allocation, and the options under which a run holds less."""

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specbench.core.errors import first_said
 from specbench.decoding.sampling import as_float32
 from specbench.models.load import available_memory
 
@@ -222,7 +223,7 @@ class FastLlama:
             for n in (1, 2):
                 self._warm(n, *compiled)
         except Exception as e:  # noqa: BLE001 - whatever the compiler raises, the eager path still runs
-            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            reason = first_said(e)
             log.warning("torch.compile failed, the fast path runs its elementwise work eagerly: %s", reason)
             return False
         self._rms, self._rope, self._swiglu = compiled

@@ -40,6 +40,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
+from specbench.core.errors import first_said
 from specbench.decoding.kv import StaticKV, static_mask
 from specbench.decoding.transfer import ids_to_device
 from specbench.models.fast import FastLlama, attend
@@ -127,7 +128,7 @@ def compile_forms(one, many, inputs: Callable[[int], list[tuple[torch.Tensor, li
                         torch._dynamo.mark_dynamic(tensor, dims, min=2, max=GRAPHED_UP_TO)
                 run(form, *(tensor for tensor, _ in tensors))
     except Exception as e:  # noqa: BLE001 - whatever the compiler raises, the eager path still runs
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        reason = first_said(e)
         log.warning("torch.compile failed, %s eagerly: %s", what, reason)
         return None
     return forms
@@ -191,13 +192,21 @@ def capture_all(up_to: int, start: torch.Tensor, capture: Callable[[int], object
             capture(n)
 
 
-def graphed(graphs: dict, key, run, buffers: Callable[[], tuple], pool) -> tuple[Graph, float]:
+def graphed(graphs: dict, key, run, buffers: Callable[[], tuple], pool, what: str) -> tuple[Graph | None, float]:
     """The graph under ``key`` in ``graphs``, captured now (over the input buffers that ``buffers()``
-    makes, only then: a replay allocates nothing) if it is not there yet, and the seconds capturing took."""
+    makes, only then: a replay allocates nothing) if it is not there yet, and the seconds capturing took.
+    None, with one log line ("capturing a CUDA graph failed, ``what`` compiled: ..."), when the capture
+    fails (an operation it cannot hold, in some torch version): the caller then stops graphing, and its
+    route says so."""
     if key in graphs:
         return graphs[key], 0.0
     began = time.perf_counter()
-    graphs[key] = Graph(run, buffers(), pool)
+    try:
+        graphs[key] = Graph(run, buffers(), pool)
+    except Exception as e:  # noqa: BLE001 - whatever the capture raises, the compiled forward still runs
+        reason = first_said(e)
+        log.warning("capturing a CUDA graph failed, %s compiled: %s", what, reason)
+        return None, time.perf_counter() - began
     return graphs[key], time.perf_counter() - began
 
 
@@ -432,8 +441,11 @@ class StaticLM(HFCausalLM):
 
         capturing = shortlist is not None and (n, layers) not in self.graphs
         with shortlist.unchanged() if capturing else contextlib.nullcontext():  # its forwards read made-up ids
-            graph, seconds = graphed(self.graphs, (n, layers), run, buffers, self.pool)
+            graph, seconds = graphed(
+                self.graphs, (n, layers), run, buffers, self.pool, "the static path runs its forwards"
+            )
         self.capture_seconds += seconds
+        self.graphed = graph is not None
         return graph
 
     def _grow(self, tokens: int) -> None:
@@ -610,7 +622,13 @@ class StaticHead:
             return torch.zeros(n, dtype=torch.long, device=head.device), head.embed.new_zeros(n, head.config.hidden)
 
         graph, seconds = graphed(
-            self.graphs, n, lambda *inputs: run(head, self.kv, *inputs, self.start), buffers, self.pool
+            self.graphs,
+            n,
+            lambda *inputs: run(head, self.kv, *inputs, self.start),
+            buffers,
+            self.pool,
+            "the EAGLE head runs its steps",
         )
         self.capture_seconds += seconds
+        self.graphed = graph is not None
         return graph

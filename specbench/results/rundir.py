@@ -12,7 +12,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specbench.core.errors import SpecbenchError
+from specbench.core.errors import SpecbenchError, first_said
 from specbench.core.files import replacing
 from specbench.results import schema
 from specbench.workloads.prompts import Turn
@@ -262,7 +262,7 @@ def _read_csv(p: Path, hint: str) -> tuple[list[str], Rows]:
             reader = csv.DictReader(f)
             rows, columns = list(reader), list(reader.fieldnames or [])
     except (OSError, UnicodeDecodeError, csv.Error) as exc:
-        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        reason = first_said(exc)
         raise SpecbenchError(f"{p} is not a readable CSV ({reason}); {hint}") from None
     if not columns:
         raise SpecbenchError(f"{p} is not a readable CSV (no header); {hint}")

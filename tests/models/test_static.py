@@ -594,6 +594,30 @@ def test_eagle_on_the_static_path_gives_the_target_law(tmp_path, one_thread):
     assert speculative_law_p(target, drafter, 3, cfg, generator) > P_FLOOR
 
 
+def test_a_capture_that_fails_leaves_the_forwards_compiled_with_one_log_line(tmp_path, monkeypatch, caplog):
+    # Graphs are CUDA's default: an operation some torch version cannot capture must not end the run.
+    # The target and the head each say it once, their routes say what ran, and they decode as before.
+    graphs_on_cpu(monkeypatch)
+
+    def cannot(self, run, pool):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nmore detail")
+
+    monkeypatch.setattr(ReplayedOnCPU, "capture", cannot)
+    with caplog.at_level(logging.WARNING, logger="specbench"):
+        target, head, static_head = static_eagle(tmp_path, replayed=True)
+    said = "capturing a CUDA graph failed, {} compiled: CUDA error: operation not permitted when stream is capturing"
+    assert [r.getMessage() for r in caplog.records] == [
+        said.format("the static path runs its forwards"),
+        said.format("the EAGLE head runs its steps"),
+    ]
+    assert target.route == static_head.forward_facts()["route"] == "static-inductor"
+    assert not target.graphs and not static_head.graphs
+    eager = HFCausalLM(target.model, target.vocab)
+    eager.record_features(head.config.taps)
+    prompts = ([0, 2, 1, 1, 0, 2, 2, 1, 0, 1], [1, 1, 0, 2, 0, 0, 1, 2, 2, 1, 0, 1, 2])
+    assert_eagle_decodes_alike((eager, head), (target, static_head), prompts, {})
+
+
 @pytest.mark.parametrize(
     ("shape", "verified"), [({}, 4), ({"shape": (2, 1)}, 5), ({"dynamic": (3, 2)}, 4)], ids=["chain", "tree", "dynamic"]
 )
