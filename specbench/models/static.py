@@ -445,7 +445,8 @@ class StaticLM(HFCausalLM):
                 self.graphs, (n, layers), run, buffers, self.pool, "the static path runs its forwards"
             )
         self.capture_seconds += seconds
-        self.graphed = graph is not None
+        if graph is None:  # the capture failed: the compiled forms run, and no graph is kept
+            self.graphed, self.graphs = False, {}
         return graph
 
     def _grow(self, tokens: int) -> None:
@@ -630,5 +631,6 @@ class StaticHead:
             "the EAGLE head runs its steps",
         )
         self.capture_seconds += seconds
-        self.graphed = graph is not None
+        if graph is None:  # the capture failed: the compiled forms run, and no graph is kept
+            self.graphed, self.graphs = False, {}
         return graph
