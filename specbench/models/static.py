@@ -16,9 +16,8 @@ bound (gpt-fast, vLLM, SGLang) do what this module does:
 - on CUDA the forwards of 1 to 16 tokens (more where the run verifies more) are captured as CUDA
   graphs over fixed input buffers, LM head included (a shortlisted head's appending too), when the
   run reserves its cache, before anything is timed, and a forward is a few copies into them and one
-  replay; wider forwards run compiled. The random draws of
-  sampling and the acceptance test stay outside, on the run's generators; the host still reads once
-  a round.
+  replay; wider forwards run compiled. The random draws of sampling and the acceptance test stay
+  outside, on the run's generators; the host still reads once a round.
 
 A sequence's first forward (its prompt) runs the same forward uncompiled: its length changes with
 every prompt, and a graph per length would be captured inside the timed run and hold memory. On a
