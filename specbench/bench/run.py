@@ -242,8 +242,12 @@ def _benchmark(
     served = [run.baseline, *run.plan] if run is not None else []
     bound = None  # what bounds the target's step (baseline_mbu): specbench's loop's only
     if own:
-        yield Progress("measuring copy bandwidth (baseline_mbu)")
-        bound = roofline(pair)
+        measured = previous.copy_bandwidth if previous is not None else None
+        if measured is None:
+            yield Progress("measuring copy bandwidth (baseline_mbu)")
+        bound = roofline(pair, measured)  # one bandwidth for a run and its resumptions, as its forward costs
+        resolved["copy_bandwidth"] = bound.bandwidth
+        writer.write_json("meta.json", meta)
     columns = run_columns(cfg, run_info, bound)
     for decoder in plan:
         decoder.method.begin_run(pair, cfg.settings_of(decoder.method), decoder)

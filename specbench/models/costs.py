@@ -87,10 +87,11 @@ def streamed_bytes(model) -> tuple[int, int]:
     return weights, 2 * layers * kv_heads * head_dim * model.dtype.itemsize
 
 
-def roofline(pair: Pair) -> Roofline:
-    """The target's Roofline on the pair's device, its copy bandwidth measured now."""
+def roofline(pair: Pair, bandwidth: float | None = None) -> Roofline:
+    """The target's Roofline on the pair's device, its copy ``bandwidth`` measured now unless given (a
+    resumed run's, which its first records were measured against)."""
     weights, kv = streamed_bytes(pair.target.model)
-    return Roofline(copy_bandwidth(pair.device), weights, kv)
+    return Roofline(bandwidth or copy_bandwidth(pair.device), weights, kv)
 
 
 COST_SIZES = 8  # verify_cost.csv covers target forwards of 1..max(this, K + 1) tokens: the whole curve

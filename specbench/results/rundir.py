@@ -62,6 +62,7 @@ class PreviousRun:
     prompts_hash: str | None
     engine_costs: list[dict]  # engine_costs.csv rows (vLLM's one-token decode times)
     counters: list[dict] = field(default_factory=list)  # counters.csv rows (each served block's counters)
+    copy_bandwidth: float | None = None  # bytes per second, as the run measured it (meta.json): its MBU's
 
     def complete_prompts(self, steps: int) -> set[int]:
         """Prompts with a record for every decoder of specbench's loop's plan."""
@@ -131,7 +132,10 @@ class RunWriter:
             }
             for row in (_rows(self.out / "counters.csv") if (self.out / "counters.csv").is_file() else [])
         ]
-        return PreviousRun(records, costs, meta.get("resolved", {}).get("prompts_hash"), engine_costs, counters)
+        resolved = meta.get("resolved", {})
+        return PreviousRun(
+            records, costs, resolved.get("prompts_hash"), engine_costs, counters, resolved.get("copy_bandwidth")
+        )
 
     def start_records(self, previous: PreviousRun | None, done: set[int], blocks: set[tuple]) -> list[dict]:
         """Begin records.csv and outputs.jsonl with the rows and outputs a resumed run keeps (the

@@ -16,6 +16,7 @@ from specbench.bench.config import FIELDS_BEGIN, FIELDS_END, OPTIONS, READERS, B
 from specbench.bench.run import Results, benchmark
 from specbench.core.errors import SpecbenchError
 from specbench.methods.registry import METHODS
+from specbench.models import costs as costs_module
 from specbench.results import report, schema
 from specbench.results.report import phase_table, serving_table, summary_table
 
@@ -189,7 +190,7 @@ def test_sampled_outputs_of_a_method_do_not_depend_on_the_others_in_the_run(tiny
     assert baseline != [tokens for _, tokens in speculative(tmp_path / "alone")]
 
 
-def test_an_interrupted_run_resumes_without_measuring_anything_twice(tiny_pair, prompts_file, tmp_path):
+def test_an_interrupted_run_resumes_without_measuring_anything_twice(tiny_pair, prompts_file, tmp_path, monkeypatch):
     cfg, out = config(tiny_pair, prompts_file, methods=["speculative", "prompt-lookup"], ks=[1, 3]), tmp_path / "run"
     events = benchmark(cfg, out)
     for event in events:  # interrupt in the middle of the second prompt
@@ -198,8 +199,12 @@ def test_an_interrupted_run_resumes_without_measuring_anything_twice(tiny_pair, 
     events.close()
     first = pd.read_csv(out / "records.csv")
     assert sorted(first["prompt_index"].unique()) == [0, 1]  # prompt 1 is incomplete
+    bandwidth = json.loads((out / "meta.json").read_text())["resolved"]["copy_bandwidth"]
 
+    # The kept records' MBU stays against the bandwidth they were measured with: it is not measured again.
+    monkeypatch.setattr(costs_module, "copy_bandwidth", lambda *_: pytest.fail("copy bandwidth measured again"))
     results = run(cfg, out, resume=True)
+    assert {r["copy_bandwidth_gbs"] for r in results.summary if r["engine"] == "torch"} == {bandwidth / 1e9}
     records = pd.read_csv(out / "records.csv")
     assert sorted(records.groupby(["prompt_index", "method", "k"], dropna=False).size().tolist()) == [1] * 3 * 5
     kept = first[first["prompt_index"] == 0].reset_index(drop=True)
