@@ -386,7 +386,7 @@ RUN: tuple[Option, ...] = (
     Option(
         "repeats",
         1,
-        "Timed repeats per prompt and method; the median is kept.",
+        "Timed repeats per prompt and method; the median run is kept whole (of an even count, the faster of the middle two).",
         low=1,
         read_by=(TORCH, RUN_COMMAND),
         panel=TIMING_PANEL,

@@ -179,7 +179,14 @@ COLUMNS: tuple[Column, ...] = (
     ),
     Column("seed", CONFIG, None, "", "base seed of every random stream", files="summary"),
     Column("max_new_tokens", CONFIG, None, "", "generation limit per prompt", files="summary"),
-    Column("num_prompts", CONFIG, None, "", "prompts in the row", files="summary"),
+    Column(
+        "num_prompts",
+        CONFIG,
+        None,
+        "",
+        "prompts decoded in the row (each turn of a conversation is one)",
+        files="summary",
+    ),
     Column("prompt_id", CONFIG, None, "", "the prompt's id in its dataset", files="records"),
     Column("prompt_index", CONFIG, None, "d", "the row's position in the run (each turn is a row)", files="records"),
     Column("turn", CONFIG, None, "d", "which user turn of its conversation the row decoded (from 1)", files="records"),
@@ -546,7 +553,8 @@ COLUMNS: tuple[Column, ...] = (
         None,
         ".1f",
         "GB/s that copying a buffer larger than the caches moves on the run's device, read and written counted, "
-        "measured once in the run after the models loaded (empty for served engines)",
+        "measured once in the run after the models loaded and kept in meta.json (`resolved.copy_bandwidth`, "
+        "bytes/s), which a resumed run reads instead of measuring again (empty for served engines)",
         files="summary",
         absolute=True,
     ),
