@@ -130,6 +130,11 @@ class Method:
         """Cost of one drafting step in one-token target forwards (NaN: the method does not draft)."""
         return math.nan
 
+    def verify_ratio(self, costs, drafts: int) -> float:
+        """Cost of verifying ``drafts`` tokens (a forward of drafts + 1) in one-token target forwards: the
+        target forward verify_cost.csv times, specbench's loop's."""
+        return costs.verify_ratio(drafts)
+
     def proposable(self, decoder: Decoder, tokens: list[int]) -> float:
         """The share of ``tokens`` (the baseline's output) this method can propose, for a draft with its
         own tokenizer (NaN: every other method)."""

@@ -13,6 +13,7 @@ cannot import it); ``costs`` its forward costs (costs.ForwardCosts).
 
 from __future__ import annotations
 
+import math
 import re
 
 from specbench.core.errors import SpecbenchError
@@ -646,6 +647,9 @@ class HFAssisted(Method):
 
     def c(self, costs):
         return costs.level_c(EAGER_DRAFT.name) / costs.level_c(EAGER_TARGET.name)
+
+    def verify_ratio(self, costs, drafts):
+        return math.nan  # transformers' forward verifies, whose wider forwards are not timed: not specbench's
 
     def decode(self, pair, settings, decoder, ids, generator):
         from specbench.engines.hf import hf_generate

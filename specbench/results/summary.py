@@ -228,7 +228,7 @@ def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], col
         nodes = totals["drafted"] / rounds if drafts and rounds else math.nan
         # A chain verifies K + 1 tokens a round, a tree its nodes + 1; under another policy the count varies.
         fits = not math.isnan(nodes) and (chain or bool(decoder.tree))
-        verify_ratio = costs.verify_ratio(k if chain else round(nodes)) if fits else math.nan
+        verify_ratio = method.verify_ratio(costs, k if chain else round(nodes)) if fits else math.nan
         counted_rounds = sum(sum(map(int, r["draft_hist"].split())) for r in rs)
         divergences = [r["first_divergence"] for r in rs if r["first_divergence"] >= 0]
         trained = sum(r["train_s"] for r in rs) if method.learns else math.nan
