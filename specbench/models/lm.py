@@ -140,12 +140,13 @@ class ShortlistedHead:
     @contextlib.contextmanager
     @torch.inference_mode()
     def unchanged(self):
-        """Within it, ``append`` leaves no trace: a graph's capture runs its forward on made-up ids."""
-        held = [t.clone() for t in (self.seen, self.count, self.ids, self.rows)]
+        """Within it, ``append`` leaves no trace: a graph's capture runs its forward on made-up ids. (The
+        rows it writes lie past the count, and score nothing once their ids are ``width`` again.)"""
+        held = [t.clone() for t in (self.seen, self.count, self.ids)]
         try:
             yield
         finally:
-            for t, kept in zip((self.seen, self.count, self.ids, self.rows), held, strict=True):
+            for t, kept in zip((self.seen, self.count, self.ids), held, strict=True):
                 t.copy_(kept)
 
     def scored(self) -> tuple[torch.Tensor, torch.Tensor]:
