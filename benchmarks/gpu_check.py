@@ -669,6 +669,7 @@ def route_figures(check: Check, out: Path) -> dict:
         "build_s": {role: f["build_s"] for role, f in facts.items()},  # compiled and warmed, for inductor and graphs
         "graphs": {role: f.get("graphs", []) for role, f in facts.items()},  # token counts captured
         "capture_s": sum(f.get("capture_s", 0.0) for f in facts.values()),
+        "graphs_mb": sum(f.get("graphs_mb", 0.0) for f in facts.values()),  # the logits they hold
         "baseline_tokens_per_s": float(base["baseline_tokens_per_s"]),
         "decode_tokens_per_s": sum(r["new_tokens"] - 1 for r in baseline)
         / sum(r["method_s"] - r["prefill_s"] for r in baseline),
@@ -775,9 +776,9 @@ def mission_report(check: Check, columns: dict, synthetic: dict) -> list[str]:
     line("peak memory (MB)", lambda x: f"{x['peak_memory_mb']:.0f}")
     line("forwards built in (s): target + draft", lambda x: " + ".join(f"{t:.1f}" for t in x["build_s"].values()))
     line(
-        "CUDA graphs captured: target + draft, in (s)",
+        "CUDA graphs captured: target + draft, in (s), their outputs",
         lambda x: (
-            f"{' + '.join(str(len(n)) for n in x['graphs'].values())} in {x['capture_s']:.1f}"
+            f"{' + '.join(str(len(n)) for n in x['graphs'].values())} in {x['capture_s']:.1f}, {x['graphs_mb']:.0f} MB"
             if x["capture_s"]
             else "-"
         ),
