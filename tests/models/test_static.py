@@ -355,19 +355,19 @@ def test_replayed_graphs_decode_the_baselines_greedy_tokens(monkeypatch):
     assert re.search(r"16 CUDA graphs captured in [\d.]+ s, outputs 0 MB; cache 0 MB for 256 positions", line)
 
 
-# Every id the first 40 but 0 (what a capture's made-up inputs read), and every third one after.
+# Every id below 40 but 0 (what a capture's made-up inputs read), then every third one.
 SHORTLIST = torch.cat([torch.arange(1, 40), torch.arange(40, 300, 3)])
 
 
 @pytest.mark.parametrize("spare", [lm_module.SPARE_ROWS, 2], ids=["rows-to-spare", "rows-run-out"])
 def test_a_shortlisted_head_scores_inside_the_replayed_graphs_as_outside(spare, monkeypatch):
-    grows = spare < lm_module.SPARE_ROWS
     # A shortlisted draft (the shipped one) runs its head inside the graph: the ids read are appended
     # on the device and every row is scored. Two sequences score as transformers' forward with the
     # same shortlist: the first reads ids on it, the second's graphed forwards read ids off it. With
     # rows to spare the graphs captured at reserve serve both; when the rows run out the buffers grow
     # and the graphs over the old ones are captured again. A capture's made-up ids leave no trace (id
     # 0 scores -inf throughout).
+    grows = spare < lm_module.SPARE_ROWS
     monkeypatch.setattr(lm_module, "SPARE_ROWS", spare)
     graphs_on_cpu(monkeypatch)
     model = llama(0)
