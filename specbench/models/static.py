@@ -378,7 +378,7 @@ class StaticLM(HFCausalLM):
         self.start.fill_(start)  # a kernel with the value as its argument: no copy from the host, no wait
         layers = None if self._taps is None else tuple(self.feature_layers)
         eager = n > GRAPHED_UP_TO or self.prefilling or self.queries is not None
-        if not eager and self.graphed and self.shortlist is not None:
+        if not eager and self.shortlist is not None and self.graphs_serve(n):
             self.shortlist.make_room(n)  # before the graph is looked up: new buffers drop the graphs over the old
         graph = None if eager else self._graph(n, layers)
         if graph is not None:
@@ -416,11 +416,15 @@ class StaticLM(HFCausalLM):
         self.shortlist.append(ids)
         return self.shortlist.logits(F.linear(hidden, self.shortlist.rows), self.shortlist.ids)
 
+    def graphs_serve(self, n: int) -> bool:
+        """Whether forwards of ``n`` tokens replay graphs."""
+        return self.graphed and self.compiling and n <= self.captured_up_to
+
     def _graph(self, n: int, layers: tuple[int, ...] | None) -> Graph | None:
         """The CUDA graph of ``n``-token forwards that record ``layers``' inputs, captured now (at
         ``start``) if it is not yet; None where such forwards are not graphed (a CPU, compiling off or
         failed, more tokens than reserve captures)."""
-        forms = self._forms(layers) if self.graphed and n <= self.captured_up_to else None
+        forms = self._forms(layers) if self.graphs_serve(n) else None
         if forms is None:
             return None
         shortlist = self.shortlist
