@@ -8,6 +8,15 @@ def first_said(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
+def first_line(e: BaseException) -> str:
+    """The line of an exception that says what went wrong, after its type's name (pydantic's first line
+    only counts errors: its first "Value error" line is taken)."""
+    lines = [line.strip() for line in str(e).strip().splitlines()]
+    said = next((line.removeprefix("Value error, ") for line in lines if line.startswith("Value error")), None)
+    said = said or (lines[0] if lines else "")
+    return f"{type(e).__name__}: {said.split(' [type=')[0]}" if said else type(e).__name__
+
+
 def out_of_memory(said: str) -> SpecbenchError:
     """A device's out-of-memory error (``said``: torch's message) as one line: what torch said of the
     allocation, and the options under which a run holds less."""

@@ -32,7 +32,7 @@ import threading
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
-from specbench.core.errors import SpecbenchError
+from specbench.core.errors import SpecbenchError, first_line
 
 
 def margin(top: list[float] | None) -> float | None:
@@ -137,11 +137,3 @@ class LoopThread:
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=30)
-
-
-def first_line(e: BaseException) -> str:
-    """The line of an exception that says what went wrong (pydantic's first line only counts errors)."""
-    lines = [line.strip() for line in str(e).strip().splitlines()]
-    said = next((line.removeprefix("Value error, ") for line in lines if line.startswith("Value error")), None)
-    said = said or (lines[0] if lines else "")
-    return f"{type(e).__name__}: {said.split(' [type=')[0]}" if said else type(e).__name__

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specbench.core.errors import SpecbenchError
-from specbench.engines import LoopThread, Served, arrivals, first_line, margin, request_seed
+from specbench.core.errors import SpecbenchError, first_line
+from specbench.engines import LoopThread, Served, arrivals, margin, request_seed
 
 if TYPE_CHECKING:  # the command line checks --engine vllm's options with this module, before torch loads
     from specbench.decoding.sampling import Sampling
