@@ -10,13 +10,19 @@ LM head, the loop's bookkeeping), and each operation dispatched is one kernel la
 
     python -m benchmarks.graph_host_cost --repeats 7
     python -m benchmarks.graph_host_cost --repeats 7 --vocab 512 --shortlist 128   # a shortlisted head
+    python -m benchmarks.graph_host_cost --repeats 7 --eagle   # an EAGLE head drafts instead
 
 Each repeat times --forwards one-token forwards (each followed by dropping its position again); the
 figure is the median over repeats, on one thread. Then a whole greedy speculative round at --k: that
 model drafts, one of its shape with the whole vocabulary verifies, and since no replay writes new
-outputs every draft is accepted (K
-draft forwards, the draft's catch-up of two tokens, a verification of K + 1, the acceptance test,
+outputs every draft is accepted (K draft forwards, the draft's catch-up of two tokens, a verification of K + 1, the acceptance test,
 the round's one host read); its host time per round is the median over --repeats decodes.
+
+With --eagle an EAGLE-3 head of the model's width (taps 0, 1 and 1, its whole vocabulary) drafts
+from the target's features on the static path (models/static.StaticHead), its replays removed
+too: a one-token step is the head reading its last draft and scoring the next (the drafter's
+chain step), and a round is a greedy EAGLE round at --k (the head's read of the round's pairs, K - 1
+chain steps, the target's verification with its features, the acceptance test).
 """
 
 from __future__ import annotations
@@ -24,14 +30,17 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import tempfile
 import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from specbench.decoding.decode import speculative_decode
 from specbench.decoding.sampling import Sampling
+from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.model import ModelDrafter
 from specbench.models import lm as lm_module
 from specbench.models import static
@@ -60,10 +69,11 @@ class Dispatched(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def graphed_lm(width: int, vocab: int, shortlist: int = 0) -> static.StaticLM:
+def graphed_lm(width: int, vocab: int, shortlist: int = 0, taps: tuple[int, ...] | None = None) -> static.StaticLM:
     """A 2-layer Llama of ``width`` and ``vocab`` on the static path's CUDA route, replays removed; with
     ``shortlist``, its head scores that many ids (every other one) and what it reads, as a shortlisted
-    draft does on CUDA (lm.ShortlistedHead: no host read to skip the appending)."""
+    draft does on CUDA (lm.ShortlistedHead: no host read to skip the appending); with ``taps``, its
+    forwards record those layers' inputs (an EAGLE head's target)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -79,8 +89,37 @@ def graphed_lm(width: int, vocab: int, shortlist: int = 0) -> static.StaticLM:
         lm_module.host_reads_free = lambda device: False
     lm = static.StaticLM(model, vocab, head_tokens, FastLlama(model, packed=False, compiled=False), compiled=True)
     lm.graphed = True
-    lm.reserve(1024)
+    lm.reserve(1024, taps=taps)
+    lm.record_features(taps)
     return lm
+
+
+def graphed_head(target: static.StaticLM, taps: tuple[int, ...], scratch: Path) -> static.StaticHead:
+    """An EAGLE-3 head of random weights for ``target``, reading ``taps``, on the static path's CUDA
+    route, replays removed (graphed_lm made them no-ops)."""
+    from specbench.models.eagle_head import read_head
+    from tests.helpers import build_eagle3_head
+
+    config = target.model.config
+    path = build_eagle3_head(scratch / "head", config, taps=taps)
+    embed = target.model.get_input_embeddings().weight
+    head = static.StaticHead(
+        read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size), 1024
+    )
+    head.graphed = True
+    head.reserve(1024)
+    return head
+
+
+def median_us(step, repeats: int, steps: int) -> tuple[float, list[float]]:
+    """Microseconds per call of ``step``: the median over ``repeats`` of ``steps`` calls, and each."""
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        for _ in range(steps):
+            step()
+        times.append((time.perf_counter() - began) / steps * 1e6)
+    return statistics.median(times), times
 
 
 def main() -> None:
@@ -92,50 +131,64 @@ def main() -> None:
     parser.add_argument(
         "--shortlist", type=int, default=0, help="ids the head scores (every other one; 0: the whole vocabulary)"
     )
+    parser.add_argument("--eagle", action="store_true", help="an EAGLE head drafts (its chain steps are timed)")
     parser.add_argument("--k", type=int, default=4, help="draft length of the timed speculative rounds")
     parser.add_argument("--new-tokens", type=int, default=600, help="tokens each timed decode generates")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    lm = graphed_lm(args.width, args.vocab, args.shortlist)
-    token = torch.tensor([5])
-    with torch.inference_mode():
-        lm.forward(torch.arange(3, 40))  # a prompt, uncompiled
-        with Dispatched() as dispatched:
-            lm.forward(token)
-            lm.keep([], 1)
-        times = []
-        for _ in range(args.repeats):
-            began = time.perf_counter()
-            for _ in range(args.forwards):
+    greedy, generator, prompt = Sampling(temperature=0.0), torch.Generator().manual_seed(0), torch.arange(3, 40)
+    with tempfile.TemporaryDirectory() as scratch, torch.inference_mode():
+        if args.eagle:
+            taps = (0, 1, 1)
+            target = graphed_lm(args.width, args.vocab, taps=taps)
+            head = graphed_head(target, taps, Path(scratch))
+            cache = head.new_cache()
+            features = torch.zeros(len(prompt), head.config.hidden)
+            head.scored_step(prompt, features, cache)  # the prompt's pairs, uncaptured
+            out, token = features[-1:], torch.tensor([5])
+
+            def one_step():  # the drafter's chain step: read the last draft, score the next
+                head.scored_step(head.draft_ids[token], out, cache)
+                cache.crop(cache.length - 1)
+
+            def drafter():
+                return EagleDrafter(head, target, args.vocab, greedy, generator)
+
+        else:
+            lm = graphed_lm(args.width, args.vocab, args.shortlist)
+            lm.forward(prompt)  # a prompt, uncompiled
+            target, token = graphed_lm(args.width, args.vocab), torch.tensor([5])
+
+            def one_step():
                 lm.forward(token)
                 lm.keep([], 1)
-            times.append((time.perf_counter() - began) / args.forwards * 1e6)
-    target, draft = graphed_lm(args.width, args.vocab), lm
-    greedy, generator, prompt = Sampling(temperature=0.0), torch.Generator().manual_seed(0), torch.arange(3, 40)
 
-    def decode():
-        drafter = ModelDrafter(draft, greedy, generator)
-        return speculative_decode(target, drafter, prompt, args.k, args.new_tokens, greedy, generator)
+            def drafter():
+                return ModelDrafter(lm, greedy, generator)
 
-    decode()  # untimed: the first forwards of each count
-    with Dispatched() as in_decode:
-        result = decode()
-    rounds = len(result.accept_counts)
-    per_round = []
-    for _ in range(args.repeats):
-        began = time.perf_counter()
-        decode()
-        per_round.append((time.perf_counter() - began) / rounds * 1e6)
+        with Dispatched() as dispatched:
+            one_step()
+        step_us, times = median_us(one_step, args.repeats, args.forwards)
+
+        def decode():
+            return speculative_decode(target, drafter(), prompt, args.k, args.new_tokens, greedy, generator)
+
+        decode()  # untimed: the first forwards of each count
+        with Dispatched() as in_decode:
+            result = decode()
+        rounds = len(result.accept_counts)
+        round_us, _ = median_us(decode, args.repeats, 1)
+    what = "an EAGLE head's graphed chain step" if args.eagle else "a graphed one-token forward"
     ops = ", ".join(f"{name} {n}" for name, n in dispatched.ops.most_common())
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, one thread")
     print(
-        f"host time of a graphed one-token forward, its replay removed: {statistics.median(times):.1f} us (median of {args.repeats}: {', '.join(f'{t:.1f}' for t in times)})"
+        f"host time of {what}, its replay removed: {step_us:.1f} us (median of {args.repeats}: {', '.join(f'{t:.1f}' for t in times)})"
     )
     print(f"operations dispatched besides the replay: {sum(dispatched.ops.values())} ({ops})")
     accepted = sum(result.accept_counts) / rounds
     print(
         f"host time of a greedy speculative round at K = {args.k} ({accepted:.1f} drafts accepted a round, "
-        f"the prompt's forwards included): {statistics.median(per_round):.0f} us "
+        f"the prompt's forwards included): {round_us / rounds:.0f} us "
         f"(median of {args.repeats} decodes of {rounds} rounds); "
         f"{sum(in_decode.ops.values()) / rounds:.0f} operations dispatched a round"
     )

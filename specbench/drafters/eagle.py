@@ -4,11 +4,12 @@
 
 from __future__ import annotations
 
+from operator import itemgetter
+
 import torch
 
 from specbench.decoding.decode import Draft
 from specbench.decoding.sampling import Sampling, Verdict
-from specbench.decoding.transfer import ids_to_device
 from specbench.drafters.propose import propose_chain, propose_tree
 from specbench.models.eagle_head import EagleHead
 
@@ -48,14 +49,12 @@ class EagleDrafter:
         rows[:, self.head.draft_ids] = q
         return rows
 
-    def _read_pending(self) -> torch.Tensor:
-        """Read the pairs not yet read; returns the layer's output at the newest [1, h]."""
-        self.base = self.cache.length
-        n = len(self.tokens)
-        positions = torch.arange(self.base, self.base + n, device=self.tokens.device)
-        out = self.head.step(self.tokens, self.head.fuse(self.features), positions, self.cache)
-        self.base += n
-        return out[-1:]
+    def _read_pending(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read the pairs not yet read; returns the layer's output at the newest [1, h] and the scores
+        of the token after it [1, draft_vocab]."""
+        out, logits = self.head.scored_step(self.tokens, self.head.fuse(self.features), self.cache)
+        self.base = self.cache.length  # what a tree's nodes see before them; where the round's entries start
+        return out, logits
 
     def propose(self, k: int) -> Draft:
         if k == 0:
@@ -63,35 +62,42 @@ class EagleDrafter:
             return Draft.chain(self.tokens[:0], None)
         self.read = True
         with torch.inference_mode():
-            out = self._read_pending()
+            out, logits = self._read_pending()
             if self.dynamic is not None:
-                return self._dynamic(out, k)
+                return self._dynamic(out, logits, k)
             if self.shape is not None:
-                return self._tree(out)
-            return self._chain(out, k)
+                return self._tree(out, logits)
+            return self._chain(out, logits, k)
 
-    def _chain(self, out: torch.Tensor, k: int) -> Draft:
+    def _chain(self, out: torch.Tensor, logits: torch.Tensor, k: int) -> Draft:
         def row_after(token: torch.Tensor | None) -> torch.Tensor:
-            nonlocal out
+            nonlocal out, logits
             if token is not None:  # the head reads its last draft with its own output
-                position = ids_to_device([self.cache.length], out.device)
-                out = self.head.step(self.head.draft_ids[token], out, position, self.cache)
-            return self.head.draft_logits(out)[0]
+                out, logits = self.head.scored_step(self.head.draft_ids[token], out, self.cache)
+            return logits[0]
 
         chain = propose_chain(k, row_after, self.sampling, self.generator, self.p_min)
         tokens = self.head.draft_ids[torch.cat(chain.tokens)] if chain.tokens else self.tokens[:0]
         return Draft.chain(tokens, None if chain.q is None else self._full(chain.q), forwards=chain.forwards)
 
-    def _tree(self, out: torch.Tensor) -> Draft:
-        def read(level, out, branching, positions, mask):  # each child reads its parent's output
-            return self.head.step(level, out.repeat_interleave(branching, dim=0), positions, self.cache, mask)
+    def _tree(self, out: torch.Tensor, logits: torch.Tensor) -> Draft:
+        def read(level, state, branching, positions, mask):  # each child reads its parent's output
+            out = self.head.step(level, state[0].repeat_interleave(branching, dim=0), positions, self.cache, mask)
+            return out, self.head.draft_logits(out)
 
         tokens, parents, q = propose_tree(
-            self.shape, self.base, out, self.head.draft_logits, read, self.sampling, self.generator, self.head.draft_ids
+            self.shape,
+            self.base,
+            (out, logits),
+            itemgetter(1),
+            read,
+            self.sampling,
+            self.generator,
+            self.head.draft_ids,
         )
         return Draft(tokens, parents, None if q is None else self._full(q), forwards=len(self.shape))
 
-    def _dynamic(self, out: torch.Tensor, depth: int) -> Draft:
+    def _dynamic(self, out: torch.Tensor, logits: torch.Tensor, depth: int) -> Draft:
         """EAGLE-2's dynamic tree, ``depth`` levels deep: at each level the ``width`` most probable
         nodes of the last (by the product of the draft's probabilities along their branch) are read
         in one forward and offer their ``width`` most probable children; of every node offered, the
@@ -110,7 +116,7 @@ class EagleDrafter:
         # The nodes read last (at first the root): their outputs, indices, branch log-probabilities and lineages.
         rows, read, above, ancestors = out, None, torch.zeros(1, device=device), None
         for level in range(depth):
-            offered = torch.log_softmax(self.head.draft_logits(rows).float(), dim=-1).topk(width)
+            offered = torch.log_softmax(logits.float(), dim=-1).topk(width)  # the scores after each row
             first = sum(len(t) for t in tokens)  # the level's first node
             branch = (above[:, None] + offered.values).flatten()  # node first + i is child i % width of row i // width
             tokens.append(offered.indices.flatten())
@@ -130,6 +136,7 @@ class EagleDrafter:
             positions = torch.full((len(frontier),), self.base + level, dtype=torch.long, device=device)
             ids = self.head.draft_ids[tokens[-1][frontier]]
             rows = self.head.step(ids, rows[parent_row], positions, self.cache, mask)
+            logits = self.head.draft_logits(rows)
             read, above, ancestors = first + frontier, branch[frontier], lineage
         tokens, parents, scores = torch.cat(tokens), torch.cat(parents), torch.cat(scores)
         # Levels were offered in order, so a stable sort ranks ties shallower first: a parent before its children.

@@ -81,21 +81,21 @@ def tree_level(
 def propose_tree(
     shape: Sequence[int],
     base: int,
-    state: torch.Tensor,
-    logits_of: Callable[[torch.Tensor], torch.Tensor],
+    state,
+    logits_of: Callable[..., torch.Tensor],
     read: Callable[..., torch.Tensor],
     sampling: Sampling,
     generator: torch.Generator,
     ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, list[int], torch.Tensor | None]:
     """A tree of ``shape`` drawn level by level (tree_level): ``state`` is what the root's rows come
-    from ([1, ...]: logits, or a head's output, as ``logits_of`` reads it), and ``read(level, state,
+    from (logits [1, V], or a head's output with its scores, as ``logits_of`` reads it), and ``read(level, state,
     branching, positions, mask)`` reads a level's tokens with the tree mask after ``base`` cached
     positions, so that a node sees only its ancestors, and returns their state. The leaves are never
     read. ``ids`` maps the rows' vocabulary to token ids (an EAGLE head's draft vocabulary). Returns
     the tokens in level order, their parents, and the q rows (None under greedy)."""
     parents = tree_parents(shape)
-    positions, mask = tree_inputs(parents, base, state.device)
+    positions, mask = tree_inputs(parents, base, logits_of(state).device)
     tokens, q_rows, start = [], [], 0
     for depth, branching in enumerate(shape):
         level, q = tree_level(logits_of(state), branching, sampling, generator)

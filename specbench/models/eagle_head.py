@@ -279,6 +279,17 @@ class EagleHead(nn.Module):
 
         return self.layer(self.embed[tokens], hidden, positions, attend_cache)
 
+    def scored_step(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, cache: HeadCache
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``step`` over a chain of pairs written after what ``cache`` holds, at the positions that
+        follow; returns the layer's output at the last pair [1, h] and the scores of the token after it
+        [1, draft_vocab]: what a drafter reads next. (models/static.StaticHead replays both as one graph.)"""
+        start = cache.length
+        positions = torch.arange(start, start + len(tokens), device=tokens.device)
+        out = self.step(tokens, hidden, positions, cache)[-1:]
+        return out, self.draft_logits(out)
+
 
 def read_head(path: Path, embed: torch.Tensor, target_layers: int, target_hidden: int, vocab: int) -> EagleHead:
     """A head from its checkpoint directory, checked against the target it will draft for."""
@@ -362,10 +373,10 @@ class HeadLM:
         self.forward(prompt_ids)
 
     def forward(self, token_ids: torch.Tensor, last: int = 1, positions=None, mask=None) -> torch.Tensor:
-        n, start = len(token_ids), self.cache.length
-        hidden = self.head.embed.new_zeros(n, self.head.config.hidden)
-        positions = torch.arange(start, start + n, device=self.device)
-        return self.head.draft_logits(self.head.step(token_ids, hidden, positions, self.cache)[-last:])
+        if last != 1:
+            raise ValueError("the head's cost probe scores the token after the last only")
+        hidden = self.head.embed.new_zeros(len(token_ids), self.head.config.hidden)
+        return self.head.scored_step(token_ids, hidden, self.cache)[1]
 
     def keep(self, path, new: int) -> None:
         if list(path) != list(range(len(path))):

@@ -505,19 +505,26 @@ def head_step(head, kv: StaticKV, ids, hidden, start):
     return head.layer(head.embed[ids], hidden, slots, attend_static)
 
 
+def scored_head_step(head, kv: StaticKV, ids, hidden, start):
+    """head_step, then the scores after its last pair: (its output there [1, h], the scores [1, draft_vocab]),
+    what EagleHead.scored_step returns. Graphed together, the final norm and the head's product launch nothing."""
+    out = head_step(head, kv, ids, hidden, start)[-1:]
+    return out, head.draft_logits(out)
+
+
 def _head_one(head, kv, ids, hidden, start):  # a single pair
-    return head_step(head, kv, ids, hidden, start)
+    return scored_head_step(head, kv, ids, hidden, start)
 
 
 def _head_many(head, kv, ids, hidden, start):  # 2..GRAPHED_UP_TO pairs, the count dynamic
-    return head_step(head, kv, ids, hidden, start)
+    return scored_head_step(head, kv, ids, hidden, start)
 
 
 class StaticHead:
     """An EAGLE head (models/eagle_head.EagleHead) on the static path: its cache a StaticKV allocated
-    once, its chain steps (the pending pairs it reads, each drafted token) compiled as StaticLM's are
-    and, on CUDA, replayed as CUDA graphs. Steps with a mask (trees) run the head's own step over the
-    same cache. Everything else is the head's."""
+    once, its chain steps (the pending pairs it reads, each drafted token) and the scores after them
+    compiled as StaticLM's are and, on CUDA, replayed as CUDA graphs. Steps with a mask (trees) run the
+    head's own step over the same cache. Everything else is the head's."""
 
     def __init__(self, head, capacity: int, compiled: bool = True):
         self.head, self.compiling = head, compiled
@@ -595,25 +602,25 @@ class StaticHead:
         self.kv.length = 0
         return StaticHeadCache(self.kv)
 
-    def step(self, tokens, hidden, positions, cache: StaticHeadCache, mask=None) -> torch.Tensor:
-        """EagleHead.step: without a mask (a chain, whose ``positions`` are its slots) on the static
-        step, compiled and on CUDA graphed; with one (trees), and for a sequence's first read (the
-        prompt's pairs, of a new length each time: see StaticLM.forward), the head's own."""
+    def scored_step(self, tokens, hidden, cache: StaticHeadCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """EagleHead.scored_step on the static step, compiled and on CUDA graphed, its scores included;
+        for a sequence's first read (the prompt's pairs, of a new length each time: see
+        StaticLM.forward), the head's own. Steps with a mask (trees) are the head's own ``step``."""
         n, start = len(tokens), cache.length
         self.ready()
-        if mask is not None or self.forms is None or n > GRAPHED_UP_TO or start == 0:
-            return self.head.step(tokens, hidden, positions, cache, mask)
+        if self.forms is None or n > GRAPHED_UP_TO or start == 0:
+            return self.head.scored_step(tokens, hidden, cache)
         if start + n > self.kv.capacity:
             raise ValueError(f"the head's static cache holds {self.kv.capacity} positions: reserve more")
         self.start.fill_(start)
         graph = self._graph(n)
         if graph is not None:
-            (out,) = graph(tokens, hidden)
+            out, logits = graph(tokens, hidden)
         else:
             tokens, hidden = (t if t.is_inference() else t.clone() for t in (tokens, hidden))
-            out = self.forms[n > 1](self.head, self.kv, tokens, hidden, self.start)
+            out, logits = self.forms[n > 1](self.head, self.kv, tokens, hidden, self.start)
         self.kv.length = start + n
-        return out
+        return out, logits
 
     def _graph(self, n: int) -> Graph | None:
         """The CUDA graph of ``n``-pair chain steps, captured now (at ``start``) if it is not yet; None

@@ -14,7 +14,7 @@ from specbench.decoding.decode import autoregressive_decode, heuristic_k, specul
 from specbench.decoding.sampling import Sampling, warp
 from specbench.drafters import propose
 from specbench.drafters.eagle import EagleDrafter
-from specbench.models.eagle_head import WEIGHTS, HeadLM, load_head, read_head, save_head
+from specbench.models.eagle_head import WEIGHTS, load_head, read_head, save_head
 from specbench.models.load import load
 
 from ..helpers import LawLM, build_eagle3_head, cli_on_tiny_pair, one_line_error, tiny_law_model
@@ -63,6 +63,13 @@ def test_a_published_head_loads_with_its_mapping_and_layers(law):
     assert head.config.taps == (0, 1, 2) and head.config.fused and head.config.draft_vocab == 2
 
 
+def every_score(head, ids: torch.Tensor) -> torch.Tensor:
+    """The head's scores after each of ``ids`` [n, draft_vocab], read as a chain from an empty cache
+    (each with a zero feature)."""
+    hidden = head.embed.new_zeros(len(ids), head.config.hidden)
+    return head.draft_logits(head.step(ids, hidden, torch.arange(len(ids)), head.new_cache()))
+
+
 def test_a_saved_head_reads_back_as_the_same_head(law, tmp_path):
     target, head = law
     save_head(head, tmp_path / "saved", target_layers=2)
@@ -71,7 +78,7 @@ def test_a_saved_head_reads_back_as_the_same_head(law, tmp_path):
     again = head_for(target, tmp_path / "saved")
     ids = torch.tensor([0, 2, 1])
     with torch.inference_mode():
-        a, b = HeadLM(head).forward(ids, last=3), HeadLM(again).forward(ids, last=3)
+        a, b = every_score(head, ids), every_score(again, ids)
     assert again.draft_ids.tolist() == DRAFT_IDS
     torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # saved in half precision
 
@@ -83,7 +90,7 @@ def test_a_packed_head_scores_as_the_unpacked_one(law, tmp_path):
     packed.pack()
     ids, features = torch.tensor([0, 2, 1, 1]), torch.randn(4, 96)
     with torch.inference_mode():
-        a, b = HeadLM(plain).forward(ids, last=4), HeadLM(packed).forward(ids, last=4)
+        a, b = every_score(plain, ids), every_score(packed, ids)
         fused = plain.fuse(features), packed.fuse(features)
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(*fused, atol=1e-4, rtol=1e-4)
@@ -176,8 +183,8 @@ def test_the_test_catches_a_tree_of_distinct_children(law, one_thread, monkeypat
 class SampledLooking(EagleDrafter):
     """A dynamic tree judged as if its top candidates had been drawn from the draft's distribution."""
 
-    def _dynamic(self, out, depth):
-        draft = super()._dynamic(out, depth)
+    def _dynamic(self, out, logits, depth):
+        draft = super()._dynamic(out, logits, depth)
         q = self._full(warp(self.head.draft_logits(out), self.sampling)).expand(len(draft.tokens), -1)
         return dataclasses.replace(draft, q=q)
 
