@@ -641,3 +641,38 @@ def test_replayed_graphs_of_an_eagle_pair_draft_as_transformers_and_the_head(
     captured = range(1, static_path.CAPTURED_AT_LEAST + 1)
     assert set(target.graphs) == {(n, layers) for n in captured for layers in (None, tuple(head.config.taps))}
     assert set(static_head.graphs) == set(captured)
+
+
+class Dispatched(TorchDispatchMode):
+    """The names of the operations dispatched within it (each a kernel launch on CUDA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_graphed_chain_step_of_the_head_scores_inside_its_graph(tmp_path, monkeypatch, one_thread):
+    # Around a chain step's replay the host only copies the inputs in, sets the first slot and copies
+    # the outputs out: the head's final norm and its product run inside the graph, and what they give
+    # is the head's own output and scores.
+    graphs_on_cpu(monkeypatch)
+    target, head, static_head = static_eagle(tmp_path, replayed=True)
+    prompt, token = torch.tensor([0, 2, 1, 1, 0]), torch.tensor([2])
+    with torch.inference_mode():
+        features = torch.randn(len(prompt), head.config.hidden)
+        cache, own = static_head.new_cache(), head.new_cache()
+        out, _ = static_head.scored_step(prompt, features, cache)  # a sequence's first read is the head's own
+        head.scored_step(prompt, features, own)
+        with Dispatched() as around, monkeypatch.context() as patch:
+            patch.setattr(ReplayedOnCPU, "replay", lambda graph: around.names.append("replay"))
+            static_head.scored_step(token, out, cache)
+        assert sorted(around.names) == ["clone", "clone", "copy_", "copy_", "fill_", "replay"]
+        cache.crop(len(prompt))
+        got, want = static_head.scored_step(token, out, cache), head.scored_step(token, out, own)
+    assert replayed(static_head) == {1}
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
