@@ -11,6 +11,7 @@ LM head, the loop's bookkeeping), and each operation dispatched is one kernel la
     python -m benchmarks.graph_host_cost --repeats 7
     python -m benchmarks.graph_host_cost --repeats 7 --vocab 512 --shortlist 128   # a shortlisted head
     python -m benchmarks.graph_host_cost --repeats 7 --eagle   # an EAGLE head drafts instead
+    python -m benchmarks.graph_host_cost --repeats 7 --eagle --dynamic 10,4   # its EAGLE-2 dynamic trees
 
 Each repeat times --forwards one-token forwards (each followed by dropping its position again); the
 figure is the median over repeats, on one thread. Then a whole greedy speculative round at --k: that
@@ -22,7 +23,9 @@ With --eagle an EAGLE-3 head of the model's width (taps 0, 1 and 1, its whole vo
 from the target's features on the static path (models/static.StaticHead), its replays removed
 too: a one-token step is the head reading its last draft and scoring the next (the drafter's
 chain step), and a round is a greedy EAGLE round at --k (the head's read of the round's pairs, K - 1
-chain steps, the target's verification with its features, the acceptance test).
+chain steps, the target's verification with its features, the acceptance test); with --dynamic, a
+round of EAGLE-2's dynamic trees of K levels (the head's read of the round's pairs, K - 1 levels
+each read in one step, the tree's choice on the device, the target's verification of its nodes).
 """
 
 from __future__ import annotations
@@ -132,6 +135,11 @@ def main() -> None:
         "--shortlist", type=int, default=0, help="ids the head scores (every other one; 0: the whole vocabulary)"
     )
     parser.add_argument("--eagle", action="store_true", help="an EAGLE head drafts (its chain steps are timed)")
+    parser.add_argument(
+        "--dynamic",
+        default=None,
+        help="with --eagle, the rounds draft EAGLE-2's dynamic trees of NODES,WIDTH (e.g. 10,4)",
+    )
     parser.add_argument("--k", type=int, default=4, help="draft length of the timed speculative rounds")
     parser.add_argument("--new-tokens", type=int, default=600, help="tokens each timed decode generates")
     args = parser.parse_args()
@@ -151,8 +159,10 @@ def main() -> None:
                 head.scored_step(head.draft_ids[token], out, cache)
                 cache.crop(cache.length - 1)
 
+            dynamic = tuple(int(n) for n in args.dynamic.split(",")) if args.dynamic else None
+
             def drafter():
-                return EagleDrafter(head, target, args.vocab, greedy, generator)
+                return EagleDrafter(head, target, args.vocab, greedy, generator, dynamic=dynamic)
 
         else:
             lm = graphed_lm(args.width, args.vocab, args.shortlist)
@@ -186,8 +196,9 @@ def main() -> None:
     )
     print(f"operations dispatched besides the replay: {sum(dispatched.ops.values())} ({ops})")
     accepted = sum(result.accept_counts) / rounds
+    rounds_of = f"EAGLE-2's dynamic trees of {args.dynamic} (nodes, width), " if args.dynamic else ""
     print(
-        f"host time of a greedy speculative round at K = {args.k} ({accepted:.1f} drafts accepted a round, "
+        f"host time of a greedy speculative round at K = {args.k} ({rounds_of}{accepted:.1f} drafts accepted a round, "
         f"the prompt's forwards included): {round_us / rounds:.0f} us "
         f"(median of {args.repeats} decodes of {rounds} rounds); "
         f"{sum(in_decode.ops.values()) / rounds:.0f} operations dispatched a round"

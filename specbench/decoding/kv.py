@@ -139,12 +139,14 @@ class StaticKV:
 
 def static_mask(start: torch.Tensor, tree: torch.Tensor, capacity: int, dtype: torch.dtype) -> torch.Tensor:
     """The additive attention mask [n, capacity] of ``n`` new tokens written at slots ``start`` [1]
-    onwards of a StaticKV: each sees every slot before ``start`` and, among the new slots, those
-    ``tree`` [n, n] (bool) allows (a chain's is lower triangular); slots after the new ones are stale
-    and hidden. Built on the device from these two tensors, so a compiled or graphed forward builds it
-    itself and the host sends no mask."""
-    n = tree.shape[0]
-    relative = torch.arange(capacity, device=tree.device) - start
-    new = (relative >= 0) & (relative < n)
-    allowed = (relative < 0) | (tree.index_select(1, relative.clamp(0, n - 1)) & new)
+    onwards of a StaticKV. ``tree`` [n, m] (bool, m >= n) says which of the m slots that end with the
+    new ones each sees: [n, n] is among the new ones only (a chain's is lower triangular); wider, it
+    also tells apart the slots just before them (a tree level's ancestors among the nodes read
+    before it). Every slot before those m is seen; slots after the new ones are stale and hidden.
+    Built on the device from these two tensors, so a compiled or graphed forward builds it itself
+    and the host sends no mask."""
+    n, m = tree.shape
+    relative = torch.arange(capacity, device=tree.device) - (start + n - m)
+    told = (relative >= 0) & (relative < m)
+    allowed = (relative < 0) | (tree.index_select(1, relative.clamp(0, m - 1)) & told)
     return torch.zeros(allowed.shape, dtype=dtype, device=tree.device).masked_fill(~allowed, torch.finfo(dtype).min)

@@ -82,8 +82,9 @@ class EagleDrafter:
 
     def _tree(self, out: torch.Tensor, logits: torch.Tensor) -> Draft:
         def read(level, state, branching, positions, mask):  # each child reads its parent's output
-            out = self.head.step(level, state[0].repeat_interleave(branching, dim=0), positions, self.cache, mask)
-            return out, self.head.draft_logits(out)
+            parents = state[0].repeat_interleave(branching, dim=0)
+            # What it sees among the round's nodes; every pair before the tree it sees.
+            return self.head.scored_step(level, parents, self.cache, len(level), positions, mask[:, self.base :])
 
         tokens, parents, q = propose_tree(
             self.shape,
@@ -127,16 +128,14 @@ class EagleDrafter:
             # A stable sort, not topk, so ties go to the earlier node (topk's order among ties is not specified).
             frontier = branch.sort(descending=True, stable=True).indices[:width]
             parent_row = frontier // width
-            # What each frontier node attends to: the pairs read before the tree, its ancestors (read at
-            # earlier levels, in the cache in the order they were read) and itself.
+            # What each frontier node attends to among the round's nodes: its ancestors (read at earlier
+            # levels, in the cache in the order they were read) and itself; and every pair before the tree.
             lineage = torch.eye(len(frontier), dtype=torch.bool, device=device)
             if ancestors is not None:
                 lineage = torch.cat([ancestors[parent_row], lineage], dim=1)
-            mask = torch.cat([torch.ones(len(frontier), self.base, dtype=torch.bool, device=device), lineage], dim=1)
             positions = torch.full((len(frontier),), self.base + level, dtype=torch.long, device=device)
             ids = self.head.draft_ids[tokens[-1][frontier]]
-            rows = self.head.step(ids, rows[parent_row], positions, self.cache, mask)
-            logits = self.head.draft_logits(rows)
+            rows, logits = self.head.scored_step(ids, rows[parent_row], self.cache, len(ids), positions, lineage)
             read, above, ancestors = first + frontier, branch[frontier], lineage
         tokens, parents, scores = torch.cat(tokens), torch.cat(parents), torch.cat(scores)
         # Levels were offered in order, so a stable sort ranks ties shallower first: a parent before its children.

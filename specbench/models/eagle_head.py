@@ -265,29 +265,41 @@ class EagleHead(nn.Module):
         cache: HeadCache,
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Append the pairs (``hidden`` [n, h], ``tokens`` [n]) to ``cache``; ``mask`` [n, cached + n]
-        bool says what each attends to (None: causal). Returns the layer's output [n, h]."""
+        """Append the pairs (``hidden`` [n, h], ``tokens`` [n]) to ``cache``; ``mask`` [n, m] bool says
+        which of the last m positions (those ending with the new pairs) each attends to, every earlier
+        one seen: a tree level's ancestors among the round's nodes (None: causal). Returns the layer's
+        output [n, h]."""
         n = len(tokens)
 
         def attend_cache(q, k, v):
             keys, values = cache.update(k, v)
-            if mask is None and n > 1:  # a causal append: each pair sees the cache and the pairs before it
+            if mask is not None:
+                allowed = torch.cat([mask.new_ones(n, cache.length - mask.shape[1]), mask], dim=1)
+            elif n > 1:  # a causal append: each pair sees the cache and the pairs before it
                 allowed = torch.ones(n, cache.length, dtype=torch.bool, device=q.device).tril(cache.length - n)
             else:
-                allowed = mask
+                allowed = None
             return attend(q, keys, values, allowed)
 
         return self.layer(self.embed[tokens], hidden, positions, attend_cache)
 
     def scored_step(
-        self, tokens: torch.Tensor, hidden: torch.Tensor, cache: HeadCache
+        self,
+        tokens: torch.Tensor,
+        hidden: torch.Tensor,
+        cache: HeadCache,
+        last: int = 1,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``step`` over a chain of pairs written after what ``cache`` holds, at the positions that
-        follow; returns the layer's output at the last pair [1, h] and the scores of the token after it
-        [1, draft_vocab]: what a drafter reads next. (models/static.StaticHead replays both as one graph.)"""
-        start = cache.length
-        positions = torch.arange(start, start + len(tokens), device=tokens.device)
-        out = self.step(tokens, hidden, positions, cache)[-1:]
+        """``step``, then the scores after the ``last`` pairs: their outputs [last, h] and the scores of
+        the token after each [last, draft_vocab], what a drafter reads next. ``positions`` None: a
+        chain, at the positions after what ``cache`` holds. (models/static.StaticHead replays both as
+        one graph.)"""
+        if positions is None:
+            start = cache.length
+            positions = torch.arange(start, start + len(tokens), device=tokens.device)
+        out = self.step(tokens, hidden, positions, cache, mask)[-last:]
         return out, self.draft_logits(out)
 
 

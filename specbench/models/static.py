@@ -80,9 +80,11 @@ def step(lm: StaticLM, ids, depth, tree, start, queries: list | None = None, tap
     return lm.fast.hidden(ids, start + depth, Slots(lm.kv, slots), mask, n, queries, taps)
 
 
-def chain_tree(n: int, device) -> torch.Tensor:
-    """The tree [n, n] of a chain of ``n`` new tokens: each sees itself and those before it."""
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
+def chain_tree(n: int, device, slots: int | None = None) -> torch.Tensor:
+    """The tree (static_mask) of a chain of ``n`` new tokens: each sees itself and those before it.
+    [n, n], or [n, ``slots``] telling apart that many slots ending with the new ones, all seen before them."""
+    slots = n if slots is None else slots
+    return torch.ones(n, slots, dtype=torch.bool, device=device).tril(slots - n)
 
 
 def tapped(lm: StaticLM, ids, depth, tree, start, layers: tuple[int, ...] | None):
@@ -167,6 +169,17 @@ class Graph:
                 buffer.copy_(value)
         self.replay()
         return tuple(None if out is None else out.clone() for out in self.out)  # the next replay overwrites them
+
+
+def replay_inputs(graph: Graph, depth, tree, chain: Callable[[], tuple]) -> tuple:
+    """The depth and tree a forward copies into ``graph``'s buffers: a tree's own; for a chain (``depth``
+    None) nothing where they hold a chain's already (captured over one, or the last replay was one),
+    else ``chain()``'s."""
+    held_chain = getattr(graph, "chain", True)
+    graph.chain = depth is None
+    if depth is not None:
+        return depth, tree
+    return (None, None) if held_chain else chain()
 
 
 def outputs_mb(graphs: dict) -> float:
@@ -382,12 +395,9 @@ class StaticLM(HFCausalLM):
             self.shortlist.make_room(n)  # before the graph is looked up: new buffers drop the graphs over the old
         graph = None if eager else self._graph(n, layers)
         if graph is not None:
-            chain = depth is None
-            if chain and getattr(graph, "chain", True):  # the buffers hold a chain's depth and tree already
-                depth = tree = None
-            elif chain:
-                depth, tree = torch.arange(n, device=self.device), chain_tree(n, self.device)
-            graph.chain = chain
+            depth, tree = replay_inputs(
+                graph, depth, tree, lambda: (torch.arange(n, device=self.device), chain_tree(n, self.device))
+            )
             logits, features = graph(ids, depth, tree)
             logits = logits[-last:]
         else:
@@ -469,7 +479,8 @@ class StaticLM(HFCausalLM):
 class StaticHeadCache:
     """An EAGLE head's cache on the static path: a StaticKV of one layer, read as eagle_head.HeadCache
     is (``update`` appends and returns the held keys and values, ``crop`` moves ``length``), so the
-    head's own step runs over it unchanged where the static step does not (trees)."""
+    head's own step runs over it unchanged where the static step does not (a sequence's first read, a
+    tree level wider than the static step tells apart)."""
 
     def __init__(self, kv: StaticKV):
         self.kv = kv
@@ -491,40 +502,42 @@ class StaticHeadCache:
         self.kv.length = length
 
 
-def head_step(head, kv: StaticKV, ids, hidden, start):
-    """The EAGLE head's decoder layer over a chain of ``ids`` [n] with ``hidden`` [n, h], written at
-    slots ``start`` [1] onwards, which are also their positions (a chain's, as the drafter gives them)."""
+# A head's step on the static path tells apart the last this many slots (its own, and the round's tree
+# nodes read before them: a level's ancestors); every earlier slot it sees. A tree level whose round has
+# read more runs the head's own step.
+TREE_SLOTS = GRAPHED_UP_TO
+
+
+def head_step(head, kv: StaticKV, ids, hidden, depth, tree, start):
+    """The EAGLE head's decoder layer over ``ids`` [n] with ``hidden`` [n, h], written at slots
+    ``start`` [1] onwards, each at position start + ``depth`` and seeing what ``tree`` [n, TREE_SLOTS]
+    allows of the slots ending with its own (static_mask). Returns its outputs [n, h] and the scores
+    after each [n, draft_vocab]: graphed together, the final norm and the head's product launch nothing."""
     n = ids.shape[0]
     slots = start + torch.arange(n, device=ids.device)
-    mask = static_mask(start, chain_tree(n, ids.device), kv.capacity, head.dtype)[None, None]
+    mask = static_mask(start, tree, kv.capacity, head.dtype)[None, None]
 
     def attend_static(q, k, v):
         keys, values = kv.write(0, slots, k, v)
         return attend(q, keys, values, mask)
 
-    return head.layer(head.embed[ids], hidden, slots, attend_static)
-
-
-def scored_head_step(head, kv: StaticKV, ids, hidden, start):
-    """head_step, then the scores after its last pair: (its output there [1, h], the scores [1, draft_vocab]),
-    what EagleHead.scored_step returns. Graphed together, the final norm and the head's product launch nothing."""
-    out = head_step(head, kv, ids, hidden, start)[-1:]
+    out = head.layer(head.embed[ids], hidden, start + depth, attend_static)
     return out, head.draft_logits(out)
 
 
-def _head_one(head, kv, ids, hidden, start):  # a single pair
-    return scored_head_step(head, kv, ids, hidden, start)
+def _head_one(head, kv, ids, hidden, depth, tree, start):  # a single pair
+    return head_step(head, kv, ids, hidden, depth, tree, start)
 
 
-def _head_many(head, kv, ids, hidden, start):  # 2..GRAPHED_UP_TO pairs, the count dynamic
-    return scored_head_step(head, kv, ids, hidden, start)
+def _head_many(head, kv, ids, hidden, depth, tree, start):  # 2..GRAPHED_UP_TO pairs, the count dynamic
+    return head_step(head, kv, ids, hidden, depth, tree, start)
 
 
 class StaticHead:
     """An EAGLE head (models/eagle_head.EagleHead) on the static path: its cache a StaticKV allocated
-    once, its chain steps (the pending pairs it reads, each drafted token) and the scores after them
-    compiled as StaticLM's are and, on CUDA, replayed as CUDA graphs. Steps with a mask (trees) run the
-    head's own step over the same cache. Everything else is the head's."""
+    once, its steps (the pending pairs it reads, each drafted token, a tree's levels) and the scores
+    after them compiled as StaticLM's are and, on CUDA, replayed as CUDA graphs. Everything else is the
+    head's."""
 
     def __init__(self, head, capacity: int, compiled: bool = True):
         self.head, self.compiling = head, compiled
@@ -579,12 +592,11 @@ class StaticHead:
             self.build_seconds += time.perf_counter() - began
 
     def _compile(self):
-        """The chain steps compiled (compile_forms); None when the compiler fails."""
+        """The steps compiled (compile_forms); None when the compiler fails."""
         head = self.head
 
         def inputs(n: int):
-            ids = torch.zeros(n, dtype=torch.long, device=head.device)
-            return [(ids, [0]), (head.embed.new_zeros(n, head.config.hidden), [0])]
+            return [(tensor, [0]) for tensor in self._chain_buffers(n)]
 
         self.start.fill_(0)
         forms = compile_forms(
@@ -602,41 +614,55 @@ class StaticHead:
         self.kv.length = 0
         return StaticHeadCache(self.kv)
 
-    def scored_step(self, tokens, hidden, cache: StaticHeadCache) -> tuple[torch.Tensor, torch.Tensor]:
-        """EagleHead.scored_step on the static step, compiled and on CUDA graphed, its scores included;
-        for a sequence's first read (the prompt's pairs, of a new length each time: see
-        StaticLM.forward), the head's own. Steps with a mask (trees) are the head's own ``step``."""
+    def scored_step(
+        self, tokens, hidden, cache: StaticHeadCache, last: int = 1, positions=None, mask=None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """EagleHead.scored_step on the static step, compiled and on CUDA graphed, chains and tree levels
+        alike. A sequence's first read (the prompt's pairs, of a new length each time: see
+        StaticLM.forward) and a tree level whose ``mask`` tells apart more than TREE_SLOTS slots run
+        the head's own."""
         n, start = len(tokens), cache.length
         self.ready()
-        if self.forms is None or n > GRAPHED_UP_TO or start == 0:
-            return self.head.scored_step(tokens, hidden, cache)
+        if self.forms is None or n > GRAPHED_UP_TO or start == 0 or (mask is not None and mask.shape[1] > TREE_SLOTS):
+            return self.head.scored_step(tokens, hidden, cache, last, positions, mask)
         if start + n > self.kv.capacity:
             raise ValueError(f"the head's static cache holds {self.kv.capacity} positions: reserve more")
-        self.start.fill_(start)
+        self.start.fill_(start)  # a kernel with the value as its argument: no copy from the host, no wait
+        depth = tree = None  # a chain
+        if mask is not None:  # a tree level: every slot before the mask's it sees
+            depth, tree = positions - start, torch.cat([mask.new_ones(n, TREE_SLOTS - mask.shape[1]), mask], dim=1)
         graph = self._graph(n)
         if graph is not None:
-            out, logits = graph(tokens, hidden)
+            depth, tree = replay_inputs(graph, depth, tree, lambda: self._chain_shape(n))
+            out, logits = graph(tokens, hidden, depth, tree)
         else:
-            tokens, hidden = (t if t.is_inference() else t.clone() for t in (tokens, hidden))
-            out, logits = self.forms[n > 1](self.head, self.kv, tokens, hidden, self.start)
+            inputs = (tokens, hidden) + ((depth, tree) if mask is not None else self._chain_shape(n))
+            inputs = (t if t.is_inference() else t.clone() for t in inputs)  # the compiled forms guard on it
+            out, logits = self.forms[n > 1](self.head, self.kv, *inputs, self.start)
         self.kv.length = start + n
-        return out, logits
+        return (out, logits) if last == n else (out[-last:], logits[-last:])  # a view costs the host too
+
+    def _chain_shape(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The depth and tree of an ``n``-pair chain step."""
+        return torch.arange(n, device=self.head.device), chain_tree(n, self.head.device, TREE_SLOTS)
+
+    def _chain_buffers(self, n: int) -> tuple[torch.Tensor, ...]:
+        """Inputs of an ``n``-pair chain step: ids, features (zeros: any), depth and tree."""
+        head = self.head
+        ids, hidden = torch.zeros(n, dtype=torch.long, device=head.device), head.embed.new_zeros(n, head.config.hidden)
+        return ids, hidden, *self._chain_shape(n)
 
     def _graph(self, n: int) -> Graph | None:
-        """The CUDA graph of ``n``-pair chain steps, captured now (at ``start``) if it is not yet; None
-        where such steps are not graphed (as StaticLM._graph)."""
+        """The CUDA graph of ``n``-pair steps, captured now (at ``start``, over a chain's buffers) if it is
+        not yet; None where such steps are not graphed (as StaticLM._graph)."""
         if not self.graphed or self.forms is None or n > self.captured_up_to:
             return None
         run, head = self.forms[n > 1], self.head
-
-        def buffers():
-            return torch.zeros(n, dtype=torch.long, device=head.device), head.embed.new_zeros(n, head.config.hidden)
-
         graph, seconds = graphed(
             self.graphs,
             n,
             lambda *inputs: run(head, self.kv, *inputs, self.start),
-            buffers,
+            lambda: self._chain_buffers(n),
             self.pool,
             "the EAGLE head runs its steps",
         )

@@ -573,8 +573,8 @@ def assert_eagle_decodes_alike(reference, tested, prompts, shape: dict) -> None:
 @pytest.mark.parametrize("folded", ATTENTION)
 @pytest.mark.parametrize("shape", [{}, {"shape": (2, 1)}, {"dynamic": (3, 2)}], ids=["chain", "tree", "dynamic"])
 def test_the_static_head_drafts_as_the_head_itself(tmp_path, monkeypatch, one_thread, shape, folded):
-    # The same drafts, round for round, so the same accepted counts: chains through the compiled steps,
-    # trees through the head's own step over the static cache.
+    # The same drafts, round for round, so the same accepted counts: chains and tree levels through the
+    # compiled steps, neither recompiling.
 
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     attention_route(monkeypatch, folded)
@@ -625,8 +625,8 @@ def test_replayed_graphs_of_an_eagle_pair_draft_as_transformers_and_the_head(
     tmp_path, monkeypatch, one_thread, shape, verified
 ):
     # The target's features come out of its graphs (a graph of their own per token count), the head's
-    # chain steps are graphs, its trees its own step over the same cache: round for round the drafts
-    # and accepted counts of the head over transformers' forward. The prompts' reads stay uncaptured.
+    # steps are graphs, chains and tree levels alike: round for round the drafts and accepted counts
+    # of the head over transformers' forward. The prompts' reads stay uncaptured.
 
     graphs_on_cpu(monkeypatch)
     target, head, static_head = static_eagle(tmp_path, replayed=True)
@@ -656,8 +656,8 @@ class Dispatched(TorchDispatchMode):
 
 
 def test_a_graphed_chain_step_of_the_head_scores_inside_its_graph(tmp_path, monkeypatch, one_thread):
-    # Around a chain step's replay the host only copies the inputs in, sets the first slot and copies
-    # the outputs out: the head's final norm and its product run inside the graph, and what they give
+    # Around a chain step's replay the host only copies the inputs in (a chain's depth and tree are in
+    # the buffers already), sets the first slot and copies the outputs out: the head's final norm and its product run inside the graph, and what they give
     # is the head's own output and scores.
     graphs_on_cpu(monkeypatch)
     target, head, static_head = static_eagle(tmp_path, replayed=True)
@@ -676,3 +676,40 @@ def test_a_graphed_chain_step_of_the_head_scores_inside_its_graph(tmp_path, monk
     assert replayed(static_head) == {1}
     for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("which", ["own", "replayed"])
+def test_a_tree_levels_node_reads_as_the_chain_of_its_branch(tmp_path, monkeypatch, one_thread, which):
+    # The tree's meaning: a node at the second level, seeing the pairs before the tree, its ancestor
+    # at the first level and itself, gives what reading its branch as a chain gives; its sibling
+    # branch's node, cached between them, is not seen. For the head's own step and its replayed graphs
+    # (the same graph of two pairs serving the chains and the level, switching buffers).
+    graphs_on_cpu(monkeypatch)
+    _, head, static_head = static_eagle(tmp_path, replayed=True)
+    lm = head if which == "own" else static_head
+    g = torch.Generator().manual_seed(0)
+    prompt, features = torch.tensor([0, 2, 1, 1, 0]), torch.randn(5, head.config.hidden, generator=g)
+    first, second = torch.tensor([1, 2]), torch.tensor([2, 0])  # second[i] is a child of first[1 - i]
+    first_hidden, second_hidden = (torch.randn(2, head.config.hidden, generator=g) for _ in range(2))
+    with torch.inference_mode():
+        cache = lm.new_cache()
+        lm.scored_step(prompt, features, cache)
+        base = cache.length
+        level = torch.full((2,), base)
+        lm.scored_step(first, first_hidden, cache, 2, level, torch.eye(2, dtype=torch.bool))
+        lineage = torch.tensor([[False, True, True, False], [True, False, False, True]])
+        tree = lm.scored_step(second, second_hidden, cache, 2, level + 1, lineage)
+        chains = []
+        for node in range(2):
+            cache.crop(base)
+            parent = 1 - node
+            ids, hidden = (
+                torch.stack([first[parent], second[node]]),
+                torch.stack([first_hidden[parent], second_hidden[node]]),
+            )
+            chains.append(lm.scored_step(ids, hidden, cache))
+    for node in range(2):
+        for got, want in zip(tree, chains[node], strict=True):
+            torch.testing.assert_close(got[node : node + 1], want, rtol=1e-5, atol=1e-5)
+    if which == "replayed":
+        assert replayed(static_head) == {2}
