@@ -529,19 +529,19 @@ def test_an_eagle_targets_features_come_from_the_compiled_path(tmp_path, monkeyp
 # ---------------------------------------------------------------- the EAGLE head's steps
 
 
-def static_eagle(tmp_path, seed: int = 3, compiled: bool = True, replayed: bool = False):
+def static_eagle(tmp_path, seed: int = 3, compiled: bool = True, replayed: bool = False, device: str = "cpu"):
     """A compiled static law target, an EAGLE head for it (taps 0, 1 and its final states, two of
-    three ids), and that head on the static path; with ``replayed``, both on graphs replayed on the
-    CPU (after graphs_on_cpu)."""
+    three ids), and that head on the static path, on ``device``; with ``replayed``, both on graphs
+    replayed on the CPU (after graphs_on_cpu)."""
     from specbench.models.eagle_head import read_head
 
     from ..helpers import build_eagle3_head
 
-    target = StaticLawLM(attentive(tiny_law_model(1, tmp_path)))
+    target = StaticLawLM(attentive(tiny_law_model(1, tmp_path, device)))
     config = target.model.config
     path = build_eagle3_head(tmp_path / f"head{seed}", config, taps=(0, 1, 2), draft_ids=[0, 2], seed=seed, scale=1.0)
     embed = target.model.get_input_embeddings().weight
-    head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
+    head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size).to(device)
     static_head = StaticHead(head, 64, compiled=compiled)
     if replayed:
         replay_on_cpu(target), replay_on_cpu(static_head)
@@ -562,7 +562,7 @@ def assert_eagle_decodes_alike(reference, tested, prompts, shape: dict) -> None:
         counts = []
         for prompt in prompts:
             drafter = EagleDrafter(drafting, lm, 3, GREEDY, generator, **shape)
-            result = speculative_decode(lm, drafter, torch.tensor(prompt), 3, 24, GREEDY, generator)
+            result = speculative_decode(lm, drafter, torch.tensor(prompt, device=lm.device), 3, 24, GREEDY, generator)
             counts.append((result.tokens, result.accept_counts))
         runs.append(counts)
     assert runs[0] == runs[1]
@@ -592,6 +592,19 @@ def test_eagle_on_the_static_path_gives_the_target_law(tmp_path, one_thread):
     cfg, generator = Sampling(temperature=1.0), torch.Generator().manual_seed(0)
     drafter = EagleDrafter(static_head, target, 3, cfg, generator)
     assert speculative_law_p(target, drafter, 3, cfg, generator) > P_FLOOR
+
+
+@pytest.mark.gpu
+def test_an_eagle_pair_on_cuda_graphs_drafts_as_transformers_and_the_head(tmp_path, one_thread):
+    # The CUDA captures themselves (the tests above replay their bookkeeping on the CPU): the target's
+    # verification with its features, the head's reads of a round's pairs and the levels of EAGLE-2's
+    # dynamic trees, all replayed graphs, draft round for round as the eager head over transformers' forward.
+    target, head, static_head = static_eagle(tmp_path, device="cuda")
+    assert target.route == static_head.forward_facts()["route"] == "graphs"
+    eager = HFCausalLM(target.model, target.vocab)
+    eager.record_features(head.config.taps)
+    prompts = ([0, 2, 1, 1, 0, 2, 2, 1, 0, 1], [1, 1, 0, 2, 0, 0, 1, 2, 2, 1, 0, 1, 2])
+    assert_eagle_decodes_alike((eager, head), (target, static_head), prompts, {"dynamic": (3, 2)})
 
 
 def test_a_capture_that_fails_leaves_the_forwards_compiled_with_one_log_line(tmp_path, monkeypatch, caplog):
