@@ -621,6 +621,8 @@ class StaticHead:
         alike. A sequence's first read (the prompt's pairs, of a new length each time: see
         StaticLM.forward) and a tree level whose ``mask`` tells apart more than TREE_SLOTS slots run
         the head's own."""
+        if (positions is None) != (mask is None):  # the static step reads a chain's positions from its slots
+            raise ValueError("the head's static step takes positions with a mask (a tree level) or neither (a chain)")
         n, start = len(tokens), cache.length
         self.ready()
         if self.forms is None or n > GRAPHED_UP_TO or start == 0 or (mask is not None and mask.shape[1] > TREE_SLOTS):
