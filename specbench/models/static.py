@@ -511,8 +511,8 @@ TREE_SLOTS = GRAPHED_UP_TO
 def head_step(head, kv: StaticKV, ids, hidden, depth, tree, start):
     """The EAGLE head's decoder layer over ``ids`` [n] with ``hidden`` [n, h], written at slots
     ``start`` [1] onwards, each at position start + ``depth`` and seeing what ``tree`` [n, TREE_SLOTS]
-    allows of the slots ending with its own (static_mask). Returns its outputs [n, h] and the scores
-    after each [n, draft_vocab]: graphed together, the final norm and the head's product launch nothing."""
+    allows of the slots ending with its own (static_mask). Returns its outputs [n, h] and their final
+    norm (what the head's product scores)."""
     n = ids.shape[0]
     slots = start + torch.arange(n, device=ids.device)
     mask = static_mask(start, tree, kv.capacity, head.dtype)[None, None]
@@ -522,7 +522,7 @@ def head_step(head, kv: StaticKV, ids, hidden, depth, tree, start):
         return attend(q, keys, values, mask)
 
     out = head.layer(head.embed[ids], hidden, start + depth, attend_static)
-    return out, head.draft_logits(out)
+    return out, head.final_norm(out)
 
 
 def _head_one(head, kv, ids, hidden, depth, tree, start):  # a single pair
@@ -637,12 +637,15 @@ class StaticHead:
         if graph is not None:
             depth, tree = replay_inputs(graph, depth, tree, lambda: self._chain_shape(n))
             out, logits = graph(tokens, hidden, depth, tree)
-        else:
+            if last < n:  # a view costs the host too: none for a draft's step
+                out, logits = out[-last:], logits[-last:]
+        else:  # compiled, then the scores of the last rows only (a round's pending pairs score one)
             inputs = (tokens, hidden) + ((depth, tree) if mask is not None else self._chain_shape(n))
             inputs = (t if t.is_inference() else t.clone() for t in inputs)  # the compiled forms guard on it
-            out, logits = self.forms[n > 1](self.head, self.kv, *inputs, self.start)
+            out, normed = (t[-last:] for t in self.forms[n > 1](self.head, self.kv, *inputs, self.start))
+            logits = self.head.score(normed)
         self.kv.length = start + n
-        return (out, logits) if last == n else (out[-last:], logits[-last:])  # a view costs the host too
+        return out, logits
 
     def _chain_shape(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The depth and tree of an ``n``-pair chain step."""
@@ -660,10 +663,15 @@ class StaticHead:
         if not self.graphed or self.forms is None or n > self.captured_up_to:
             return None
         run, head = self.forms[n > 1], self.head
+
+        def scored(*inputs):  # the scores of every row inside the graph: the head's product launches nothing
+            out, normed = run(head, self.kv, *inputs, self.start)
+            return out, head.score(normed)
+
         graph, seconds = graphed(
             self.graphs,
             n,
-            lambda *inputs: run(head, self.kv, *inputs, self.start),
+            scored,
             lambda: self._chain_buffers(n),
             self.pool,
             "the EAGLE head runs its steps",
