@@ -35,11 +35,9 @@ import platform
 import statistics
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from specbench.decoding.decode import speculative_decode
 from specbench.decoding.sampling import Sampling
@@ -48,6 +46,7 @@ from specbench.drafters.model import ModelDrafter
 from specbench.models import lm as lm_module
 from specbench.models import static
 from specbench.models.fast import FastLlama
+from tests.helpers import Dispatched, build_eagle3_head
 
 
 class NoReplay(static.Graph):
@@ -58,18 +57,6 @@ class NoReplay(static.Graph):
 
     def replay(self) -> None:
         pass
-
-
-class Dispatched(TorchDispatchMode):
-    """Counts the aten operations dispatched (views included), by name."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func.overloadpacket.__name__)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def graphed_lm(width: int, vocab: int, shortlist: int = 0, taps: tuple[int, ...] | None = None) -> static.StaticLM:
@@ -101,7 +88,6 @@ def graphed_head(target: static.StaticLM, taps: tuple[int, ...], scratch: Path) 
     """An EAGLE-3 head of random weights for ``target``, reading ``taps``, on the static path's CUDA
     route, replays removed (graphed_lm made them no-ops)."""
     from specbench.models.eagle_head import read_head
-    from tests.helpers import build_eagle3_head
 
     config = target.model.config
     path = build_eagle3_head(scratch / "head", config, taps=taps)

@@ -10,6 +10,7 @@ import json
 import math
 import subprocess
 import sys
+from collections import Counter
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from specbench.models.fast import FastLlama
 from specbench.models.lm import HFCausalLM
@@ -374,6 +376,19 @@ READS = {"item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "
 # Tensors made from host data straight onto a device: on CUDA, a copy from pageable memory that waits
 # for the work queued before it (specbench.decoding.transfer.to_device makes them without a wait).
 MADE_ON_DEVICE = {"tensor", "as_tensor", "asarray"}
+
+
+class Dispatched(TorchDispatchMode):
+    """Counts the aten operations dispatched inside it (views included), by name: on CUDA each but a
+    view is a kernel launch (tests/models/test_static.py, benchmarks/graph_host_cost.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops[str(func.overloadpacket.__name__)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 class HostReads(TorchFunctionMode):
