@@ -486,7 +486,7 @@ RUN: tuple[Option, ...] = (
     Option(
         "compile",
         None,
-        "specbench's own forward for Llama and Qwen3 models (docs/methodology.md#the-fast-path): on a CPU the "
+        "specbench's own forward for Llama, Mistral, Qwen2 and Qwen3 models (docs/methodology.md#the-fast-path): on a CPU the "
         "weights packed once for oneDNN's kernels (models from 256 wide), row counts run at the size measured fastest; on CUDA "
         "torch.compile. --no-compile runs transformers' eager forward (and turns CUDA's --graphs default off). Default: "
         "on for a CPU; on CUDA --graphs runs instead. The hf-* methods always run transformers'.",
@@ -497,7 +497,7 @@ RUN: tuple[Option, ...] = (
     Option(
         "graphs",
         None,
-        "The static path for Llama and Qwen3 models (docs/methodology.md#the-static-path): the KV cache allocated "
+        "The static path for Llama, Mistral, Qwen2 and Qwen3 models (docs/methodology.md#the-static-path): the KV cache allocated "
         "once for the run's longest sequence, forwards compiled per shape with torch.compile and, on CUDA, replayed "
         "as CUDA graphs; a rejected draft only moves a position. Default: on with CUDA, off on a CPU, where the "
         "packed forward measured faster. --no-graphs runs the forward --compile chooses.",

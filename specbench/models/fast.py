@@ -1,4 +1,5 @@
-"""specbench's own forward for Llama and Qwen3 models: the fast path (``--compile``), and the static path's arithmetic (models/static.py).
+"""specbench's own forward for Llama-shaped models (Llama, Mistral, Qwen2, Qwen3): the fast path (``--compile``), and
+the static path's arithmetic (models/static.py).
 
 transformers' eager modeling runs each linear layer through a plain matrix product. On a CPU
 that product streams the weights in a layout that suits neither one row nor a few: on the 2-core
@@ -34,19 +35,27 @@ from specbench.models.load import available_memory
 log = logging.getLogger("specbench")
 
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")  # static: inv_freq is fixed at load
-# Llama's decoder, and Qwen3's: the same with each head's queries and keys RMS-normed before RoPE.
-FAMILIES = ("llama", "qwen3")
+# Llama's decoder and its kin: Mistral's is Llama's with a sliding window (covered without one), Qwen2's
+# adds biases to the query, key and value products (Llama's attention_bias and mlp_bias add their own),
+# Qwen3's norms each head's queries and keys before RoPE.
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def unsupported(model) -> str | None:
     """Why ``model`` cannot take the fast path, or None when it can."""
     config = model.config
     if config.model_type not in FAMILIES:
-        return f"the fast path covers {' and '.join(FAMILIES)} models, not {config.model_type}"
-    if getattr(config, "hidden_act", "silu") != "silu" or config.attention_bias or getattr(config, "mlp_bias", False):
-        return "the fast path covers models with SiLU and no biases"
-    if set(getattr(config, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+        return f"the fast path covers {', '.join(FAMILIES[:-1])} and {FAMILIES[-1]} models, not {config.model_type}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"the fast path covers models with SiLU, not {config.hidden_act}"
+    kinds = getattr(config, "layer_types", None)
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    if kinds is None and window is not None:  # Mistral's: every layer slides
+        kinds = ["sliding_attention"]
+    if set(kinds or ["full_attention"]) != {"full_attention"}:
         return "the fast path covers full attention in every layer, not sliding windows"
+    if getattr(model.get_output_embeddings(), "bias", None) is not None:
+        return "the fast path covers LM heads without a bias"
     rope = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
     if rope not in ROPE_TYPES:
         return f"the fast path covers static RoPE ({', '.join(ROPE_TYPES)}), not {rope}"
@@ -67,16 +76,26 @@ class Linear:
     """Linear maps with one input, their outputs concatenated (q, k and v; gate and up). Packed on
     a CPU: one oneDNN weight for all (the packed copy is new memory anyway), and ``padding`` says
     how many rows to run a product of n rows with (see padded_rows). Elsewhere the modules' own
-    weights, shared rather than copied, so a GPU holds the weights once."""
+    weights, shared rather than copied, so a GPU holds the weights once. ``biases``: one per weight
+    (None: none), or packed, one for the concatenated outputs."""
 
     weights: list[torch.Tensor]
     packed: bool
     padding: dict[int, int]
+    biases: list[torch.Tensor | None]
 
     @classmethod
-    def of(cls, *weights: torch.Tensor, packed: bool, padding: dict[int, int]) -> Linear:
+    def of(cls, *weights: torch.Tensor, packed: bool, padding: dict[int, int], biases=None) -> Linear:
         weights = [w.detach() for w in weights]
-        return cls([pack(torch.cat(weights))], True, padding) if packed else cls(weights, False, padding)
+        biases = [None if b is None else b.detach() for b in biases or [None] * len(weights)]
+        if not packed:
+            return cls(weights, False, padding, biases)
+        bias = None
+        if any(b is not None for b in biases):  # the outputs without one add zeros
+            bias = torch.cat(
+                [w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases, strict=True)]
+            )
+        return cls([pack(torch.cat(weights))], True, padding, [bias])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed:
@@ -84,10 +103,10 @@ class Linear:
             padded = self.padding.get(rows, rows)
             if padded > rows:
                 x = F.pad(x, (0, 0, 0, padded - rows))
-            return torch.ops.mkldnn._linear_pointwise(x, self.weights[0], None, "none", [], "")[:rows]
+            return torch.ops.mkldnn._linear_pointwise(x, self.weights[0], self.biases[0], "none", [], "")[:rows]
         if len(self.weights) == 1:
-            return F.linear(x, self.weights[0])
-        return torch.cat([F.linear(x, weight) for weight in self.weights], dim=-1)
+            return F.linear(x, self.weights[0], self.biases[0])
+        return torch.cat([F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True)], dim=-1)
 
 
 PADDED_UP_TO = 8  # products of up to this many rows may run with more (a verification's sizes)
@@ -171,7 +190,7 @@ def can_pack(model, width: int) -> bool:
 
 
 class FastLlama:
-    """A Llama model's decoder, run by specbench: ``hidden(ids, positions, cache, mask)`` returns
+    """A Llama-shaped model's decoder (FAMILIES), run by specbench: ``hidden(ids, positions, cache, mask)`` returns
     the final normed hidden states, as ``model.model(...).last_hidden_state`` would."""
 
     def __init__(self, model, packed: bool | None = None, compiled: bool | None = None):
@@ -189,11 +208,11 @@ class FastLlama:
         self.layers = [
             Layer(
                 layer.input_layernorm.weight.detach(),  # plain tensors, as self.norm: one compiled graph for all
-                self.linear(attention.q_proj.weight, attention.k_proj.weight, attention.v_proj.weight),
-                self.linear(attention.o_proj.weight),
+                self.products(attention.q_proj, attention.k_proj, attention.v_proj),
+                self.products(attention.o_proj),
                 layer.post_attention_layernorm.weight.detach(),
-                self.linear(layer.mlp.gate_proj.weight, layer.mlp.up_proj.weight),
-                self.linear(layer.mlp.down_proj.weight),
+                self.products(layer.mlp.gate_proj, layer.mlp.up_proj),
+                self.products(layer.mlp.down_proj),
                 *[
                     norm.weight.detach()
                     for norm in (getattr(attention, "q_norm", None), getattr(attention, "k_norm", None))
@@ -243,6 +262,11 @@ class FastLlama:
     def linear(self, *weights: torch.Tensor) -> Linear:
         """The linear maps of ``weights`` (same input) as this forward runs them."""
         return Linear.of(*weights, packed=self.packed, padding=self.padding)
+
+    def products(self, *modules: torch.nn.Linear) -> Linear:
+        """The linear ``modules`` (same input), their biases included, as this forward runs them."""
+        weights, biases = [m.weight for m in modules], [m.bias for m in modules]
+        return Linear.of(*weights, packed=self.packed, padding=self.padding, biases=biases)
 
     @property
     def route(self) -> str:

@@ -156,9 +156,9 @@ def test_a_run_off_the_static_path_is_named_with_the_reason_its_log_gives(tmp_pa
     )
     assert route_problem(out, "graphs", roles=("draft",)) is None
     # a model the path does not cover says so in the log's own words; a silent log is said to be silent
-    out = run_folder(tmp_path / "other", {"target": "eager", "draft": "eager"}, "INFO     qwen2 runs without the "
-                     "static path: the fast path covers llama and qwen3 models, not qwen2\n")  # fmt: skip
-    assert "the target eager, the draft eager, not graphs: qwen2 runs without the static path: the fast path" in (
+    out = run_folder(tmp_path / "other", {"target": "eager", "draft": "eager"}, "INFO     gemma2 runs without the "
+                     "static path: the fast path covers llama, mistral, qwen2 and qwen3 models, not gemma2\n")  # fmt: skip
+    assert "the target eager, the draft eager, not graphs: gemma2 runs without the static path: the fast path" in (
         route_problem(out, "graphs") or ""
     )
     out = run_folder(tmp_path / "silent", {"target": "eager", "draft": "graphs"})

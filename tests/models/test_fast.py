@@ -13,6 +13,7 @@ from specbench.models.fast import PADDED_UP_TO, FastLlama, attend, fastest_rows,
 from specbench.models.lm import CacheView, HFCausalLM
 from specbench.models.load import load
 
+from ..families import FAMILIES, llama
 from ..helpers import LawLM, tiny_law_model
 from ..toy import P_FLOOR, speculative_law_p
 
@@ -143,15 +144,39 @@ def test_padded_rows_measures_every_size_up_to_the_limit(target):
     assert all(n <= m <= PADDED_UP_TO for n, m in choice.items())
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_own_forward_is_transformers_arithmetic_in_every_family(family):
+    # Mistral's decoder is Llama's, Qwen2's adds biases to q, k and v (random here), Qwen3's norms each
+    # head's queries and keys; a Llama may have biases on every product (random here too).
+    model = family(0)
+    if family is llama:
+        model = LlamaForCausalLM(LlamaConfig(**model.config.to_dict() | dict(attention_bias=True, mlp_bias=True)))
+        with torch.no_grad():
+            for name, weight in model.named_parameters():
+                if name.endswith("bias"):
+                    weight.normal_(0.0, 0.5)
+    assert unsupported(model) is None
+    width = model.config.vocab_size
+    prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
+    want = scores(HFCausalLM(model, width), prefix, chain, [-1, 0, 0])
+    got = scores(HFCausalLM(model, width, None, FastLlama(model, packed=False)), prefix, chain, [-1, 0, 0])
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+    packed = scores(HFCausalLM(model, width, None, FastLlama(model, packed=True)), prefix, chain, [-1, 0, 0])
+    for g, w in zip(packed, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
 def test_models_beyond_the_fast_path_say_why(tmp_path):
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
-    assert "gpt2" in unsupported(gpt2)
-    biased = LlamaForCausalLM(
-        LlamaConfig(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, attention_bias=True, vocab_size=50)
-    )
-    assert "biases" in unsupported(biased)
+    assert unsupported(gpt2) == "the fast path covers llama, mistral, qwen2 and qwen3 models, not gpt2"
+    shape = dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, vocab_size=50)
+    windowed = MistralForCausalLM(MistralConfig(**shape, sliding_window=16))  # Mistral 7B v0.1's kind
+    assert unsupported(windowed) == "the fast path covers full attention in every layer, not sliding windows"
+    gelu = LlamaForCausalLM(LlamaConfig(**shape, hidden_act="gelu"))
+    assert unsupported(gelu) == "the fast path covers models with SiLU, not gelu"
 
 
 # ---------------------------------------------------------------- exactness through the fast forward

@@ -12,7 +12,6 @@ from collections import Counter
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from specbench.bench.run import describe_forward
 from specbench.decoding.decode import autoregressive_decode, speculative_decode
@@ -29,43 +28,13 @@ from specbench.models.load import Wanted
 from specbench.models.pair import default_graphs, load_pair, loop_lm
 from specbench.models.static import StaticHead, StaticLM
 
+from ..families import FAMILIES, llama
 from ..helpers import Dispatched, LawLM, tiny_law_model
 from ..toy import P_FLOOR, speculative_law_p
 
 CPU = torch.device("cpu")
 GREEDY = Sampling(temperature=0.0)
 
-
-def llama(seed: int, layers: int = 2, hidden: int = 64, vocab: int = 300):
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    )  # fmt: skip
-    model = LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(20)  # confident rows: greedy near-ties are rare
-    return model
-
-
-def qwen3(seed: int, layers: int = 2, hidden: int = 64, vocab: int = 300):
-    """Qwen3's shape: grouped heads with head_dim set apart from the width, per-head query and key norms."""
-    torch.manual_seed(seed)
-    config = Qwen3Config(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
-        tie_word_embeddings=False,  # tied, this small random Qwen3 repeats one token whatever it reads
-    )  # fmt: skip
-    model = Qwen3ForCausalLM(config).eval()
-    with torch.no_grad():
-        model.get_input_embeddings().weight.mul_(4)
-        for layer in model.model.layers:  # norms of ones would hide a norm applied to the wrong half
-            layer.self_attn.q_norm.weight.normal_(1.0, 0.3)
-            layer.self_attn.k_norm.weight.normal_(1.0, 0.3)
-    return model
-
-
-FAMILIES = [pytest.param(llama, id="llama"), pytest.param(qwen3, id="qwen3")]
 # How grouped heads attend under a mask: in the kernel (the CPU's route) or folded into the query
 # length (CUDA's, fast.fold_groups), which these tests also run on the CPU.
 ATTENTION = [pytest.param(False, id="grouped-kernel"), pytest.param(True, id="folded")]
