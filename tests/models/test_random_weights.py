@@ -133,7 +133,14 @@ def test_random_prompts_without_a_tokenizer_need_their_lengths_given(configs, pr
 
 @pytest.mark.parametrize(
     "alias, billions",
-    [("llama-7b", 6.74), ("llama-68m", 0.068), ("llama-160m", 0.162), ("smollm2-135m", 0.1345)],
+    [
+        ("llama-7b", 6.74),
+        ("llama-68m", 0.068),
+        ("llama-160m", 0.162),
+        ("qwen3-8b", 8.19),  # its model card: 8.2B, 6.95B without the embeddings
+        ("qwen3-0.6b", 0.596),  # 0.6B, 0.44B without the (tied) embedding
+        ("smollm2-135m", 0.1345),
+    ],
 )
 def test_shipped_architectures_have_their_models_parameter_counts(alias, billions):
     assert weight_bytes(alias, torch.float32) / 4 / 1e9 == pytest.approx(billions, rel=0.01)
