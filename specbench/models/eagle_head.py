@@ -91,6 +91,8 @@ class HeadConfig:
 
     @classmethod
     def from_json(cls, config: dict, target_layers: int, where: str) -> HeadConfig:
+        if "speculators_model_type" in config:
+            config = speculators_layout(config, where)
         architectures = config.get("architectures") or []
         if not any("eagle3" in a.lower() for a in architectures):
             raise SpecbenchError(
@@ -118,10 +120,45 @@ class HeadConfig:
             draft_vocab=config.get("draft_vocab_size") or config["vocab_size"],
             taps=taps,
             target_hidden=config.get("target_hidden_size") or config["hidden_size"],
-            eps=config.get("rms_norm_eps", 1e-5),
+            eps=config.get("rms_norm_eps", 1e-6),  # LlamaConfig's, which vLLM and SGLang build from this file
             rope_theta=config.get("rope_theta") or rope_params.get("rope_theta", 10000.0),
             norm_before_residual=bool(config.get("norm_before_residual", False)),
         )
+
+
+def speculators_layout(config: dict, where: str) -> dict:
+    """A config.json in the speculators library's layout (vLLM's; RedHatAI's published heads) as the
+    EAGLE-3 layout that HeadConfig.from_json reads: the decoder layer's fields live in
+    ``transformer_layer_config``, the head's own (draft vocabulary, features' width, the norm before the
+    residual, the target's layers read) beside it. Its weights are named as vLLM's (``layers.0.*``).
+    A head that specbench's one Llama layer cannot run is refused in one line."""
+    kind, layer = config.get("speculators_model_type"), config.get("transformer_layer_config")
+    if kind != "eagle3":
+        raise SpecbenchError(f"{where}: a speculators '{kind}' model, not an EAGLE-3 head: give an eagle3 one")
+    if not isinstance(layer, dict):
+        raise SpecbenchError(f"{where}: config.json has no transformer_layer_config: not a speculators EAGLE-3 head")
+    if layer.get("model_type", "llama") == "llama":  # omitted fields are LlamaConfig's, as speculators reads them
+        from transformers import LlamaConfig
+
+        layer = LlamaConfig(**layer).to_dict()
+    unread = [
+        f"{layer.get('num_hidden_layers')} decoder layers" if layer.get("num_hidden_layers", 1) != 1 else None,
+        f"{layer.get('model_type')} layers" if layer.get("model_type", "llama") != "llama" else None,
+        "biases" if layer.get("attention_bias") or layer.get("mlp_bias") else None,
+        "a norm before fc" if config.get("norm_before_fc") else None,
+    ]
+    if reasons := [r for r in unread if r]:
+        raise SpecbenchError(
+            f"{where}: the head has {' and '.join(reasons)}; specbench runs EAGLE-3 heads of one Llama layer"
+        )
+    taps = config.get("eagle_aux_hidden_state_layer_ids")
+    return layer | {
+        "architectures": config.get("architectures") or [ARCHITECTURE],
+        "draft_vocab_size": config.get("draft_vocab_size"),
+        "target_hidden_size": config.get("target_hidden_size"),
+        "norm_before_residual": config.get("norm_before_residual", False),  # speculators' default
+        "eagle_config": {"use_aux_hidden_state": True, **({"eagle_aux_hidden_state_layer_ids": taps} if taps else {})},
+    }
 
 
 class Norm(nn.Module):

@@ -5,11 +5,14 @@ that fails the same test, and greedy outputs equal the baseline's."""
 import copy
 import dataclasses
 import json
+import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
 
+from specbench.core.errors import SpecbenchError
 from specbench.decoding.decode import autoregressive_decode, heuristic_k, speculative_decode
 from specbench.decoding.sampling import Sampling, warp
 from specbench.drafters import propose
@@ -81,6 +84,68 @@ def test_a_saved_head_reads_back_as_the_same_head(law, tmp_path):
         a, b = every_score(head, ids), every_score(again, ids)
     assert again.draft_ids.tolist() == DRAFT_IDS
     torch.testing.assert_close(a, b, atol=2e-2, rtol=2e-2)  # saved in half precision
+
+
+def in_speculators_layout(path: Path, **changes) -> Path:
+    """The head at ``path`` (build_eagle3_head's, ``layers.0.*`` weights) with its config.json rewritten
+    as the speculators library writes one: the layer's fields in transformer_layer_config (its norm's
+    epsilon, LlamaConfig's default, left out as to_diff_dict leaves it), the head's own beside it;
+    ``changes`` set fields of the top level (those it has, and norm_before_fc) or of the layer."""
+    config = json.loads((path / "config.json").read_text())
+    eagle = config.pop("eagle_config")
+    head = {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": "0.3.0",
+        "draft_vocab_size": config.pop("draft_vocab_size"),
+        "norm_before_residual": True,
+        "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": eagle.get("eagle_aux_hidden_state_layer_ids"),
+        "speculators_config": {"algorithm": "eagle3", "proposal_methods": [{"speculative_tokens": 3}]},
+    }
+    del config["architectures"]
+    del config["rms_norm_eps"]  # LlamaConfig's default (1e-6 the caller wrote): to_diff_dict leaves it out
+    head["transformer_layer_config"] = config
+    for name, value in changes.items():
+        (head if name in head or name == "norm_before_fc" else config)[name] = value
+    (path / "config.json").write_text(json.dumps(head))
+    return path
+
+
+def test_a_head_in_the_speculators_layout_reads_as_the_same_head(law, tmp_path):
+    # RedHatAI's published heads (vLLM's speculators library): the same weights under another config.
+    target, _ = law
+    config = target.model.config
+    path = build_eagle3_head(
+        tmp_path / "h", config, taps=LAW_TAPS, draft_ids=DRAFT_IDS, seed=5, layer_prefix="layers.0"
+    )
+    plain = json.loads((path / "config.json").read_text())
+    plain["rms_norm_eps"], plain["norm_before_residual"] = 1e-6, True
+    (path / "config.json").write_text(json.dumps(plain))
+    want = head_for(target, path)
+    got = head_for(target, in_speculators_layout(path))
+    assert got.config == want.config and got.config.eps == 1e-6 and got.config.norm_before_residual
+    assert got.draft_ids.tolist() == DRAFT_IDS
+    ids = torch.tensor([0, 2, 1, 2])
+    with torch.inference_mode():
+        assert torch.equal(every_score(got, ids), every_score(want, ids))
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"num_hidden_layers": 2}, "the head has 2 decoder layers; specbench runs EAGLE-3 heads of one Llama layer"),
+        ({"model_type": "qwen3"}, "the head has qwen3 layers; specbench runs EAGLE-3 heads of one Llama layer"),
+        ({"attention_bias": True}, "the head has biases;"),
+        ({"norm_before_fc": True}, "the head has a norm before fc;"),
+        ({"speculators_model_type": "eagle"}, "a speculators 'eagle' model, not an EAGLE-3 head"),
+    ],
+)
+def test_a_speculators_head_specbench_cannot_run_is_refused_in_one_line(law, tmp_path, changes, needle):
+    target, _ = law
+    path = build_eagle3_head(tmp_path / "h", target.model.config, taps=LAW_TAPS, seed=5, layer_prefix="layers.0")
+    with pytest.raises(SpecbenchError, match=re.escape(needle)):
+        head_for(target, in_speculators_layout(path, **changes))
 
 
 def test_a_packed_head_scores_as_the_unpacked_one(law, tmp_path):
