@@ -28,7 +28,7 @@ from torch import nn
 
 from specbench.core.errors import SpecbenchError
 from specbench.decoding.kv import GrowingKV
-from specbench.models.fast import Linear, attend, can_pack, rms_norm, rope, swiglu
+from specbench.models.fast import ROPE_TYPES, Linear, attend, can_pack, rms_norm, rope, swiglu
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what config.json names: vLLM's and SGLang's EAGLE-3 loaders read it
 
@@ -54,6 +54,9 @@ class HeadConfig:
     target_hidden: int
     eps: float = 1e-5
     rope_theta: float = 10000.0
+    # A scaled RoPE's parameters but its theta (rope_type, factor, ...), as items: () for default RoPE.
+    rope_scaling: tuple[tuple[str, object], ...] = ()
+    max_positions: int = 8192  # max_position_embeddings: what yarn's factor is judged against
     norm_before_residual: bool = False
 
     @property
@@ -76,7 +79,8 @@ class HeadConfig:
             "hidden_act": "silu",
             "rms_norm_eps": self.eps,
             "rope_theta": self.rope_theta,
-            "max_position_embeddings": 8192,
+            **({"rope_scaling": dict(self.rope_scaling)} if self.rope_scaling else {}),
+            "max_position_embeddings": self.max_positions,
             "tie_word_embeddings": False,
             "vocab_size": self.vocab,
             "draft_vocab_size": self.draft_vocab,
@@ -99,11 +103,7 @@ class HeadConfig:
                 f"{where}: config.json names {architectures or 'no architecture'}, not an EAGLE-3 head "
                 f"({ARCHITECTURE}): give a head in the EAGLE-3 speculator format"
             )
-        rope_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
-        if rope_params.get("rope_type", rope_params.get("type", "default")) != "default":
-            raise SpecbenchError(
-                f"{where}: the head's RoPE is {rope_params.get('rope_type')}; specbench reads default RoPE only"
-            )
+        theta, scaling = rope_of(config, where)
         eagle = config.get("eagle_config") or {}
         if eagle.get("use_aux_hidden_state", True):
             taps = tuple(eagle.get("eagle_aux_hidden_state_layer_ids") or default_taps(target_layers))
@@ -121,9 +121,40 @@ class HeadConfig:
             taps=taps,
             target_hidden=config.get("target_hidden_size") or config["hidden_size"],
             eps=config.get("rms_norm_eps", 1e-6),  # LlamaConfig's, which vLLM and SGLang build from this file
-            rope_theta=config.get("rope_theta") or rope_params.get("rope_theta", 10000.0),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_positions=config.get("max_position_embeddings") or 8192,
             norm_before_residual=bool(config.get("norm_before_residual", False)),
         )
+
+
+def rope_of(config: dict, where: str) -> tuple[float, tuple[tuple[str, object], ...]]:
+    """The RoPE a head's (or a target's) config.json gives: its theta, and a scaled RoPE's other
+    parameters as HeadConfig.rope_scaling holds them (its frequencies fixed at load: fast.ROPE_TYPES). transformers 5 writes them under
+    rope_parameters, earlier versions under rope_scaling (``type`` for ``rope_type`` in the oldest)."""
+    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+    kind = params.pop("rope_type", params.pop("type", "default"))
+    theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
+    if kind not in ROPE_TYPES:
+        raise SpecbenchError(f"{where}: RoPE of type {kind}; EAGLE heads here take {', '.join(ROPE_TYPES)} RoPE")
+    return float(theta), () if kind == "default" else tuple(sorted({"rope_type": kind, **params}.items()))
+
+
+def rotary_frequencies(c: HeadConfig) -> tuple[torch.Tensor, float]:
+    """The head's RoPE: its inverse frequencies [head_dim / 2] in float32, and the factor cos and sin are
+    scaled by (yarn's; 1 otherwise), as transformers computes a Llama's of that config."""
+    if not c.rope_scaling:
+        return 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim), 1.0
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = dict(c.rope_scaling) | {"rope_theta": c.rope_theta}
+    shape = LlamaConfig(
+        hidden_size=c.heads * c.head_dim, num_attention_heads=c.heads, head_dim=c.head_dim,
+        max_position_embeddings=c.max_positions, rope_parameters=params,
+    )  # fmt: skip
+    inv_freq, gain = ROPE_INIT_FUNCTIONS[params["rope_type"]](shape, torch.device("cpu"))
+    return inv_freq.float(), float(gain)
 
 
 def speculators_layout(config: dict, where: str) -> dict:
@@ -212,7 +243,7 @@ class EagleHead(nn.Module):
         self.lm_head = _linear(h, c.draft_vocab)
         self.register_buffer("draft_ids", torch.arange(c.draft_vocab))  # the target id of each draft id
         self.embed = embed.detach()
-        inv_freq = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float32) / c.head_dim)
+        inv_freq, self.rope_gain = rotary_frequencies(c)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         attention, mlp = layer.self_attn, layer.mlp
         # The products by name: the modules' own (trained through), until pack() replaces them.
@@ -272,7 +303,10 @@ class EagleHead(nn.Module):
         angles = positions.to(self.inv_freq.device, torch.float32)[:, None] * self.inv_freq
         angles = torch.cat([angles, angles], dim=-1)
         dtype = self.lm_head.weight.dtype
-        return angles.cos().to(dtype)[None, None], angles.sin().to(dtype)[None, None]
+        cos, sin = angles.cos(), angles.sin()
+        if self.rope_gain != 1.0:  # yarn's attention factor, as transformers applies it
+            cos, sin = cos * self.rope_gain, sin * self.rope_gain
+        return cos.to(dtype)[None, None], sin.to(dtype)[None, None]
 
     def layer(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend) -> torch.Tensor:
         """The decoder layer over n pairs (embeddings [n, h], features [n, h]) at ``positions``;

@@ -34,7 +34,7 @@ from torch.nn.utils import parametrize
 
 from specbench.core.errors import SpecbenchError
 from specbench.core.files import replacing
-from specbench.models.eagle_head import EagleHead, HeadConfig, default_taps, read_head, save_head
+from specbench.models.eagle_head import EagleHead, HeadConfig, default_taps, read_head, rope_of, save_head
 from specbench.models.fast import FastLlama, attend, unsupported
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import LoadedModel
@@ -124,7 +124,7 @@ def new_head(cfg: DistillConfig, target: LoadedModel, draft_ids: list[int]) -> E
             )
         config = replace(earlier.config, draft_vocab=len(draft_ids))
     else:
-        rope = getattr(c, "rope_parameters", None) or {}
+        theta, scaling = rope_of(c.to_dict(), f"--target {cfg.target}")
         config = HeadConfig(
             hidden=c.hidden_size,
             heads=c.num_attention_heads,
@@ -136,7 +136,9 @@ def new_head(cfg: DistillConfig, target: LoadedModel, draft_ids: list[int]) -> E
             taps=taps_of(target),
             target_hidden=c.hidden_size,
             eps=c.rms_norm_eps,
-            rope_theta=rope.get("rope_theta", getattr(c, "rope_theta", 10000.0)),
+            rope_theta=theta,
+            rope_scaling=scaling,  # the target's: the head reads its positions as the target does
+            max_positions=c.max_position_embeddings,
             norm_before_residual=True,
         )
     torch.manual_seed(cfg.seed)

@@ -120,7 +120,7 @@ def test_a_head_in_the_speculators_layout_reads_as_the_same_head(law, tmp_path):
         tmp_path / "h", config, taps=LAW_TAPS, draft_ids=DRAFT_IDS, seed=5, layer_prefix="layers.0"
     )
     plain = json.loads((path / "config.json").read_text())
-    plain["rms_norm_eps"], plain["norm_before_residual"] = 1e-6, True
+    plain["rms_norm_eps"], plain["norm_before_residual"], plain["max_position_embeddings"] = 1e-6, True, 4096
     (path / "config.json").write_text(json.dumps(plain))
     want = head_for(target, path)
     got = head_for(target, in_speculators_layout(path))
@@ -186,6 +186,53 @@ def test_a_head_cast_to_bfloat16_keeps_its_rotary_frequencies_in_float32(tiny_pa
     for want, got in zip(exact._rotary(position), cast._rotary(position), strict=True):
         assert got.dtype == torch.bfloat16
         assert torch.equal(got, want.to(torch.bfloat16))  # the same angles, rounded only at the end
+
+
+SCALED_ROPE = {
+    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    "yarn": {"factor": 4.0, "original_max_position_embeddings": 64},  # cos and sin scaled too (attention factor)
+    "linear": {"factor": 2.0},
+}
+
+
+@pytest.mark.parametrize("kind", SCALED_ROPE)
+def test_a_head_with_scaled_rope_rotates_as_transformers_and_saves_it(law, tmp_path, kind):
+    # Llama 3.1's heads (llama3), long-context ones (yarn): the frequencies and the cos/sin factor are
+    # transformers' own, and a saved head keeps them, in the form vLLM builds its LlamaConfig from.
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    target, _ = law
+    path = build_eagle3_head(tmp_path / "h", target.model.config, taps=LAW_TAPS, seed=5)
+    config = json.loads((path / "config.json").read_text())
+    rope = {"rope_type": kind, "rope_theta": 500000.0, **SCALED_ROPE[kind]}
+    config |= {"rope_parameters": rope, "max_position_embeddings": 512}
+    (path / "config.json").write_text(json.dumps(config))
+    head = head_for(target, path)
+    shape = LlamaConfig(
+        hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
+        max_position_embeddings=512, rope_parameters=rope,
+    )  # fmt: skip
+    positions = torch.tensor([0, 5, 63, 64, 300, 511])
+    want = LlamaRotaryEmbedding(shape)(torch.zeros(1, dtype=F32), positions[None])
+    for got, expected in zip(head._rotary(positions), want, strict=True):
+        torch.testing.assert_close(got[0, 0], expected[0], rtol=1e-6, atol=1e-6)
+    save_head(head, tmp_path / "saved", target_layers=2)
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert head_for(target, tmp_path / "saved").config == head.config
+    assert LlamaConfig(**saved).rope_parameters == shape.rope_parameters
+
+
+def test_a_head_with_rope_that_changes_with_length_is_refused_in_one_line(law, tmp_path):
+    target, _ = law
+    path = build_eagle3_head(tmp_path / "h", target.model.config, taps=LAW_TAPS, seed=5)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_scaling"] = {"type": "dynamic", "factor": 2.0}  # the oldest spelling
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        SpecbenchError, match="RoPE of type dynamic; EAGLE heads here take default, linear, llama3, yarn"
+    ):
+        head_for(target, path)
 
 
 def head_for_model(model, path):
