@@ -35,7 +35,7 @@ from torch.nn.utils import parametrize
 from specbench.core.errors import SpecbenchError
 from specbench.core.files import replacing
 from specbench.models.eagle_head import EagleHead, HeadConfig, default_taps, read_head, rope_of, save_head
-from specbench.models.fast import FastLlama, attend, unsupported
+from specbench.models.fast import FAMILIES, FastLlama, attend, unsupported
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import LoadedModel
 from specbench.models.names import speculator_dir
@@ -65,9 +65,10 @@ STEP_WEIGHT = 0.8  # EAGLE-3's: the loss at training-time test step j counts 0.8
 
 def distill_eagle(cfg: DistillConfig, target: LoadedModel) -> Iterator[TrainingProgress]:
     config = target.model.config
-    if config.model_type != "llama":
+    if config.model_type not in FAMILIES:  # their decoder layers and final norm are where the features are read
         raise SpecbenchError(
-            f"--kind eagle trains a head for a Llama-architecture target; {cfg.target} is {config.model_type}"
+            f"--kind eagle trains a head for a Llama-shaped target ({', '.join(FAMILIES)}); "
+            f"{cfg.target} is {config.model_type}"
         )
     layers = config.num_hidden_layers
     if layers < MIN_LAYERS:
