@@ -490,8 +490,9 @@ def _seed(generator) -> int:
 SPECULATOR = Option(
     "speculator",
     None,
-    "An EAGLE-3 head's checkpoint directory (the format vLLM and SGLang load; `specbench distill --kind eagle` "
-    "trains one) or a shipped head's alias: the head of --method eagle, eagle-tree, eagle-dynamic and "
+    "An EAGLE-3 head's checkpoint directory (the format vLLM and SGLang load, or vLLM's speculators layout; "
+    "`specbench distill --kind eagle` trains one), its hub id (as --target's: the local cache, else downloaded "
+    "once) or a shipped head's alias: the head of --method eagle, eagle-tree, eagle-dynamic and "
     "lookup-or-eagle, and of vLLM's eagle3 / eagle1. Default: the target's own head where specbench ships one "
     "(smollm2-135m-eagle).",
 )

@@ -34,6 +34,7 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"  # what config.json names: vLLM's and SG
 
 
 WEIGHTS = "model.safetensors"
+TORCH_WEIGHTS = "pytorch_model.bin"  # the format some published heads (EAGLE-3's authors') come in
 
 
 def default_taps(target_layers: int) -> tuple[int, ...]:
@@ -386,10 +387,12 @@ def read_head(path: Path, embed: torch.Tensor, target_layers: int, target_hidden
     from safetensors.torch import load_file
 
     where = f"--speculator {path}"
-    config_file, weights_file = path / "config.json", path / WEIGHTS
-    if not config_file.is_file() or not weights_file.is_file():
+    config_file = path / "config.json"
+    weights_file = next((path / name for name in (WEIGHTS, TORCH_WEIGHTS) if (path / name).is_file()), None)
+    if not config_file.is_file() or weights_file is None:
         raise SpecbenchError(
-            f"{where}: no config.json and {WEIGHTS} there; give an EAGLE-3 head's checkpoint directory"
+            f"{where}: no config.json and {WEIGHTS} (or {TORCH_WEIGHTS}) there; give an EAGLE-3 head's "
+            "checkpoint directory"
         )
     config = HeadConfig.from_json(json.loads(config_file.read_text()), target_layers, where)
     if config.hidden != embed.shape[1] or config.target_hidden != target_hidden:
@@ -403,7 +406,10 @@ def read_head(path: Path, embed: torch.Tensor, target_layers: int, target_hidden
         )
     if any(not 0 <= t <= target_layers for t in config.taps):
         raise SpecbenchError(f"{where}: the head reads layers {list(config.taps)}; the target has {target_layers}")
-    weights = load_file(weights_file)
+    if weights_file.name == WEIGHTS:
+        weights = load_file(weights_file)
+    else:  # tensors only: a pickle that would run code is refused
+        weights = torch.load(weights_file, map_location="cpu", weights_only=True)
     own_embed = weights.pop("embed_tokens.weight", None)
     d2t = weights.pop("d2t", None)
     weights.pop("t2d", None)

@@ -29,8 +29,13 @@ HEAD_TOKENS = "head_tokens.json"  # written by `specbench distill` beside a draf
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def local_dir(source: ModelSource) -> Path:
-    """A directory with config, weights and tokenizer for ``source``, downloading or converting once."""
+MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.txt")  # config, weights, tokenizer
+HEAD_FILES = ("*.json", "*.safetensors", "*.bin")  # an EAGLE head: config and weights (some ship PyTorch's)
+
+
+def local_dir(source: ModelSource, files: tuple[str, ...] = MODEL_FILES) -> Path:
+    """A directory with config, weights and tokenizer for ``source``, downloading (only ``files``) or
+    converting once."""
     if source.kind == "dir":
         return Path(source.location)
     if source.kind == "gguf":
@@ -46,12 +51,12 @@ def local_dir(source: ModelSource) -> Path:
         raise SpecbenchError(
             f"model {source.location} is not in the local Hugging Face cache and the hub is unreachable: "
             f"download it where there is a network (`hf download {source.location}`) and copy the cache "
-            f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}) here, or pass a local directory; "
-            "--random-weights times the architecture without the weights"
+            f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}) here, or pass a local directory"
+            + ("; --random-weights times the architecture without the weights" if files == MODEL_FILES else "")
         )
     log.info("downloading %s from the hub", source.location)
     try:
-        return Path(snapshot_download(source.location, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        return Path(snapshot_download(source.location, allow_patterns=list(files)))
     except GatedRepoError:  # before its parent class: the hub answers a gated repo without access with both
         raise SpecbenchError(
             f"model {source.location} is gated on the Hugging Face hub: accept its terms on "

@@ -66,11 +66,17 @@ def default_speculator(target: str) -> str | None:
 
 
 def speculator_dir(spec: str) -> Path:
-    """The checkpoint directory of an EAGLE head given as an alias (a bundled head) or a directory."""
+    """The checkpoint directory of an EAGLE head given as an alias (a bundled head), a directory or a
+    hub id (from the local cache, else downloaded once, as a --target's: models/load.local_dir)."""
     bundled = "bundled" in read_config("models.toml").get(spec, {})
     path = Path(resolve(spec).location) if bundled else Path(spec).expanduser()
+    if not path.is_dir() and HUB_ID.match(spec):
+        from specbench.models.load import HEAD_FILES, local_dir  # torch: only for a head on the hub
+
+        return local_dir(ModelSource(spec, "hub", spec), HEAD_FILES)
     if not path.is_dir():
         raise SpecbenchError(
-            f"--speculator {spec}: no such directory; give an EAGLE-3 head's checkpoint directory or a head's alias"
+            f"--speculator {spec}: no such directory; give an EAGLE-3 head's checkpoint directory, a head's alias "
+            "or its hub id"
         )
     return path

@@ -148,6 +148,50 @@ def test_a_speculators_head_specbench_cannot_run_is_refused_in_one_line(law, tmp
         head_for(target, in_speculators_layout(path, **changes))
 
 
+def test_a_head_in_pytorchs_format_reads_as_the_same_head(law, tmp_path):
+    # EAGLE-3's authors publish their heads as pytorch_model.bin.
+    from safetensors.torch import load_file
+
+    target, head = law
+    path = build_eagle3_head(tmp_path / "h", target.model.config, taps=LAW_TAPS, draft_ids=DRAFT_IDS, seed=3)
+    torch.save(load_file(path / WEIGHTS), path / "pytorch_model.bin")
+    (path / WEIGHTS).unlink()
+    ids = torch.tensor([0, 2, 1, 2])
+    with torch.inference_mode():
+        assert torch.equal(every_score(head_for(target, path), ids), every_score(head, ids))
+
+
+def test_a_head_named_by_its_hub_id_is_read_from_the_hub_cache(law, tmp_path, monkeypatch):
+    # --speculator RedHatAI/Qwen3-8B-speculator.eagle3, as --target takes a hub id: the cached snapshot,
+    # else a download of its config and weights only; offline and uncached, one line.
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    from specbench.models.names import speculator_dir
+
+    target, _ = law
+    path = build_eagle3_head(tmp_path / "snapshot", target.model.config, taps=LAW_TAPS, draft_ids=DRAFT_IDS, seed=3)
+    asked = []
+
+    def snapshot_download(repo_id, local_files_only=False, allow_patterns=None):
+        asked.append((repo_id, local_files_only, allow_patterns))
+        if repo_id == "org/cached-head" or not local_files_only:
+            return str(path)
+        raise errors.LocalEntryNotFoundError(f"{repo_id} is not in the cache")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    assert speculator_dir("org/cached-head") == path and asked == [("org/cached-head", True, None)]
+    monkeypatch.setattr("specbench.models.load.hub_reachable", lambda: True)
+    assert speculator_dir("org/new-head") == path
+    assert asked[-1] == ("org/new-head", False, ["*.json", "*.safetensors", "*.bin"])  # no tokenizer, no GGUF
+    monkeypatch.setattr("specbench.models.load.hub_reachable", lambda: False)
+    with pytest.raises(SpecbenchError) as raised:
+        speculator_dir("org/offline-head")
+    said = str(raised.value)
+    assert said.startswith("model org/offline-head is not in the local Hugging Face cache and the hub is unreachable")
+    assert "\n" not in said and "--random-weights" not in said
+
+
 def test_a_packed_head_scores_as_the_unpacked_one(law, tmp_path):
     target, _ = law
     path = build_eagle3_head(tmp_path / "head", target.model.config, taps=(0, 1, 2), draft_ids=DRAFT_IDS, seed=4)
