@@ -173,8 +173,7 @@ def speculators_layout(config: dict, where: str) -> dict:
         from transformers import LlamaConfig
 
         layer = LlamaConfig(**layer).to_dict()
-    unread = [
-        f"{layer.get('num_hidden_layers')} decoder layers" if layer.get("num_hidden_layers", 1) != 1 else None,
+    unread = [  # its layer count is read from its weights (read_head)
         f"{layer.get('model_type')} layers" if layer.get("model_type", "llama") != "llama" else None,
         "biases" if layer.get("attention_bias") or layer.get("mlp_bias") else None,
         "a norm before fc" if config.get("norm_before_fc") else None,
@@ -410,6 +409,11 @@ def read_head(path: Path, embed: torch.Tensor, target_layers: int, target_hidden
         weights = load_file(weights_file)
     else:  # tensors only: a pickle that would run code is refused
         weights = torch.load(weights_file, map_location="cpu", weights_only=True)
+    # Counted in the weights: some speculators configs give the verifier's layer count (vLLM's users
+    # override it to 1), so the config cannot say.
+    layers = {name.split(".")[1] for name in weights if name.startswith("layers.")}
+    if len(layers) > 1:
+        raise SpecbenchError(f"{where}: the head has {len(layers)} decoder layers; specbench runs EAGLE-3 heads of one")
     own_embed = weights.pop("embed_tokens.weight", None)
     d2t = weights.pop("d2t", None)
     weights.pop("t2d", None)

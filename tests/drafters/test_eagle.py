@@ -134,7 +134,6 @@ def test_a_head_in_the_speculators_layout_reads_as_the_same_head(law, tmp_path):
 @pytest.mark.parametrize(
     "changes, needle",
     [
-        ({"num_hidden_layers": 2}, "the head has 2 decoder layers; specbench runs EAGLE-3 heads of one Llama layer"),
         ({"model_type": "qwen3"}, "the head has qwen3 layers; specbench runs EAGLE-3 heads of one Llama layer"),
         ({"attention_bias": True}, "the head has biases;"),
         ({"norm_before_fc": True}, "the head has a norm before fc;"),
@@ -146,6 +145,23 @@ def test_a_speculators_head_specbench_cannot_run_is_refused_in_one_line(law, tmp
     path = build_eagle3_head(tmp_path / "h", target.model.config, taps=LAW_TAPS, seed=5, layer_prefix="layers.0")
     with pytest.raises(SpecbenchError, match=re.escape(needle)):
         head_for(target, in_speculators_layout(path, **changes))
+
+
+def test_a_head_is_as_deep_as_its_weights_say(law, tmp_path):
+    # A speculators config may give the verifier's layer count (vLLM's users override it to 1): the
+    # weights decide. A second layer's weights are refused in one line.
+    from safetensors.torch import load_file, save_file
+
+    target, _ = law
+    path = build_eagle3_head(tmp_path / "h", target.model.config, taps=LAW_TAPS, draft_ids=DRAFT_IDS, seed=3)
+    want = head_for(target, path)
+    one = head_for(target, in_speculators_layout(path, num_hidden_layers=28, norm_before_residual=False))
+    assert one.config == dataclasses.replace(want.config, eps=1e-6, max_positions=2048)  # LlamaConfig's defaults
+    weights = load_file(path / WEIGHTS)
+    weights |= {name.replace("midlayer.", "layers.1."): w.clone() for name, w in weights.items() if "midlayer." in name}
+    save_file({name.replace("midlayer.", "layers.0."): w for name, w in weights.items()}, str(path / WEIGHTS))
+    with pytest.raises(SpecbenchError, match="the head has 2 decoder layers; specbench runs EAGLE-3 heads of one$"):
+        head_for(target, path)
 
 
 def test_a_head_in_pytorchs_format_reads_as_the_same_head(law, tmp_path):
