@@ -13,22 +13,26 @@ own prediction (the layer's output before the final norm) in place of the target
 each verification the entries it drafted with are dropped, and the accepted tokens are read again
 with the features the target computed for them.
 
-This module knows torch and safetensors, not transformers: the target's features come from
-``lm.HFCausalLM.record_features``.
+This module runs on torch and safetensors; the target's features come from
+``lm.HFCausalLM.record_features``. transformers serves only to read a config as vLLM and SGLang read
+it (LlamaConfig's defaults, its RoPE parameters) and to compute a scaled RoPE's frequencies.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from specbench.core.errors import SpecbenchError
+from specbench.core.errors import SpecbenchError, first_said
 from specbench.decoding.kv import GrowingKV
 from specbench.models.fast import ROPE_TYPES, Linear, attend, can_pack, rms_norm, rope, swiglu
+from specbench.models.load import REDOWNLOAD, weights_problem
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what config.json names: vLLM's and SGLang's EAGLE-3 loaders read it
 
@@ -57,7 +61,7 @@ class HeadConfig:
     rope_theta: float = 10000.0
     # A scaled RoPE's parameters but its theta (rope_type, factor, ...), as items: () for default RoPE.
     rope_scaling: tuple[tuple[str, object], ...] = ()
-    max_positions: int = 8192  # max_position_embeddings: what yarn's factor is judged against
+    max_positions: int = 2048  # max_position_embeddings (LlamaConfig's default): what yarn's is judged against
     norm_before_residual: bool = False
 
     @property
@@ -104,8 +108,12 @@ class HeadConfig:
                 f"{where}: config.json names {architectures or 'no architecture'}, not an EAGLE-3 head "
                 f"({ARCHITECTURE}): give a head in the EAGLE-3 speculator format"
             )
-        theta, scaling = rope_of(config, where)
         eagle = config.get("eagle_config") or {}
+        if reasons := sorted({said for name, said in UNRUN.items() if config.get(name) or eagle.get(name)}):
+            raise SpecbenchError(
+                f"{where}: the head has {' and '.join(reasons)}; specbench runs EAGLE-3 heads of one Llama layer"
+            )
+        theta, scaling, max_positions = rope_of(config, where)
         if eagle.get("use_aux_hidden_state", True):
             taps = tuple(eagle.get("eagle_aux_hidden_state_layer_ids") or default_taps(target_layers))
         else:
@@ -124,21 +132,49 @@ class HeadConfig:
             eps=config.get("rms_norm_eps", 1e-6),  # LlamaConfig's, which vLLM and SGLang build from this file
             rope_theta=theta,
             rope_scaling=scaling,
-            max_positions=config.get("max_position_embeddings") or 8192,
+            max_positions=max_positions,
             norm_before_residual=bool(config.get("norm_before_residual", False)),
         )
 
 
-def rope_of(config: dict, where: str) -> tuple[float, tuple[tuple[str, object], ...]]:
-    """The RoPE a head's (or a target's) config.json gives: its theta, and a scaled RoPE's other
-    parameters as HeadConfig.rope_scaling holds them (its frequencies fixed at load: fast.ROPE_TYPES). transformers 5 writes them under
-    rope_parameters, earlier versions under rope_scaling (``type`` for ``rope_type`` in the oldest)."""
-    params = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
-    kind = params.pop("rope_type", params.pop("type", "default"))
-    theta = params.pop("rope_theta", None) or config.get("rope_theta") or 10000.0
+ROPE_FIELDS = (
+    "rope_parameters",
+    "rope_scaling",
+    "rope_theta",
+    "max_position_embeddings",
+    "original_max_position_embeddings",
+)
+
+
+def rope_of(config: dict, where: str) -> tuple[float, tuple[tuple[str, object], ...], int]:
+    """The RoPE a head's (or a target's) config.json gives, as transformers' LlamaConfig reads it (what
+    vLLM and SGLang build from the file: rope_parameters, or the older rope_scaling and rope_theta, gaps
+    filled by its defaults): its theta, a scaled RoPE's other parameters as HeadConfig.rope_scaling
+    holds them (fixed at load: fast.ROPE_TYPES), and max_position_embeddings."""
+    from transformers import LlamaConfig
+
+    given = copy.deepcopy({name: config[name] for name in ROPE_FIELDS if config.get(name) is not None})
+    try:  # LlamaConfig checks a scaled RoPE's parameters (llama3's factors, yarn's factor) as it reads them
+        read = LlamaConfig(**given)
+    except (KeyError, ValueError, TypeError) as e:
+        raise SpecbenchError(f"{where}: its RoPE parameters do not read as a Llama's: {first_said(e)}") from None
+    params = {name: value for name, value in read.rope_parameters.items() if name != "type"}  # the oldest spelling
+    kind, theta = params.pop("rope_type", "default"), params.pop("rope_theta")
     if kind not in ROPE_TYPES:
         raise SpecbenchError(f"{where}: RoPE of type {kind}; EAGLE heads here take {', '.join(ROPE_TYPES)} RoPE")
-    return float(theta), () if kind == "default" else tuple(sorted({"rope_type": kind, **params}.items()))
+    scaling = () if kind == "default" else tuple(sorted({"rope_type": kind, **params}.items()))
+    return float(theta), scaling, read.max_position_embeddings
+
+
+# What a head may say that one Llama layer does not run (EAGLE-3.1's norms, gpt-oss' norm before fc,
+# biases): each changes the forward, so a head that sets one is refused rather than run without it.
+UNRUN = {
+    "norm_before_fc": "a norm before fc",
+    "norm_output": "a norm on its output",
+    "fc_norm": "a norm after fc",
+    "attention_bias": "biases",
+    "mlp_bias": "biases",
+}
 
 
 def rotary_frequencies(c: HeadConfig) -> tuple[torch.Tensor, float]:
@@ -162,34 +198,42 @@ def speculators_layout(config: dict, where: str) -> dict:
     """A config.json in the speculators library's layout (vLLM's; RedHatAI's published heads) as the
     EAGLE-3 layout that HeadConfig.from_json reads: the decoder layer's fields live in
     ``transformer_layer_config``, the head's own (draft vocabulary, features' width, the norm before the
-    residual, the target's layers read) beside it. Its weights are named as vLLM's (``layers.0.*``).
-    A head that specbench's one Llama layer cannot run is refused in one line."""
+    residual, the target's layers read, UNRUN's) beside it. Its weights are named as vLLM's
+    (``layers.0.*``); its layer count is read from them (read_head), since some configs give the
+    verifier's."""
     kind, layer = config.get("speculators_model_type"), config.get("transformer_layer_config")
     if kind != "eagle3":
         raise SpecbenchError(f"{where}: a speculators '{kind}' model, not an EAGLE-3 head: give an eagle3 one")
     if not isinstance(layer, dict):
         raise SpecbenchError(f"{where}: config.json has no transformer_layer_config: not a speculators EAGLE-3 head")
-    if layer.get("model_type", "llama") == "llama":  # omitted fields are LlamaConfig's, as speculators reads them
-        from transformers import LlamaConfig
-
-        layer = LlamaConfig(**layer).to_dict()
-    unread = [  # its layer count is read from its weights (read_head)
-        f"{layer.get('model_type')} layers" if layer.get("model_type", "llama") != "llama" else None,
-        "biases" if layer.get("attention_bias") or layer.get("mlp_bias") else None,
-        "a norm before fc" if config.get("norm_before_fc") else None,
-    ]
-    if reasons := [r for r in unread if r]:
+    if layer.get("model_type", "llama") != "llama":
         raise SpecbenchError(
-            f"{where}: the head has {' and '.join(reasons)}; specbench runs EAGLE-3 heads of one Llama layer"
+            f"{where}: the head has {layer['model_type']} layers; specbench runs EAGLE-3 heads of one Llama layer"
         )
+    from transformers import LlamaConfig
+
+    try:  # omitted fields are LlamaConfig's, as speculators and vLLM read them
+        layer = LlamaConfig(**copy.deepcopy(layer)).to_dict()
+    except (KeyError, ValueError, TypeError) as e:
+        raise SpecbenchError(
+            f"{where}: its transformer_layer_config does not read as a Llama's: {first_said(e)}"
+        ) from None
     taps = config.get("eagle_aux_hidden_state_layer_ids")
-    return layer | {
-        "architectures": config.get("architectures") or [ARCHITECTURE],
-        "draft_vocab_size": config.get("draft_vocab_size"),
-        "target_hidden_size": config.get("target_hidden_size"),
-        "norm_before_residual": config.get("norm_before_residual", False),  # speculators' default
-        "eagle_config": {"use_aux_hidden_state": True, **({"eagle_aux_hidden_state_layer_ids": taps} if taps else {})},
-    }
+    return (
+        layer
+        | {name: config[name] for name in UNRUN if name in config}
+        | {
+            "architectures": config.get("architectures") or [ARCHITECTURE],
+            "draft_vocab_size": config.get("draft_vocab_size"),
+            "target_hidden_size": config.get("target_hidden_size"),
+            # vLLM's default where the field is missing (the library always writes it): the head runs as there
+            "norm_before_residual": config.get("norm_before_residual", True),
+            "eagle_config": {
+                "use_aux_hidden_state": True,
+                **({"eagle_aux_hidden_state_layer_ids": taps} if taps else {}),
+            },
+        }
+    )
 
 
 class Norm(nn.Module):
@@ -405,10 +449,15 @@ def read_head(path: Path, embed: torch.Tensor, target_layers: int, target_hidden
         )
     if any(not 0 <= t <= target_layers for t in config.taps):
         raise SpecbenchError(f"{where}: the head reads layers {list(config.taps)}; the target has {target_layers}")
-    if weights_file.name == WEIGHTS:
-        weights = load_file(weights_file)
-    else:  # tensors only: a pickle that would run code is refused
-        weights = torch.load(weights_file, map_location="cpu", weights_only=True)
+    if problem := weights_problem(weights_file):
+        raise SpecbenchError(f"{where}: cannot read the weights file {weights_file}: {problem}; {REDOWNLOAD}")
+    try:
+        if weights_file.name == WEIGHTS:
+            weights = load_file(weights_file)
+        else:  # tensors only: a pickle that would run code is refused
+            weights = torch.load(weights_file, map_location="cpu", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, ValueError) as e:
+        raise SpecbenchError(f"{where}: cannot read the weights file {weights_file}: {first_said(e)}") from None
     # Counted in the weights: some speculators configs give the verifier's layer count (vLLM's users
     # override it to 1), so the config cannot say.
     layers = {name.split(".")[1] for name in weights if name.startswith("layers.")}

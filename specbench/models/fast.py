@@ -50,8 +50,8 @@ def unsupported(model) -> str | None:
         return f"the fast path covers models with SiLU, not {config.hidden_act}"
     kinds = getattr(config, "layer_types", None)
     window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    if kinds is None and window is not None:  # Mistral's: every layer slides
-        kinds = ["sliding_attention"]
+    if window is not None and (kinds is None or config.model_type == "mistral"):
+        kinds = ["sliding_attention"]  # Mistral's modeling slides every layer whenever it has a window
     if set(kinds or ["full_attention"]) != {"full_attention"}:
         return "the fast path covers full attention in every layer, not sliding windows"
     if getattr(model.get_output_embeddings(), "bias", None) is not None:

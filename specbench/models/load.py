@@ -30,7 +30,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.txt")  # config, weights, tokenizer
-HEAD_FILES = ("*.json", "*.safetensors", "*.bin")  # an EAGLE head: config and weights (some ship PyTorch's)
+HEAD_FILES = ("*.json", "*.safetensors", "pytorch_model.bin")  # an EAGLE head: config, weights (some PyTorch's)
 
 
 def local_dir(source: ModelSource, files: tuple[str, ...] = MODEL_FILES) -> Path:

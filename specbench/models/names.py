@@ -70,7 +70,7 @@ def speculator_dir(spec: str) -> Path:
     hub id (from the local cache, else downloaded once, as a --target's: models/load.local_dir)."""
     bundled = "bundled" in read_config("models.toml").get(spec, {})
     path = Path(resolve(spec).location) if bundled else Path(spec).expanduser()
-    if not path.is_dir() and HUB_ID.match(spec):
+    if not path.is_dir() and HUB_ID.match(spec) and not path.parent.is_dir():  # heads/mine, mistyped: a path
         from specbench.models.load import HEAD_FILES, local_dir  # torch: only for a head on the hub
 
         return local_dir(ModelSource(spec, "hub", spec), HEAD_FILES)

@@ -35,7 +35,7 @@ from specbench.core.errors import SpecbenchError
 from specbench.core.files import replacing
 from specbench.engines import llamacpp
 from specbench.models.load import LoadedModel
-from specbench.models.names import speculator_dir
+from specbench.models.names import HUB_ID, speculator_dir
 from specbench.models.student import Example, collate, kd_loss, labelled_logits, save_checkpoint
 from specbench.training import teacher
 from specbench.training.distill_data import answered_prompts, parse_data
@@ -114,9 +114,12 @@ class DistillConfig:
         if self.goes_on and self.trains_head:
             try:
                 speculator_dir(self.init)
-            except SpecbenchError:
+            except SpecbenchError as e:
+                if HUB_ID.match(self.init):  # the hub's own answer (offline, gated, not found) says more
+                    raise
                 raise SpecbenchError(
-                    f"--init {self.init}: for --kind eagle use pca, random, or an EAGLE head's directory or alias to go on training"
+                    f"--init {self.init}: for --kind eagle use pca, random, or an EAGLE head's directory, alias or "
+                    "hub id to go on training"
                 ) from None
         elif self.goes_on and not (Path(self.init) / "config.json").is_file():
             raise SpecbenchError(

@@ -125,7 +125,7 @@ def new_head(cfg: DistillConfig, target: LoadedModel, draft_ids: list[int]) -> E
             )
         config = replace(earlier.config, draft_vocab=len(draft_ids))
     else:
-        theta, scaling = rope_of(c.to_dict(), f"--target {cfg.target}")
+        theta, scaling, max_positions = rope_of(c.to_dict(), f"--target {cfg.target}")
         config = HeadConfig(
             hidden=c.hidden_size,
             heads=c.num_attention_heads,
@@ -139,7 +139,7 @@ def new_head(cfg: DistillConfig, target: LoadedModel, draft_ids: list[int]) -> E
             eps=c.rms_norm_eps,
             rope_theta=theta,
             rope_scaling=scaling,  # the target's: the head reads its positions as the target does
-            max_positions=c.max_position_embeddings,
+            max_positions=max_positions,
             norm_before_residual=True,
         )
     torch.manual_seed(cfg.seed)

@@ -7,6 +7,7 @@ import dataclasses
 import json
 import re
 from collections import Counter
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -90,7 +91,7 @@ def in_speculators_layout(path: Path, **changes) -> Path:
     """The head at ``path`` (build_eagle3_head's, ``layers.0.*`` weights) with its config.json rewritten
     as the speculators library writes one: the layer's fields in transformer_layer_config (its norm's
     epsilon, LlamaConfig's default, left out as to_diff_dict leaves it), the head's own beside it;
-    ``changes`` set fields of the top level (those it has, and norm_before_fc) or of the layer."""
+    ``changes`` set fields of the top level (those it has, and EAGLE-3.1's norms) or of the layer."""
     config = json.loads((path / "config.json").read_text())
     eagle = config.pop("eagle_config")
     head = {
@@ -107,7 +108,7 @@ def in_speculators_layout(path: Path, **changes) -> Path:
     del config["rms_norm_eps"]  # LlamaConfig's default (1e-6 the caller wrote): to_diff_dict leaves it out
     head["transformer_layer_config"] = config
     for name, value in changes.items():
-        (head if name in head or name == "norm_before_fc" else config)[name] = value
+        (head if name in head or name in ("norm_before_fc", "norm_output", "fc_norm") else config)[name] = value
     (path / "config.json").write_text(json.dumps(head))
     return path
 
@@ -137,6 +138,8 @@ def test_a_head_in_the_speculators_layout_reads_as_the_same_head(law, tmp_path):
         ({"model_type": "qwen3"}, "the head has qwen3 layers; specbench runs EAGLE-3 heads of one Llama layer"),
         ({"attention_bias": True}, "the head has biases;"),
         ({"norm_before_fc": True}, "the head has a norm before fc;"),
+        ({"norm_output": True, "fc_norm": True}, "the head has a norm after fc and a norm on its output;"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "its transformer_layer_config does not read as"),
         ({"speculators_model_type": "eagle"}, "a speculators 'eagle' model, not an EAGLE-3 head"),
     ],
 )
@@ -162,6 +165,51 @@ def test_a_head_is_as_deep_as_its_weights_say(law, tmp_path):
     save_file({name.replace("midlayer.", "layers.0."): w for name, w in weights.items()}, str(path / WEIGHTS))
     with pytest.raises(SpecbenchError, match="the head has 2 decoder layers; specbench runs EAGLE-3 heads of one$"):
         head_for(target, path)
+
+
+def test_a_speculators_head_without_its_norm_field_runs_as_in_vllm(law, tmp_path):
+    # The library always writes norm_before_residual; vLLM reads a config without it as True.
+    target, _ = law
+    path = build_eagle3_head(tmp_path / "h", target.model.config, taps=LAW_TAPS, seed=5, layer_prefix="layers.0")
+    config = json.loads((in_speculators_layout(path) / "config.json").read_text())
+    del config["norm_before_residual"]
+    (path / "config.json").write_text(json.dumps(config))
+    assert head_for(target, path).config.norm_before_residual
+
+
+@pytest.mark.parametrize(
+    "eagle, needle",
+    [
+        ({"norm_before_fc": True}, "the head has a norm before fc; specbench runs EAGLE-3 heads of one Llama layer"),
+        ({}, "its RoPE parameters do not read as a Llama's"),
+    ],
+    ids=["norm-before-fc", "llama3-without-its-factors"],
+)
+def test_an_eagle3_head_specbench_cannot_run_is_refused_in_one_line(law, tmp_path, eagle, needle):
+    target, _ = law
+    path = build_eagle3_head(tmp_path / "h", target.model.config, taps=LAW_TAPS, seed=5)
+    config = json.loads((path / "config.json").read_text())
+    config["eagle_config"] |= eagle
+    if not eagle:
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}  # no low and high frequency factors
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecbenchError, match=re.escape(needle)) as raised:
+        head_for(target, path)
+    assert "\n" not in str(raised.value)
+
+
+@pytest.mark.parametrize("damage", ["not tensors", "cut short"])
+def test_weights_that_cannot_be_read_are_one_line(law, tmp_path, damage):
+    target, _ = law
+    path = build_eagle3_head(tmp_path / "h", target.model.config, taps=LAW_TAPS, seed=5)
+    if damage == "not tensors":  # a pickle weights_only refuses (it could run code)
+        (path / WEIGHTS).unlink()
+        torch.save({"weights": Fraction(1, 3)}, path / "pytorch_model.bin")
+    else:
+        (path / WEIGHTS).write_bytes((path / WEIGHTS).read_bytes()[:5000])
+    with pytest.raises(SpecbenchError, match="cannot read the weights file") as raised:
+        head_for(target, path)
+    assert "\n" not in str(raised.value)
 
 
 def test_a_head_in_pytorchs_format_reads_as_the_same_head(law, tmp_path):
@@ -199,7 +247,7 @@ def test_a_head_named_by_its_hub_id_is_read_from_the_hub_cache(law, tmp_path, mo
     assert speculator_dir("org/cached-head") == path and asked == [("org/cached-head", True, None)]
     monkeypatch.setattr("specbench.models.load.hub_reachable", lambda: True)
     assert speculator_dir("org/new-head") == path
-    assert asked[-1] == ("org/new-head", False, ["*.json", "*.safetensors", "*.bin"])  # no tokenizer, no GGUF
+    assert asked[-1] == ("org/new-head", False, ["*.json", "*.safetensors", "pytorch_model.bin"])  # the head's only
     monkeypatch.setattr("specbench.models.load.hub_reachable", lambda: False)
     with pytest.raises(SpecbenchError) as raised:
         speculator_dir("org/offline-head")
@@ -248,31 +296,35 @@ def test_a_head_cast_to_bfloat16_keeps_its_rotary_frequencies_in_float32(tiny_pa
         assert torch.equal(got, want.to(torch.bfloat16))  # the same angles, rounded only at the end
 
 
+# Each case: the RoPE's parameters beside its type and theta, and the file's other fields.
 SCALED_ROPE = {
-    "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-    "yarn": {"factor": 4.0, "original_max_position_embeddings": 64},  # cos and sin scaled too (attention factor)
-    "linear": {"factor": 2.0},
+    "llama3": (
+        {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+        {"max_position_embeddings": 512},
+    ),
+    "yarn": ({"factor": 4.0, "original_max_position_embeddings": 64}, {"max_position_embeddings": 512}),
+    "yarn-defaults": ({"factor": 4.0}, {}),  # its lengths are LlamaConfig's defaults, as vLLM reads them
+    "linear": ({"factor": 2.0}, {"max_position_embeddings": 512}),
 }
 
 
-@pytest.mark.parametrize("kind", SCALED_ROPE)
-def test_a_head_with_scaled_rope_rotates_as_transformers_and_saves_it(law, tmp_path, kind):
-    # Llama 3.1's heads (llama3), long-context ones (yarn): the frequencies and the cos/sin factor are
-    # transformers' own, and a saved head keeps them, in the form vLLM builds its LlamaConfig from.
+@pytest.mark.parametrize("case", SCALED_ROPE)
+def test_a_head_with_scaled_rope_rotates_as_transformers_and_saves_it(law, tmp_path, case):
+    # Llama 3.1's heads (llama3), long-context ones (yarn, whose cos and sin are scaled too): the
+    # frequencies are those of transformers' rotary embedding built from the same file, and a saved
+    # head keeps them, in the form vLLM builds its LlamaConfig from.
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     target, _ = law
     path = build_eagle3_head(tmp_path / "h", target.model.config, taps=LAW_TAPS, seed=5)
     config = json.loads((path / "config.json").read_text())
-    rope = {"rope_type": kind, "rope_theta": 500000.0, **SCALED_ROPE[kind]}
-    config |= {"rope_parameters": rope, "max_position_embeddings": 512}
+    extra, fields = SCALED_ROPE[case]
+    config.pop("rope_theta")
+    config |= {"rope_parameters": {"rope_type": case.split("-")[0], "rope_theta": 500000.0, **extra}, **fields}
     (path / "config.json").write_text(json.dumps(config))
     head = head_for(target, path)
-    shape = LlamaConfig(
-        hidden_size=config["hidden_size"], num_attention_heads=config["num_attention_heads"],
-        max_position_embeddings=512, rope_parameters=rope,
-    )  # fmt: skip
+    shape = LlamaConfig(**copy.deepcopy(config))  # what vLLM and SGLang build from the file
     positions = torch.tensor([0, 5, 63, 64, 300, 511])
     want = LlamaRotaryEmbedding(shape)(torch.zeros(1, dtype=F32), positions[None])
     for got, expected in zip(head._rotary(positions), want, strict=True):

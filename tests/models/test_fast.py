@@ -175,6 +175,9 @@ def test_models_beyond_the_fast_path_say_why(tmp_path):
     shape = dict(hidden_size=32, num_attention_heads=2, num_hidden_layers=1, vocab_size=50)
     windowed = MistralForCausalLM(MistralConfig(**shape, sliding_window=16))  # Mistral 7B v0.1's kind
     assert unsupported(windowed) == "the fast path covers full attention in every layer, not sliding windows"
+    # transformers' Mistral slides every layer whenever it has a window, whatever layer_types says
+    windowed.config.layer_types = ["full_attention"]
+    assert unsupported(windowed) == "the fast path covers full attention in every layer, not sliding windows"
     gelu = LlamaForCausalLM(LlamaConfig(**shape, hidden_act="gelu"))
     assert unsupported(gelu) == "the fast path covers models with SiLU, not gelu"
 

@@ -375,7 +375,23 @@ def test_an_init_that_is_no_head_is_refused_in_one_line(tiny_pair, tmp_path):
         "distill", "--kind", "eagle", "--target", tiny_pair[0], "--out", str(tmp_path / "o"),
         "--init", str(tmp_path / "nowhere"),
     )  # fmt: skip
-    one_line_error(result, "--init", "nowhere", "EAGLE head's directory or alias")
+    one_line_error(result, "--init", "nowhere", "EAGLE head's directory, alias or hub id")
+
+
+def test_an_init_head_named_by_its_hub_id_says_what_the_hub_said(tmp_path, monkeypatch):
+    # Offline and not cached: local_dir's line (what to download, where), not a list of what --init takes.
+    import huggingface_hub
+    from huggingface_hub import errors
+
+    def snapshot_download(repo_id, **kwargs):
+        raise errors.LocalEntryNotFoundError(f"{repo_id} is not in the cache")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+    monkeypatch.setattr("specbench.models.load.hub_reachable", lambda: False)
+    with pytest.raises(SpecbenchError, match="model org/a-head is not in the local Hugging Face cache"):
+        DistillConfig(out=tmp_path / "o", kind="eagle", init="org/a-head").validate()
+    with pytest.raises(SpecbenchError, match="use pca, random, or an EAGLE head's directory, alias or hub id"):
+        DistillConfig(out=tmp_path / "o", kind="eagle", init=str(tmp_path / "no-such-head")).validate()
 
 
 def test_a_resumed_run_of_another_shape_is_refused_in_one_line(tiny_pair, tmp_path):
