@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from specbench.core.environment import cache_dir, config_dir, hub_reachable, read_config
+from specbench.core.environment import cache_dir, config_dir, hub_snapshot, read_config
 from specbench.core.errors import SpecbenchError
 from specbench.core.files import write_text
 from specbench.core.options import DEFAULT_DRAFT, DEFAULT_TARGET
@@ -30,49 +30,15 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 MODEL_FILES = ("*.json", "*.safetensors", "*.model", "*.txt")  # config, weights, tokenizer
-HEAD_FILES = ("*.json", "*.safetensors", "pytorch_model.bin")  # an EAGLE head: config, weights (some PyTorch's)
 
 
-def local_dir(source: ModelSource, files: tuple[str, ...] = MODEL_FILES) -> Path:
-    """A directory with config, weights and tokenizer for ``source``, downloading (only ``files``) or
-    converting once."""
+def local_dir(source: ModelSource) -> Path:
+    """A directory with config, weights and tokenizer for ``source``, downloading or converting once."""
     if source.kind == "dir":
         return Path(source.location)
     if source.kind == "gguf":
         return _converted_gguf(Path(source.location))
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import GatedRepoError, LocalEntryNotFoundError, RepositoryNotFoundError
-
-    try:
-        return Path(snapshot_download(source.location, local_files_only=True))
-    except LocalEntryNotFoundError:
-        pass
-    if not hub_reachable():
-        raise SpecbenchError(
-            f"model {source.location} is not in the local Hugging Face cache and the hub is unreachable: "
-            f"download it where there is a network (`hf download {source.location}`) and copy the cache "
-            f"({os.environ.get('HF_HOME', '~/.cache/huggingface')}) here, or pass a local directory"
-            + ("; --random-weights times the architecture without the weights" if files == MODEL_FILES else "")
-        )
-    log.info("downloading %s from the hub", source.location)
-    try:
-        return Path(snapshot_download(source.location, allow_patterns=list(files)))
-    except GatedRepoError:  # before its parent class: the hub answers a gated repo without access with both
-        raise SpecbenchError(
-            f"model {source.location} is gated on the Hugging Face hub: accept its terms on "
-            f"https://huggingface.co/{source.location} with your account, then log in (`hf auth login`) or set "
-            "HF_TOKEN; or pass a local directory"
-        ) from None
-    except RepositoryNotFoundError:
-        raise SpecbenchError(
-            f"model {source.location} is not on the Hugging Face hub, or is private: check the name, log in "
-            "(`hf auth login`) or set HF_TOKEN for a private one, or pass a local directory"
-        ) from None
-    except OSError as e:  # the hub's other HTTP errors, a dropped connection, a full disk
-        raise SpecbenchError(
-            f"downloading model {source.location} from the hub failed ({str(e).splitlines()[0]}): try again, or "
-            "pass a local directory"
-        ) from None
+    return hub_snapshot(source.location, MODEL_FILES, "; --random-weights times the architecture without the weights")
 
 
 REDOWNLOAD = "download it again (an interrupted download leaves a file cut short)"

@@ -9,10 +9,11 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from specbench.core.environment import PACKAGE, read_config
+from specbench.core.environment import PACKAGE, hub_snapshot, read_config
 from specbench.core.errors import SpecbenchError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+HEAD_FILES = ("*.json", "*.safetensors", "pytorch_model.bin")  # an EAGLE head: config, weights (some PyTorch's)
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,11 @@ def default_speculator(target: str) -> str | None:
 
 def speculator_dir(spec: str) -> Path:
     """The checkpoint directory of an EAGLE head given as an alias (a bundled head), a directory or a
-    hub id (from the local cache, else downloaded once, as a --target's: models/load.local_dir)."""
+    hub id (from the local cache, else its HEAD_FILES downloaded once, as a --target's)."""
     bundled = "bundled" in read_config("models.toml").get(spec, {})
     path = Path(resolve(spec).location) if bundled else Path(spec).expanduser()
     if not path.is_dir() and HUB_ID.match(spec) and not path.parent.is_dir():  # heads/mine, mistyped: a path
-        from specbench.models.load import HEAD_FILES, local_dir  # torch: only for a head on the hub
-
-        return local_dir(ModelSource(spec, "hub", spec), HEAD_FILES)
+        return hub_snapshot(spec, HEAD_FILES)
     if not path.is_dir():
         raise SpecbenchError(
             f"--speculator {spec}: no such directory; give an EAGLE-3 head's checkpoint directory, a head's alias "

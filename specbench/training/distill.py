@@ -114,7 +114,7 @@ class DistillConfig:
         if self.goes_on and self.trains_head:
             try:
                 speculator_dir(self.init)
-            except SpecbenchError as e:
+            except SpecbenchError:
                 if HUB_ID.match(self.init):  # the hub's own answer (offline, gated, not found) says more
                     raise
                 raise SpecbenchError(

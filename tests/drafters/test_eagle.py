@@ -245,10 +245,10 @@ def test_a_head_named_by_its_hub_id_is_read_from_the_hub_cache(law, tmp_path, mo
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
     assert speculator_dir("org/cached-head") == path and asked == [("org/cached-head", True, None)]
-    monkeypatch.setattr("specbench.models.load.hub_reachable", lambda: True)
+    monkeypatch.setattr("specbench.core.environment.hub_reachable", lambda: True)
     assert speculator_dir("org/new-head") == path
     assert asked[-1] == ("org/new-head", False, ["*.json", "*.safetensors", "pytorch_model.bin"])  # the head's only
-    monkeypatch.setattr("specbench.models.load.hub_reachable", lambda: False)
+    monkeypatch.setattr("specbench.core.environment.hub_reachable", lambda: False)
     with pytest.raises(SpecbenchError) as raised:
         speculator_dir("org/offline-head")
     said = str(raised.value)

@@ -71,7 +71,7 @@ def test_a_hub_model_that_cannot_be_had_is_one_line(monkeypatch, error, needles)
         raise hub_error(getattr(errors, error), f"401 Client Error for {repo_id}")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    monkeypatch.setattr("specbench.models.load.hub_reachable", lambda: True)
+    monkeypatch.setattr("specbench.core.environment.hub_reachable", lambda: True)
     with pytest.raises(SpecbenchError) as raised:
         load("org/llama-gated", torch.device("cpu"), torch.float32)
     said = str(raised.value)

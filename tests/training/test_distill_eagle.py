@@ -387,7 +387,7 @@ def test_an_init_head_named_by_its_hub_id_says_what_the_hub_said(tmp_path, monke
         raise errors.LocalEntryNotFoundError(f"{repo_id} is not in the cache")
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
-    monkeypatch.setattr("specbench.models.load.hub_reachable", lambda: False)
+    monkeypatch.setattr("specbench.core.environment.hub_reachable", lambda: False)
     with pytest.raises(SpecbenchError, match="model org/a-head is not in the local Hugging Face cache"):
         DistillConfig(out=tmp_path / "o", kind="eagle", init="org/a-head").validate()
     with pytest.raises(SpecbenchError, match="use pca, random, or an EAGLE head's directory, alias or hub id"):
