@@ -96,7 +96,9 @@ class Sizes:
 # files: what the last c runs, 85 s each, and d, 61 s, leave after theirs). c: graphs at 0.6 35 + 40
 # compiling (inductor's cache cold) + 10 decoding, graphs at 0.8 35 + 20 (the cache warm: dynamo still
 # traces) + 10, inductor 35 + 12 + 7, eager 35 + 7: about 245 s. d about 90 s: the EAGLE head built,
-# and the 7B graphs compiled again (the static path compiles for the cache's size, d's is not c's).
+# and the 7B forward compiled again to record the head's features (d decodes as long as c's graph runs,
+# so its cache is theirs and inductor's cache serves the tree's forwards: the static path compiles for
+# the cache's size).
 # In all about 200 + 245 + 90 + 5 = 540 s, a minute over the goal: every figure here but a's is a
 # guess (compiling above all), and each run's log times its stages and meta.json its build and
 # capture, so the first run says where to cut. c comes before d: a lease that ends first stops d.
@@ -152,9 +154,9 @@ def dry_sizes(folder: Path) -> Sizes:
         greedy_prompts=2,
         greedy_tokens=12,
         pair=pair,
-        # The static path compiles for its cache's size (prompt + new tokens + the widest forward): here
-        # b's bfloat16 run, c's graphs runs and d's (a tree of 7 tokens) all hold 33 positions, so the toy
-        # pair's graphs are compiled once, in b, and read from inductor's cache after.
+        # The static path compiles for its cache's size (prompt + new tokens + the widest forward, rounded
+        # up to static.CAPACITY_STEP): here b's bfloat16 run, c's graphs runs and d's all hold 256
+        # positions, so the toy pair's forwards are compiled once, in b, and read from inductor's cache after.
         prompts=1,
         tokens=10,
         graph_prompts=1,
@@ -850,10 +852,11 @@ def tree_and_eagle(check: Check) -> Outcome:
     with tempfile.TemporaryDirectory() as scratch:  # the head's weights stay out of the report's folder
         taps = (2, layers // 2, layers - 3) if layers >= 8 else (0, layers // 2, layers - 1)  # EAGLE-3's choice
         head = build_eagle3_head(Path(scratch) / "head", config, taps=taps)
+        # As long as c's graph runs: the same cache size, so inductor's cache serves c's forwards.
         out = check.run(
             "d-tree-eagle", *s.pair, "--dtype", "bfloat16", "--graphs", "--k", "4", "--method", "tree,eagle",
             "--tree", "2,2", "--speculator", str(head), "--num-prompts", str(s.prompts), "--max-new-tokens",
-            str(s.tokens), "--prompt-tokens", str(s.prompt_tokens),
+            str(s.graph_tokens), "--prompt-tokens", str(s.prompt_tokens),
         )  # fmt: skip
     summary = {r["method"]: r for r in read_csv(out / "summary.csv")}
     missing = {"tree", "eagle"} - set(summary)

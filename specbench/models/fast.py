@@ -383,7 +383,9 @@ def fold_groups(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask:
     folded = F.scaled_dot_product_attention(
         q.reshape(b, kv, group * n, d), keys, values, attn_mask=mask.repeat(1, 1, group, 1)
     )
-    return folded.view(b, heads, n, d)
+    # reshape, not view: CUDA's memory-efficient kernel lays its output out as [b, group * n, kv, d]
+    # transposed, which no view regroups into heads (it then copies the n * heads rows, no more).
+    return folded.reshape(b, heads, n, d)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:

@@ -155,10 +155,17 @@ class Graph:
         with torch.cuda.stream(side):  # capture needs the kernels chosen and compiled first
             for _ in range(2):
                 run(*self.buffers)
-        torch.cuda.current_stream(device).wait_stream(side)
+        current = torch.cuda.current_stream(device)
+        current.wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            return run(*self.buffers)
+        try:
+            with torch.cuda.graph(self.graph, pool=pool):
+                return run(*self.buffers)
+        except Exception:
+            # When the capture fails, torch's context manager raises before it makes the capture stream
+            # current no more: the compiled forwards that run instead must run where the loop's run.
+            torch.cuda.set_stream(current)
+            raise
 
     def replay(self) -> None:
         self.graph.replay()
@@ -216,7 +223,9 @@ def graphed(graphs: dict, key, run, buffers: Callable[[], tuple], pool, what: st
     try:
         graphs[key] = Graph(run, buffers(), pool)
     except Exception as e:  # noqa: BLE001 - whatever the capture raises, the compiled forward still runs
-        reason = first_said(e)
+        # An operation that fails inside a capture makes ending the capture fail too; torch raises that
+        # second error, with the first, the cause worth a line, as its context.
+        reason = first_said(e.__context__ or e)
         log.warning("capturing a CUDA graph failed, %s compiled: %s", what, reason)
         return None, time.perf_counter() - began
     return graphs[key], time.perf_counter() - began

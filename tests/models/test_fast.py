@@ -9,6 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from specbench.decoding.sampling import Sampling
 from specbench.decoding.tree import tree_inputs
 from specbench.drafters.model import ModelDrafter
+from specbench.models import fast
 from specbench.models.fast import PADDED_UP_TO, FastLlama, attend, fastest_rows, padded_rows, unsupported
 from specbench.models.lm import CacheView, HFCausalLM
 from specbench.models.load import load
@@ -245,6 +246,24 @@ def test_folded_query_groups_attend_as_grouped_heads():
         assert not torch.allclose(attend(q, keys.flip(1), values.flip(1), additive, grouped=grouped), want)
     with pytest.raises(ValueError, match="per head"):
         attend(q, keys, values, additive.expand(1, 8, 5, 12), grouped=False)
+
+
+def test_folded_query_groups_take_the_memory_efficient_kernels_layout(monkeypatch):
+    """On CUDA a masked attention runs the memory-efficient kernel, whose output [b, h, n, d] is laid
+    out as [b, n, h, d] transposed; a CPU's is contiguous. Folded groups read back from that layout
+    attend as grouped heads still (a view of it raised on CUDA, for one token and for several)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def transposed_out(*args, **kw):
+        return sdpa(*args, **kw).transpose(1, 2).contiguous().transpose(1, 2)
+
+    monkeypatch.setattr(fast.F, "scaled_dot_product_attention", transposed_out)
+    torch.manual_seed(0)
+    for n in (1, 5):
+        q, keys, values = torch.randn(1, 8, n, 16), torch.randn(1, 2, 12, 16), torch.randn(1, 2, 12, 16)
+        mask = torch.ones(n, 12, dtype=torch.bool).tril(12 - n)
+        want = sdpa(q, keys.repeat_interleave(4, dim=1), values.repeat_interleave(4, dim=1), attn_mask=mask)
+        torch.testing.assert_close(attend(q, keys, values, mask, grouped=False), want)
 
 
 @pytest.mark.gpu
