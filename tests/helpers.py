@@ -376,6 +376,15 @@ READS = {"item", "tolist", "cpu", "numpy", "__int__", "__float__", "__bool__", "
 # Tensors made from host data straight onto a device: on CUDA, a copy from pageable memory that waits
 # for the work queued before it (specbench.decoding.transfer.to_device makes them without a wait).
 MADE_ON_DEVICE = {"tensor", "as_tensor", "asarray"}
+# Indexing with a Python list makes the index such a tensor, on the indexed tensor's device.
+INDEXED = {"__getitem__", "__setitem__"}
+
+
+def host_index(index) -> bool:
+    """Whether ``index`` (of a tensor's [] or []=) holds a non-empty Python list: torch makes it a tensor
+    on the indexed tensor's device, which on CUDA is a copy from pageable memory that waits."""
+    parts = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(part, list) and part for part in parts)
 
 
 class Dispatched(TorchDispatchMode):
@@ -393,7 +402,8 @@ class Dispatched(TorchDispatchMode):
 
 class HostReads(TorchFunctionMode):
     """Counts the torch calls inside it that make the host wait for the device (test_syncs, make
-    gpu-check): reads of a tensor, and tensors made from host data with a ``device=`` (MADE_ON_DEVICE).
+    gpu-check): reads of a tensor, tensors made from host data with a ``device=`` (MADE_ON_DEVICE), and
+    tensors indexed with a Python list (INDEXED).
 
     With ``device``, only calls on that device count: inductor's CUDA wrapper reads the 0-d CPU
     tensors that dynamo passes its float arguments in (eps) with .item() at every call, and those wait
@@ -418,6 +428,8 @@ class HostReads(TorchFunctionMode):
             # (transformers' cache makes its layers so).
             if not (args and isinstance(args[0], torch.Tensor)):
                 self.count += self.device is None or result.device.type == self.device
+        elif name in INDEXED and len(args) > 1 and host_index(args[1]):
+            self.count += self.device is None or args[0].device.type == self.device
         return result
 
 

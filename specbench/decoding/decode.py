@@ -31,6 +31,7 @@ from specbench.decoding.sampling import (
     warp,
 )
 from specbench.decoding.sampling import seen_rows as _seen_rows
+from specbench.decoding.transfer import ids_to_device
 from specbench.decoding.tree import tree_inputs
 
 
@@ -84,8 +85,12 @@ class Draft:
         return self.parents == list(range(-1, len(self.tokens) - 1))
 
     def on_path(self, path: list[int]) -> torch.Tensor:
-        """The tokens at ``path``; a chain's accepted path is a prefix, taken as a view (no index copy)."""
-        return self.tokens[: len(path)] if self.is_chain else self.tokens[path]
+        """The tokens at ``path``; a chain's accepted path is a prefix, taken as a view (no index copy). A
+        tree's path is indexed from the device (ids_to_device): a Python list would be copied there
+        from pageable memory, a host sync on CUDA."""
+        if self.is_chain:
+            return self.tokens[: len(path)]
+        return self.tokens[ids_to_device(path, self.tokens.device)]
 
 
 class Drafter(Protocol):

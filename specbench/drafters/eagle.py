@@ -10,6 +10,7 @@ import torch
 
 from specbench.decoding.decode import Draft
 from specbench.decoding.sampling import Sampling, Verdict
+from specbench.decoding.transfer import ids_to_device
 from specbench.drafters.propose import propose_chain, propose_tree
 from specbench.models.eagle_head import EagleHead
 
@@ -148,8 +149,14 @@ class EagleDrafter:
 
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         # Its own entries of the round give way: the accepted tokens are read again with the target's features.
-        rows = [0] + [1 + i for i in verdict.path]
-        tokens, features = torch.cat([draft.on_path(verdict.path), verdict.next_token]), self.target.features[rows]
+        # The features of the round's pending token and of the path's: a chain's are a prefix (a view), a
+        # tree's are indexed from the device (a Python list would be a host sync on CUDA).
+        features = self.target.features
+        if draft.is_chain:
+            features = features[: len(verdict.path) + 1]
+        else:
+            features = features[ids_to_device([0] + [1 + i for i in verdict.path], features.device)]
+        tokens = torch.cat([draft.on_path(verdict.path), verdict.next_token])
         if self.read:
             self.cache.crop(self.base)
             self.tokens, self.features = tokens, features

@@ -46,8 +46,10 @@ class TreeDrafter:
     def accepted(self, draft: Draft, verdict: Verdict) -> None:
         kept = [n for n in verdict.path if n < self.inner]
         self.model.keep(list(range(self.read)) + [self.read + n for n in kept], self.read + self.inner)
-        leaf = [n for n in verdict.path if n >= self.inner]  # an accepted leaf, which the draft never read
-        self.pending = torch.cat([draft.tokens[leaf], verdict.next_token])
+        # An accepted leaf (at most one: a path's last node), which the draft never read. A slice, not a
+        # list index: on CUDA that would copy the list from the host and wait.
+        leaf = verdict.path[-1] if verdict.path and verdict.path[-1] >= self.inner else len(draft.tokens)
+        self.pending = torch.cat([draft.tokens[leaf : leaf + 1], verdict.next_token])
 
 
 class LookupTreeDrafter(PromptLookupDrafter):

@@ -44,6 +44,12 @@ def test_the_reads_are_counted():
     with HostReads() as reads:
         torch.tensor([1, 2], device=CPU), ids_to_device([1, 2], CPU), torch.tensor([1, 2])
     assert reads.count == 1
+    # And so is indexing with a list, which torch makes such a tensor; a slice, a tensor index or an
+    # empty list copies nothing from the host.
+    with HostReads() as reads:
+        x[[1]], x[:1], x[ids_to_device([1], CPU)], x[[]]
+        x[[0]] = 3
+    assert reads.count == 2
 
 
 LAW = np.array([0.5, 0.0, 0.2, 0.25, 0.05])
