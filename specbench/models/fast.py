@@ -74,10 +74,10 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 @dataclass
 class Linear:
     """Linear maps with one input, their outputs concatenated (q, k and v; gate and up). Packed on
-    a CPU: one oneDNN weight for all (the packed copy is new memory anyway), and ``padding`` says
-    how many rows to run a product of n rows with (see padded_rows). Elsewhere the modules' own
-    weights, shared rather than copied, so a GPU holds the weights once. ``biases``: one per weight
-    (None: none), or packed, one for the concatenated outputs."""
+    a CPU: one oneDNN weight for all (the packed copy is new memory anyway). Elsewhere the modules'
+    own weights, shared rather than copied, so a GPU holds the weights once. ``padding`` says how many
+    rows to run a product of n rows with on a CPU (see padded_rows; empty: as they come). ``biases``:
+    one per weight (None: none), or packed, one for the concatenated outputs."""
 
     weights: list[torch.Tensor]
     packed: bool
@@ -98,19 +98,30 @@ class Linear:
         return cls([pack(torch.cat(weights))], True, padding, [bias])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed:
-            rows = x.shape[0]
+        rows = padded = x.shape[0]
+        if self.padding:  # never on CUDA, nor where the forward is compiled: a count's lookup would guard on it
             padded = self.padding.get(rows, rows)
             if padded > rows:
                 x = F.pad(x, (0, 0, 0, padded - rows))
-            return torch.ops.mkldnn._linear_pointwise(x, self.weights[0], self.biases[0], "none", [], "")[:rows]
-        if len(self.weights) == 1:
-            return F.linear(x, self.weights[0], self.biases[0])
-        return torch.cat([F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True)], dim=-1)
+        if self.packed:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.weights[0], self.biases[0], "none", [], "")
+        elif len(self.weights) == 1:
+            out = F.linear(x, self.weights[0], self.biases[0])
+        else:
+            out = torch.cat([F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True)], dim=-1)
+        return out[:rows] if padded > rows else out
+
+    @property
+    def bytes(self) -> int:
+        return sum(w.numel() * w.element_size() for w in self.weights)
 
 
 PADDED_UP_TO = 8  # products of up to this many rows may run with more (a verification's sizes)
 PADDING_GAIN = 0.95  # padding is chosen when it takes at most this share of the unpadded time
+# The row counts are timed over the first layers' products whose weights reach this many bytes (and
+# the LM head): more than a CPU's caches hold, so they stream from memory as the forward's do, and all
+# of a SmolLM2-135M's; a 7B's 13 GB would take half a minute a size.
+PADDING_SAMPLE_BYTES = 2**30
 
 
 def padded_rows(linears: list[Linear], dtype: torch.dtype, repeats: int = 5) -> dict[int, int]:
@@ -137,6 +148,18 @@ def padded_rows(linears: list[Linear], dtype: torch.dtype, repeats: int = 5) -> 
             if repeat:
                 seconds[n].append(time.perf_counter() - start)
     return fastest_rows({n: sorted(times)[len(times) // 2] for n, times in seconds.items()})
+
+
+def padding_sample(layers: list[Linear], head: Linear) -> list[Linear]:
+    """What padded_rows times: ``layers`` (a model's products in forward order) up to the first whose
+    weights bring the total to PADDING_SAMPLE_BYTES, then ``head``."""
+    sample, total = [], 0
+    for linear in layers:
+        if total >= PADDING_SAMPLE_BYTES:
+            break
+        sample.append(linear)
+        total += linear.bytes
+    return [*sample, head]
 
 
 def fastest_rows(seconds: dict[int, float]) -> dict[int, int]:
@@ -169,15 +192,24 @@ class Layer:
 PACKED_FROM_WIDTH = 256
 
 
+def packable(model, width: int) -> bool:
+    """Whether oneDNN's packed kernels suit ``model``, ``width`` wide: on a CPU, in float32 or bfloat16,
+    at least PACKED_FROM_WIDTH wide (memory aside)."""
+    cpu, dtype = model.device.type == "cpu", model.dtype
+    return (
+        cpu
+        and dtype in (torch.float32, torch.bfloat16)
+        and torch.backends.mkldnn.is_available()
+        and width >= PACKED_FROM_WIDTH
+    )
+
+
 def can_pack(model, width: int) -> bool:
-    """Whether ``model``'s weights, ``width`` wide, are held packed for oneDNN: on a CPU, in float32
-    or bfloat16, at least PACKED_FROM_WIDTH wide, with memory for the packed copy (transformers'
-    modules keep theirs: hf-generate runs on them)."""
-    device, dtype = model.device, model.dtype
-    if device.type != "cpu" or dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+    """Whether ``model``'s weights, ``width`` wide, are held packed for oneDNN: packable, with memory for
+    the packed copy (transformers' modules keep theirs: hf-generate runs on them)."""
+    if not packable(model, width):
         return False
-    if width < PACKED_FROM_WIDTH:
-        return False
+    dtype = model.dtype
     need, free = sum(p.numel() for p in model.parameters()) * dtype.itemsize, available_memory()
     if free is not None and need > 0.8 * free:
         log.warning(
@@ -193,7 +225,12 @@ class FastLlama:
     """A Llama-shaped model's decoder (FAMILIES), run by specbench: ``hidden(ids, positions, cache, mask)`` returns
     the final normed hidden states, as ``model.model(...).last_hidden_state`` would."""
 
-    def __init__(self, model, packed: bool | None = None, compiled: bool | None = None):
+    def __init__(
+        self, model, packed: bool | None = None, compiled: bool | None = None, padding: dict[int, int] | None = None
+    ):
+        """``packed`` and ``compiled`` None: as suits the device (can_pack; compiled on CUDA). ``padding``:
+        the row counts to run products with, measured before for this model (a rebuild); None: measured
+        here where a CPU's kernels call for it."""
         start = time.perf_counter()
         config, base = model.config, model.model
         self.device, self.dtype = model.device, model.dtype
@@ -222,9 +259,14 @@ class FastLlama:
             for layer, attention in ((layer, layer.self_attn) for layer in base.layers)
         ]
         self.head = self.linear(model.get_output_embeddings().weight)
-        if self.packed:
+        # Packed, or left unpacked for want of memory: a CPU's kernels choose by the row count either way
+        # (a 7B's bfloat16 products ran one row 12% slower than two on the 2-core AMD EPYC). A forward
+        # asked to run unpacked (the static path, tests of transformers' arithmetic) runs as it comes.
+        if padding is not None:
+            self.padding.update(padding)
+        elif self.packed or (packed is None and packable(model, config.hidden_size)):
             linears = [m for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
-            self.padding.update(padded_rows([*linears, self.head], self.dtype))
+            self.padding.update(padded_rows(padding_sample(linears, self.head), self.dtype))
         self.intermediate = config.intermediate_size
         self._rms, self._rope, self._swiglu = rms_norm, rope, swiglu
         self.compiled = self.device.type == "cuda" if compiled is None else compiled

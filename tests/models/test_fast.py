@@ -138,6 +138,44 @@ def test_the_fastest_row_count_is_chosen_only_when_it_clearly_pays():
     assert fastest_rows({1: 10.0, 2: 9.8, 3: 12.0}) == {1: 1, 2: 2, 3: 3}  # 2% is noise, not a reason to pad
 
 
+def test_a_model_left_unpacked_for_want_of_memory_still_runs_the_fastest_row_counts(monkeypatch):
+    # A 7B in bfloat16 on a 24 GB CPU has no room for a packed copy; its own products still choose their
+    # kernel by the row count (one row ran 12% slower than two on the AMD EPYC), so it measures them too.
+    model = llama(0, layers=2, hidden=256)
+    monkeypatch.setattr(fast, "available_memory", lambda: 10**6)  # bytes free: no packed copy fits
+    own = FastLlama(model)
+    assert own.route == "own" and sorted(own.padding) == list(range(1, PADDED_UP_TO + 1))
+    width = model.config.vocab_size
+    prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
+    want = scores(HFCausalLM(model, width), prefix, chain, [-1, 0, 0])
+    for padding in ({n: PADDED_UP_TO for n in own.padding}, {}):
+        own.padding.clear()
+        own.padding.update(padding)
+        got = scores(HFCausalLM(model, width, fast=own), prefix, chain, [-1, 0, 0])
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
+            assert torch.equal(g.argmax(-1), w.argmax(-1))
+    rows, linear = [], torch.nn.functional.linear  # the padded rows reach the product, and only the asked come back
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *args: rows.append(len(x)) or linear(x, *args))
+    own.padding.update({1: 3})
+    assert own.head(torch.zeros(1, 256)).shape == (1, width) and rows == [3]
+    # Asked to run unpacked (the static path, transformers' arithmetic bit for bit), it runs as it comes;
+    # rebuilt over changed weights (online updates), it keeps the counts it measured.
+    assert FastLlama(model, packed=False).padding == {}
+    monkeypatch.setattr(fast, "padded_rows", lambda *args, **kw: pytest.fail("measured again"))
+    assert FastLlama(model, own.packed, own.compiled, {1: 2}).padding == {1: 2}
+
+
+def test_the_row_counts_are_timed_over_the_first_layers_that_outweigh_a_cache(monkeypatch):
+    # Products that outgrow PADDING_SAMPLE_BYTES are left out (a 7B's whole set would take half a
+    # minute a row count); the head is always timed.
+    model = FastLlama(llama(0, layers=3, hidden=256), packed=False)
+    layers = [m for layer in model.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
+    assert fast.padding_sample(layers, model.head) == [*layers, model.head]  # a tiny model: all of it
+    monkeypatch.setattr(fast, "PADDING_SAMPLE_BYTES", layers[0].bytes + 1)
+    assert fast.padding_sample(layers, model.head) == [*layers[:2], model.head]
+
+
 def test_padded_rows_measures_every_size_up_to_the_limit(target):
     fast = FastLlama(target, packed=True)
     choice = padded_rows([layer.qkv for layer in fast.layers] + [fast.head], F32, repeats=1)
