@@ -65,15 +65,23 @@ def test_a_packed_shortlisted_head_scores_the_ids_read_since_it_was_packed(targe
 
 
 def test_packed_weights_move_the_logits_by_rounding_only(target):
-    width = target.get_output_embeddings().weight.shape[0]
     fast = FastLlama(target, packed=True)
     assert fast.route == "packed" and sorted(fast.padding) == list(range(1, PADDED_UP_TO + 1))
+    assert_padded_scores_as_transformers(
+        fast, target, (dict(fast.padding), {n: PADDED_UP_TO for n in fast.padding}, {})
+    )
+
+
+def assert_padded_scores_as_transformers(fast: FastLlama, model, paddings) -> None:
+    """``fast``'s logits (a prefill, a chain, a tree) with each of ``paddings`` are transformers' to
+    rounding, with the same argmax."""
+    width = model.get_output_embeddings().weight.shape[0]
     prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
-    want = scores(HFCausalLM(target, width), prefix, chain, [-1, 0, 0])
-    for padding in (dict(fast.padding), {n: PADDED_UP_TO for n in fast.padding}, {}):
+    want = scores(HFCausalLM(model, width), prefix, chain, [-1, 0, 0])
+    for padding in paddings:
         fast.padding.clear()
         fast.padding.update(padding)
-        got = scores(HFCausalLM(target, width, fast=fast), prefix, chain, [-1, 0, 0])
+        got = scores(HFCausalLM(model, width, fast=fast), prefix, chain, [-1, 0, 0])
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
             assert torch.equal(g.argmax(-1), w.argmax(-1))
@@ -145,16 +153,8 @@ def test_a_model_left_unpacked_for_want_of_memory_still_runs_the_fastest_row_cou
     monkeypatch.setattr(fast, "available_memory", lambda: 10**6)  # bytes free: no packed copy fits
     own = FastLlama(model)
     assert own.route == "own" and sorted(own.padding) == list(range(1, PADDED_UP_TO + 1))
+    assert_padded_scores_as_transformers(own, model, ({n: PADDED_UP_TO for n in own.padding}, {}))
     width = model.config.vocab_size
-    prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
-    want = scores(HFCausalLM(model, width), prefix, chain, [-1, 0, 0])
-    for padding in ({n: PADDED_UP_TO for n in own.padding}, {}):
-        own.padding.clear()
-        own.padding.update(padding)
-        got = scores(HFCausalLM(model, width, fast=own), prefix, chain, [-1, 0, 0])
-        for g, w in zip(got, want, strict=True):
-            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
-            assert torch.equal(g.argmax(-1), w.argmax(-1))
     rows, linear = [], torch.nn.functional.linear  # the padded rows reach the product, and only the asked come back
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *args: rows.append(len(x)) or linear(x, *args))
     own.padding.update({1: 3})
