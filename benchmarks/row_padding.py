@@ -19,7 +19,7 @@ import torch
 from specbench.core.machine import machine
 from specbench.models.fast import FastLlama
 from specbench.models.lm import HFCausalLM
-from specbench.models.load import load, random_model, random_weights_dtype
+from specbench.models.load import Wanted, load, random_model, random_weights_dtype
 
 
 def main() -> None:
@@ -60,8 +60,6 @@ def main() -> None:
 
 def random_weights_dtype_for(target: str) -> torch.dtype:
     """The dtype a run with --random-weights --dtype auto gives ``target`` on this CPU."""
-    from specbench.models.load import Wanted
-
     return random_weights_dtype(Wanted(target, None, random_weights=True), torch.device("cpu"))
 
 
