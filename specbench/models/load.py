@@ -21,7 +21,7 @@ from specbench.core.environment import cache_dir, config_dir, hub_snapshot, read
 from specbench.core.errors import SpecbenchError
 from specbench.core.files import write_text
 from specbench.core.options import DEFAULT_DRAFT, DEFAULT_TARGET
-from specbench.models.names import ModelSource, resolve, speculator_dir
+from specbench.models.names import ModelSource, resolve, speculator_dir, vocabulary
 
 log = logging.getLogger("specbench")
 
@@ -392,11 +392,13 @@ def shared_width(target: LoadedModel, draft: LoadedModel) -> int | None:
 
     Judged on vocabulary contents, never on vocab_size: models of one family pad their
     embeddings to different widths while sharing a tokenizer, and unrelated tokenizers can have
-    equal sizes. Random-weight models have no tokenizer: their vocabulary sizes must be equal.
+    equal sizes. Random-weight models have no tokenizer: their aliases must name one vocabulary
+    (models.toml), or their vocabulary sizes must be equal.
     """
     if target.tokenizer is None or draft.tokenizer is None:
         sizes = target.model.config.vocab_size, draft.model.config.vocab_size
-        if sizes[0] != sizes[1]:
+        family = vocabulary(target.name)
+        if sizes[0] != sizes[1] and (family is None or family != vocabulary(draft.name)):
             raise SpecbenchError(
                 f"{target.name} and {draft.name} have vocabularies of {sizes[0]} and {sizes[1]} tokens and no "
                 "tokenizers to bridge them: a draft must share the target's tokenizer, or both must have one"

@@ -66,6 +66,13 @@ def default_speculator(target: str) -> str | None:
     return read_config("models.toml").get(target, {}).get("speculator")
 
 
+def vocabulary(spec: str) -> str | None:
+    """The tokenizer models.toml says the alias ``spec`` was trained with (its ``vocabulary``), if any:
+    what tells two random-weight models of one family apart from unrelated ones, as they load without
+    tokenizers and their families pad their embeddings to other widths."""
+    return read_config("models.toml").get(spec, {}).get("vocabulary")
+
+
 def speculator_dir(spec: str) -> Path:
     """The checkpoint directory of an EAGLE head given as an alias (a bundled head), a directory or a
     hub id (from the local cache, else its HEAD_FILES downloaded once, as a --target's)."""

@@ -13,7 +13,15 @@ from transformers import LlamaConfig
 from specbench.bench.config import BenchConfig
 from specbench.bench.run import prepare
 from specbench.core.errors import SpecbenchError
-from specbench.models.load import length_tokenizer, offload_warning, random_model, random_weights_dtype, weight_bytes
+from specbench.models.load import (
+    length_tokenizer,
+    offload_warning,
+    random_model,
+    random_weights_dtype,
+    shared_width,
+    skeleton,
+    weight_bytes,
+)
 from specbench.models.pair import encode_turn, uses_chat
 from specbench.results.summary import WEIGHT_DEPENDENT
 from specbench.workloads.prompts import load_prompts
@@ -21,6 +29,7 @@ from specbench.workloads.prompts import load_prompts
 from ..helpers import cli, cli_on_tiny_pair, one_line_error
 
 CPU = torch.device("cpu")
+QWEN_PAIR = ("qwen2.5-7b-instruct", "qwen2.5-0.5b-instruct")
 
 
 def tiny_config(path, layers: int, hidden: int, vocab: int = 512, tied: bool = False):
@@ -139,6 +148,8 @@ def test_random_prompts_without_a_tokenizer_need_their_lengths_given(configs, pr
         ("llama-160m", 0.162),
         ("qwen3-8b", 8.19),  # its model card: 8.2B, 6.95B without the embeddings
         ("qwen3-0.6b", 0.596),  # 0.6B, 0.44B without the (tied) embedding
+        ("qwen2.5-7b-instruct", 7.61),  # its model card: 7.61B, 6.53B without the embeddings
+        ("qwen2.5-0.5b-instruct", 0.494),  # 0.49B, 0.36B without the (tied) embedding
         ("smollm2-135m", 0.1345),
     ],
 )
@@ -194,6 +205,16 @@ def test_random_pair_with_different_vocabularies_is_refused(configs, tmp_path):
     pair = ["--target", configs[0], "--draft", other]
     result = cli("run", *pair, "--random-weights", "--prompt-tokens", "8", "--out", str(tmp_path / "run"))
     one_line_error(result, "vocabularies of 512 and 600")
+
+
+def test_aliases_of_one_vocabulary_pair_over_the_narrower_width_and_others_are_refused():
+    """Qwen2.5-7B pads its embedding to 152,064 rows, 0.5B to 151,936; without tokenizers, their aliases'
+    vocabulary (models.toml) says they share one. Qwen3's is another, so a 7B of Qwen2.5 is refused it."""
+    target, draft, other = (skeleton(alias, random_weights=True) for alias in QWEN_PAIR + ("qwen3-0.6b",))
+    assert (target.width, draft.width) == (152064, 151936) and target.tokenizer is None
+    assert shared_width(target, draft) == 151936
+    with pytest.raises(SpecbenchError, match="vocabularies of 152064 and 151936 tokens"):
+        shared_width(target, other)
 
 
 def test_unknown_architecture_is_one_line(tmp_path):
