@@ -45,7 +45,7 @@ def host_reads_free(device: torch.device) -> bool:
     return device.type == "cpu"
 
 
-SPARE_ROWS = 256  # rows a shortlisted head holds free for the ids a sequence reads, before it must grow
+SPARE_ROWS = 256  # rows a shortlisted head holds free for the ids a sequence reads, unless told (hold)
 
 
 class ShortlistedHead:
@@ -67,6 +67,19 @@ class ShortlistedHead:
         # Scratch for ``read``: which of an id's reads in one call is the one that adds it.
         self.claims = torch.zeros(width, dtype=torch.long, device=self.device)
         self.version = 0  # counts the buffers' allocations (a new one invalidates a packed copy)
+        self.spare = SPARE_ROWS
+        self.reset()
+
+    def hold(self, rows: int) -> None:
+        """Keep ``rows`` rows free for the new ids a sequence reads (as many as the vocabulary leaves), in
+        buffers allocated now. StaticLM.reserve asks for a row per position of its cache: a draft reads
+        new ids only in its prompt and the target's tokens (what it drafts it already scores), so no
+        sequence of the run grows the buffers, which would drop the CUDA graphs captured over the old
+        ones and capture them again inside a timed decode. Spare rows cost nothing where only the
+        filled ones are scored (a CPU); on CUDA every row is scored, a row a position more."""
+        self.spare = max(SPARE_ROWS, min(rows, self.width - len(self.base)))
+        if len(self.ids) - 1 != len(self.base) + self.spare:
+            self.moved = True
         self.reset()
 
     def extend(self, ids: torch.Tensor) -> None:
@@ -84,9 +97,9 @@ class ShortlistedHead:
         """Back to the shortlist's own ids, before a new sequence: in the buffers it has where they hold
         them with rows to spare (a CUDA graph that scores the shortlist reads those buffers)."""
         n = self.bound = len(self.base)
-        if self.moved or n + SPARE_ROWS > len(self.ids) - 1:
+        if self.moved or n + self.spare > len(self.ids) - 1:
             self.seen, self.count = self.base_mask.clone(), torch.tensor(n, device=self.device)
-            self._allocate(n + SPARE_ROWS, self.base, self.base_rows)
+            self._allocate(n + self.spare, self.base, self.base_rows)
             self.moved = False
             return
         with torch.inference_mode():  # buffers grown within a forward are inference tensors: changed in place here only
@@ -120,7 +133,7 @@ class ShortlistedHead:
         if self.bound + n > capacity:
             filled = self.filled()
             if filled + n > capacity:
-                self._allocate(filled + n + SPARE_ROWS, self.ids[:filled], self.rows[:filled])
+                self._allocate(filled + n + self.spare, self.ids[:filled], self.rows[:filled])
             self.bound = filled
         self.bound += n
 

@@ -346,9 +346,12 @@ class StaticLM(HFCausalLM):
         max(``widest`` + 2, CAPTURED_AT_LEAST) tokens are captured now too (``widest``: the run's widest
         verification, see captured_up_to), and with ``taps`` (an EAGLE head's, see record_features) the
         same forwards recording them; wider ones run compiled, not graphed, so that no capture falls
-        inside a timed decode. Comes before any sequence (capture_all)."""
+        inside a timed decode. A shortlisted head holds a row for each position (ShortlistedHead.hold),
+        for the same reason. Comes before any sequence (capture_all)."""
         tokens = -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
         self.allocate(min(tokens, self.window) if self.window else tokens)
+        if self.shortlist is not None:  # its buffers final before the graphs that score them are captured
+            self.shortlist.hold(self.kv.capacity)
         self.captured_up_to = min(captured_up_to(widest), self.kv.capacity)
         self.ready()
         for layers in (None,) if taps is None else (None, tuple(taps)):

@@ -329,20 +329,21 @@ def test_replayed_graphs_decode_the_baselines_greedy_tokens(monkeypatch):
 SHORTLIST = torch.cat([torch.arange(1, 40), torch.arange(40, 300, 3)])
 
 
-@pytest.mark.parametrize("spare", [lm_module.SPARE_ROWS, 2], ids=["rows-to-spare", "rows-run-out"])
+@pytest.mark.parametrize("spare", [lm_module.SPARE_ROWS, 2], ids=["rows-to-spare", "a-row-per-position"])
 def test_a_shortlisted_head_scores_inside_the_replayed_graphs_as_outside(spare, monkeypatch):
     # A shortlisted draft (the shipped one) runs its head inside the graph: the ids read are appended
     # on the device and every row is scored. Two sequences score as transformers' forward with the
-    # same shortlist: the first reads ids on it, the second's graphed forwards read ids off it. With
-    # rows to spare the graphs captured at reserve serve both; when the rows run out the buffers grow
-    # and the graphs over the old ones are captured again. A capture's made-up ids leave no trace (id
-    # 0 scores -inf throughout).
-    grows = spare < lm_module.SPARE_ROWS
+    # same shortlist: the first reads ids on it, the second's graphed forwards read ids off it. The
+    # graphs captured at reserve serve both, however few rows a shortlist keeps free by default:
+    # reserve holds one for each position of the cache. A capture's made-up ids leave no trace (id 0
+    # scores -inf throughout).
     monkeypatch.setattr(lm_module, "SPARE_ROWS", spare)
     graphs_on_cpu(monkeypatch)
     model = llama(0)
     lm = replay_on_cpu(static(model, compiled=True, head_tokens=SHORTLIST))
     lm.reserve(64)
+    free = len(lm.shortlist.ids) - 1 - len(SHORTLIST)
+    assert free >= min(lm.kv.capacity, model.config.vocab_size - len(SHORTLIST))  # every id it could read
     captured = dict(lm.graphs)
     want = HFCausalLM(model, model.config.vocab_size, SHORTLIST)
     for fresh in (0, 100):
@@ -350,8 +351,32 @@ def test_a_shortlisted_head_scores_inside_the_replayed_graphs_as_outside(spare, 
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
             assert torch.isinf(got[:, 0]).all()
     assert replayed(lm) == {(1, None), (3, None), (4, None)}
-    kept = all(lm.graphs.get(key) is graph for key, graph in captured.items())
-    assert kept != grows
+    assert all(lm.graphs.get(key) is graph for key, graph in captured.items())
+
+
+def test_a_shortlist_whose_rows_run_out_grows_and_its_graphs_are_captured_again(monkeypatch):
+    # More new ids in one sequence than its cache has positions: a model that verifies another's drafts
+    # (a cascade's middle one) can read ids off its shortlist and reject them, round after round. The
+    # buffers grow, the graphs over the old ones are captured again, and the scores stay transformers'.
+    graphs_on_cpu(monkeypatch)
+    model = llama(0, vocab=1024)
+    lm = replay_on_cpu(static(model, compiled=True, head_tokens=SHORTLIST))
+    lm.reserve(64)
+    rows = len(lm.shortlist.ids)
+    captured = dict(lm.graphs)
+    want = HFCausalLM(model, model.config.vocab_size, SHORTLIST)
+    for m in (lm, want):
+        m.reset()
+    fresh = iter(range(300, 1024))  # none of them shortlisted
+    prompt = torch.arange(5, 40)
+    torch.testing.assert_close(lm.forward(prompt, last=1), want.forward(prompt, last=1), rtol=1e-5, atol=1e-5)
+    for _ in range(lm.kv.capacity // 4 + 1):  # 4 new ids a round, one kept
+        ids = torch.tensor([next(fresh) for _ in range(4)])
+        torch.testing.assert_close(lm.forward(ids, last=4), want.forward(ids, last=4), rtol=1e-5, atol=1e-5)
+        for m in (lm, want):
+            m.keep([0], 4)
+    assert len(lm.shortlist.ids) > rows and lm.length == 35 + lm.kv.capacity // 4 + 1
+    assert (4, None) in replayed(lm) and lm.graphs[(4, None)] is not captured[(4, None)]
 
 
 # ---------------------------------------------------------------- compiled: never recompiled, exact
