@@ -401,7 +401,8 @@ def shared_width(target: LoadedModel, draft: LoadedModel) -> int | None:
         if sizes[0] != sizes[1] and (family is None or family != vocabulary(draft.name)):
             raise SpecbenchError(
                 f"{target.name} and {draft.name} have vocabularies of {sizes[0]} and {sizes[1]} tokens and no "
-                "tokenizers to bridge them: a draft must share the target's tokenizer, or both must have one"
+                "tokenizers to bridge them: a draft must share the target's tokenizer, or both must have one "
+                "(with --random-weights: two aliases of one vocabulary in configs/models.toml)"
             )
         return min(target.width, draft.width)
     # Equal vocabularies, or the draft reads other ids: a draft whose vocabulary is the target's cut short
