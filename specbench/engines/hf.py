@@ -28,9 +28,12 @@ class _HookedLaps:
             handle.remove()
 
 
-def generate_kwargs(target, settings, stop_ids: frozenset[int]) -> dict:
+def generate_kwargs(target, settings, stop_ids: frozenset[int], width: int | None = None) -> dict:
     """``generate``'s arguments for ``settings`` (loop.Settings): the tokens to generate, the warp, the
-    logit bias and the repetition penalty, the ids that stop an answer."""
+    logit bias and the repetition penalty, the ids that stop an answer. ``width``: the logits specbench's
+    loop scores (the pair's); the target's rows past it, embedding padding a narrower draft lacks, are
+    suppressed as the loop leaves them out, so that generate's law is the baseline's (a random-weight
+    target's padding rows are as likely as any other)."""
     sampling = settings.sampling
     kwargs = {
         "max_new_tokens": settings.max_new_tokens,
@@ -52,14 +55,25 @@ def generate_kwargs(target, settings, stop_ids: frozenset[int]) -> dict:
         kwargs["repetition_penalty"] = sampling.repetition_penalty
     if sampling.logit_bias:
         kwargs["sequence_bias"] = {(token,): bias for token, bias in sampling.logit_bias}
+    if width is not None and width < target.width:
+        kwargs["suppress_tokens"] = list(range(width, target.width))
     return kwargs
 
 
-def hf_samples(target, prompt_ids: torch.Tensor, settings, seed: int, stop_ids: frozenset[int], count: int) -> list:
+def hf_samples(
+    target,
+    prompt_ids: torch.Tensor,
+    settings,
+    seed: int,
+    stop_ids: frozenset[int],
+    count: int,
+    width: int | None = None,
+) -> list:
     """``count`` independent answers of transformers' plain sampling to one prompt, drawn as rows of
     batches of at most SAMPLE_BATCH (generate's num_return_sequences): each answer cut after its first stop
-    token. For the audit's reference arms, whose thousands of samples would take hours one by one."""
-    kwargs = generate_kwargs(target, settings, stop_ids)
+    token. For the audit's reference arms, whose thousands of samples would take hours one by one.
+    ``width``: as generate_kwargs'."""
+    kwargs = generate_kwargs(target, settings, stop_ids, width)
     torch.manual_seed(seed)  # generate() samples from the global generator
     answers = []
     ids = prompt_ids.view(1, -1)
@@ -82,6 +96,7 @@ def hf_generate(
     k: int | None = None,
     clock=None,
     universal: bool = False,
+    width: int | None = None,
 ):
     """transformers' own ``generate`` of ``target`` (a models.LoadedModel) with ``settings``
     (loop.Settings: the tokens to generate and the warp): plain, or assisted by ``assistant``
@@ -92,11 +107,12 @@ def hf_generate(
     ``universal``: the assistant has a tokenizer of its own, and generate gets both tokenizers
     (transformers' universal assisted generation: its draft's text re-tokenized under greedy, the
     vocabularies' intersection under sampling). Its drafts are then counted in the assistant's tokens,
-    which the target's accepted ones cannot be set against: the result counts none.
+    which the target's accepted ones cannot be set against: the result counts none. ``width``: as
+    generate_kwargs'.
 
     transformers' first target call also verifies the first drafts, so its prefill holds a round.
     """
-    kwargs = generate_kwargs(target, settings, stop_ids)
+    kwargs = generate_kwargs(target, settings, stop_ids, width)
     if assistant is not None:
         config = assistant.model.generation_config
         config.num_assistant_tokens = k

@@ -656,7 +656,9 @@ class HFAssisted(Method):
         from specbench.engines.hf import hf_generate
 
         seed = _seed(generator)
-        return hf_generate(pair.target, ids, settings, seed, pair.stop_ids, pair.draft, decoder.k, pair.clock)
+        return hf_generate(
+            pair.target, ids, settings, seed, pair.stop_ids, pair.draft, decoder.k, pair.clock, width=pair.width
+        )
 
 
 class HFUniversal(HFAssisted):
@@ -723,13 +725,15 @@ class HFGenerate(Method):
     def decode(self, pair, settings, decoder, ids, generator):
         from specbench.engines.hf import hf_generate
 
-        return hf_generate(pair.target, ids, settings, _seed(generator), pair.stop_ids, clock=pair.clock)
+        return hf_generate(
+            pair.target, ids, settings, _seed(generator), pair.stop_ids, clock=pair.clock, width=pair.width
+        )
 
     def decode_many(self, pair, settings, ids, count, seed):
         """``count`` untimed samples of one prompt, in batches (the audit's reference arms)."""
         from specbench.engines.hf import hf_samples
 
-        return hf_samples(pair.target, ids, settings, seed, pair.stop_ids, count)
+        return hf_samples(pair.target, ids, settings, seed, pair.stop_ids, count, pair.width)
 
 
 METHODS: dict[str, Method] = {

@@ -14,6 +14,7 @@ from specbench.bench.config import BenchConfig
 from specbench.bench.run import prepare
 from specbench.core.errors import SpecbenchError
 from specbench.models.load import (
+    Wanted,
     length_tokenizer,
     offload_warning,
     random_model,
@@ -215,6 +216,30 @@ def test_aliases_of_one_vocabulary_pair_over_the_narrower_width_and_others_are_r
     assert shared_width(target, draft) == 151936
     with pytest.raises(SpecbenchError, match="vocabularies of 152064 and 151936 tokens"):
         shared_width(target, other)
+
+
+def test_transformers_generate_scores_the_width_the_loop_scores(tmp_path, monkeypatch):
+    """A random target of 512 rows beside a draft of 480, of one vocabulary: the loop scores 480, and
+    hf-generate (and the audit's samples from it) must not pick the 32 padding rows, which random
+    weights make as likely as any other (greedy picked one in 6 of these 8 prompts before)."""
+    from specbench.decoding.decode import autoregressive_decode
+    from specbench.decoding.sampling import Sampling
+    from specbench.engines.hf import hf_generate, hf_samples
+    from specbench.engines.loop import Settings
+    from specbench.models.pair import load_pair
+
+    target = tiny_config(tmp_path / "target.json", layers=2, hidden=64, vocab=512)
+    draft = tiny_config(tmp_path / "draft.json", layers=1, hidden=32, vocab=480)
+    monkeypatch.setattr("specbench.models.load.vocabulary", lambda spec: "one")  # two aliases of one vocabulary
+    pair = load_pair(Wanted(target, draft, device="cpu", dtype="float32", random_weights=True), False, graphs=False)
+    assert (pair.width, pair.target.width) == (480, 512)
+    greedy = Settings(48, Sampling(0.0))
+    for seed in range(8):
+        prompt = torch.randint(pair.width, (8,), generator=torch.Generator().manual_seed(seed))
+        want = autoregressive_decode(pair.target_lm, prompt, 48, greedy.sampling, torch.Generator()).tokens
+        assert hf_generate(pair.target, prompt, greedy, 0, frozenset(), width=pair.width).tokens == want
+    samples = hf_samples(pair.target, prompt, Settings(48, Sampling(1.0)), 0, frozenset(), 8, pair.width)
+    assert max(max(answer) for answer in samples) < pair.width
 
 
 def test_unknown_architecture_is_one_line(tmp_path):
