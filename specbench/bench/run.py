@@ -444,6 +444,14 @@ def serving_run(cfg: BenchConfig, pair: Pair, conversations: Conversations, out:
             timeout_s=cfg.request_timeout,
             encode=(lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else None,
         )
+    if pair.draft is not None and pair.bridge is None and any(d.method.needs_draft for d in plan):
+        sizes = pair.target.model.config.vocab_size, pair.draft.model.config.vocab_size
+        if sizes[0] != sizes[1]:  # vLLM's SpeculativeConfig refuses them, after the baseline's engine has run
+            raise SpecbenchError(
+                f"vLLM's draft-model speculation needs the draft's vocabulary size to be the target's, and "
+                f"{pair.target.name} has {sizes[0]} rows where {pair.draft.name} has {sizes[1]}: run the pair "
+                "in specbench's loop (--engine torch), or give vLLM a draft of the target's size"
+            )
     windows = [m.context_window for m in (pair.target, pair.draft) if m is not None and m.context_window]
     needed = conversations.longest + cfg.max_new_tokens + cfg.widest
     backend = (

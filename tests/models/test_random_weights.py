@@ -218,6 +218,36 @@ def test_aliases_of_one_vocabulary_pair_over_the_narrower_width_and_others_are_r
         shared_width(target, other)
 
 
+def padded_pair(tmp_path, monkeypatch, weights: bool = True):
+    """A random target of 512 rows beside a draft of 480, their configs named as two aliases of one vocabulary."""
+    from specbench.models.pair import load_pair
+
+    target = tiny_config(tmp_path / "target.json", layers=2, hidden=64, vocab=512)
+    draft = tiny_config(tmp_path / "draft.json", layers=1, hidden=32, vocab=480)
+    monkeypatch.setattr("specbench.models.load.vocabulary", lambda spec: "one")
+    wanted = Wanted(target, draft, device="cpu", dtype="float32", random_weights=True, weights=weights)
+    return load_pair(wanted, False, graphs=False)
+
+
+def test_vllms_draft_model_speculation_is_refused_a_draft_of_another_size_before_an_engine_starts(
+    tmp_path, monkeypatch
+):
+    # vLLM's SpeculativeConfig refuses a draft whose vocabulary size is not the target's (its
+    # verify_equal_vocab_size_if_draft_model), which it would say only after the baseline's engine ran.
+    from types import SimpleNamespace
+
+    from specbench.bench.run import serving_run
+
+    pair = padded_pair(tmp_path, monkeypatch, weights=False)
+    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path / "cache"))  # where model_dir writes vLLM's config copies
+    conversations = SimpleNamespace(longest=16)
+    cfg = BenchConfig(engines=["vllm"], methods=["draft"], ks=[2])
+    with pytest.raises(SpecbenchError, match="has 512 rows where .* has 480: run the pair in specbench's loop"):
+        serving_run(cfg, pair, conversations, tmp_path / "run")
+    ngram = BenchConfig(engines=["vllm"], methods=["ngram"], ks=[2])  # no draft model: nothing to refuse
+    assert [d.method.name for d in serving_run(ngram, pair, conversations, tmp_path / "run").plan] == ["ngram"]
+
+
 def test_transformers_generate_scores_the_width_the_loop_scores(tmp_path, monkeypatch):
     """A random target of 512 rows beside a draft of 480, of one vocabulary: the loop scores 480, and
     hf-generate (and the audit's samples from it) must not pick the 32 padding rows, which random
@@ -226,12 +256,8 @@ def test_transformers_generate_scores_the_width_the_loop_scores(tmp_path, monkey
     from specbench.decoding.sampling import Sampling
     from specbench.engines.hf import hf_generate, hf_samples
     from specbench.engines.loop import Settings
-    from specbench.models.pair import load_pair
 
-    target = tiny_config(tmp_path / "target.json", layers=2, hidden=64, vocab=512)
-    draft = tiny_config(tmp_path / "draft.json", layers=1, hidden=32, vocab=480)
-    monkeypatch.setattr("specbench.models.load.vocabulary", lambda spec: "one")  # two aliases of one vocabulary
-    pair = load_pair(Wanted(target, draft, device="cpu", dtype="float32", random_weights=True), False, graphs=False)
+    pair = padded_pair(tmp_path, monkeypatch)
     assert (pair.width, pair.target.width) == (480, 512)
     greedy = Settings(48, Sampling(0.0))
     for seed in range(8):
