@@ -355,9 +355,10 @@ def test_a_shortlisted_head_scores_inside_the_replayed_graphs_as_outside(spare, 
 
 
 def test_a_shortlist_whose_rows_run_out_grows_and_its_graphs_are_captured_again(monkeypatch):
-    # More new ids in one sequence than its cache has positions: a model that verifies another's drafts
-    # (a cascade's middle one) can read ids off its shortlist and reject them, round after round. The
-    # buffers grow, the graphs over the old ones are captured again, and the scores stay transformers'.
+    # More new ids in one sequence than its cache has positions, read and rejected round after round
+    # (no drafter of specbench's makes a draft model read ids so, but the forward must not depend on
+    # it). The buffers grow, the graphs over the old ones are captured again, and the scores stay
+    # transformers'.
     graphs_on_cpu(monkeypatch)
     model = llama(0, vocab=1024)
     lm = replay_on_cpu(static(model, compiled=True, head_tokens=SHORTLIST))
