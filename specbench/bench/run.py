@@ -444,7 +444,11 @@ def serving_run(cfg: BenchConfig, pair: Pair, conversations: Conversations, out:
             timeout_s=cfg.request_timeout,
             encode=(lambda text: tokenizer.encode(text, add_special_tokens=False)) if tokenizer is not None else None,
         )
-    if pair.draft is not None and pair.bridge is None and any(d.method.needs_draft for d in plan):
+    own_vocabulary = pair.bridge is not None
+    # vLLM's draft model of the target's tokenizer: timed alone too (one of its own would be sent the
+    # target's ids, so c is left empty), and of the target's vocabulary size.
+    drafts_in_vllm = pair.draft is not None and not own_vocabulary and any(d.method.needs_draft for d in plan)
+    if drafts_in_vllm:
         sizes = pair.target.model.config.vocab_size, pair.draft.model.config.vocab_size
         if sizes[0] != sizes[1]:  # vLLM's SpeculativeConfig refuses them, after the baseline's engine has run
             raise SpecbenchError(
@@ -472,13 +476,7 @@ def serving_run(cfg: BenchConfig, pair: Pair, conversations: Conversations, out:
         extra=cfg.engine_args,
     )
     draft = model_dir(pair.draft) if pair.draft is not None else None
-    own_vocabulary = pair.bridge is not None
-    # A draft with its own tokenizer is not timed alone: its engine would be sent the target's ids (c is left empty).
-    alone = (
-        replace(target, model=draft)
-        if draft and not own_vocabulary and any(d.method.needs_draft for d in plan)
-        else None
-    )
+    alone = replace(target, model=draft) if drafts_in_vllm else None
     return ServingRun(
         **common,
         target=target,
