@@ -76,8 +76,6 @@ def prepare(cfg: BenchConfig) -> tuple[Pair, Conversations]:
     if pair.bridge is not None:
         share = check_share(pair.bridge, conversations.user_ids(), pair.target.name, pair.draft.name)
         log.info("%s holds %.1f%% of the prompts' tokens of %s", pair.draft.name, 100 * share, pair.target.name)
-    widest = cfg.rendering.widest
-    pair.reserve(conversations.longest + cfg.rendering.max_new_tokens + widest, widest)
     return pair, conversations
 
 
@@ -192,6 +190,11 @@ def _benchmark(
     previous = writer.previous_run(cfg.as_dict()) if resume else None
     yield Progress("loading models and prompts")
     pair, conversations = prepare(cfg)
+    building = pair.builds_at_reserve()
+    if building:  # compiling a 7B model's forwards takes long enough to need a line of its own
+        yield Progress(building)
+    widest = cfg.rendering.widest
+    pair.reserve(conversations.longest + cfg.rendering.max_new_tokens + widest, widest)
     turns, prompt_ids = conversations.turns, conversations.first
     for lm in (pair.target_lm, pair.draft_lm):
         if lm is not None:

@@ -57,6 +57,15 @@ class Pair:
             if isinstance(lm, (StaticLM, StaticHead)):
                 lm.reserve(tokens, widest)
 
+    def builds_at_reserve(self) -> str | None:
+        """What reserve will build before anything is timed, in a few words ("compiling the static
+        path's forwards", and on CUDA "capturing CUDA graphs"); None when it builds nothing."""
+        static = [lm for lm in (self.target_lm, self.draft_lm, self.head) if isinstance(lm, (StaticLM, StaticHead))]
+        if not any(lm.compiling for lm in static):
+            return None
+        graphs = any(lm.graphed for lm in static)
+        return "compiling the static path's forwards" + (" and capturing CUDA graphs" if graphs else "")
+
     def without_weights(self) -> Pair:
         """This pair with the weights freed (moved to the meta device; shapes and configs stay),
         before another engine loads its own copy onto the same memory."""

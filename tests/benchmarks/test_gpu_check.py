@@ -3,6 +3,7 @@ CPU at toy sizes), a failing step reported while the next one runs, and make gpu
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -71,7 +72,10 @@ def test_the_dry_run_runs_every_step_on_the_cpu(tmp_path):
         "float32 K=4": 0,
     }
     assert [(v["equal"], v["prompts"]) for key, v in greedy.items() if key.startswith("qwen3")] == [(2, 2), (2, 2)]
-    # c: a column per route, the graphs one from the last synthetic run.
+    # c: a column per route, the graphs one from the last synthetic run, whose compiling had a line of its own.
+    (folder,) = tmp_path.iterdir()
+    stages = re.findall(r"^\[ *\d+\.\d s\] (.+)$", (folder / "c-graphs-0.8.log").read_text(), re.MULTILINE)
+    assert stages[:2] == ["loading models and prompts", "compiling the static path's forwards"], stages
     mission = steps["c. the mission's pair shape"]
     routes = {column: mission[column]["route"] for column in ("graphs", "compiled", "eager")}
     # The dry run's 128-wide toy target is narrower than fast.PACKED_FROM_WIDTH: specbench's forward on its own weights.

@@ -127,7 +127,14 @@ def test_the_static_path_is_cudas_default_and_says_why_a_model_is_not_on_it(tiny
     pair = load_pair(Wanted(*tiny_pair, device="cpu"), graphs=True)
     assert isinstance(pair.target_lm, StaticLM) and isinstance(pair.draft_lm, StaticLM)
     assert pair.target_lm.route == "static-inductor" and pair.target_lm.compiled is None  # compiled at reserve
-    assert not isinstance(load_pair(Wanted(*tiny_pair, device="cpu")).target_lm, StaticLM)
+    # What reserve builds has a progress line of its own (a 7B model's compiling takes minutes).
+    assert pair.builds_at_reserve() == "compiling the static path's forwards"
+    pair.draft_lm.graphed = True  # as on CUDA
+    assert pair.builds_at_reserve() == "compiling the static path's forwards and capturing CUDA graphs"
+    pair.target_lm.compiling = pair.draft_lm.compiling = False  # compiling failed, or is not wanted: nothing to build
+    assert pair.builds_at_reserve() is None
+    unstatic = load_pair(Wanted(*tiny_pair, device="cpu"))
+    assert not isinstance(unstatic.target_lm, StaticLM) and unstatic.builds_at_reserve() is None
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50))
     with caplog.at_level(logging.INFO, logger="specbench"):
         lm = loop_lm(gpt2, 50, None, compile=False, graphs=True, name="gpt2")
