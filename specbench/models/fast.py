@@ -48,11 +48,9 @@ def unsupported(model) -> str | None:
         return f"the fast path covers {', '.join(FAMILIES[:-1])} and {FAMILIES[-1]} models, not {config.model_type}"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"the fast path covers models with SiLU, not {config.hidden_act}"
-    kinds = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
-    if window is not None and (kinds is None or config.model_type == "mistral"):
-        kinds = ["sliding_attention"]  # Mistral's modeling slides every layer whenever it has a window
-    if set(kinds or ["full_attention"]) != {"full_attention"}:
+    if sliding_window(config) is not None or set(getattr(config, "layer_types", None) or ["full_attention"]) != {
+        "full_attention"
+    }:
         return "the fast path covers full attention in every layer, not sliding windows"
     if getattr(model.get_output_embeddings(), "bias", None) is not None:
         return "the fast path covers LM heads without a bias"
@@ -62,6 +60,17 @@ def unsupported(model) -> str | None:
     if getattr(model, "hf_device_map", None) and len(set(model.hf_device_map.values())) > 1:
         return "the fast path runs a model on one device, not spread by --device-map"
     return None
+
+
+def sliding_window(config) -> int | None:
+    """The window that some of ``config``'s layers attend over, None where every layer sees the whole
+    context: transformers' Mistral slides every layer whenever it has a window, other families the
+    layers that layer_types names."""
+    window = getattr(config, "sliding_window", None) if getattr(config, "use_sliding_window", True) else None
+    kinds = getattr(config, "layer_types", None)
+    if window is None or (kinds is not None and config.model_type != "mistral" and "sliding_attention" not in kinds):
+        return None
+    return window
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 from specbench.core.errors import SpecbenchError
 from specbench.decoding.timing import PhaseClock, TimedLM
 from specbench.models.eagle_head import EagleHead, load_head
-from specbench.models.fast import FastLlama, unsupported
+from specbench.models.fast import FastLlama, sliding_window, unsupported
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import LoadedModel, Wanted, load_models
 from specbench.models.static import StaticHead, StaticLM
@@ -309,6 +309,7 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], how: Rendering) -> Convers
             "to keep it)",
             capped,
         )
+    check_sliding_windows(pair, longest + how.max_new_tokens + how.widest, how.new_tokens_flag)
     return Conversations(
         turns_of(prompts),
         [ids.to(pair.device) for ids in first],
@@ -317,6 +318,22 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], how: Rendering) -> Convers
         room,
         longest,
     )
+
+
+def check_sliding_windows(pair: Pair, tokens: int, new_tokens_flag: str) -> None:
+    """Refuse a run whose sequences, up to ``tokens`` long, outgrow the sliding window of a model that
+    specbench's loop decodes (none where another engine holds the weights). transformers' sliding
+    cache drops what falls out of its window, so a rejected draft can no longer be taken back from it
+    (its crop raises): the loop's every speculative round, and the forward costs, need that."""
+    for model, lm in ((pair.target, pair.target_lm), (pair.draft, pair.draft_lm)):
+        window = sliding_window(model.model.config) if model is not None and lm is not None else None
+        if window is not None and tokens > window:
+            raise SpecbenchError(
+                f"{model.name} attends over a sliding window of {window} tokens and this run's sequences reach "
+                f"{tokens} (the longest prompt, {new_tokens_flag} and K + 1): specbench's loop takes rejected "
+                f"drafts back from its cache, which transformers' sliding cache cannot do past its window; keep "
+                f"them within {window} tokens (--max-new-tokens, --context-tokens)"
+            )
 
 
 def uses_chat(tokenizer, chat: str, long: bool, target: str) -> bool:

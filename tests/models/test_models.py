@@ -121,3 +121,31 @@ def test_a_gguf_file_cut_short_or_not_gguf_is_one_line_naming_it(prompts_file, t
         one_line_error(result, f"the GGUF file {file}:", "download it again")
         assert result.returncode == 2 and not out.exists()
     assert not list((tmp_path / "cache").rglob("*.safetensors"))  # nothing converted
+
+
+def test_a_sliding_window_that_sequences_outgrow_is_one_line_and_one_they_fit_decodes(
+    tiny_pair, prompts_file, tmp_path
+):
+    """A hunt found Mistral with a sliding window (7B v0.1's kind) running on transformers' forward until a
+    sequence passed the window, then a traceback from the cache's crop: a sliding cache has dropped what a
+    rejected draft needs back. Refused before anything is measured; sequences within the window decode."""
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_pair[0])
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, sliding_window=48,
+    )  # fmt: skip
+    model = tmp_path / "mistral"
+    MistralForCausalLM(config).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    args = ["run", "--target", model, "--draft", model, "--dataset", prompts_file, "--chat", "off", "--k", "2"]
+    out = tmp_path / "long"
+    one_line_error(
+        cli(*args, "--max-new-tokens", "60", "--out", out), "sliding window of 48 tokens", "--max-new-tokens"
+    )
+    assert not (out / "records.csv").exists()
+    fits = cli(*args, "--max-new-tokens", "8", "--out", tmp_path / "fits")
+    assert fits.returncode == 0, fits.stderr
+    assert "greedy outputs: every method equals the baseline" in fits.stdout
