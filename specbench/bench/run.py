@@ -352,7 +352,7 @@ def _benchmark(
     if facts:
         meta["resolved"]["forward"] = facts
         writer.write_json("meta.json", meta)
-    forward = ", ".join(describe_forward(role, fact) for role, fact in facts.items() if fact["route"] != "eager")
+    forward = ", ".join(describe_forward(role, fact) for role, fact in facts.items())
     # The tables show each speedup with its interval over the prompts (results.json's; not a summary.csv column).
     shown = [
         {**row, "speedup_ci": line.get("speedup_ci")} for row, line in zip(summary, document["summary"], strict=True)
@@ -526,7 +526,9 @@ def forward_facts(pair: Pair) -> dict[str, dict]:
 
 def describe_forward(role: str, facts: dict) -> str:
     """One model's forward in the run's last line: "target graphs (built in 41.0 s; 16 CUDA graphs captured in 0.9 s,
-    outputs 9 MB; cache 512 MB for 2048 positions)"."""
+    outputs 9 MB; cache 512 MB for 2048 positions)", or "draft eager (transformers' forward)"."""
+    if facts["route"] == "eager":  # a fallback (its reason logged at load) is named at the end too
+        return f"{role} eager (transformers' forward)"
     parts = [f"built in {facts['build_s']:.1f} s"]
     if facts.get("graphs"):
         parts.append(

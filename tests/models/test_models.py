@@ -149,3 +149,6 @@ def test_a_sliding_window_that_sequences_outgrow_is_one_line_and_one_they_fit_de
     fits = cli(*args, "--max-new-tokens", "8", "--out", tmp_path / "fits")
     assert fits.returncode == 0, fits.stderr
     assert "greedy outputs: every method equals the baseline" in fits.stdout
+    # on transformers' forward, as the run's last lines say (its reason was logged at load)
+    said = " ".join(fits.stdout.split())
+    assert "forward: target eager (transformers' forward), draft eager (transformers' forward)" in said
