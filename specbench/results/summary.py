@@ -464,9 +464,18 @@ def bandwidth_notes(summary: list[dict], graphs_option: bool) -> list[str]:
     """A line when the baseline of specbench's loop reads its weights at under MBU_FLOOR of the copy
     bandwidth: its speedups are then those of a loop bound by launches and Python, not of the pair.
     On CUDA, where the run's forward was not graphed, it points at --graphs (``graphs_option``: the
-    option exists)."""
+    option exists). Another above 100%, which most often means the copy was timed slow."""
     row = next((r for r in summary if r.get("engine") == "torch" and r["method"] == BASELINE.name), None)
-    if row is None or missing(row.get("baseline_mbu")) or row["baseline_mbu"] >= MBU_FLOOR:
+    if row is None or missing(row.get("baseline_mbu")):
+        return []
+    if row["baseline_mbu"] > 1:  # faster than a copy: most often the copy was timed while the cores were busy
+        return [
+            f"the baseline read the target's weights and KV cache at {row['baseline_mbu']:.1%} of the copy bandwidth "
+            f"measured in this run ({row['copy_bandwidth_gbs']:.1f} GB/s), faster than a copy: most often that copy "
+            "was timed slow (a busy machine, or more torch threads than free cores), and baseline_mbu overstates; "
+            "measure it on a quiet machine"
+        ]
+    if row["baseline_mbu"] >= MBU_FLOOR:
         return []
     line = (
         f"the baseline reads the target's weights and KV cache at {row['baseline_mbu']:.1%} of the copy bandwidth "

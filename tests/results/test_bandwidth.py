@@ -58,6 +58,9 @@ def test_a_baseline_far_from_the_copy_bandwidth_gets_a_note_and_one_near_it_none
     assert bandwidth_notes([row(MBU_FLOOR)], graphs_option=True) == []
     assert bandwidth_notes([row(0.82)], graphs_option=True) == []
     assert bandwidth_notes([row(math.nan)], graphs_option=True) == []  # not measured
+    # A hunt saw 105.9% with no word; the copy timed alone right after gave 24-34 GB/s, not 16.8.
+    (over,) = bandwidth_notes([row(1.059)], graphs_option=True)
+    assert "105.9% of the copy bandwidth" in over and "baseline_mbu overstates" in over and "launch-bound" not in over
     assert bandwidth_notes([row(0.1, engine="vllm")], graphs_option=True) == []  # only specbench's loop's baseline
     assert bandwidth_notes([{"method": "baseline", "speedup": 1.0}], graphs_option=True) == []  # an older run's row
 
