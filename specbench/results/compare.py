@@ -60,7 +60,7 @@ CONTEXT = [
     "device",
     "dtype",
     "compile",
-]  # not keys, so CI and a laptop still match on alpha; but timings become incomparable
+]  # not keys, so CI and a laptop still match on alpha; but timings are judged as if from another machine
 RELATIVE = {c.name for c in schema.COLUMNS if c.kind == schema.TIMING}  # noisy, so judged with a relative tolerance
 PER_PROMPT = schema.RATES  # rates whose change gets a paired-bootstrap interval over the prompts
 # Seconds and tokens/s depend on the machine as much as on the code; ratios within a run do much less.
@@ -238,13 +238,18 @@ def _machine_difference(machines: tuple) -> str:
     return f"the machines differ: {', '.join(differ)}" if differ else ""
 
 
-def _unjudged(merged: Rows, chosen: list[str], elsewhere: str, unlike: set) -> list[Unjudged]:
+def _unjudged(merged: Rows, chosen: list[str], setup: str, elsewhere: str, unlike: set) -> list[Unjudged]:
     """The chosen metrics of which no row was held to the tolerance, grouped by why."""
     causes = {}
     for m in chosen:
         if any(row[f"{m} status"] in VERDICTS for row in merged):
             continue
-        if elsewhere.startswith("no machine") and m in unlike:  # runs older than the fingerprint
+        if setup and m in unlike:  # a baseline of this machine would not help: the setting must match
+            cause = (
+                f"the runs differ in {setup}",
+                "compare runs of the same device, dtype and compile, or pass --allow-unjudged",
+            )
+        elif elsewhere.startswith("no machine") and m in unlike:  # runs older than the fingerprint
             cause = elsewhere, "record that run again with this specbench, or pass --allow-unjudged"
         elif elsewhere and m in unlike:
             cause = (
@@ -318,19 +323,21 @@ def compare_rows(
     # The baseline's rows in its order, then the current run's new ones in theirs.
     merged = [merged_row(key, "" if key in cur else MISSING) for key in base]
     merged += [merged_row(key, NEW) for key in cur if key not in base]
-    note = "{} differs ({}): timing metrics are not comparable; restrict with --metric alpha --metric tau"
-    notes = [note.format(c, values) for c in CONTEXT if (values := _differing(baseline, current, c))]
-    elsewhere = _machine_difference(machines)
+    differ = {c: values for c in CONTEXT if (values := _differing(baseline, current, c))}
+    notes = [f"{c} differs ({v}): timings other than efficiency are not judged" for c, v in differ.items()]
+    setup, elsewhere = ", ".join(f"{c} {v}" for c, v in differ.items()), _machine_difference(machines)
     # Known to be other machines: every timing moves with the hardware, ratios too (speedup at K=2 was
     # 1.57 on a 2-core Intel Xeon and 0.89 on a 2-core AMD EPYC, whose 3-row matrix products cost more).
+    # Another device, dtype or compile times other forwards just as another machine does.
     # Not known (no fingerprint): ratios within a run are still judged, absolute timings not.
     # Efficiency, the run's speedup over what its own forwards predict, is judged anywhere: the machine's
     # speed cancels out of it, so a loop that got slower fails it on any runner.
-    unlike = (ABSOLUTE if elsewhere.startswith("no machine fingerprint") else RELATIVE) - set(schema.PORTABLE)
+    older = elsewhere.startswith("no machine fingerprint") and not setup
+    unlike = (ABSOLUTE if older else RELATIVE) - set(schema.PORTABLE)
     records = [_by_decoder(rows, keys) for rows in records]
     gaps = {}  # (why, rows without an interval, rows compared) -> the metrics without one
     for m in chosen:
-        incomparable = bool(elsewhere) and m in unlike
+        incomparable = bool(setup or elsewhere) and m in unlike
         if m in RELATIVE:
             compared, whys = 0, {}
             for row in merged:
@@ -367,7 +374,7 @@ def compare_rows(
         )
         for r in merged
     ]
-    unjudged = _unjudged(merged, chosen, elsewhere, unlike)
+    unjudged = _unjudged(merged, chosen, setup, elsewhere, unlike)
     failed = any(row.status in FAILING for row in rows)
     exit_code = FAILED if failed else UNJUDGED if unjudged and not allow_unjudged else PASSED
     return Comparison(

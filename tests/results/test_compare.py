@@ -271,6 +271,29 @@ def test_device_change_is_noted_but_alpha_still_compared(tmp_path):
     assert "note: device differs (cpu vs cuda)" in out
 
 
+def test_timings_of_another_dtype_or_compile_are_not_judged(tmp_path):
+    """The tester's c1 against c3 (--dtype bfloat16 --no-compile) on one machine: tokens/s 22% lower is
+    not a regression of the code, so no timing but efficiency is judged, as against another machine."""
+    rows, records = timed_runs(slower=1 / 0.783)
+    cur = [{**r, "dtype": "bfloat16", "compile": "eager", "efficiency": 0.95} for r in rows[1]]
+    base = [{**r, "compile": "default", "efficiency": 0.96} for r in rows[0]]
+    code, out = compare(tmp_path, base, cur, records=records, machines=SAME)
+    assert code == 3 and "FAIL" not in out and "regressed" not in out
+    assert "note: dtype differs (float32 vs bfloat16): timings other than efficiency are not judged" in out
+    assert last_line(out).endswith(
+        "NOT JUDGED: the runs differ in dtype float32 vs bfloat16, compile default vs eager: "
+        "compare runs of the same device, dtype and compile, or pass --allow-unjudged"
+    )
+    assert "speedup" in last_line(out)
+    code, out = compare(tmp_path, base, cur, records=records, allow_unjudged=True)
+    assert code == 0 and last_line(out).startswith("PASS")
+    # efficiency, alpha, tau and acceptance are still judged, and fail.
+    worse = changed(cur, 1, efficiency=0.5, alpha=0.7)
+    code, out = compare(tmp_path, base, worse, records=records, metrics=["efficiency", "alpha", "speedup"])
+    assert code == 1 and "efficiency 0.96 -> 0.5" in last_line(out) and "alpha 0.8 -> 0.7" in last_line(out)
+    assert last_line(out).endswith("; speedup NOT JUDGED")
+
+
 def test_directory_and_csv_paths_both_work(tmp_path):
     run_dir = write_run(tmp_path / "run", summary_rows())
     (run_dir / "meta.json").write_text(json.dumps({"machine": MACHINE}))
