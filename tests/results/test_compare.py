@@ -18,6 +18,8 @@ from tests.helpers import noisy_prompts
 
 MACHINE = {"cpu": "Some CPU", "cores": 2, "torch_threads": 2, "gpu": None, "torch": "2.5", "transformers": "4.50"}
 SAME = (MACHINE, MACHINE)  # both runs measured on one machine: every metric can be judged
+# The default metrics and absolute tokens/s, which compare judges when asked to.
+WITH_TOKENS = ["baseline_tokens_per_s", "spec_tokens_per_s", "speedup", "alpha", "acceptance_rate", "tau"]
 
 
 def summary_rows(ks=(1, 2, 4)):
@@ -561,7 +563,9 @@ def test_noise_alone_rarely_fails():
 def test_timings_are_judged_only_on_the_same_machine(tmp_path):
     rows, records = timed_runs(slower=1 / 0.7)  # tokens/s 30% lower, speedup unchanged
     other = {**MACHINE, "torch_threads": 1}
-    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other), json_path=tmp_path / "v.json")
+    code, out = compare(
+        tmp_path, *rows, records=records, metrics=WITH_TOKENS, machines=(MACHINE, other), json_path=tmp_path / "v.json"
+    )
     # Nothing judged the timings, so a pass would say nothing about them.
     assert code == 3
     assert last_line(out) == (
@@ -581,7 +585,9 @@ def test_timings_are_judged_only_on_the_same_machine(tmp_path):
         )
     ]
     # Without a fingerprint (runs older than it) the ratio is judged, absolute tokens/s are not.
-    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, None), json_path=tmp_path / "v.json")
+    code, out = compare(
+        tmp_path, *rows, records=records, metrics=WITH_TOKENS, machines=(MACHINE, None), json_path=tmp_path / "v.json"
+    )
     assert code == 3
     assert last_line(out) == (
         "baseline_tokens_per_s, spec_tokens_per_s NOT JUDGED: no machine fingerprint in the current run's meta.json: "
@@ -591,7 +597,7 @@ def test_timings_are_judged_only_on_the_same_machine(tmp_path):
     assert statuses["speedup"]["status"] == "ok" and statuses["speedup"]["test"] == "paired bootstrap"
     assert statuses["spec_tokens_per_s"]["status"] == "not comparable"
     # The same machine: the drop fails.
-    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, MACHINE))
+    code, out = compare(tmp_path, *rows, records=records, metrics=WITH_TOKENS, machines=(MACHINE, MACHINE))
     assert code == 1
     assert "baseline_tokens_per_s" in last_line(out) and "spec_tokens_per_s" in last_line(out)
     # A slower method fails on its speedup on the same machine, and is not judged on another.
@@ -602,6 +608,16 @@ def test_timings_are_judged_only_on_the_same_machine(tmp_path):
     assert code == 3 and "speedup NOT JUDGED" in last_line(out)
     code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other), allow_unjudged=True)
     assert code == 0 and "regressed" not in out
+
+
+def test_by_default_absolute_tokens_per_s_is_not_gated(tmp_path):
+    # A runner busier for the whole current run: every prompt 30% slower, speedup unchanged.
+    rows, records = timed_runs(slower=1 / 0.7)
+    code, out = compare(tmp_path, *rows, records=records, machines=SAME, json_path=tmp_path / "v.json")
+    assert code == 0 and last_line(out).startswith("PASS")
+    assert json.loads((tmp_path / "v.json").read_text())["metrics"] == ["speedup", "alpha", "acceptance_rate", "tau"]
+    code, out = compare(tmp_path, *rows, records=records, machines=SAME, metrics=["spec_tokens_per_s"])
+    assert code == 1 and "spec_tokens_per_s" in last_line(out)  # asked for, it is judged
 
 
 def cli(*args):
@@ -615,7 +631,7 @@ def test_a_baseline_from_another_machine_fails_unjudged_through_the_cli(tmp_path
     newer = {**MACHINE, "torch": "2.13"}
     paths = write_runs(tmp_path, *rows, records=records, machines=(MACHINE, newer))
     md = tmp_path / "compare.md"
-    timings = "baseline_tokens_per_s, spec_tokens_per_s, speedup"
+    timings = "speedup"
     why = f"{timings} NOT JUDGED: no baseline from this machine (the machines differ: torch 2.5 vs 2.13)"
     code, out = cli(*paths, "--markdown", md)
     assert code == 3
@@ -656,12 +672,10 @@ def test_a_regression_fails_even_beside_an_unjudged_metric(tmp_path):
         assert code == 1
         verdict = last_line(out)
         assert verdict.startswith("FAIL") and "k=1 method=speculative: alpha 0.8 -> 0.7" in verdict
-        assert verdict.endswith(
-            "; baseline_tokens_per_s, spec_tokens_per_s, speedup NOT JUDGED" + (" (--allow-unjudged)" if allow else "")
-        )
+        assert verdict.endswith("; speedup NOT JUDGED" + (" (--allow-unjudged)" if allow else ""))
         data = json.loads((tmp_path / "v.json").read_text())
         assert data["verdict"] == "fail" and data["exit_code"] == 1
-        assert [u["metrics"] for u in data["unjudged"]] == [["baseline_tokens_per_s", "spec_tokens_per_s", "speedup"]]
+        assert [u["metrics"] for u in data["unjudged"]] == [["speedup"]]
 
 
 def test_a_metric_without_values_in_both_runs_is_not_judged():
@@ -705,8 +719,7 @@ def test_a_directory_of_baselines_gives_the_one_of_this_machine(tmp_path):
     assert code == 3 and "was measured on this machine, so its timings are not judged" in said
     assert "`make baseline` records one" in said
     assert last_line(out.getvalue()).startswith(
-        "baseline_tokens_per_s, spec_tokens_per_s, speedup NOT JUDGED: no baseline from this machine "
-        "(the machines differ: torch 2.6 vs 2.5)"
+        "speedup NOT JUDGED: no baseline from this machine (the machines differ: torch 2.6 vs 2.5)"
     )
     assert not same_machine(shelf, tmp_path / "cur")
     (tmp_path / "empty").mkdir()
@@ -717,7 +730,7 @@ def test_a_directory_of_baselines_gives_the_one_of_this_machine(tmp_path):
 
 def test_without_records_the_point_values_are_judged(tmp_path):
     rows, records = timed_runs()
-    code, out = compare(tmp_path, *rows, records=(records[0], None), machines=(MACHINE, MACHINE))
+    code, out = compare(tmp_path, *rows, records=(records[0], None), machines=SAME, metrics=WITH_TOKENS)
     assert code == 0
     note = (
         "note: baseline_tokens_per_s, spec_tokens_per_s, speedup: no 95% interval (no records.csv in the current "
@@ -735,7 +748,7 @@ def test_too_few_or_foreign_records_fall_back_to_the_point_values():
     one_prompt = cur_records[(cur_records["prompt_index"] == 0) | (cur_records["k"] == 2)]
     result = compare_rows(base, cur, records=rows_of(base_records, one_prompt))
     assert "speedup: no 95% interval on 1 of 2 rows (1 prompt(s) in both runs' records.csv" in " ".join(result.notes)
-    tests = {row.key["k"]: row.metrics[2].test for row in result.rows}
+    tests = {row.key["k"]: row.metrics[0].test for row in result.rows}
     assert tests == {1: "point", 2: "paired bootstrap"}
     stale = cur_records.assign(method_s=cur_records["method_s"] * 2)
     result = compare_rows(base, cur, records=rows_of(base_records, stale))
@@ -767,7 +780,7 @@ def test_json_and_markdown_carry_the_interval():
     cell = f"{speedup['change']:+.1%}, 95% CI {speedup['ci_low']:+.1%} .. {speedup['ci_high']:+.1%}) **regressed**"
     assert cell in to_markdown(result)
     wider = compare_rows(base, cur, records=rows_of(*records), confidence=0.99)
-    low, high = wider.rows[0].metrics[2].ci_low, wider.rows[0].metrics[2].ci_high
+    low, high = wider.rows[0].metrics[0].ci_low, wider.rows[0].metrics[0].ci_high
     assert low < speedup["ci_low"] and high > speedup["ci_high"]
     assert "99% CI" in verdict_line(wider)
 
