@@ -247,6 +247,77 @@ def test_different_prompts_are_refused(tmp_path):
         compare_rows(base, changed(base, 2, prompts_hash="456"))
 
 
+def write_options(path, **options):
+    """meta.json of a run made with ``options`` (a few of `specbench run`'s), on MACHINE."""
+    config = {"dataset": "humaneval", "num_prompts": 4, "ks": [1, 2, 4], "repeats": 3, **options}
+    (path / "meta.json").write_text(json.dumps({"machine": MACHINE, "config": config}))
+
+
+def test_runs_of_other_options_are_refused_naming_the_options(tmp_path):
+    # The tester's c1 against c2: --num-prompts 2 and 3, which changes the prompts and their hash.
+    base = [{**r, "prompts_hash": "aaa", "num_prompts": 2} for r in summary_rows()]
+    cur = [{**r, "prompts_hash": "bbb", "num_prompts": 3} for r in summary_rows()]
+    paths = write_runs(tmp_path, base, cur)
+    write_options(paths[0], num_prompts=2)
+    write_options(paths[1], num_prompts=3)
+    with pytest.raises(SpecbenchError) as info:
+        run_compare(*map(str, paths))
+    said = str(info.value)
+    assert said == (
+        "the two runs decoded different prompts (prompts_hash aaa vs bbb): their options differ in num_prompts "
+        "2 vs 3; run the current one with the baseline's options"
+    )
+    # No row matches (here another K and repeats, and no prompts_hash): the options are named too.
+    base, cur = summary_rows(ks=(2,)), summary_rows(ks=(4,))
+    paths = write_runs(tmp_path, [r for r in base if r["k"] == 2], [r for r in cur if r["k"] == 4])
+    write_options(paths[0], ks=[2])
+    write_options(paths[1], ks=[4], repeats=1)
+    with pytest.raises(SpecbenchError, match=r"their options differ in ks \[2\] vs \[4\], repeats 3 vs 1; run the"):
+        run_compare(*map(str, paths))
+
+
+def test_an_interrupted_run_is_called_incomplete(tmp_path):
+    finished = [{**r, "prompts_hash": "aaa"} for r in summary_rows()]
+    cut = [{**r, "num_prompts": 2} for r in finished]  # its summary counts the prompts decoded so far
+    paths = write_runs(tmp_path, finished, cut)
+    for path in paths:
+        write_options(path)
+    with pytest.raises(SpecbenchError) as info:
+        run_compare(*map(str, paths))
+    assert str(info.value) == (
+        "the current run is incomplete: k=1 method=speculative decoded 2 of 4 prompts; "
+        "finish it (`specbench run` with its options, --out and --resume)"
+    )
+    # Cut short in its last prompt: one row behind the others. Compared the other way, the baseline is.
+    paths = write_runs(tmp_path, finished, changed(finished, 4, num_prompts=3))
+    with pytest.raises(SpecbenchError, match="the current run is incomplete: k=4 method=speculative decoded 3 of 4"):
+        run_compare(*map(str, paths))
+    with pytest.raises(SpecbenchError, match="the baseline run is incomplete: k=4 method=speculative decoded 3 of 4"):
+        run_compare(*map(str, reversed(paths)))
+    # Not known to be the same prompts (no hash, no options): another --num-prompts, as before.
+    with pytest.raises(SpecbenchError, match="no row of the current run matches"):
+        compare_rows(summary_rows(), [{**r, "num_prompts": 2} for r in summary_rows()])
+
+
+def test_a_refused_baseline_from_a_directory_says_which_run_was_taken(tmp_path):
+    # Two runs of this machine: the newest of other options, an older one of the current run's.
+    shelf = tmp_path / "baselines"
+    older = write_run(shelf / "2024-01-run", [{**r, "prompts_hash": "bbb", "num_prompts": 3} for r in summary_rows()])
+    newest = write_run(shelf / "2024-02-run", [{**r, "prompts_hash": "aaa", "num_prompts": 2} for r in summary_rows()])
+    cur = write_run(tmp_path / "cur", [{**r, "prompts_hash": "bbb", "num_prompts": 3} for r in summary_rows()])
+    write_options(older, num_prompts=3)
+    write_options(newest, num_prompts=2)
+    write_options(cur, num_prompts=3)
+    with pytest.raises(SpecbenchError) as info:
+        run_compare(str(shelf), str(cur))
+    said = str(info.value)
+    assert said.startswith(f"baseline {newest} (the newest run in {shelf} measured on this machine): the two runs")
+    assert "num_prompts 2 vs 3" in said and "\n" not in said
+    assert said.endswith(f"; {older} has the current run's options: pass it as the baseline")
+    out = io.StringIO()
+    assert run_compare(str(older), str(cur), console=Console(file=out)) == 0
+
+
 def test_same_prompts_or_one_unknown_hash_pass(tmp_path):
     base = [{**r, "prompts_hash": "abc123"} for r in summary_rows()]
     code, _ = compare(tmp_path, base, base)
