@@ -19,6 +19,7 @@ could not be judged on any row.
 import json
 import math
 from collections import namedtuple
+from pathlib import Path
 
 import numpy as np
 from rich.console import Console
@@ -35,11 +36,13 @@ from specbench.results.rundir import (
     Rows,
     cell_text,
     has_categories,
+    load_config,
     load_machine,
     load_records,
     load_summary,
     number,
     pick_baseline,
+    runs_in,
 )
 
 OPTIONAL_KEYS = [
@@ -60,7 +63,7 @@ CONTEXT = [
     "device",
     "dtype",
     "compile",
-]  # not keys, so CI and a laptop still match on alpha; but timings become incomparable
+]  # not keys, so CI and a laptop still match on alpha; but timings are judged as if from another machine
 RELATIVE = {c.name for c in schema.COLUMNS if c.kind == schema.TIMING}  # noisy, so judged with a relative tolerance
 PER_PROMPT = schema.RATES  # rates whose change gets a paired-bootstrap interval over the prompts
 # Seconds and tokens/s depend on the machine as much as on the code; ratios within a run do much less.
@@ -109,6 +112,40 @@ def _differing(baseline: Rows, current: Rows, column: str) -> str | None:
     """ "a vs b" when both files have the column and its values differ; a blank is unknown, not different."""
     before, after = (", ".join(sorted({cell_text(r.get(column)) for r in rows} - {""})) for rows in (baseline, current))
     return f"{before} vs {after}" if before and after and before != after else None
+
+
+def _settings(configs: tuple) -> str:
+    """ "num_prompts 2 vs 3, ..." for the options two runs were made with (meta.json), where they differ;
+    "" when they agree or either is unknown."""
+    if not all(configs):
+        return ""
+    base, cur = configs
+    return ", ".join(
+        f"{k} {_option(base.get(k))} vs {_option(cur.get(k))}"
+        for k in sorted(base.keys() | cur.keys())
+        if base.get(k) != cur.get(k)
+    )
+
+
+def _option(value) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _incomplete(base: dict, cur: dict, keys: list[str]) -> str:
+    """Why one run holds fewer prompts than the other in a row of the same configuration: the run cut
+    short, as an interrupted run's summary counts the prompts decoded so far. "" when none does."""
+    if "num_prompts" not in keys:
+        return ""
+    at = keys.index("num_prompts")
+    decoders = [i for i, c in enumerate(keys) if c in DECODER]
+    counts = {key[:at] + key[at + 1 :]: key[at] for key in base}
+    for key in cur:
+        n, m = key[at], counts.get(key[:at] + key[at + 1 :])
+        if key not in base and None not in (n, m) and n != m:
+            which = "current" if n < m else "baseline"
+            label = " ".join(f"{keys[i]}={cell_text(key[i])}" for i in decoders if cell_text(key[i]))
+            return f"the {which} run is incomplete: {label} decoded {min(n, m)} of {max(n, m)} prompts"
+    return ""
 
 
 def _decoder(row: dict, keys: list[str]) -> str:
@@ -238,13 +275,18 @@ def _machine_difference(machines: tuple) -> str:
     return f"the machines differ: {', '.join(differ)}" if differ else ""
 
 
-def _unjudged(merged: Rows, chosen: list[str], elsewhere: str, unlike: set) -> list[Unjudged]:
+def _unjudged(merged: Rows, chosen: list[str], setup: str, elsewhere: str, unlike: set) -> list[Unjudged]:
     """The chosen metrics of which no row was held to the tolerance, grouped by why."""
     causes = {}
     for m in chosen:
         if any(row[f"{m} status"] in VERDICTS for row in merged):
             continue
-        if elsewhere.startswith("no machine") and m in unlike:  # runs older than the fingerprint
+        if setup and m in unlike:  # a baseline of this machine would not help: the setting must match
+            cause = (
+                f"the runs differ in {setup}",
+                "compare runs of the same device, dtype and compile, or pass --allow-unjudged",
+            )
+        elif elsewhere.startswith("no machine") and m in unlike:  # runs older than the fingerprint
             cause = elsewhere, "record that run again with this specbench, or pass --allow-unjudged"
         elif elsewhere and m in unlike:
             cause = (
@@ -272,18 +314,26 @@ def compare_rows(
     machines=(None, None),
     confidence=0.95,
     allow_unjudged=False,
+    configs=(None, None),
 ):
     """Match the rows of two summaries (load_summary: lists of dicts) on configuration and judge each
     metric (a list of names, default schema.GATED); the names label the files in messages. ``records``:
     the runs' records.csv rows (load_records), which give timing changes a ``confidence`` interval; ``machines``: their
-    fingerprints (load_machine), without which absolute timings are not judged. A metric judged on no
-    row sets exit code 3 unless ``allow_unjudged``. Returns a Comparison. No I/O."""
+    fingerprints (load_machine), without which absolute timings are not judged; ``configs``: their options
+    (load_config), which name what differs when the runs cannot be compared. A metric judged on no row
+    sets exit code 3 unless ``allow_unjudged``. Returns a Comparison. No I/O."""
     if not (0 <= tolerance < 1 and abs_tolerance >= 0 and 0 < confidence < 1):
         raise SpecbenchError(
             f"--tolerance {tolerance} must lie in [0, 1), --abs-tolerance {abs_tolerance} be >= 0 "
             f"and --confidence {confidence} lie in (0, 1)"
         )
+    settings = _settings(configs)
     if hashes := _differing(baseline, current, "prompts_hash"):
+        if settings:
+            raise SpecbenchError(
+                f"the two runs decoded different prompts (prompts_hash {hashes}): their options differ in "
+                f"{settings}; run the current one with the baseline's options"
+            )
         raise SpecbenchError(
             f"the two runs decoded different prompts (prompts_hash {hashes}): a changed dataset, "
             "template or tokenizer makes them incomparable; rerun the baseline"
@@ -303,7 +353,16 @@ def compare_rows(
             by_key[key] = row
         sides.append(by_key)
     base, cur = sides
+    # The same prompts (or options) and fewer of them in a row: a run cut short, not another experiment.
+    hashed = all({cell_text(r.get("prompts_hash")) for r in rows} - {""} for rows in (baseline, current))
+    if (hashed or (all(configs) and not settings)) and (short := _incomplete(base, cur, keys)):
+        raise SpecbenchError(f"{short}; finish it (`specbench run` with its options, --out and --resume)")
     if not base.keys() & cur.keys():
+        if settings:
+            raise SpecbenchError(
+                f"no row of the current run matches a baseline row: their options differ in {settings}; "
+                "run the current one with the baseline's options"
+            )
         raise SpecbenchError(
             f"no row of the current run matches a baseline row on {', '.join(keys)}; "
             "run the same configuration as the baseline"
@@ -318,19 +377,21 @@ def compare_rows(
     # The baseline's rows in its order, then the current run's new ones in theirs.
     merged = [merged_row(key, "" if key in cur else MISSING) for key in base]
     merged += [merged_row(key, NEW) for key in cur if key not in base]
-    note = "{} differs ({}): timing metrics are not comparable; restrict with --metric alpha --metric tau"
-    notes = [note.format(c, values) for c in CONTEXT if (values := _differing(baseline, current, c))]
-    elsewhere = _machine_difference(machines)
+    differ = {c: values for c in CONTEXT if (values := _differing(baseline, current, c))}
+    notes = [f"{c} differs ({v}): timings other than efficiency are not judged" for c, v in differ.items()]
+    setup, elsewhere = ", ".join(f"{c} {v}" for c, v in differ.items()), _machine_difference(machines)
     # Known to be other machines: every timing moves with the hardware, ratios too (speedup at K=2 was
     # 1.57 on a 2-core Intel Xeon and 0.89 on a 2-core AMD EPYC, whose 3-row matrix products cost more).
+    # Another device, dtype or compile times other forwards just as another machine does.
     # Not known (no fingerprint): ratios within a run are still judged, absolute timings not.
     # Efficiency, the run's speedup over what its own forwards predict, is judged anywhere: the machine's
     # speed cancels out of it, so a loop that got slower fails it on any runner.
-    unlike = (ABSOLUTE if elsewhere.startswith("no machine fingerprint") else RELATIVE) - set(schema.PORTABLE)
+    older = elsewhere.startswith("no machine fingerprint") and not setup
+    unlike = (ABSOLUTE if older else RELATIVE) - set(schema.PORTABLE)
     records = [_by_decoder(rows, keys) for rows in records]
     gaps = {}  # (why, rows without an interval, rows compared) -> the metrics without one
     for m in chosen:
-        incomparable = bool(elsewhere) and m in unlike
+        incomparable = bool(setup or elsewhere) and m in unlike
         if m in RELATIVE:
             compared, whys = 0, {}
             for row in merged:
@@ -367,7 +428,7 @@ def compare_rows(
         )
         for r in merged
     ]
-    unjudged = _unjudged(merged, chosen, elsewhere, unlike)
+    unjudged = _unjudged(merged, chosen, setup, elsewhere, unlike)
     failed = any(row.status in FAILING for row in rows)
     exit_code = FAILED if failed else UNJUDGED if unjudged and not allow_unjudged else PASSED
     return Comparison(
@@ -529,6 +590,17 @@ def print_comparison(console: Console, comparison: Comparison) -> None:
     )
 
 
+def _picked(shelf: Path, baseline: Path, current, problem: str) -> str:
+    """A refusal of the baseline compare took from a directory of runs: which run it took, and
+    another there that was made with the current run's options, if one was."""
+    mine = load_machine(current) is not None and load_machine(baseline) == load_machine(current)
+    said = f"baseline {baseline} (the newest run in {shelf}{' measured on this machine' if mine else ''}): {problem}"
+    wanted = load_config(current)
+    if match := next((d for d in runs_in(shelf) if d != baseline and wanted and load_config(d) == wanted), None):
+        said += f"; {match} has the current run's options: pass it as the baseline"
+    return said
+
+
 def run_compare(
     baseline,
     current,
@@ -544,21 +616,28 @@ def run_compare(
     """Compare two run directories (or summary.csv paths), print the table and verdict, write the
     JSON and Markdown reports where paths are given; return the exit code, 0, 1 or 3 (unusable input:
     SpecbenchError)."""
-    baseline, note = pick_baseline(baseline, load_machine(current))
+    shelf = baseline
+    baseline, note = pick_baseline(shelf, load_machine(current))
     grouped = has_categories(baseline) and has_categories(current)  # per-category rows are judged too
     summaries = load_summary(baseline, grouped), load_summary(current, grouped)
-    comparison = compare_rows(
-        *summaries,
-        tolerance,
-        abs_tolerance,
-        metrics,
-        str(baseline),
-        str(current),
-        records=(load_records(baseline, grouped), load_records(current, grouped)),
-        machines=(load_machine(baseline), load_machine(current)),
-        confidence=confidence,
-        allow_unjudged=allow_unjudged,
-    )
+    try:
+        comparison = compare_rows(
+            *summaries,
+            tolerance,
+            abs_tolerance,
+            metrics,
+            str(baseline),
+            str(current),
+            records=(load_records(baseline, grouped), load_records(current, grouped)),
+            machines=(load_machine(baseline), load_machine(current)),
+            confidence=confidence,
+            allow_unjudged=allow_unjudged,
+            configs=(load_config(baseline), load_config(current)),
+        )
+    except SpecbenchError as e:
+        if not note:
+            raise
+        raise SpecbenchError(_picked(Path(shelf), baseline, current, str(e))) from None
     if json_path:
         write_text(json_path, json.dumps(to_json(comparison), indent=2) + "\n")
     if markdown_path:

@@ -353,12 +353,21 @@ def load_records(path: str | Path, categories: bool = False) -> Rows | None:
     return plain + [row for row in by_category if row["category"] != ""]
 
 
-def load_machine(path: str | Path) -> dict | None:
-    """The machine fingerprint in a run's meta.json; None without one (or without meta.json)."""
+def _meta(path: str | Path, key: str) -> dict | None:
     try:
-        return json.loads((_run_dir(path) / "meta.json").read_text(encoding="utf-8")).get("machine")
+        return json.loads((_run_dir(path) / "meta.json").read_text(encoding="utf-8")).get(key)
     except (OSError, ValueError, AttributeError):  # unreadable, not JSON, not an object
         return None
+
+
+def load_machine(path: str | Path) -> dict | None:
+    """The machine fingerprint in a run's meta.json; None without one (or without meta.json)."""
+    return _meta(path, "machine")
+
+
+def load_config(path: str | Path) -> dict | None:
+    """The options a run was made with (meta.json's config); None without them."""
+    return _meta(path, "config")
 
 
 def cell_text(value) -> str:
@@ -368,14 +377,18 @@ def cell_text(value) -> str:
     return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value).strip()
 
 
+def runs_in(path: Path) -> list[Path]:
+    """The runs in a directory of runs, newest name first."""
+    return sorted((d for d in path.iterdir() if (d / "summary.csv").is_file()), key=lambda d: d.name, reverse=True)
+
+
 def pick_baseline(path: str | Path, machine: dict | None) -> tuple[Path, str]:
     """``path`` itself when it is a run; in a directory of runs (baselines of several machines) the
     newest measured on ``machine``, else the newest of all, with a note saying so."""
     path = Path(path)
     if path.is_file() or (path / "summary.csv").is_file() or not path.is_dir():
         return path, ""
-    runs = sorted((d for d in path.iterdir() if (d / "summary.csv").is_file()), key=lambda d: d.name, reverse=True)
-    if not runs:
+    if not (runs := runs_in(path)):
         raise SpecbenchError(f"{path} holds no run (no summary.csv in it or its subdirectories): pass a run directory")
     same = [d for d in runs if machine is not None and load_machine(d) == machine]
     if same:

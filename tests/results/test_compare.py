@@ -18,6 +18,8 @@ from tests.helpers import noisy_prompts
 
 MACHINE = {"cpu": "Some CPU", "cores": 2, "torch_threads": 2, "gpu": None, "torch": "2.5", "transformers": "4.50"}
 SAME = (MACHINE, MACHINE)  # both runs measured on one machine: every metric can be judged
+# The default metrics and absolute tokens/s, which compare judges when asked to.
+WITH_TOKENS = ["baseline_tokens_per_s", "spec_tokens_per_s", "speedup", "alpha", "acceptance_rate", "tau"]
 
 
 def summary_rows(ks=(1, 2, 4)):
@@ -245,6 +247,77 @@ def test_different_prompts_are_refused(tmp_path):
         compare_rows(base, changed(base, 2, prompts_hash="456"))
 
 
+def write_options(path, **options):
+    """meta.json of a run made with ``options`` (a few of `specbench run`'s), on MACHINE."""
+    config = {"dataset": "humaneval", "num_prompts": 4, "ks": [1, 2, 4], "repeats": 3, **options}
+    (path / "meta.json").write_text(json.dumps({"machine": MACHINE, "config": config}))
+
+
+def test_runs_of_other_options_are_refused_naming_the_options(tmp_path):
+    # The tester's c1 against c2: --num-prompts 2 and 3, which changes the prompts and their hash.
+    base = [{**r, "prompts_hash": "aaa", "num_prompts": 2} for r in summary_rows()]
+    cur = [{**r, "prompts_hash": "bbb", "num_prompts": 3} for r in summary_rows()]
+    paths = write_runs(tmp_path, base, cur)
+    write_options(paths[0], num_prompts=2)
+    write_options(paths[1], num_prompts=3)
+    with pytest.raises(SpecbenchError) as info:
+        run_compare(*map(str, paths))
+    said = str(info.value)
+    assert said == (
+        "the two runs decoded different prompts (prompts_hash aaa vs bbb): their options differ in num_prompts "
+        "2 vs 3; run the current one with the baseline's options"
+    )
+    # No row matches (here another K and repeats, and no prompts_hash): the options are named too.
+    base, cur = summary_rows(ks=(2,)), summary_rows(ks=(4,))
+    paths = write_runs(tmp_path, [r for r in base if r["k"] == 2], [r for r in cur if r["k"] == 4])
+    write_options(paths[0], ks=[2])
+    write_options(paths[1], ks=[4], repeats=1)
+    with pytest.raises(SpecbenchError, match=r"their options differ in ks \[2\] vs \[4\], repeats 3 vs 1; run the"):
+        run_compare(*map(str, paths))
+
+
+def test_an_interrupted_run_is_called_incomplete(tmp_path):
+    finished = [{**r, "prompts_hash": "aaa"} for r in summary_rows()]
+    cut = [{**r, "num_prompts": 2} for r in finished]  # its summary counts the prompts decoded so far
+    paths = write_runs(tmp_path, finished, cut)
+    for path in paths:
+        write_options(path)
+    with pytest.raises(SpecbenchError) as info:
+        run_compare(*map(str, paths))
+    assert str(info.value) == (
+        "the current run is incomplete: k=1 method=speculative decoded 2 of 4 prompts; "
+        "finish it (`specbench run` with its options, --out and --resume)"
+    )
+    # Cut short in its last prompt: one row behind the others. Compared the other way, the baseline is.
+    paths = write_runs(tmp_path, finished, changed(finished, 4, num_prompts=3))
+    with pytest.raises(SpecbenchError, match="the current run is incomplete: k=4 method=speculative decoded 3 of 4"):
+        run_compare(*map(str, paths))
+    with pytest.raises(SpecbenchError, match="the baseline run is incomplete: k=4 method=speculative decoded 3 of 4"):
+        run_compare(*map(str, reversed(paths)))
+    # Not known to be the same prompts (no hash, no options): another --num-prompts, as before.
+    with pytest.raises(SpecbenchError, match="no row of the current run matches"):
+        compare_rows(summary_rows(), [{**r, "num_prompts": 2} for r in summary_rows()])
+
+
+def test_a_refused_baseline_from_a_directory_says_which_run_was_taken(tmp_path):
+    # Two runs of this machine: the newest of other options, an older one of the current run's.
+    shelf = tmp_path / "baselines"
+    older = write_run(shelf / "2024-01-run", [{**r, "prompts_hash": "bbb", "num_prompts": 3} for r in summary_rows()])
+    newest = write_run(shelf / "2024-02-run", [{**r, "prompts_hash": "aaa", "num_prompts": 2} for r in summary_rows()])
+    cur = write_run(tmp_path / "cur", [{**r, "prompts_hash": "bbb", "num_prompts": 3} for r in summary_rows()])
+    write_options(older, num_prompts=3)
+    write_options(newest, num_prompts=2)
+    write_options(cur, num_prompts=3)
+    with pytest.raises(SpecbenchError) as info:
+        run_compare(str(shelf), str(cur))
+    said = str(info.value)
+    assert said.startswith(f"baseline {newest} (the newest run in {shelf} measured on this machine): the two runs")
+    assert "num_prompts 2 vs 3" in said and "\n" not in said
+    assert said.endswith(f"; {older} has the current run's options: pass it as the baseline")
+    out = io.StringIO()
+    assert run_compare(str(older), str(cur), console=Console(file=out)) == 0
+
+
 def test_same_prompts_or_one_unknown_hash_pass(tmp_path):
     base = [{**r, "prompts_hash": "abc123"} for r in summary_rows()]
     code, _ = compare(tmp_path, base, base)
@@ -269,6 +342,29 @@ def test_device_change_is_noted_but_alpha_still_compared(tmp_path):
     code, out = compare(tmp_path, summary_rows(), cur, metrics=["alpha"])
     assert code == 0
     assert "note: device differs (cpu vs cuda)" in out
+
+
+def test_timings_of_another_dtype_or_compile_are_not_judged(tmp_path):
+    """The tester's c1 against c3 (--dtype bfloat16 --no-compile) on one machine: tokens/s 22% lower is
+    not a regression of the code, so no timing but efficiency is judged, as against another machine."""
+    rows, records = timed_runs(slower=1 / 0.783)
+    cur = [{**r, "dtype": "bfloat16", "compile": "eager", "efficiency": 0.95} for r in rows[1]]
+    base = [{**r, "compile": "default", "efficiency": 0.96} for r in rows[0]]
+    code, out = compare(tmp_path, base, cur, records=records, machines=SAME)
+    assert code == 3 and "FAIL" not in out and "regressed" not in out
+    assert "note: dtype differs (float32 vs bfloat16): timings other than efficiency are not judged" in out
+    assert last_line(out).endswith(
+        "NOT JUDGED: the runs differ in dtype float32 vs bfloat16, compile default vs eager: "
+        "compare runs of the same device, dtype and compile, or pass --allow-unjudged"
+    )
+    assert "speedup" in last_line(out)
+    code, out = compare(tmp_path, base, cur, records=records, allow_unjudged=True)
+    assert code == 0 and last_line(out).startswith("PASS")
+    # efficiency, alpha, tau and acceptance are still judged, and fail.
+    worse = changed(cur, 1, efficiency=0.5, alpha=0.7)
+    code, out = compare(tmp_path, base, worse, records=records, metrics=["efficiency", "alpha", "speedup"])
+    assert code == 1 and "efficiency 0.96 -> 0.5" in last_line(out) and "alpha 0.8 -> 0.7" in last_line(out)
+    assert last_line(out).endswith("; speedup NOT JUDGED")
 
 
 def test_directory_and_csv_paths_both_work(tmp_path):
@@ -538,7 +634,9 @@ def test_noise_alone_rarely_fails():
 def test_timings_are_judged_only_on_the_same_machine(tmp_path):
     rows, records = timed_runs(slower=1 / 0.7)  # tokens/s 30% lower, speedup unchanged
     other = {**MACHINE, "torch_threads": 1}
-    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other), json_path=tmp_path / "v.json")
+    code, out = compare(
+        tmp_path, *rows, records=records, metrics=WITH_TOKENS, machines=(MACHINE, other), json_path=tmp_path / "v.json"
+    )
     # Nothing judged the timings, so a pass would say nothing about them.
     assert code == 3
     assert last_line(out) == (
@@ -558,7 +656,9 @@ def test_timings_are_judged_only_on_the_same_machine(tmp_path):
         )
     ]
     # Without a fingerprint (runs older than it) the ratio is judged, absolute tokens/s are not.
-    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, None), json_path=tmp_path / "v.json")
+    code, out = compare(
+        tmp_path, *rows, records=records, metrics=WITH_TOKENS, machines=(MACHINE, None), json_path=tmp_path / "v.json"
+    )
     assert code == 3
     assert last_line(out) == (
         "baseline_tokens_per_s, spec_tokens_per_s NOT JUDGED: no machine fingerprint in the current run's meta.json: "
@@ -568,7 +668,7 @@ def test_timings_are_judged_only_on_the_same_machine(tmp_path):
     assert statuses["speedup"]["status"] == "ok" and statuses["speedup"]["test"] == "paired bootstrap"
     assert statuses["spec_tokens_per_s"]["status"] == "not comparable"
     # The same machine: the drop fails.
-    code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, MACHINE))
+    code, out = compare(tmp_path, *rows, records=records, metrics=WITH_TOKENS, machines=(MACHINE, MACHINE))
     assert code == 1
     assert "baseline_tokens_per_s" in last_line(out) and "spec_tokens_per_s" in last_line(out)
     # A slower method fails on its speedup on the same machine, and is not judged on another.
@@ -579,6 +679,16 @@ def test_timings_are_judged_only_on_the_same_machine(tmp_path):
     assert code == 3 and "speedup NOT JUDGED" in last_line(out)
     code, out = compare(tmp_path, *rows, records=records, machines=(MACHINE, other), allow_unjudged=True)
     assert code == 0 and "regressed" not in out
+
+
+def test_by_default_absolute_tokens_per_s_is_not_gated(tmp_path):
+    # A runner busier for the whole current run: every prompt 30% slower, speedup unchanged.
+    rows, records = timed_runs(slower=1 / 0.7)
+    code, out = compare(tmp_path, *rows, records=records, machines=SAME, json_path=tmp_path / "v.json")
+    assert code == 0 and last_line(out).startswith("PASS")
+    assert json.loads((tmp_path / "v.json").read_text())["metrics"] == ["speedup", "alpha", "acceptance_rate", "tau"]
+    code, out = compare(tmp_path, *rows, records=records, machines=SAME, metrics=["spec_tokens_per_s"])
+    assert code == 1 and "spec_tokens_per_s" in last_line(out)  # asked for, it is judged
 
 
 def cli(*args):
@@ -592,7 +702,7 @@ def test_a_baseline_from_another_machine_fails_unjudged_through_the_cli(tmp_path
     newer = {**MACHINE, "torch": "2.13"}
     paths = write_runs(tmp_path, *rows, records=records, machines=(MACHINE, newer))
     md = tmp_path / "compare.md"
-    timings = "baseline_tokens_per_s, spec_tokens_per_s, speedup"
+    timings = "speedup"
     why = f"{timings} NOT JUDGED: no baseline from this machine (the machines differ: torch 2.5 vs 2.13)"
     code, out = cli(*paths, "--markdown", md)
     assert code == 3
@@ -633,12 +743,10 @@ def test_a_regression_fails_even_beside_an_unjudged_metric(tmp_path):
         assert code == 1
         verdict = last_line(out)
         assert verdict.startswith("FAIL") and "k=1 method=speculative: alpha 0.8 -> 0.7" in verdict
-        assert verdict.endswith(
-            "; baseline_tokens_per_s, spec_tokens_per_s, speedup NOT JUDGED" + (" (--allow-unjudged)" if allow else "")
-        )
+        assert verdict.endswith("; speedup NOT JUDGED" + (" (--allow-unjudged)" if allow else ""))
         data = json.loads((tmp_path / "v.json").read_text())
         assert data["verdict"] == "fail" and data["exit_code"] == 1
-        assert [u["metrics"] for u in data["unjudged"]] == [["baseline_tokens_per_s", "spec_tokens_per_s", "speedup"]]
+        assert [u["metrics"] for u in data["unjudged"]] == [["speedup"]]
 
 
 def test_a_metric_without_values_in_both_runs_is_not_judged():
@@ -682,8 +790,7 @@ def test_a_directory_of_baselines_gives_the_one_of_this_machine(tmp_path):
     assert code == 3 and "was measured on this machine, so its timings are not judged" in said
     assert "`make baseline` records one" in said
     assert last_line(out.getvalue()).startswith(
-        "baseline_tokens_per_s, spec_tokens_per_s, speedup NOT JUDGED: no baseline from this machine "
-        "(the machines differ: torch 2.6 vs 2.5)"
+        "speedup NOT JUDGED: no baseline from this machine (the machines differ: torch 2.6 vs 2.5)"
     )
     assert not same_machine(shelf, tmp_path / "cur")
     (tmp_path / "empty").mkdir()
@@ -694,7 +801,7 @@ def test_a_directory_of_baselines_gives_the_one_of_this_machine(tmp_path):
 
 def test_without_records_the_point_values_are_judged(tmp_path):
     rows, records = timed_runs()
-    code, out = compare(tmp_path, *rows, records=(records[0], None), machines=(MACHINE, MACHINE))
+    code, out = compare(tmp_path, *rows, records=(records[0], None), machines=SAME, metrics=WITH_TOKENS)
     assert code == 0
     note = (
         "note: baseline_tokens_per_s, spec_tokens_per_s, speedup: no 95% interval (no records.csv in the current "
@@ -712,7 +819,7 @@ def test_too_few_or_foreign_records_fall_back_to_the_point_values():
     one_prompt = cur_records[(cur_records["prompt_index"] == 0) | (cur_records["k"] == 2)]
     result = compare_rows(base, cur, records=rows_of(base_records, one_prompt))
     assert "speedup: no 95% interval on 1 of 2 rows (1 prompt(s) in both runs' records.csv" in " ".join(result.notes)
-    tests = {row.key["k"]: row.metrics[2].test for row in result.rows}
+    tests = {row.key["k"]: row.metrics[0].test for row in result.rows}
     assert tests == {1: "point", 2: "paired bootstrap"}
     stale = cur_records.assign(method_s=cur_records["method_s"] * 2)
     result = compare_rows(base, cur, records=rows_of(base_records, stale))
@@ -744,7 +851,7 @@ def test_json_and_markdown_carry_the_interval():
     cell = f"{speedup['change']:+.1%}, 95% CI {speedup['ci_low']:+.1%} .. {speedup['ci_high']:+.1%}) **regressed**"
     assert cell in to_markdown(result)
     wider = compare_rows(base, cur, records=rows_of(*records), confidence=0.99)
-    low, high = wider.rows[0].metrics[2].ci_low, wider.rows[0].metrics[2].ci_high
+    low, high = wider.rows[0].metrics[0].ci_low, wider.rows[0].metrics[0].ci_high
     assert low < speedup["ci_low"] and high > speedup["ci_high"]
     assert "99% CI" in verdict_line(wider)
 
