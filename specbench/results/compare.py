@@ -133,14 +133,18 @@ def _option(value) -> str:
 
 def _incomplete(base: dict, cur: dict, keys: list[str]) -> str:
     """Why one run holds fewer prompts than the other in a row of the same configuration: the run cut
-    short, as an interrupted run's summary counts the prompts decoded so far. "" when none does."""
+    short, as an interrupted run's summary counts the prompts decoded so far. "" when none does. A row
+    with failed requests (a served engine's) is not cut short: its prompts are missing, judged as such."""
     if "num_prompts" not in keys:
         return ""
     at = keys.index("num_prompts")
     decoders = [i for i, c in enumerate(keys) if c in DECODER]
-    counts = {key[:at] + key[at + 1 :]: key[at] for key in base}
+    counts = {key[:at] + key[at + 1 :]: key for key in base}
     for key in cur:
-        n, m = key[at], counts.get(key[:at] + key[at + 1 :])
+        other = counts.get(key[:at] + key[at + 1 :])
+        n, m = key[at], None if other is None else other[at]
+        if any(number(row.get("failed")) for row in (cur[key], base.get(other, {}))):
+            continue
         if key not in base and None not in (n, m) and n != m:
             which = "current" if n < m else "baseline"
             label = " ".join(f"{keys[i]}={cell_text(key[i])}" for i in decoders if cell_text(key[i]))
@@ -190,7 +194,8 @@ def _key_value(value):
 
 
 def _normalised(rows: Rows, keys: list[str], chosen: list[str]) -> Rows:
-    """The key and metric cells of ``rows``: keys as _key_value, k a whole number, metrics floats or None."""
+    """The key and metric cells of ``rows``, and failed: keys as _key_value, k a whole number, metrics
+    floats or None."""
     out = []
     for row in rows:
         kept = {c: _key_value(row.get(c)) for c in keys}
@@ -198,7 +203,8 @@ def _normalised(rows: Rows, keys: list[str], chosen: list[str]) -> Rows:
         if k is not None and (isinstance(k, str) or float(k) != int(k)):
             raise SpecbenchError("column k holds values that are not whole numbers; fix or regenerate the file")
         kept["k"] = None if k is None else int(k)  # blank for methods without K (0 in hand-made files)
-        out.append(kept | {m: number(row.get(m)) for m in chosen})
+        # failed: whether a row's prompts are missing because requests failed (_incomplete reads it)
+        out.append(kept | {m: number(row.get(m)) for m in chosen} | {"failed": number(row.get("failed"))})
     return out
 
 

@@ -294,6 +294,9 @@ def test_an_interrupted_run_is_called_incomplete(tmp_path):
         run_compare(*map(str, paths))
     with pytest.raises(SpecbenchError, match="the baseline run is incomplete: k=4 method=speculative decoded 3 of 4"):
         run_compare(*map(str, reversed(paths)))
+    # A served row whose requests failed holds fewer prompts too: not a run to finish, a regression.
+    paths = write_runs(tmp_path, finished, changed(finished, 4, num_prompts=3, failed=1))
+    assert run_compare(*map(str, paths)) == 1
     # Not known to be the same prompts (no hash, no options): another --num-prompts, as before.
     with pytest.raises(SpecbenchError, match="no row of the current run matches"):
         compare_rows(summary_rows(), [{**r, "num_prompts": 2} for r in summary_rows()])
