@@ -145,6 +145,17 @@ class DistillConfig:
             raise SpecbenchError(f"--train-dtype {self.train_dtype}: use {' or '.join(TRAIN_DTYPES)}")
         if self.top_k < 1:
             raise SpecbenchError("--top-k must be at least 1: the teacher's probabilities kept per position")
+        counts = ("batch", "teacher_batch", "generate_batch", "heads", "kv_heads", "warmup_steps", "save_every",
+                  "eval_every")  # fmt: skip
+        for name in counts:  # each divides or steps a range, so 0 would fail only once its phase is reached
+            if getattr(self, name) < 1:
+                raise SpecbenchError(f"--{name.replace('_', '-')} must be at least 1")
+        if not self.lr >= 0:  # 0 is allowed: the weights stay as they start (a test of the start uses it)
+            raise SpecbenchError(f"--lr {self.lr}: the learning rate must be at least 0")
+        if self.seq_len < 2:
+            # A draft learns each position's next token from the tokens before it: one token has none
+            # before it, and a draft of its own tokenizer no next token to learn at all.
+            raise SpecbenchError(f"--seq-len {self.seq_len}: use at least 2, a token to learn from and the next one")
         if self.ttt_steps < 1 or self.head_intermediate < 0:
             raise SpecbenchError("--ttt-steps must be at least 1 and --head-intermediate at least 0")
         existing = self.out / "config.json"
