@@ -737,6 +737,16 @@ def _phases(cfg: DistillConfig, target: LoadedModel, train) -> Iterator[Training
             "--top-k %d is more than %s's %d ids: the teacher keeps all of them", cfg.top_k, cfg.target, target.width
         )
         cfg = replace(cfg, top_k=target.width)
+    if cfg.draft_vocab > target.width:
+        # As for --top-k: a drafter's vocabulary of more ids than the target has is all of them, which
+        # head_tokens gives (it fills the shortlist with the ids the data never showed); the recipe records it.
+        log.info(
+            "--draft-vocab %d is more than %s's %d ids: the drafter keeps all of them",
+            cfg.draft_vocab,
+            cfg.target,
+            target.width,
+        )
+        cfg = replace(cfg, draft_vocab=target.width)
     if cfg.teacher_tokens and not cfg.tokenizer_vocab:  # a draft of its own tokenizer reads --source as text
         stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
         yield from teacher_shards(cfg, target, stream, cfg.teacher_tokens, cfg.out / "teacher")
