@@ -39,13 +39,13 @@ from specbench.models.names import HUB_ID, speculator_dir
 from specbench.models.student import Example, collate, kd_loss, labelled_logits, save_checkpoint
 from specbench.training import teacher
 from specbench.training.distill_data import answered_prompts, parse_data
+from specbench.training.stored import FEATURES, check_stored, record_settings
 from specbench.workloads.sources import source_files
 
 log = logging.getLogger("specbench")
 
 SHARD_SEQUENCES = 64
 HELD_OUT_EVERY = 16  # of the greedy answers (counted among all answers), this one in so many is held out
-FEATURES = "features"  # a head's run stores the target's features of each shard under this folder
 MIN_TOKENIZER_VOCAB = 300  # a byte-level tokenizer's 256 bytes, special tokens and some merges
 KINDS = {"draft": "a draft", "eagle": "an EAGLE head"}  # what --kind trains
 TRAIN_DTYPES = ("float32", "bfloat16")
@@ -198,6 +198,7 @@ class DistillConfig:
         teacher.check_installed(self.teacher_engine)
         if self.teacher_gguf and not Path(self.teacher_gguf).expanduser().is_file():
             raise SpecbenchError(f"--teacher-gguf {self.teacher_gguf}: no such file; give the target's .gguf")
+        check_stored(self.out, asdict(self))
 
 
 @dataclass
@@ -725,6 +726,7 @@ def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Ite
     with --tokenizer-vocab distill_own_tokenizer's), each phase's time added to OUT/phases.json."""
     cfg.validate()
     cfg.out.mkdir(parents=True, exist_ok=True)
+    record_settings(cfg.out, asdict(cfg))
     yield from PhaseSeconds(cfg.out).timed(_phases(cfg, target, train))
 
 
