@@ -599,7 +599,8 @@ def distill(
     next-token distributions.
 
     Rerunning the same command resumes: stored teacher shards are kept, training continues
-    from the last saved step.
+    from the last saved step. Settings that change what is stored (the target, --seq-len, --top-k,
+    --source, --data, --seed, the draft's recipe) must be those the stored data were made with.
     """
     from specbench.models.load import load, resolve_device
     from specbench.training import distill as distillation

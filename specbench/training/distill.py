@@ -39,13 +39,13 @@ from specbench.models.names import HUB_ID, speculator_dir
 from specbench.models.student import Example, collate, kd_loss, labelled_logits, save_checkpoint
 from specbench.training import teacher
 from specbench.training.distill_data import answered_prompts, parse_data
+from specbench.training.stored import FEATURES, check_stored, record_settings
 from specbench.workloads.sources import source_files
 
 log = logging.getLogger("specbench")
 
 SHARD_SEQUENCES = 64
 HELD_OUT_EVERY = 16  # of the greedy answers (counted among all answers), this one in so many is held out
-FEATURES = "features"  # a head's run stores the target's features of each shard under this folder
 MIN_TOKENIZER_VOCAB = 300  # a byte-level tokenizer's 256 bytes, special tokens and some merges
 KINDS = {"draft": "a draft", "eagle": "an EAGLE head"}  # what --kind trains
 TRAIN_DTYPES = ("float32", "bfloat16")
@@ -145,6 +145,17 @@ class DistillConfig:
             raise SpecbenchError(f"--train-dtype {self.train_dtype}: use {' or '.join(TRAIN_DTYPES)}")
         if self.top_k < 1:
             raise SpecbenchError("--top-k must be at least 1: the teacher's probabilities kept per position")
+        counts = ("batch", "teacher_batch", "generate_batch", "heads", "kv_heads", "warmup_steps", "save_every",
+                  "eval_every")  # fmt: skip
+        for name in counts:  # each divides or steps a range, so 0 would fail only once its phase is reached
+            if getattr(self, name) < 1:
+                raise SpecbenchError(f"--{name.replace('_', '-')} must be at least 1")
+        if not self.lr >= 0:  # 0 is allowed: the weights stay as they start (a test of the start uses it)
+            raise SpecbenchError(f"--lr {self.lr}: the learning rate must be at least 0")
+        if self.seq_len < 2:
+            # A draft learns each position's next token from the tokens before it: one token has none
+            # before it, and a draft of its own tokenizer no next token to learn at all.
+            raise SpecbenchError(f"--seq-len {self.seq_len}: use at least 2, a token to learn from and the next one")
         if self.ttt_steps < 1 or self.head_intermediate < 0:
             raise SpecbenchError("--ttt-steps must be at least 1 and --head-intermediate at least 0")
         existing = self.out / "config.json"
@@ -187,6 +198,7 @@ class DistillConfig:
         teacher.check_installed(self.teacher_engine)
         if self.teacher_gguf and not Path(self.teacher_gguf).expanduser().is_file():
             raise SpecbenchError(f"--teacher-gguf {self.teacher_gguf}: no such file; give the target's .gguf")
+        check_stored(self.out, asdict(self))
 
 
 @dataclass
@@ -714,6 +726,7 @@ def distill(cfg: DistillConfig, target: LoadedModel, train=train_student) -> Ite
     with --tokenizer-vocab distill_own_tokenizer's), each phase's time added to OUT/phases.json."""
     cfg.validate()
     cfg.out.mkdir(parents=True, exist_ok=True)
+    record_settings(cfg.out, asdict(cfg))
     yield from PhaseSeconds(cfg.out).timed(_phases(cfg, target, train))
 
 
@@ -726,6 +739,16 @@ def _phases(cfg: DistillConfig, target: LoadedModel, train) -> Iterator[Training
             "--top-k %d is more than %s's %d ids: the teacher keeps all of them", cfg.top_k, cfg.target, target.width
         )
         cfg = replace(cfg, top_k=target.width)
+    if cfg.draft_vocab > target.width:
+        # As for --top-k: a drafter's vocabulary of more ids than the target has is all of them, which
+        # head_tokens gives (it fills the shortlist with the ids the data never showed); the recipe records it.
+        log.info(
+            "--draft-vocab %d is more than %s's %d ids: the drafter keeps all of them",
+            cfg.draft_vocab,
+            cfg.target,
+            target.width,
+        )
+        cfg = replace(cfg, draft_vocab=target.width)
     if cfg.teacher_tokens and not cfg.tokenizer_vocab:  # a draft of its own tokenizer reads --source as text
         stream = token_stream(target.tokenizer, source_files(cfg.sources), cfg.seed)
         yield from teacher_shards(cfg, target, stream, cfg.teacher_tokens, cfg.out / "teacher")

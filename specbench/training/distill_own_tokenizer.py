@@ -57,11 +57,11 @@ from specbench.training.distill import (
 )
 from specbench.training.draft_tokenizer import same_vocabulary, token_bytes, train_tokenizer
 from specbench.training.held_out import held_out_fingerprints, overlaps
+from specbench.training.stored import TOKENIZER_DIR
 from specbench.workloads.sources import source_files
 
 log = logging.getLogger("specbench")
 
-TOKENIZER_DIR = "tokenizer"  # under --out: the trained tokenizer, kept for a resumed run
 TRAINED = "trained.json"  # in it: what it was trained for
 CHARS_PER_TOKEN = 4  # about, in Python source: the characters the tokenizer reads for --teacher-tokens
 
