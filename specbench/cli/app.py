@@ -155,6 +155,7 @@ def _show(events, progress: Progress, wide: bool = False) -> None:
 def _print_results(results, wide: bool = False) -> None:
     """A run's tables and verdicts (bench.run.Results)."""
     from specbench.results.report import (
+        best_k_line,
         category_table,
         greedy_lines,
         levels_table,
@@ -179,10 +180,7 @@ def _print_results(results, wide: bool = False) -> None:
     if results.predicted:
         console.print(predicted_table(results.predicted))
     for method, picks in results.best_ks.items():
-        console.print(
-            f"best K for {method}: "
-            + ", ".join(f"{label} K={p['k']} ({p['speedup']:.2f}x)" for label, p in picks.items())
-        )
+        console.print(best_k_line(method, picks))
     if results.forward:
         console.print(f"forward: {results.forward}")
     for path in results.plots:

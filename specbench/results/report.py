@@ -168,6 +168,15 @@ def serving_table(rows: list[dict], wide: bool = False) -> Table | None:
     return table
 
 
+def best_k_line(method: str, picks: dict) -> str:
+    """The run's line for one method's best_ks picks: each pick's K and speedup, and where none is
+    above 1, that no K beats the baseline (the best K of a method that never pays is not a choice)."""
+    line = f"best K for {method}: " + ", ".join(
+        f"{label} K={p['k']} ({p['speedup']:.2f}x)" for label, p in picks.items()
+    )
+    return line + ("; at no K does it beat the baseline" if all(p["speedup"] < 1 for p in picks.values()) else "")
+
+
 def greedy_lines(rows: list[dict]) -> list[str]:
     """What a greedy run's summary rows say of exactness, a line each: the decoders whose outputs part
     from their baseline's where no near-tie explains it (a losslessness bug), those whose divergences

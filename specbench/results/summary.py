@@ -440,7 +440,8 @@ def best_ks(summary: list[dict]) -> dict:
 
 
 def suggestions(summary: list[dict], costs: ForwardCosts, ks: list[int]) -> list[str]:
-    """After a one-K run: where the measured alpha and costs predict a better K, say so."""
+    """After a one-K run: where the measured alpha and costs predict a better K, say so, with the run
+    that measures both; where they predict no K above the baseline, say that instead."""
     if len(ks) != 1:
         return []
     lines = []
@@ -449,10 +450,13 @@ def suggestions(summary: list[dict], costs: ForwardCosts, ks: list[int]) -> list
             continue
         by_k = predicted_by_k(row["alpha"], row["c"], costs)
         best = metrics.best_k(by_k)
-        if best != ks[0]:
+        said = f"{row['method']}: at this alpha and the measured forward costs"
+        if by_k[best] < 1:
+            lines.append(f"{said}, no K predicts a speedup: the best, K={best}, predicts {by_k[best]:.2f}x")
+        elif best != ks[0]:
             lines.append(
-                f"{row['method']}: at this alpha and the measured forward costs, K={best} predicts {by_k[best]:.2f}x "
-                f"against {by_k[ks[0]]:.2f}x at K={ks[0]}: `specbench run --k 1,2,3,4` measures each K"
+                f"{said}, K={best} predicts {by_k[best]:.2f}x against {by_k[ks[0]]:.2f}x at K={ks[0]}: "
+                f"`specbench run --k {','.join(map(str, sorted({ks[0], best})))}` measures both"
             )
     return lines
 

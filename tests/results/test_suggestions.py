@@ -1,0 +1,28 @@
+"""The lines a run prints after its tables: the K a one-K run's costs predict best, and the best K of
+a method that pays at no K."""
+
+from specbench.models.costs import Cost, ForwardCosts
+from specbench.results.report import best_k_line
+from specbench.results.summary import suggestions
+
+
+def test_a_one_k_run_names_the_k_its_costs_predict_best_and_says_when_none_pays():
+    costs = ForwardCosts(
+        100, {n: Cost(0.04 + 0.001 * n, 0, 0) for n in range(1, 10)}, Cost(0.002, 0, 0), repeats=1
+    )  # c 0.05, wide forwards near free
+    row = {"method": "speculative", "predicted_speedup": 2.0, "c": 0.05, "alpha": 0.9}
+    (line,) = suggestions([row], costs, [2])
+    # a hunt saw the hint say --k 1,2,3,4 when the K it named was 7
+    assert "K=8 predicts" in line and "at K=2" in line and line.endswith("`specbench run --k 2,8` measures both")
+    assert suggestions([row], costs, [8]) == [] and suggestions([row], costs, [2, 8]) == []
+    (none,) = suggestions([{**row, "alpha": 0.05, "c": 0.6}], costs, [2])
+    assert "no K predicts a speedup: the best, K=1, predicts 0." in none
+
+
+def test_the_best_k_line_says_when_no_k_beats_the_baseline():
+    picks = {"measured": {"k": 1, "speedup": 0.48}, "predicted": {"k": 2, "speedup": 0.9}}
+    assert best_k_line("speculative", picks) == (
+        "best K for speculative: measured K=1 (0.48x), predicted K=2 (0.90x); at no K does it beat the baseline"
+    )
+    picks["predicted"]["speedup"] = 1.2  # the prediction pays where the measurement did not: no such verdict
+    assert best_k_line("speculative", picks).endswith("predicted K=2 (1.20x)")
