@@ -262,8 +262,13 @@ def encode_prompts(pair: Pair, prompts: list[Prompt], how: Rendering) -> Convers
             f"--context-tokens {how.context_tokens} with --max-new-tokens {how.max_new_tokens} and K does not fit the "
             f"context window of the models ({room} tokens of prompt fit): lower --context-tokens"
         )
+    if how.prompt_tokens and room is not None and how.prompt_tokens > room:  # it was cut to the room, unsaid
+        raise SpecbenchError(
+            f"--prompt-tokens {how.prompt_tokens} with {how.new_tokens_flag} {how.max_new_tokens} and K does not "
+            f"fit the context window of the models ({room} tokens of prompt fit): lower --prompt-tokens"
+        )
     if how.random_weights and how.prompt_tokens:  # random prompts of one length: no tokenizer needed
-        length = min(how.prompt_tokens, room or how.prompt_tokens)
+        length = how.prompt_tokens
         tokenizer, chat, first = None, False, [torch.zeros(length, dtype=torch.long)] * len(prompts)
     else:
         tokenizer = pair.prompt_tokenizer

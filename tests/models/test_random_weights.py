@@ -194,6 +194,8 @@ def test_a_tied_output_head_is_the_random_embedding(tmp_path):
         (["--device-map", "everywhere"], "--device-map everywhere"),
         (["--assume-alpha", "0.5,x"], "--assume-alpha"),
         (["--random-weights", "--device-map", "auto"], "--device-map"),
+        # 256 positions: it was cut to what fits, unsaid (a hunt asked for 5,000 of a 2,048 window)
+        (["--random-weights", "--prompt-tokens", "300"], "--prompt-tokens 300 with --max-new-tokens"),
     ],
 )
 def test_bad_random_weight_and_device_map_options_are_one_line(configs, tmp_path, args, needle):
