@@ -100,7 +100,8 @@ def parse_setting(text: str) -> Setting:
         try:
             knobs[key] = KNOBS[key](value)
         except ValueError:
-            raise SpecbenchError(f"--setting {text!r}: {key}={value!r} is not a {KNOBS[key].__name__}") from None
+            kind = "a whole number" if KNOBS[key] is int else "a number"
+            raise SpecbenchError(f"--setting {text!r}: {key}={value!r} is not {kind}") from None
     knobs.setdefault("temperature", 1.0)
     for bad, why in (
         (knobs["temperature"] < 0, "temperature must be >= 0 (0 is greedy)"),

@@ -535,7 +535,8 @@ def describe_forward(role: str, facts: dict) -> str:
             f"{facts['captured']} CUDA graphs captured in {facts['capture_s']:.1f} s, outputs {facts['graphs_mb']:.0f} MB"
         )
     if "cache_mb" in facts:
-        parts.append(f"cache {facts['cache_mb']:.0f} MB for {facts['cache_positions']} positions")
+        size = f"{facts['cache_mb']:.0f} MB" if facts["cache_mb"] >= 1 else f"{facts['cache_mb'] * 1024:.0f} kB"
+        parts.append(f"cache {size} for {facts['cache_positions']} positions")
     return f"{role} {facts['route']} ({'; '.join(parts)})"
 
 

@@ -49,7 +49,7 @@ def test_settings_are_read_or_refused():
     assert dict(parse_setting("top_p=0.9").knobs)["temperature"] == 1.0  # sampling unless said otherwise
     for bad, needle in [
         ("temprature=1", "'temprature' is not a setting"),
-        ("top_k=1.5", "top_k='1.5' is not a int"),
+        ("top_k=1.5", "top_k='1.5' is not a whole number"),
         ("top_p=0", "top_p must be in (0, 1]"),
         ("temperature=-1", "temperature must be >= 0"),
     ]:

@@ -1,6 +1,7 @@
-"""The lines a run prints after its tables: the K a one-K run's costs predict best, and the best K of
-a method that pays at no K."""
+"""The lines a run prints after its tables: the K a one-K run's costs predict best, the best K of a
+method that pays at no K, and what ran each model's forward."""
 
+from specbench.bench.run import describe_forward
 from specbench.models.costs import Cost, ForwardCosts
 from specbench.results.report import best_k_line
 from specbench.results.summary import suggestions
@@ -26,3 +27,14 @@ def test_the_best_k_line_says_when_no_k_beats_the_baseline():
     )
     picks["predicted"]["speedup"] = 1.2  # the prediction pays where the measurement did not: no such verdict
     assert best_k_line("speculative", picks).endswith("predicted K=2 (1.20x)")
+
+
+def test_the_forward_line_names_each_route_and_a_small_cache_in_kilobytes():
+    graphed = {"route": "graphs", "build_s": 41.0, "graphs": [1, 2], "captured": 16, "capture_s": 0.9}
+    graphed |= {"graphs_mb": 9.2, "cache_mb": 512.0, "cache_positions": 2048}
+    assert describe_forward("target", graphed) == (
+        "target graphs (built in 41.0 s; 16 CUDA graphs captured in 0.9 s, outputs 9 MB; cache 512 MB for 2048 positions)"
+    )
+    tiny = {"route": "static-inductor", "build_s": 1.0, "cache_mb": 0.16, "cache_positions": 512}
+    assert describe_forward("draft", tiny) == "draft static-inductor (built in 1.0 s; cache 164 kB for 512 positions)"
+    assert describe_forward("draft", {"route": "eager", "build_s": 0.0}) == "draft eager (transformers' forward)"
