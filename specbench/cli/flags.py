@@ -50,7 +50,8 @@ def parameter(option: Option, default=inspect.Parameter.empty) -> inspect.Parame
     # A flag that is off by default is given alone (--random-weights), without a --no- form to list.
     names = option.flags or ((option.flag,) if kind is bool and option.default is False else ())
     shown = help_of(option)
-    if option.repeat is not None and option.default:  # Typer shows the defaults of the others
+    # Typer shows the defaults of the others, and a command's own default (``default``) of this one too
+    if option.repeat is not None and option.default and default is inspect.Parameter.empty:
         shown += f" [default: {', '.join(option.default)}]"
     declared = typer.Option(
         *names,

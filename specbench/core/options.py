@@ -259,7 +259,7 @@ RUN: tuple[Option, ...] = (
         "num_prompts",
         None,
         "How many prompts (conversations), from the start of the dataset or of what --category and --per-category "
-        "select; default 10, or every prompt that --per-category draws.",
+        "select; by default 10 (sweep-context: 4), or every prompt that --per-category draws.",
         low=1,
         kind=int,
         panel=WORKLOAD_PANEL,

@@ -492,6 +492,10 @@ def test_run_help_is_in_panels_by_purpose_shows_every_default_and_fits_100_colum
             default = ", ".join(map(str, option.default)) if isinstance(option.default, list) else option.default
             default = name if option.default is True else default  # Typer shows an on flag by its name
             assert f"[default: {default}]" in flat or f"[default: {option.text_default}]" in flat, name
+    # sweep-context's own defaults: one tag each (a hunt saw --method with run's and its own)
+    context = " ".join(CliRunner().invoke(app, ["sweep-context", "--help"], env={"COLUMNS": "250"}).stdout.split())
+    method = context[context.index("--method") : context.index("--target")]
+    assert method.count("[default:") == 1 and "[default: speculative,speculative-window,self-sparse,triforce]" in method
 
 
 def test_the_options_reference_is_written_from_the_declarations():
