@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 
-from specbench.core.environment import cache_dir, config_dir, hub_snapshot, read_config
+from specbench.core.environment import cache_dir, config_dir, hub_snapshot
 from specbench.core.errors import SpecbenchError
 from specbench.core.files import write_text
 from specbench.core.options import DEFAULT_DRAFT, DEFAULT_TARGET
-from specbench.models.names import ModelSource, resolve, speculator_dir, vocabulary
+from specbench.models.names import ModelSource, alias_entry, resolve, speculator_dir, vocabulary
 
 log = logging.getLogger("specbench")
 
@@ -282,8 +282,9 @@ def offload_warning(device_map: dict) -> str | None:
 
 def architecture(spec: str) -> Path:
     """The config.json giving ``spec``'s shape, for --random-weights: an alias's copy shipped in
-    configs/, a config.json file, a checkpoint directory, or a hub id in the local cache."""
-    entry = read_config("models.toml").get(spec, {})
+    configs/ (for the alias or its hub id), a config.json file, a checkpoint directory, or a hub id in
+    the local cache."""
+    entry = alias_entry(spec)
     if "architecture" in entry:
         return config_dir() / entry["architecture"]
     path = Path(spec).expanduser()

@@ -66,11 +66,18 @@ def default_speculator(target: str) -> str | None:
     return read_config("models.toml").get(target, {}).get("speculator")
 
 
+def alias_entry(spec: str) -> dict:
+    """models.toml's entry for ``spec``: the alias's own, or that of the alias whose hub id ``spec`` is
+    (so --random-weights --target JackFram/llama-68m takes llama-68m's shipped architecture); {} for others."""
+    aliases = read_config("models.toml")
+    return aliases.get(spec) or next((entry for entry in aliases.values() if entry.get("hub") == spec), {})
+
+
 def vocabulary(spec: str) -> str | None:
-    """The tokenizer models.toml says the alias ``spec`` was trained with (its ``vocabulary``), if any:
-    what tells two random-weight models of one family apart from unrelated ones, as they load without
-    tokenizers and their families pad their embeddings to other widths."""
-    return read_config("models.toml").get(spec, {}).get("vocabulary")
+    """The tokenizer models.toml says the alias ``spec`` (or its hub id) was trained with (its
+    ``vocabulary``), if any: what tells two random-weight models of one family apart from unrelated ones,
+    as they load without tokenizers and their families pad their embeddings to other widths."""
+    return alias_entry(spec).get("vocabulary")
 
 
 def speculator_dir(spec: str) -> Path:

@@ -220,6 +220,17 @@ def test_aliases_of_one_vocabulary_pair_over_the_narrower_width_and_others_are_r
         shared_width(target, other)
 
 
+def test_an_aliases_hub_id_takes_its_shipped_architecture_and_vocabulary():
+    # A hunt's --random-weights --target JackFram/llama-68m was refused (no config cached, no network),
+    # though the llama-68m alias ships that hub id's architecture.
+    hub = "Qwen/Qwen2.5-7B-Instruct"  # qwen2.5-7b-instruct's
+    target, draft = skeleton(hub, random_weights=True), skeleton(QWEN_PAIR[1], random_weights=True)
+    assert target.width == skeleton(QWEN_PAIR[0], random_weights=True).width == 152064
+    assert shared_width(target, draft) == 151936  # paired as the aliases are
+    with pytest.raises(SpecbenchError, match="no architecture config for 'org/unknown'"):
+        skeleton("org/unknown", random_weights=True)
+
+
 def padded_pair(tmp_path, monkeypatch, weights: bool = True):
     """A random target of 512 rows beside a draft of 480, their configs named as two aliases of one vocabulary."""
     from specbench.models.pair import load_pair
