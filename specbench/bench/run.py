@@ -56,6 +56,7 @@ from specbench.results.summary import (
     best_ks,
     by_group,
     draft_length_rows,
+    drift_notes,
     online_row,
     predicted_rows,
     record,
@@ -347,7 +348,14 @@ def _benchmark(
         title += f" with random weights ({count} random prompts of {lengths})"
     else:
         title += f" on {cfg.dataset} ({count} prompts" + (f", {len(turns)} turns)" if len(turns) > count else ")")
-    notes = suggestions(summary, costs, cfg.ks) + noisy_costs(costs) + bandwidth_notes(summary, GRAPHS) if own else []
+    notes = (
+        suggestions(summary, costs, cfg.ks)
+        + noisy_costs(costs)
+        + drift_notes(summary, costs)
+        + bandwidth_notes(summary, GRAPHS)
+        if own
+        else []
+    )
     facts = forward_facts(pair)
     if facts:
         meta["resolved"]["forward"] = facts

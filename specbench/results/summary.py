@@ -492,6 +492,38 @@ def bandwidth_notes(summary: list[dict], graphs_option: bool) -> list[str]:
     return [line]
 
 
+DRIFT = 2.0  # the baseline's steps this many times the forward measured before them, or a part of it
+
+
+def drift_notes(summary: list[dict], costs: ForwardCosts) -> list[str]:
+    """A line when the baseline's decode of specbench's loop took a token in over DRIFT times the
+    one-token forward that the forward costs measured before it, or under 1/DRIFT of it: c, the verify
+    ratio and the predictions rest on that forward, so one of the two was timed on a machine that
+    changed (or, much slower in the run, the loop pays more around each forward than the forward)."""
+    row = next((r for r in summary if r.get("engine") == "torch" and r["method"] == BASELINE.name), None)
+    if row is None or missing(row.get("tpot_p50_ms")) or costs is None:
+        return []
+    measured = costs.target[1].seconds * 1e3
+    drift = row["tpot_p50_ms"] / measured
+    said = (
+        f"the baseline's decode took {row['tpot_p50_ms']:.1f} ms a token (median over prompts), {{}} the one-token "
+        f"forward measured before it ({measured:.1f} ms, verify_cost.csv), on which c, the verify ratio and the "
+        "predictions rest: "
+    )
+    if drift > DRIFT:
+        return [
+            said.format(f"{drift:.1f}x")
+            + "the machine got busier while it ran, or the loop pays more around each forward than the forward "
+            "(a very small model); c_run and verify_ratio_run (--wide) are timed in the run itself"
+        ]
+    if drift < 1 / DRIFT:
+        return [
+            said.format(f"1/{1 / drift:.1f} of")
+            + "the machine was busier while the costs were measured; rerun on a quiet machine"
+        ]
+    return []
+
+
 def missing(value) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 

@@ -1,10 +1,11 @@
 """The lines a run prints after its tables: the K a one-K run's costs predict best, the best K of a
-method that pays at no K, and what ran each model's forward."""
+method that pays at no K, what ran each model's forward, and a decode whose steps the forward costs
+measured before it do not describe."""
 
 from specbench.bench.run import describe_forward
 from specbench.models.costs import Cost, ForwardCosts
 from specbench.results.report import best_k_line
-from specbench.results.summary import suggestions
+from specbench.results.summary import drift_notes, suggestions
 
 
 def test_a_one_k_run_names_the_k_its_costs_predict_best_and_says_when_none_pays():
@@ -38,3 +39,16 @@ def test_the_forward_line_names_each_route_and_a_small_cache_in_kilobytes():
     tiny = {"route": "static-inductor", "build_s": 1.0, "cache_mb": 0.16, "cache_positions": 512}
     assert describe_forward("draft", tiny) == "draft static-inductor (built in 1.0 s; cache 164 kB for 512 positions)"
     assert describe_forward("draft", {"route": "eager", "build_s": 0.0}) == "draft eager (transformers' forward)"
+
+
+def test_a_decode_whose_steps_drifted_from_the_measured_forward_gets_a_note():
+    costs = ForwardCosts(100, {1: Cost(0.0514, 0, 0), 2: Cost(0.06, 0, 0)}, Cost(0.004, 0, 0), repeats=1)
+    baseline = {"engine": "torch", "method": "baseline", "tpot_p50_ms": 359.8}  # a hunt's busy run: 7x
+    (busier,) = drift_notes([baseline], costs)
+    assert "359.8 ms a token" in busier and "7.0x the one-token forward measured before it (51.4 ms" in busier
+    assert "the machine got busier while it ran" in busier
+    (quieter,) = drift_notes([{**baseline, "tpot_p50_ms": 20.0}], costs)
+    assert "1/2.6 of the one-token forward" in quieter and "busier while the costs were measured" in quieter
+    # the committed CI baselines' decodes took 0.99-1.05x their forward: no note
+    assert drift_notes([{**baseline, "tpot_p50_ms": 53.9}], costs) == []
+    assert drift_notes([{**baseline, "engine": "vllm"}], costs) == [] and drift_notes([baseline], None) == []
