@@ -127,8 +127,10 @@ class Results:
             raise SpecbenchError(
                 f"{out} holds no results.json with summary rows: give the directory of a finished `specbench run`"
             ) from None
-        title = f"{first['target']} <- {first['draft']}" if first.get("draft") else first["target"]
-        title += f" on {first['dataset']} ({first['num_prompts']} prompts)"
+        title = document.get("resolved", {}).get("title")  # the run's own caption; a run before it had none
+        if title is None:
+            title = f"{first['target']} <- {first['draft']}" if first.get("draft") else first["target"]
+            title += f" on {first['dataset']} ({first['num_prompts']} prompts)"
         picks = json.loads((out / "best_k.json").read_text()) if (out / "best_k.json").is_file() else {}
         predicted = []
         if (out / "predicted.csv").is_file():
@@ -139,6 +141,13 @@ class Results:
         categories = [_typed(row) for row in document.get("categories", [])]
         greedy = document["config"].get("temperature", 0) == 0
         notes = bandwidth_notes(rows, GRAPHS)  # the run's other notes need its forward costs
+        asked, decoded = document.get("resolved", {}).get("turns"), max(row["num_prompts"] for row in rows)
+        if asked and decoded < asked:  # a row is written as each prompt ends: show must say the run stopped
+            notes.insert(
+                0,
+                f"this run stopped after {decoded} of its {asked} prompts: `specbench run` with its options "
+                f"and --resume --out {out} finishes it",
+            )
         return cls(out, title, rows, picks, notes, sorted(out.glob("*.png")), greedy, predicted, "", categories)
 
 
@@ -219,6 +228,8 @@ def _benchmark(
         "target_path": str(pair.target.path),
         "draft_path": str(pair.draft.path) if pair.draft else None,
         "weights": "random" if cfg.random_weights else "checkpoint",
+        "title": run_title(cfg, pair, conversations),  # the tables' caption, which show prints again
+        "turns": len(conversations.turns),  # what show reads to say a run stopped before its end
         # Where accelerate put each module of the target (None: all on the device above).
         "device_map": placement(pair.target.model) if cfg.device_map else None,
         "peak_memory": MEMORY_SOURCES.get(PeakMemory(pair.device).source),  # how peak_memory_mb was read
@@ -341,13 +352,7 @@ def _benchmark(
         if summary
         else []
     )
-    title = f"{cfg.target} <- {cfg.draft}" if pair.draft else cfg.target
-    count = len(conversations.first)
-    if cfg.random_weights:
-        lengths = f"{cfg.prompt_tokens} tokens" if cfg.prompt_tokens else f"{cfg.dataset}'s lengths"
-        title += f" with random weights ({count} random prompts of {lengths})"
-    else:
-        title += f" on {cfg.dataset} ({count} prompts" + (f", {len(turns)} turns)" if len(turns) > count else ")")
+    title = resolved["title"]
     notes = (
         suggestions(summary, costs, cfg.ks)
         + noisy_costs(costs)
@@ -524,6 +529,21 @@ def decoded_text(pair: Pair) -> Callable[[list[int]], str]:
     """An answer's text from its ids, by the target's tokenizer ("" without one)."""
     tokenizer = pair.target.tokenizer
     return tokenizer.decode if tokenizer is not None else (lambda ids: "")
+
+
+def run_title(cfg: BenchConfig, pair: Pair, conversations: Conversations) -> str:
+    """The caption of a run's tables: the pair, the prompts (random ones with random weights), and
+    drafts kept at a --synthetic-acceptance rate, whose outputs are not the target's."""
+    title = f"{cfg.target} <- {cfg.draft}" if pair.draft else cfg.target
+    count, turns = len(conversations.first), len(conversations.turns)
+    if cfg.random_weights:
+        lengths = f"{cfg.prompt_tokens} tokens" if cfg.prompt_tokens else f"{cfg.dataset}'s lengths"
+        title += f" with random weights ({count} random prompts of {lengths})"
+    else:
+        title += f" on {cfg.dataset} ({count} prompts" + (f", {turns} turns)" if turns > count else ")")
+    if cfg.synthetic_acceptance is not None:
+        title += f", drafts kept unverified at synthetic acceptance {cfg.synthetic_acceptance:g}"
+    return title
 
 
 def forward_facts(pair: Pair) -> dict[str, dict]:

@@ -69,6 +69,12 @@ class RunColumns:
     def greedy(self) -> bool:
         return self.sampling["temperature"] == 0
 
+    @property
+    def verified(self) -> bool:
+        """Whether drafts were verified (not kept at a --synthetic-acceptance rate): only then are a
+        method's outputs the target's, to compare with the baseline's."""
+        return self.sampling.get("synthetic_acceptance") is None
+
 
 def record(
     turn: Turn,
@@ -243,7 +249,7 @@ def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], col
             "concurrency": 1,
             "request_rate": math.inf,
             "failed": 0,
-            "structural": structural(rs) if columns.greedy else math.nan,
+            "structural": structural(rs) if columns.greedy and columns.verified else math.nan,
             "acceptance_source": "",
             "c_implied": math.nan,
             "throughput": tokens / seconds,  # one request at a time: its rate
@@ -280,7 +286,7 @@ def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], col
             if chain
             else math.nan,
             **(totals if drafts else dict.fromkeys(totals, math.nan)),
-            "outputs_match": sum(r["outputs_match"] for r in rs),
+            "outputs_match": sum(r["outputs_match"] for r in rs) if columns.verified else math.nan,
             "first_divergence": min(divergences, default=-1),
             **thinking.summary_columns(rs, [baselines[r["prompt_index"]] for r in rs]),
             **roofline_columns(columns.roofline, [baselines[r["prompt_index"]] for r in rs]),

@@ -200,6 +200,9 @@ def test_an_interrupted_run_resumes_without_measuring_anything_twice(tiny_pair, 
     first = pd.read_csv(out / "records.csv")
     assert sorted(first["prompt_index"].unique()) == [0, 1]  # prompt 1 is incomplete
     bandwidth = json.loads((out / "meta.json").read_text())["resolved"]["copy_bandwidth"]
+    # show says so (a hunt's show of a stopped run gave no sign of it)
+    stopped = f"this run stopped after 2 of its 3 prompts: `specbench run` with its options and --resume --out {out}"
+    assert Results.read(out).suggestions[0].startswith(stopped)
 
     # The kept records' MBU stays against the bandwidth they were measured with: it is not measured again.
     monkeypatch.setattr(costs_module, "copy_bandwidth", lambda *_: pytest.fail("copy bandwidth measured again"))
@@ -213,6 +216,7 @@ def test_an_interrupted_run_resumes_without_measuring_anything_twice(tiny_pair, 
         {(i, m, k) for i in range(3) for m, k in [("baseline", 0), *[(m, k) for m in cfg.methods for k in cfg.ks]]}
     )
     assert [r["num_prompts"] for r in results.summary] == [3] * 5
+    assert not any("stopped after" in note for note in Results.read(out).suggestions)
 
 
 def test_each_lookahead_policy_is_a_row_of_its_own_exact_under_greedy_and_resumed(

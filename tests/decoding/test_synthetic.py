@@ -4,6 +4,7 @@ target's own, a length is turned into the rate that gives it, and every place th
 refuses it in one line."""
 
 import csv
+import math
 
 import numpy as np
 import pytest
@@ -133,3 +134,9 @@ def test_a_run_marks_its_rows_and_compares_no_outputs(tiny_pair, prompts_file, t
     rows = {row["method"]: row for row in csv.DictReader((out / "summary.csv").open())}
     assert {row["synthetic_acceptance"] for row in rows.values()} == {"0.5"}
     assert float(rows["speculative"]["alpha"]) == pytest.approx(0.5)  # beta is the rate at every tested draft
+    # Its outputs are not the target's: no count of equal ones (a hunt saw "= base 0" beside alpha 0.5), and
+    # the caption says how they were kept, here and in show.
+    assert all(math.isnan(float(rows["speculative"][name])) for name in ("outputs_match", "structural"))
+    caption = "drafts kept unverified at synthetic acceptance 0.5"
+    assert caption in " ".join(result.stdout.split())
+    assert caption in " ".join(cli("show", str(out)).stdout.split())
