@@ -85,6 +85,7 @@ def _slug(name: str) -> str:
 # the time went: there the bars are off and each stage gets a line (_follow, distill).
 LOG_EVERY_S = 15.0  # in a log, a stage that counts on gets a line at most this often
 STARTED = time.monotonic()  # when main() began the command: before torch and the models load
+RUN_DIR: Path | None = None  # the run directory a run writes as it goes: what an interrupted one says to resume
 
 
 def _progress() -> Progress:
@@ -218,6 +219,8 @@ def run(out: Path | None = None, resume: bool = False, wide: bool = False, ctx=N
     from specbench.bench.run import benchmark
 
     out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(cfg.target)}-{_slug(cfg.draft)}"
+    global RUN_DIR
+    RUN_DIR = out
     if len(lengths) == 1:
         progress = _progress()
         _show(benchmark(cfg, out, resume, prefill_progress=_prefill_bar(progress)), progress, wide)
@@ -729,8 +732,8 @@ for _info in app.registered_commands:
 
 
 def main() -> None:
-    global STARTED
-    STARTED = time.monotonic()
+    global STARTED, RUN_DIR
+    STARTED, RUN_DIR = time.monotonic(), None
     try:
         app()
     except Exception as e:  # bad input, or out of memory in any forward (the run kept its rows)
@@ -740,6 +743,13 @@ def main() -> None:
         said = out_of_memory(str(e)) if memory else e
         err_console.print(f"[red]error:[/] {said}", highlight=False, soft_wrap=True)
         sys.exit(2)
-    except KeyboardInterrupt:
-        err_console.print("interrupted: rows measured so far are in the run directory")
-        sys.exit(130)
+    except SystemExit as e:
+        # Typer turns Ctrl-C into a silent exit 130: a run says where its rows are and how to go on.
+        if e.code == 130 and RUN_DIR is not None:
+            err_console.print(
+                f"interrupted: what was measured is in {RUN_DIR}/; the same command with --resume --out {RUN_DIR} "
+                "goes on from there",
+                highlight=False,
+                soft_wrap=True,
+            )
+        raise

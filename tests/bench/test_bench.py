@@ -219,6 +219,20 @@ def test_an_interrupted_run_resumes_without_measuring_anything_twice(tiny_pair, 
     assert not any("stopped after" in note for note in Results.read(out).suggestions)
 
 
+def test_an_interrupted_run_says_where_its_rows_are_and_how_to_go_on(tiny_pair, prompts_file, tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):  # Ctrl-C while the run decodes
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr("specbench.bench.run.benchmark", interrupted)
+    out = tmp_path / "run"
+    result = cli_on_tiny_pair("run", tiny_pair, "--dataset", prompts_file, "--out", str(out))
+    assert result.returncode == 130
+    assert f"interrupted: what was measured is in {out}/; the same command with --resume --out {out}" in " ".join(
+        result.stderr.split()
+    )
+
+
 def test_each_lookahead_policy_is_a_row_of_its_own_exact_under_greedy_and_resumed(
     tiny_pair, untied_target, prompts_file, tmp_path, caplog
 ):
