@@ -18,15 +18,46 @@ from specbench.methods.registry import BASELINE, DEFAULT
 from specbench.results import schema
 from specbench.results.summary import row_label
 
+# What ties a summary row to its records (a decoder of one engine); blanks and NaN read alike.
+DECODER_COLUMNS = ("engine", "method", "k", "tree", "k_policy")
+
+
+def decode_parts(records: pd.DataFrame, row: dict) -> pd.DataFrame:
+    """The decode proper of ``row``'s prompts (records.csv's rows of its decoder, by prompt_index):
+    the tokens after the prefill's first, and the seconds after the prefill."""
+
+    def key(values) -> str:
+        return "|".join("" if pd.isna(v) else str(v) for v in values)
+
+    keys = records[list(DECODER_COLUMNS)].apply(key, axis=1)
+    mine = records[keys == key(row[c] for c in DECODER_COLUMNS)].set_index("prompt_index")
+    return pd.DataFrame({"tokens": mine["new_tokens"] - 1, "seconds": mine["method_s"] - mine["prefill_s"]})
+
+
+def decode_interval(base: pd.DataFrame, cur: pd.DataFrame, confidence: float = 0.95) -> tuple[float, float]:
+    """The interval of the decode rate of ``cur`` over ``base`` (decode_parts of the same prompts): a
+    paired bootstrap over the prompts. NaN for fewer than 2 prompts, where there is nothing to resample."""
+    both = base.add_suffix("_base").join(cur, how="inner")
+    if len(both) < 2:
+        return math.nan, math.nan
+    _, low, high = metrics.paired_change(
+        both[["tokens_base", "seconds_base"]].to_numpy(), both[["tokens", "seconds"]].to_numpy(), confidence
+    )
+    return 1 + low, 1 + high
+
 
 def context_rows(runs: dict[int, Path]) -> list[dict]:
     """context.csv: a row per context length, method and K of a context sweep (``runs``: context
-    length -> its run directory), with the cost of a target step there and what each method got."""
+    length -> its run directory), with the cost of a target step there and what each method got: its
+    decode speedup with a 95% interval over the prompts, and over the rival's."""
     rows = []
     for context, run_dir in sorted(runs.items()):
         summary = pd.read_csv(run_dir / "summary.csv")
         costs = pd.read_csv(run_dir / "verify_cost.csv")
+        records = pd.read_csv(run_dir / "records.csv")
         step = costs.loc[(costs["model"] == "target") & (costs["tokens"] == 1), "seconds"].iloc[0]
+        parts = {row_label(row): decode_parts(records, row) for row in summary.to_dict("records")}
+        baseline = next(p for label, p in parts.items() if label == BASELINE.name)
         for row in summary.to_dict("records"):
             inner = row.get("inner_drafted", math.nan)
             rows.append(
@@ -46,6 +77,8 @@ def context_rows(runs: dict[int, Path]) -> list[dict]:
                     "tau": row["tau"],
                     "speedup": row["speedup"],
                     "decode_speedup": row["decode_speedup"],
+                    "decode_speedup_low": decode_interval(baseline, parts[row_label(row)])[0],
+                    "parts": parts[row_label(row)],  # for the interval over the rival's, below; not written
                     "outputs_match": row["outputs_match"],
                     "structural": row["structural"],
                 }
@@ -53,11 +86,11 @@ def context_rows(runs: dict[int, Path]) -> list[dict]:
     for row in rows:  # the method's decode speedup over the rival's at the same length and K
         same = [r for r in rows if is_rival(r) and r["context_tokens"] == row["context_tokens"]]
         same = [r for r in same if r["k"] == row["k"]] or same
-        row["vs_speculative"] = (
-            row["decode_speedup"] / same[0]["decode_speedup"]
-            if same and row["method"] != CONTENDERS[0] and not is_rival(row)
-            else math.nan
-        )
+        held = same and row["method"] != CONTENDERS[0] and not is_rival(row)
+        row["vs_speculative"] = row["decode_speedup"] / same[0]["decode_speedup"] if held else math.nan
+        row["vs_speculative_low"] = decode_interval(same[0]["parts"], row["parts"])[0] if held else math.nan
+    for row in rows:
+        del row["parts"]
     return rows
 
 
@@ -73,19 +106,23 @@ def is_rival(row: dict) -> bool:
 
 def crossovers(rows: list[dict]) -> dict[str, dict]:
     """Per method and K of a context sweep: the shortest context from which its decode speedup stays
-    above the baseline's, and above speculative's (None: not at the longest context measured)."""
+    above the baseline's, and above speculative's, by the lower end of its 95% interval over the
+    prompts (None: not at the longest context measured). A sweep of fewer than 2 prompts has no
+    interval and names no crossover ("judged": False)."""
     found: dict[str, dict] = {}
     rivals = {row_label(row) for row in rows if is_rival(row)}
     for row in rows:
         if row["method"] == CONTENDERS[0]:
             continue
         found.setdefault(row_label(row), {"speedup": {}, "vs_speculative": {}})
-        found[row_label(row)]["speedup"][row["context_tokens"]] = row["decode_speedup"]
-        found[row_label(row)]["vs_speculative"][row["context_tokens"]] = row["vs_speculative"]
+        found[row_label(row)]["speedup"][row["context_tokens"]] = row["decode_speedup_low"]
+        found[row_label(row)]["vs_speculative"][row["context_tokens"]] = row["vs_speculative_low"]
+    judged = all(row["num_prompts"] >= 2 for row in rows)
     return {
         label: {
             "beats_baseline_from": metrics.wins_from(by["speedup"]),
             "beats_speculative_from": None if label in rivals else metrics.wins_from(by["vs_speculative"]),
+            "judged": judged,
         }
         for label, by in found.items()
     }

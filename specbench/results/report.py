@@ -392,7 +392,13 @@ def context_table(rows: list[dict], wins: dict[str, dict]) -> Table:
     def since(length):
         return "never" if length is None else f"from {length} tokens"
 
-    lines = ["wins (decode speedup above the rival's at that length and every longer one measured):"]
+    if not all(found.get("judged", True) for found in wins.values()):
+        table.caption = "wins: not judged (a prompt per length gives no interval; --num-prompts 2 or more)"
+        return table
+    lines = [
+        "wins (decode speedup above the rival's, by the low end of its 95% interval over the prompts, at that "
+        "length and every longer one measured):"
+    ]
     for label, found in wins.items():
         text = f"{label}: over the baseline {since(found['beats_baseline_from'])}"
         if label.split()[0] != CONTENDERS[1]:

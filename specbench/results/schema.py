@@ -81,9 +81,11 @@ CONTEXT = (
     "tau",
     "speedup",
     "decode_speedup",
+    "decode_speedup_low",  # the lower end of its 95% interval over the prompts (NaN under 2 prompts)
     "outputs_match",
     "structural",
     "vs_speculative",
+    "vs_speculative_low",
 )
 # categories.csv: summary.csv's columns over the prompts of one category (or sub-category or input
 # length: group_by says which), whose value is in ``category``.
