@@ -347,17 +347,18 @@ def compare_rows(
     chosen = _choose_metrics(baseline, current, metrics)
     columns = _columns(baseline), _columns(current)
     keys = REQUIRED_KEYS + [c for c in OPTIONAL_KEYS if all(c in cs for cs in columns)]
-    sides = []
+    sides, contexts = [], []  # each run's rows by key, and their CONTEXT cells by key
     for rows, name in ((baseline, baseline_name), (current, current_name)):
-        by_key = {}
-        for row in _normalised(rows, keys, chosen):
+        by_key, context = {}, {}
+        for raw, row in zip(rows, _normalised(rows, keys, chosen), strict=True):
             if (key := tuple(row[c] for c in keys)) in by_key:
                 shown = ", ".join(f"{c}={cell_text(row[c])}" for c in keys)
                 raise SpecbenchError(
                     f"{name or 'a summary'} has more than one row for {shown}; keep one per configuration"
                 )
-            by_key[key] = row
+            by_key[key], context[key] = row, {c: cell_text(raw.get(c)) for c in CONTEXT}
         sides.append(by_key)
+        contexts.append(context)
     base, cur = sides
     # The same prompts (or options) and fewer of them in a row: a run cut short, not another experiment.
     hashed = all({cell_text(r.get("prompts_hash")) for r in rows} - {""} for rows in (baseline, current))
@@ -374,17 +375,30 @@ def compare_rows(
             "run the same configuration as the baseline"
         )
 
+    # Where a row and its match differ in device, dtype or compile (a blank is unknown, not different).
+    # Row by row: an hf-* row is compile=eager and a served one its engine's name, beside torch's rows.
+    differ: dict[str, set] = {}
+    unlike_rows = set()
+    for key in base.keys() & cur.keys():
+        for c in CONTEXT:
+            before, after = contexts[0][key][c], contexts[1][key][c]
+            if before and after and before != after:
+                differ.setdefault(c, set()).add(f"{before} vs {after}")
+                unlike_rows.add(key)
+
     def merged_row(key: tuple, side: str) -> dict:
         b, c = base.get(key, {}), cur.get(key, {})
         values = {f"{m} {name}": row.get(m) for m in chosen for name, row in (("base", b), ("cur", c))}
-        row = dict(zip(keys, key, strict=True)) | values | {"_side": side}
+        row = dict(zip(keys, key, strict=True)) | values | {"_side": side, "_unlike": key in unlike_rows}
         return row | {"_decoder": _decoder(row, keys)}
 
     # The baseline's rows in its order, then the current run's new ones in theirs.
     merged = [merged_row(key, "" if key in cur else MISSING) for key in base]
     merged += [merged_row(key, NEW) for key in cur if key not in base]
-    differ = {c: values for c in CONTEXT if (values := _differing(baseline, current, c))}
-    notes = [f"{c} differs ({v}): timings other than efficiency are not judged" for c, v in differ.items()]
+    differ = {c: ", ".join(sorted(values)) for c, values in differ.items()}
+    notes = [
+        f"{c} differs ({v}): timings other than efficiency are not judged on those rows" for c, v in differ.items()
+    ]
     setup, elsewhere = ", ".join(f"{c} {v}" for c, v in differ.items()), _machine_difference(machines)
     # Known to be other machines: every timing moves with the hardware, ratios too (speedup at K=2 was
     # 1.57 on a 2-core Intel Xeon and 0.89 on a 2-core AMD EPYC, whose 3-row matrix products cost more).
@@ -397,11 +411,14 @@ def compare_rows(
     records = [_by_decoder(rows, keys) for rows in records]
     gaps = {}  # (why, rows without an interval, rows compared) -> the metrics without one
     for m in chosen:
-        incomparable = bool(setup or elsewhere) and m in unlike
+
+        def incomparable(row: dict, m: str = m) -> bool:
+            return bool(row["_unlike"] or elsewhere) and m in unlike
+
         if m in RELATIVE:
             compared, whys = 0, {}
             for row in merged:
-                judge = row["_side"] == "" and None not in (row[f"{m} base"], row[f"{m} cur"]) and not incomparable
+                judge = row["_side"] == "" and None not in (row[f"{m} base"], row[f"{m} cur"]) and not incomparable(row)
                 values = [row[f"{m} base"], row[f"{m} cur"]]
                 interval = _interval(records, row["_decoder"], m, values, confidence) if judge else (None,) * 3 + ("",)
                 row.update(
@@ -413,7 +430,7 @@ def compare_rows(
             for why, n in whys.items():
                 gaps.setdefault((why, n, compared), []).append(m)
         for row in merged:
-            row[f"{m} status"], row[f"{m} change"] = _judge(row, m, incomparable, tolerance, abs_tolerance)
+            row[f"{m} status"], row[f"{m} change"] = _judge(row, m, incomparable(row), tolerance, abs_tolerance)
     notes += [
         f"{', '.join(ms)}: no {confidence * 100:g}% interval{'' if n == total else f' on {n} of {total} rows'} "
         f"({why}); judged on the point values with the ±{tolerance:.0%} tolerance"

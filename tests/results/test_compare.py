@@ -370,6 +370,23 @@ def test_timings_of_another_dtype_or_compile_are_not_judged(tmp_path):
     assert last_line(out).endswith("; speedup NOT JUDGED")
 
 
+def test_a_row_of_another_route_beside_matching_ones_leaves_them_judged(tmp_path):
+    # A review: an hf-* row (compile=eager) or a served one (compile=its engine) added to a run made the
+    # run's set of compile values differ, and every timing of every row went NOT JUDGED (exit 3).
+    rows, records = timed_runs(draws=2)
+    base = [{**r, "compile": "packed"} for r in rows[0]]
+    cur = [{**r, "compile": "packed"} for r in rows[1]]
+    added = {**cur[-1], "method": "hf-assisted", "compile": "eager"}
+    code, out = compare(tmp_path, base, [*cur, added], records=records, machines=SAME)
+    assert code == 0 and "NOT JUDGED" not in out and "compile differs" not in out
+    # only the rows that differ are left unjudged
+    other = [{**r, "compile": "eager"} if r["k"] == 2 else r for r in cur]
+    code, out = compare(tmp_path, base, other, records=records, machines=SAME)
+    said = " ".join(out.split())
+    assert code == 0 and "note: compile differs (packed vs eager): timings other than efficiency are not judged" in said
+    assert "2 rows within tolerance" in said  # k=1 judged, k=2 not: within, but not NOT JUDGED as a whole
+
+
 def test_directory_and_csv_paths_both_work(tmp_path):
     run_dir = write_run(tmp_path / "run", summary_rows())
     (run_dir / "meta.json").write_text(json.dumps({"machine": MACHINE}))
