@@ -141,11 +141,21 @@ class Results:
         categories = [_typed(row) for row in document.get("categories", [])]
         greedy = document["config"].get("temperature", 0) == 0
         notes = bandwidth_notes(rows, GRAPHS)  # the run's other notes need its forward costs
-        asked, decoded = document.get("resolved", {}).get("turns"), max(row["num_prompts"] for row in rows)
-        if asked and decoded < asked:  # a row is written as each prompt ends: show must say the run stopped
+        # A row is written as each prompt ends, so show says when the run stopped. A served row counts
+        # only the requests that did not fail.
+        resolved = document.get("resolved", {})
+        asked = resolved.get("turns")
+
+        def given(row: dict) -> float:  # the prompts a row's decoder was given, failed requests too
+            failed = row.get("failed")
+            return row["num_prompts"] + (0 if failed is None or math.isnan(failed) else failed)
+
+        decoded = max(map(given, rows))
+        if asked and decoded < asked:
+            unit = "turns" if asked > resolved.get("prompts", asked) else "prompts"
             notes.insert(
                 0,
-                f"this run stopped after {decoded} of its {asked} prompts: `specbench run` with its options "
+                f"this run stopped after {decoded:g} of its {asked} {unit}: `specbench run` with its options "
                 f"and --resume --out {out} finishes it",
             )
         return cls(out, title, rows, picks, notes, sorted(out.glob("*.png")), greedy, predicted, "", categories)
@@ -230,6 +240,7 @@ def _benchmark(
         "weights": "random" if cfg.random_weights else "checkpoint",
         "title": run_title(cfg, pair, conversations),  # the tables' caption, which show prints again
         "turns": len(conversations.turns),  # what show reads to say a run stopped before its end
+        "prompts": len(conversations.first),
         # Where accelerate put each module of the target (None: all on the device above).
         "device_map": placement(pair.target.model) if cfg.device_map else None,
         "peak_memory": MEMORY_SOURCES.get(PeakMemory(pair.device).source),  # how peak_memory_mb was read

@@ -744,11 +744,15 @@ def main() -> None:
         err_console.print(f"[red]error:[/] {said}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except SystemExit as e:
-        # Typer turns Ctrl-C into a silent exit 130: a run says where its rows are and how to go on.
+        # Typer turns Ctrl-C into a silent exit 130: a run says where its rows are and how to go on, once
+        # it has a run to resume (a run stopped before its meta.json removes a directory it made).
         if e.code == 130 and RUN_DIR is not None:
+            started = (RUN_DIR / "meta.json").is_file() or any(RUN_DIR.glob("context-*/meta.json"))
             err_console.print(
                 f"interrupted: what was measured is in {RUN_DIR}/; the same command with --resume --out {RUN_DIR} "
-                "goes on from there",
+                "goes on from there"
+                if started
+                else "interrupted before anything was measured",
                 highlight=False,
                 soft_wrap=True,
             )

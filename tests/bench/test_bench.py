@@ -220,7 +220,9 @@ def test_an_interrupted_run_resumes_without_measuring_anything_twice(tiny_pair, 
 
 
 def test_an_interrupted_run_says_where_its_rows_are_and_how_to_go_on(tiny_pair, prompts_file, tmp_path, monkeypatch):
-    def interrupted(*args, **kwargs):  # Ctrl-C while the run decodes
+    def interrupted(cfg, out, *args, **kwargs):  # Ctrl-C while the run decodes: its meta.json is written
+        out.mkdir(parents=True)
+        (out / "meta.json").write_text("{}")
         raise KeyboardInterrupt
         yield
 
@@ -231,6 +233,15 @@ def test_an_interrupted_run_says_where_its_rows_are_and_how_to_go_on(tiny_pair, 
     assert f"interrupted: what was measured is in {out}/; the same command with --resume --out {out}" in " ".join(
         result.stderr.split()
     )
+
+    # Before it had a run to resume (loading the models), no --resume to give: a review found one that failed.
+    def loading(*args, **kwargs):
+        raise KeyboardInterrupt
+        yield
+
+    monkeypatch.setattr("specbench.bench.run.benchmark", loading)
+    early = cli_on_tiny_pair("run", tiny_pair, "--dataset", prompts_file, "--out", str(tmp_path / "early"))
+    assert early.returncode == 130 and early.stderr.strip() == "interrupted before anything was measured"
 
 
 def test_each_lookahead_policy_is_a_row_of_its_own_exact_under_greedy_and_resumed(

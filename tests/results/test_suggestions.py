@@ -52,3 +52,26 @@ def test_a_decode_whose_steps_drifted_from_the_measured_forward_gets_a_note():
     # the committed CI baselines' decodes took 0.99-1.05x their forward: no note
     assert drift_notes([{**baseline, "tpot_p50_ms": 53.9}], costs) == []
     assert drift_notes([{**baseline, "engine": "vllm"}], costs) == [] and drift_notes([baseline], None) == []
+
+
+def test_show_says_a_run_stopped_but_not_when_a_served_rows_requests_failed(tmp_path):
+    import json
+
+    from specbench.bench.run import Results
+
+    def shown(failed: int, turns: int = 10, prompts: int = 10) -> list[str]:
+        row = {"target": "t", "draft": "d", "dataset": "humaneval", "method": "speculative", "num_prompts": 9}
+        document = {
+            "summary": [row | {"failed": failed}],
+            "config": {},
+            "resolved": {"turns": turns, "prompts": prompts},
+        }
+        (tmp_path / "results.json").write_text(json.dumps(document))
+        return [note for note in Results.read(tmp_path).suggestions if "stopped" in note]
+
+    (stopped,) = shown(failed=0)
+    assert stopped.startswith(
+        "this run stopped after 9 of its 10 prompts: `specbench run` with its options and --resume"
+    )
+    assert shown(failed=1) == []  # a review: a served row counts only the requests that did not fail
+    assert "stopped after 9 of its 10 turns" in shown(failed=0, prompts=4)[0]  # a multi-turn run's rows count turns
