@@ -22,15 +22,15 @@ from specbench.results.summary import row_label
 DECODER_COLUMNS = ("engine", "method", "k", "tree", "k_policy")
 
 
+def decoder_key(row) -> tuple[str, ...]:
+    """A summary or records row's decoder (DECODER_COLUMNS), blanks and NaN alike."""
+    return tuple("" if pd.isna(row[c]) else str(row[c]) for c in DECODER_COLUMNS)
+
+
 def decode_parts(records: pd.DataFrame, row: dict) -> pd.DataFrame:
     """The decode proper of ``row``'s prompts (records.csv's rows of its decoder, by prompt_index):
     the tokens after the prefill's first, and the seconds after the prefill."""
-
-    def key(values) -> str:
-        return "|".join("" if pd.isna(v) else str(v) for v in values)
-
-    keys = records[list(DECODER_COLUMNS)].apply(key, axis=1)
-    mine = records[keys == key(row[c] for c in DECODER_COLUMNS)].set_index("prompt_index")
+    mine = records[records.apply(decoder_key, axis=1) == decoder_key(row)].set_index("prompt_index")
     return pd.DataFrame({"tokens": mine["new_tokens"] - 1, "seconds": mine["method_s"] - mine["prefill_s"]})
 
 
@@ -56,9 +56,11 @@ def context_rows(runs: dict[int, Path]) -> list[dict]:
         costs = pd.read_csv(run_dir / "verify_cost.csv")
         records = pd.read_csv(run_dir / "records.csv")
         step = costs.loc[(costs["model"] == "target") & (costs["tokens"] == 1), "seconds"].iloc[0]
-        parts = {row_label(row): decode_parts(records, row) for row in summary.to_dict("records")}
-        baseline = next(p for label, p in parts.items() if label == BASELINE.name)
+        parts = {decoder_key(row): decode_parts(records, row) for row in summary.to_dict("records")}
+        # each engine's decoders against that engine's own baseline
+        baselines = {key[0]: p for key, p in parts.items() if key[1] == BASELINE.name}
         for row in summary.to_dict("records"):
+            mine, baseline = parts[decoder_key(row)], baselines.get(decoder_key(row)[0])
             inner = row.get("inner_drafted", math.nan)
             rows.append(
                 {
@@ -77,8 +79,8 @@ def context_rows(runs: dict[int, Path]) -> list[dict]:
                     "tau": row["tau"],
                     "speedup": row["speedup"],
                     "decode_speedup": row["decode_speedup"],
-                    "decode_speedup_low": decode_interval(baseline, parts[row_label(row)])[0],
-                    "parts": parts[row_label(row)],  # for the interval over the rival's, below; not written
+                    "decode_speedup_low": math.nan if baseline is None else decode_interval(baseline, mine)[0],
+                    "parts": mine,  # for the interval over the rival's, below; not written
                     "outputs_match": row["outputs_match"],
                     "structural": row["structural"],
                 }
