@@ -114,16 +114,21 @@ def _differing(baseline: Rows, current: Rows, column: str) -> str | None:
     return f"{before} vs {after}" if before and after and before != after else None
 
 
-def _settings(configs: tuple) -> str:
-    """ "num_prompts 2 vs 3, ..." for the options two runs were made with (meta.json), where they differ;
-    "" when they agree or either is unknown."""
+# The options that decide which prompts a run decodes and how they encode (what prompts_hash hashes).
+PROMPT_OPTIONS = ("target", "dataset", "dataset_path", "prompt_field", "num_prompts", "categories", "per_category",
+                  "max_turns", "chat", "random_weights", "prompt_tokens", "context_tokens", "max_new_tokens", "seed")  # fmt: skip
+
+
+def _settings(configs: tuple, names=None) -> str:
+    """ "num_prompts 2 vs 3, ..." for the options two runs were made with (meta.json), where they differ
+    (of ``names`` only, when given); "" when they agree or either is unknown."""
     if not all(configs):
         return ""
     base, cur = configs
     return ", ".join(
         f"{k} {_option(base.get(k))} vs {_option(cur.get(k))}"
         for k in sorted(base.keys() | cur.keys())
-        if base.get(k) != cur.get(k)
+        if base.get(k) != cur.get(k) and (names is None or k in names)
     )
 
 
@@ -335,10 +340,10 @@ def compare_rows(
         )
     settings = _settings(configs)
     if hashes := _differing(baseline, current, "prompts_hash"):
-        if settings:
+        if shaping := _settings(configs, PROMPT_OPTIONS):  # not --threads or the methods: they move no prompt
             raise SpecbenchError(
                 f"the two runs decoded different prompts (prompts_hash {hashes}): their options differ in "
-                f"{settings}; run the current one with the baseline's options"
+                f"{shaping}; run the current one with the baseline's options"
             )
         raise SpecbenchError(
             f"the two runs decoded different prompts (prompts_hash {hashes}): a changed dataset, "

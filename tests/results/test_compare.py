@@ -259,7 +259,7 @@ def test_runs_of_other_options_are_refused_naming_the_options(tmp_path):
     cur = [{**r, "prompts_hash": "bbb", "num_prompts": 3} for r in summary_rows()]
     paths = write_runs(tmp_path, base, cur)
     write_options(paths[0], num_prompts=2)
-    write_options(paths[1], num_prompts=3)
+    write_options(paths[1], num_prompts=3, threads=2)  # --threads moves no prompt: not named as the cause
     with pytest.raises(SpecbenchError) as info:
         run_compare(*map(str, paths))
     said = str(info.value)
@@ -267,6 +267,10 @@ def test_runs_of_other_options_are_refused_naming_the_options(tmp_path):
         "the two runs decoded different prompts (prompts_hash aaa vs bbb): their options differ in num_prompts "
         "2 vs 3; run the current one with the baseline's options"
     )
+    # Only --threads differs: the dataset itself changed, as before.
+    write_options(paths[1], num_prompts=2, threads=2)
+    with pytest.raises(SpecbenchError, match="a changed dataset, template or tokenizer makes them incomparable"):
+        run_compare(*map(str, paths))
     # No row matches (here another K and repeats, and no prompts_hash): the options are named too.
     base, cur = summary_rows(ks=(2,)), summary_rows(ks=(4,))
     paths = write_runs(tmp_path, [r for r in base if r["k"] == 2], [r for r in cur if r["k"] == 4])
