@@ -386,8 +386,11 @@ def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, columns: Ru
             if same and len(same) == len(done)
             else math.nan,
             "c": c,
-            "outputs_match": sum(bool(r["outputs_match"]) for r in compared),
-            "structural": structural(compared) if engine in HTTP_ENGINES and columns.greedy else math.nan,
+            # drafts kept at a --synthetic-acceptance rate: outputs that are not the target's, not compared
+            "outputs_match": sum(bool(r["outputs_match"]) for r in compared) if columns.verified else math.nan,
+            "structural": structural(compared)
+            if engine in HTTP_ENGINES and columns.greedy and columns.verified
+            else math.nan,
             "first_divergence": min(divergences, default=-1),
         }
     )

@@ -63,7 +63,9 @@ def check_stored(out: Path, fields: dict) -> None:
     if record.is_file():
         before = json.loads(record.read_text())
     elif finished.is_file():  # distill.json records a trained draft's own shape and shortlist: only the data's
-        before = stored_settings(json.loads(finished.read_text()), LABELS + ANSWERS)
+        # ... and --top-k as clamped to the target's vocabulary, which the command as given may exceed
+        data = tuple(k for k in LABELS + ANSWERS if k != "top_k")
+        before = stored_settings(json.loads(finished.read_text()), data)
     for name, what, keys in kept:
         path = out / name
         if not (path.is_file() or any(p.is_file() for p in path.rglob("*"))):

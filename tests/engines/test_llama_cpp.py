@@ -196,6 +196,7 @@ def test_synthetic_acceptance_reaches_the_llama_server_and_sets_its_acceptance(i
     row = pd.read_csv(out / "summary.csv").set_index("method").loc["draft-greedy"]
     # Kept at 0.2 then 0.04: 0.12 of the drafts, where the draft's own acceptance here is above 0.5.
     assert row["synthetic_acceptance"] == 0.2 and row["acceptance_rate"] < 0.3 and row["tau"] < 1.5
+    assert pd.isna(row["outputs_match"]) and pd.isna(row["structural"])  # not the target's outputs: not counted
 
 
 def test_each_server_command_speculates_as_its_method_says(tmp_path):
