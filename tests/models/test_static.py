@@ -329,7 +329,7 @@ def test_replayed_graphs_decode_the_baselines_greedy_tokens(monkeypatch):
     logits_mb = sum(range(1, static_path.CAPTURED_AT_LEAST + 1)) * model.config.vocab_size * 4 / 2**20
     assert facts["graphs_mb"] == pytest.approx(logits_mb)  # each graph holds its logits: the head runs inside
     line = describe_forward("target", facts)
-    assert re.search(r"16 CUDA graphs captured in [\d.]+ s, outputs 0 MB; cache 0 MB for 256 positions", line)
+    assert re.search(r"16 CUDA graphs captured in [\d.]+ s, outputs 0 MB; cache 192 kB for 256 positions", line)
 
 
 # Every id below 40 but 0 (what a capture's made-up inputs read), then every third one.
