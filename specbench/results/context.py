@@ -27,11 +27,13 @@ def decoder_key(row) -> tuple[str, ...]:
     return tuple("" if pd.isna(row[c]) else str(row[c]) for c in DECODER_COLUMNS)
 
 
-def decode_parts(records: pd.DataFrame, row: dict) -> pd.DataFrame:
-    """The decode proper of ``row``'s prompts (records.csv's rows of its decoder, by prompt_index):
-    the tokens after the prefill's first, and the seconds after the prefill."""
-    mine = records[records.apply(decoder_key, axis=1) == decoder_key(row)].set_index("prompt_index")
-    return pd.DataFrame({"tokens": mine["new_tokens"] - 1, "seconds": mine["method_s"] - mine["prefill_s"]})
+def decode_parts(records: pd.DataFrame) -> dict[tuple[str, ...], pd.DataFrame]:
+    """The decode proper of each decoder's prompts (records.csv's rows, by decoder_key, then by
+    prompt_index): the tokens after the prefill's first, and the seconds after the prefill."""
+    parts = pd.DataFrame(
+        {"tokens": records["new_tokens"] - 1, "seconds": records["method_s"] - records["prefill_s"]}
+    ).set_index(records["prompt_index"])
+    return {key: mine for key, mine in parts.groupby(records.apply(decoder_key, axis=1).to_numpy())}
 
 
 def decode_interval(base: pd.DataFrame, cur: pd.DataFrame, confidence: float = 0.95) -> tuple[float, float]:
@@ -56,11 +58,12 @@ def context_rows(runs: dict[int, Path]) -> list[dict]:
         costs = pd.read_csv(run_dir / "verify_cost.csv")
         records = pd.read_csv(run_dir / "records.csv")
         step = costs.loc[(costs["model"] == "target") & (costs["tokens"] == 1), "seconds"].iloc[0]
-        parts = {decoder_key(row): decode_parts(records, row) for row in summary.to_dict("records")}
+        parts = decode_parts(records)  # a row's decoder wrote records of every prompt it decoded
         # each engine's decoders against that engine's own baseline
         baselines = {key[0]: p for key, p in parts.items() if key[1] == BASELINE.name}
         for row in summary.to_dict("records"):
-            mine, baseline = parts[decoder_key(row)], baselines.get(decoder_key(row)[0])
+            mine = parts.get(decoder_key(row), pd.DataFrame(columns=["tokens", "seconds"]))  # none: no interval
+            baseline = baselines.get(decoder_key(row)[0])
             inner = row.get("inner_drafted", math.nan)
             rows.append(
                 {
