@@ -896,7 +896,6 @@ def host_reads(check: Check) -> Outcome:
     from specbench.drafters.lookup import PromptLookupDrafter
     from specbench.drafters.model import ModelDrafter
     from specbench.drafters.trees import TreeDrafter
-    from specbench.models.fast import FastLlama
     from specbench.models.load import random_model
     from specbench.models.static import StaticLM
     from tests.helpers import HostReads
@@ -907,8 +906,7 @@ def host_reads(check: Check) -> Outcome:
         """``m`` on CUDA's default route, the static path, its forwards graphed; on the dry run's CPU
         uncompiled (route static), as tests/decoding/test_syncs.py counts it there: reads inside
         compiled code would be inductor's own, not the loop's."""
-        fast = FastLlama(m.model, packed=False, compiled=False)
-        lm = StaticLM(m.model, m.width, None, fast, compiled=device.type == "cuda")
+        lm = StaticLM.of(m.model, m.width, compiled=device.type == "cuda")
         lm.reserve(128)  # the prompt, 40 tokens and a round of K = 3
         return lm
 

@@ -45,7 +45,6 @@ from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.model import ModelDrafter
 from specbench.models import lm as lm_module
 from specbench.models import static
-from specbench.models.fast import FastLlama
 from tests.helpers import Dispatched, build_eagle3_head
 
 
@@ -77,7 +76,7 @@ def graphed_lm(width: int, vocab: int, shortlist: int = 0, taps: tuple[int, ...]
     head_tokens = torch.arange(0, 2 * shortlist, 2) if shortlist else None
     if shortlist:
         lm_module.host_reads_free = lambda device: False
-    lm = static.StaticLM(model, vocab, head_tokens, FastLlama(model, packed=False, compiled=False), compiled=True)
+    lm = static.StaticLM.of(model, vocab, head_tokens)
     lm.graphed = True
     lm.reserve(1024, taps=taps)
     lm.record_features(taps)

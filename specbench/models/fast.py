@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -181,6 +182,31 @@ def fastest_rows(seconds: dict[int, float]) -> dict[int, int]:
     return choice
 
 
+def join(modules: Sequence[torch.nn.Module], name: str) -> torch.Tensor:
+    """The parameters ``name`` of ``modules`` as one tensor, concatenated along the first dimension, with
+    each module's own parameter made a view of its rows: the weights stay held once, and one product
+    over them reads what the modules' several did, in one launch instead of several (q, k and v of a 7B
+    layer: three products of 32 MB, or one of 96). Parameters that are such views already (a forward
+    built again over the same model) are joined without a copy."""
+    parts = [getattr(m, name).detach() for m in modules]
+    rows = sum(p.shape[0] for p in parts)
+    first = parts[0]
+    offsets = [first.storage_offset() + sum(p.numel() for p in parts[:i]) for i in range(len(parts))]
+    if all(
+        p.is_contiguous()
+        and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        and p.storage_offset() == o
+        for p, o in zip(parts, offsets, strict=True)
+    ):
+        return first.as_strided((rows, *first.shape[1:]), first.stride())
+    whole = torch.cat(parts)
+    start = 0
+    for module, part in zip(modules, parts, strict=True):
+        getattr(module, name).data = whole[start : start + part.shape[0]]
+        start += part.shape[0]
+    return whole
+
+
 @dataclass
 class Layer:
     attention_norm: torch.Tensor
@@ -235,15 +261,23 @@ class FastLlama:
     the final normed hidden states, as ``model.model(...).last_hidden_state`` would."""
 
     def __init__(
-        self, model, packed: bool | None = None, compiled: bool | None = None, padding: dict[int, int] | None = None
+        self,
+        model,
+        packed: bool | None = None,
+        compiled: bool | None = None,
+        padding: dict[int, int] | None = None,
+        joined: bool | None = None,
     ):
         """``packed`` and ``compiled`` None: as suits the device (can_pack; compiled on CUDA). ``padding``:
         the row counts to run products with, measured before for this model (a rebuild); None: measured
-        here where a CPU's kernels call for it."""
+        here where a CPU's kernels call for it. ``joined``: unpacked products of one input (q, k and v;
+        gate and up) run as one, over one weight that the modules' own parameters become views of
+        (join); None: on CUDA, where every product is a launch."""
         start = time.perf_counter()
         config, base = model.config, model.model
         self.device, self.dtype = model.device, model.dtype
         self.packed = can_pack(model, config.hidden_size) if packed is None else packed
+        self.joined = not self.packed and (self.device.type == "cuda" if joined is None else joined)
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
@@ -316,6 +350,9 @@ class FastLlama:
 
     def products(self, *modules: torch.nn.Linear) -> Linear:
         """The linear ``modules`` (same input), their biases included, as this forward runs them."""
+        if self.joined and len(modules) > 1:
+            weights, biases = join(modules, "weight"), [None if modules[0].bias is None else join(modules, "bias")]
+            return Linear.of(weights, packed=False, padding=self.padding, biases=biases)
         weights, biases = [m.weight for m in modules], [m.bias for m in modules]
         return Linear.of(*weights, packed=self.packed, padding=self.padding, biases=biases)
 

@@ -17,7 +17,7 @@ import torch
 from specbench.core.errors import SpecbenchError
 from specbench.decoding.timing import PhaseClock, TimedLM
 from specbench.models.eagle_head import EagleHead, load_head
-from specbench.models.fast import FastLlama, sliding_window, unsupported
+from specbench.models.fast import sliding_window, unsupported
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import LoadedModel, Wanted, load_models
 from specbench.models.static import StaticHead, StaticLM
@@ -134,8 +134,7 @@ def loop_lm(model, width: int, head_tokens, compile: bool, graphs: bool, name: s
     if graphs:
         reason = unsupported(model)
         if reason is None:
-            # Unpacked: inductor lowers its own products and cannot lower oneDNN's packed ones.
-            return StaticLM(model, width, head_tokens, FastLlama(model, packed=False, compiled=False))
+            return StaticLM.of(model, width, head_tokens)
         log.info("%s runs without the static path: %s", name, reason)
     return HFCausalLM.loaded(model, width, head_tokens, compile, name)
 

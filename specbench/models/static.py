@@ -254,6 +254,13 @@ class StaticLM(HFCausalLM):
         self.allocate(min(DEFAULT_CAPACITY, self.window or DEFAULT_CAPACITY))
         self.reset()
 
+    @classmethod
+    def of(cls, model, width: int, head_tokens: torch.Tensor | None = None, compiled: bool = True) -> StaticLM:
+        """``model`` on the static path over its own forward: unpacked (inductor lowers its own products,
+        not oneDNN's packed ones), each layer's products of one input joined (FastLlama's ``joined``) on
+        every device, so that a CPU's runs test the arithmetic that CUDA's graphs replay."""
+        return cls(model, width, head_tokens, FastLlama(model, packed=False, compiled=False, joined=True), compiled)
+
     def ready(self) -> None:
         """Compile the forwards for the cache as it is now, if they are wanted and not yet built (reserve
         does it, before anything is timed; else the first forward)."""

@@ -20,7 +20,6 @@ from specbench.drafters.lookup import PromptLookupDrafter
 from specbench.drafters.model import ModelDrafter
 from specbench.drafters.trees import TreeDrafter
 from specbench.models.eagle_head import read_head
-from specbench.models.fast import FastLlama
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import load
 from specbench.models.static import StaticLM
@@ -105,7 +104,7 @@ def cuda_static_models(tiny_pair):
 
 
 def static_lm(loaded, compiled: bool) -> StaticLM:
-    lm = StaticLM(loaded.model, loaded.width, None, FastLlama(loaded.model, packed=False, compiled=False), compiled)
+    lm = StaticLM.of(loaded.model, loaded.width, compiled=compiled)
     lm.reserve(128)
     return lm
 

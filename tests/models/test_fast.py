@@ -206,6 +206,32 @@ def test_the_own_forward_is_transformers_arithmetic_in_every_family(family):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_joined_products_hold_the_weights_once_and_score_as_transformers(family):
+    # CUDA's unpacked route runs q, k and v (gate and up) as one product over one weight, which the
+    # modules' own parameters become views of: no second copy, and transformers' model, which still runs
+    # its products one by one over those views, scores as before. Qwen2's random biases are joined too.
+    model = family(0)
+    width, attention = model.config.vocab_size, model.model.layers[0].self_attn
+    before = sum(p.numel() for p in model.parameters())
+    prefix, chain = torch.arange(5, 40), torch.tensor([7, 8, 9, 10])
+    want = scores(HFCausalLM(model, width), prefix, chain, [-1, 0, 0])
+    joined = FastLlama(model, packed=False, joined=True)
+    assert joined.joined and not FastLlama(model, packed=False).joined  # not by default on a CPU
+    qkv = joined.layers[0].qkv.weights
+    assert len(qkv) == 1 and qkv[0].data_ptr() == attention.q_proj.weight.data_ptr()
+    assert attention.v_proj.weight.data_ptr() == qkv[0][-attention.v_proj.weight.shape[0] :].data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == before
+    got = scores(HFCausalLM(model, width, None, joined), prefix, chain, [-1, 0, 0])
+    after = scores(HFCausalLM(model, width), prefix, chain, [-1, 0, 0])
+    for g, a, w in zip(got, after, want, strict=True):
+        assert torch.equal(g, w) and torch.equal(a, w)
+    # Built again over the same model (online updates rebuild it), it joins the views without a copy.
+    again = FastLlama(model, packed=False, joined=True)
+    assert again.layers[0].qkv.weights[0].data_ptr() == qkv[0].data_ptr()
+    assert again.layers[0].gate_up.weights[0].data_ptr() == joined.layers[0].gate_up.weights[0].data_ptr()
+
+
 def test_models_beyond_the_fast_path_say_why(tmp_path):
     from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 

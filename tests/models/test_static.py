@@ -58,7 +58,7 @@ def noisy(model, scale: float = 0.3, seed: int = 1):
 
 def static(model, compiled: bool = False, head_tokens: torch.Tensor | None = None) -> StaticLM:
     width = model.config.vocab_size
-    return StaticLM(model, width, head_tokens, FastLlama(model, packed=False, compiled=False), compiled=compiled)
+    return StaticLM.of(model, width, head_tokens, compiled=compiled)
 
 
 def scores(lm) -> list[torch.Tensor]:
@@ -417,7 +417,9 @@ class StaticLawLM(StaticLM):
     """A tiny Llama of VOCAB tokens on the static path, with its exact law (LawLM.logits_after)."""
 
     def __init__(self, model):
-        super().__init__(model, model.config.vocab_size, None, FastLlama(model, packed=False, compiled=False))
+        super().__init__(
+            model, model.config.vocab_size, None, FastLlama(model, packed=False, compiled=False, joined=True)
+        )
         self.vocab = model.config.vocab_size
 
     logits_after = LawLM.logits_after
