@@ -31,7 +31,7 @@ from torch import nn
 
 from specbench.core.errors import SpecbenchError, first_said
 from specbench.decoding.kv import GrowingKV
-from specbench.models.fast import ROPE_TYPES, Linear, attend, can_pack, rms_norm, rope, swiglu
+from specbench.models.fast import ROPE_TYPES, Linear, attend, can_pack, join, rms_norm, rope, swiglu
 from specbench.models.load import REDOWNLOAD, weights_problem
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what config.json names: vLLM's and SGLang's EAGLE-3 loaders read it
@@ -321,18 +321,24 @@ class EagleHead(nn.Module):
         """For inference on a CPU: every product through oneDNN's packed kernel, as the target's fast
         forward runs (models/fast.py), q, k and v as one product and gate and up as another. Call it after
         the weights are where they stay; training keeps the modules' own products."""
+        self._products(lambda *modules: Linear.of(*(m.weight for m in modules), packed=True, padding={}))
+
+    def join(self) -> None:
+        """For inference where nothing is packed (CUDA, the static path): q, k and v as one product and
+        gate and up as another, each over one weight that the modules' own parameters become views of
+        (fast.join), as the target's forward runs them there: a launch each on CUDA, not three and two."""
+        self._products(lambda *modules: Linear.of(join(modules, "weight"), packed=False, padding={}))
+
+    def _products(self, linear) -> None:
+        """The products by name, each built by ``linear(*modules)``."""
         attention, mlp = self.midlayer.self_attn, self.midlayer.mlp
-
-        def packed(*modules):
-            return Linear.of(*(m.weight for m in modules), packed=True, padding={})
-
         self.products = {
-            "qkv": packed(attention.q_proj, attention.k_proj, attention.v_proj),
-            "o": packed(attention.o_proj),
-            "gate_up": packed(mlp.gate_proj, mlp.up_proj),
-            "down": packed(mlp.down_proj),
-            "lm_head": packed(self.lm_head),
-            "fc": packed(self.fc) if self.fc is not None else None,
+            "qkv": linear(attention.q_proj, attention.k_proj, attention.v_proj),
+            "o": linear(attention.o_proj),
+            "gate_up": linear(mlp.gate_proj, mlp.up_proj),
+            "down": linear(mlp.down_proj),
+            "lm_head": linear(self.lm_head),
+            "fc": linear(self.fc) if self.fc is not None else None,
         }
 
     def new_cache(self) -> HeadCache:
@@ -481,7 +487,8 @@ def read_head(path: Path, embed: torch.Tensor, target_layers: int, target_hidden
 
 def load_head(path: Path, target, pack: bool) -> EagleHead:
     """The head in ``path`` checked against ``target`` (a transformers model), on its device and in
-    its dtype, its products packed (``pack``, where the CPU can) as the target's fast forward runs its own."""
+    its dtype, its products packed (``pack``, where the CPU can) or else joined, as the target's forward
+    runs its own."""
     config = target.config
     embed = target.get_input_embeddings().weight
     head = read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size)
@@ -490,6 +497,8 @@ def load_head(path: Path, target, pack: bool) -> EagleHead:
     head.embed = head.embed.to(embed.device, embed.dtype)
     if pack and can_pack(head, head.config.hidden):
         head.pack()
+    else:
+        head.join()
     return head
 
 

@@ -256,17 +256,22 @@ def test_a_head_named_by_its_hub_id_is_read_from_the_hub_cache(law, tmp_path, mo
     assert "\n" not in said and "--random-weights" not in said
 
 
-def test_a_packed_head_scores_as_the_unpacked_one(law, tmp_path):
+def test_a_packed_or_joined_head_scores_as_the_modules_own(law, tmp_path):
     target, _ = law
     path = build_eagle3_head(tmp_path / "head", target.model.config, taps=(0, 1, 2), draft_ids=DRAFT_IDS, seed=4)
-    plain, packed = head_for(target, path), head_for(target, path)
+    plain, packed, joined = head_for(target, path), head_for(target, path), head_for(target, path)
     packed.pack()
+    joined.join()  # CUDA's: q, k and v one product over one weight, the modules' parameters views of it
+    attention = joined.midlayer.self_attn
+    assert joined.products["qkv"].weights[0].data_ptr() == attention.q_proj.weight.data_ptr()
+    assert joined.products["lm_head"].weights[0].data_ptr() == joined.lm_head.weight.data_ptr()  # no copy
     ids, features = torch.tensor([0, 2, 1, 1]), torch.randn(4, 96)
     with torch.inference_mode():
-        a, b = every_score(plain, ids), every_score(packed, ids)
+        a, b, c = every_score(plain, ids), every_score(packed, ids), every_score(joined, ids)
         fused = plain.fuse(features), packed.fuse(features)
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(*fused, atol=1e-4, rtol=1e-4)
+    assert torch.equal(a, c)
 
 
 def test_default_layers_and_an_eagle1_head(tmp_path, tiny_pair):
