@@ -23,7 +23,10 @@ CPU of a dry run that path is compiled by inductor without graphs: route static-
   d. a token tree (2,2) and an EAGLE head of the target's width on the static path: that they run,
      and their costs;
   e. host reads per round on the static path, counted as tests/decoding/test_syncs.py counts them, and
-     CUDA's own count of synchronising calls (torch.cuda.set_sync_debug_mode).
+     CUDA's own count of synchronising calls (torch.cuda.set_sync_debug_mode);
+  f. where a step of c's pair goes (benchmarks/step_profile.py): each model's graph replayed alone, its
+     kernels, the forward as the loop calls it and as the costs time it, the host's part, and a draft
+     step with its sampling, so that a goal c misses says where the time went.
 
 Steps b and e time nothing, so they run while step a's tests do; c and d then have the GPU to
 themselves. Each step is timed; one that fails is reported and the next still runs. The report also
@@ -102,6 +105,8 @@ class Sizes:
 # In all about 200 + 245 + 90 + 5 = 540 s, a minute over the goal: every figure here but a's is a
 # guess (compiling above all), and each run's log times its stages and meta.json its build and
 # capture, so the first run says where to cut. c comes before d: a lease that ends first stops d.
+# f (new, unmeasured) builds the 7B once more in a process of its own and compiles it from inductor's
+# cache: about 80 s, which takes the whole check past its 8 minutes; a short lease runs --steps cf.
 GPU = Sizes(
     device="cuda",
     greedy_pair=("llama-160m", "llama-68m"),
@@ -122,7 +127,7 @@ GPU = Sizes(
     # Caps, not goals: on H200s a took 198 s, b 72-88 s, c 138-190 s, d 45-61 s before the static path;
     # b and e run beside a. e runs in the check's own process: its cap is shown, not enforced (it took
     # 110 s on an H200, most of it compiling, its decodes run twice).
-    timeouts={"a": 270, "b": 200, "c": 330, "d": 150, "e": 150},
+    timeouts={"a": 270, "b": 200, "c": 330, "d": 150, "e": 150, "f": 150},
     run_options=(),
     goal_s=480,  # 8 minutes on one H100-class GPU: the check fits a short lease with time to run it again
 )
@@ -163,7 +168,7 @@ def dry_sizes(folder: Path) -> Sizes:
         graph_tokens=12,
         prompt_tokens=16,
         test_workers=0,  # xdist's start costs more than the skipped tests
-        timeouts={"a": 120, "b": 180, "c": 180, "d": 120, "e": 60},
+        timeouts={"a": 120, "b": 180, "c": 180, "d": 120, "e": 60, "f": 60},
         # One torch thread a run: b's runs share the CPU with each other and with a's pytest, and two
         # threads spinning against a busy core made a toy forward take 200 ms instead of 1.
         run_options=("--threads", "1"),
@@ -979,12 +984,40 @@ def host_reads(check: Check) -> Outcome:
     return Outcome("pass", line, rows, figures)
 
 
+# ---------------------------------------------------------------- f. where a step's time goes
+
+
+def step_profile(check: Check) -> Outcome:
+    """benchmarks/step_profile.py on step c's pair and sizes, in a process of its own (its 7B leaves
+    with it): the replay, kernels, loop, synced and host times of each model's step."""
+    s = check.sizes
+    out = check.folder / "f-profile"
+    args = ["-m", "benchmarks.step_profile", "--target", s.pair[0], "--draft", s.pair[1], "--dtype", "bfloat16"]
+    args += ["--device", s.device, "--prompt-tokens", str(s.prompt_tokens), "--new-tokens", str(s.graph_tokens)]
+    check.command("f-profile", [*args, "--k", "4", "--out", str(out)])
+    result = json.loads((out / "step-profile.json").read_text())
+    target, draft = result["models"]["target"]["sizes"]["1"], result["models"]["draft"]["sizes"]["1"]
+    drafted = result["models"]["draft"]["drafted_us"]
+
+    def both(row: dict) -> str:
+        replay = "no graph" if row["replay_us"] is None else f"replay {row['replay_us']:,.0f}"
+        return f"{replay}, loop {row['loop_us']:,.0f}, synced {row['synced_us']:,.0f} us"
+
+    summary = (
+        f"target {both(target)}; draft {both(draft)}; drafted token {drafted['greedy']:,.0f} us greedy, "
+        f"{drafted['sampled']:,.0f} sampled"
+    )
+    details = (out / "step-profile.md").read_text().splitlines()
+    return Outcome("pass", summary, details, result)
+
+
 STEPS: list[tuple[str, str, Callable[[Check], Outcome]]] = [
     ("a", "the tests marked gpu", gpu_tests),
     ("b", "greedy equality on the static path", greedy),
     ("c", "the mission's pair shape", mission),
     ("d", "a token tree and an EAGLE head", tree_and_eagle),
     ("e", "host reads per round", host_reads),
+    ("f", "where a step's time goes", step_profile),
 ]
 
 # The steps that check outputs and counts but time nothing run while step a's tests do (on an H200,
@@ -1102,7 +1135,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry", action="store_true", help="the same steps on the CPU at toy sizes")
     parser.add_argument("--out", type=Path, default=ROOT / "gpu-check", help="where the check's folder goes")
     parser.add_argument("--wheels", type=Path, help="install missing dependencies from this wheel folder")
-    parser.add_argument("--steps", default="abcde", help="which steps to run (letters), default all")
+    parser.add_argument("--steps", default="abcdef", help="which steps to run (letters), default all")
     parser.add_argument("--step-timeout", type=int, help="seconds for every step, instead of each one's own")
     args = parser.parse_args(argv)
     try:

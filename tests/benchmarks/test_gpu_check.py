@@ -36,7 +36,7 @@ def test_without_cuda_it_refuses_in_one_line(tmp_path):
 
 @pytest.mark.parametrize(
     "args,problem",
-    [(["--steps", "az"], "--steps takes letters of abcde, not z"), (["--wheels", "nowhere"], "is not a folder")],
+    [(["--steps", "az"], "--steps takes letters of abcdef, not z"), (["--wheels", "nowhere"], "is not a folder")],
 )
 def test_bad_options_are_refused_in_one_line(tmp_path, args, problem):
     done = gpu_check("--dry", "--out", str(tmp_path), *args)
@@ -103,6 +103,12 @@ def test_the_dry_run_runs_every_step_on_the_cpu(tmp_path):
         reads["route"] == "static"
         and reads["draft model, T=1.0"]["host_reads"] <= reads["draft model, T=1.0"]["rounds"] + 4
     )
+    # f splits each model's step; a CPU replays no graph, and its profiler lists operations, not kernels.
+    profile = steps["f. where a step's time goes"]
+    one = profile["models"]["target"]["sizes"]
+    assert set(one) == {"1", "5"} and one["1"]["replay_us"] is None and 0 < one["1"]["host_us"] <= one["1"]["synced_us"]
+    assert profile["models"]["draft"]["drafted_us"]["sampled"] > 0 and profile["models"]["draft"]["kernels"]
+    assert "| c (draft step / target step) | - |" in text
     # Issue 72's goals, one table: the device's chi-square not run on a CPU, exactness met, the rest judged.
     verdicts = {(g["step"], g["goal"]): g["verdict"] for g in figures["goals"]}
     assert [step for step, _ in verdicts] == ["a", "b", "b", "c", "c", "c", "c", "c"]
