@@ -191,7 +191,9 @@ def measure_costs(
     windows = [m.context_window for m in (pair.target, pair.draft) if m is not None and m.context_window]
     room = min(windows, default=length + COST_SIZES) - length  # K + 1 always fits (encode_prompts made sure)
     sizes = range(1, max(widest, min(COST_SIZES, room)) + 1)
-    tokens = torch.cat(prompt_ids)
+    # On the device, as the loop's forwards read their ids (drafted tokens never leave it): ids on the
+    # host would add a copy from pageable memory, and a wait for it, to every forward timed.
+    tokens = torch.cat(prompt_ids).to(pair.device)
     context = tokens.repeat(length // len(tokens) + 2)[: length + sizes[-1]]
     prefix, probe = context[:length], context[length:]
     models = [pair.target_lm] + ([draft_reading_target_ids(pair)] if pair.draft_lm else [])
