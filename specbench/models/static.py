@@ -110,15 +110,28 @@ def own_code(function: types.FunctionType) -> types.FunctionType:
     return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
 
 
-def compile_forms(one, many, inputs: Callable[[int], list[tuple[torch.Tensor, list[int]]]], run, what: str):
+def compile_options(device: torch.device) -> dict | None:
+    """inductor's options for the static path's forwards on ``device``. On CUDA, coordinate-descent
+    tuning of the kernels it generates, as gpt-fast compiles its decoder (82% of an A100's bandwidth
+    at batch 1): with it inductor also lowers a product of one row (every product of a one-token
+    forward) to a reduction of its own, tuned and fused with the elementwise work around it, instead
+    of cuBLAS's kernel, whose one-row products do not reach the bandwidth (torch's
+    _inductor/decomposition.py, mm). Compiling takes longer, once. None on a CPU, where the option
+    changes nothing."""
+    return {"coordinate_descent_tuning": True} if device.type == "cuda" else None
+
+
+def compile_forms(
+    one, many, inputs: Callable[[int], list[tuple[torch.Tensor, list[int]]]], run, what: str, options: dict | None
+):
     """``one`` (a single token, every shape static) and ``many`` (2..GRAPHED_UP_TO tokens, the count
-    dynamic) compiled, each under its own code object, and run once through ``run(form, *tensors)`` on
-    ``inputs(n)`` (each tensor with its token-count dimensions) so that compiling happens now. None,
-    with one log line ("torch.compile failed, ``what`` eagerly: ...") when the compiler fails (no Triton, no C
-    compiler: torch.compile fails at the first call)."""
+    dynamic) compiled with inductor's ``options`` (compile_options), each under its own code object,
+    and run once through ``run(form, *tensors)`` on ``inputs(n)`` (each tensor with its token-count
+    dimensions) so that compiling happens now. None, with one log line ("torch.compile failed, ``what``
+    eagerly: ...") when the compiler fails (no Triton, no C compiler: torch.compile fails at the first call)."""
     forms = (
-        torch.compile(own_code(one), fullgraph=True, dynamic=False),
-        torch.compile(own_code(many), fullgraph=True),  # only the dimensions marked below are dynamic
+        torch.compile(own_code(one), fullgraph=True, dynamic=False, options=options),
+        torch.compile(own_code(many), fullgraph=True, options=options),  # only the dimensions marked below are dynamic
     )
     try:
         with torch.inference_mode():
@@ -301,6 +314,7 @@ class StaticLM(HFCausalLM):
             inputs,
             lambda form, *t: form(self, *t, self.start, layers=layers),
             "the static path runs its forwards",
+            compile_options(device),
         )
         return None if forms is None else tuple(functools.partial(form, layers=layers) for form in forms)
 
@@ -395,7 +409,9 @@ class StaticLM(HFCausalLM):
                 self.kv.capacity,
             )
             self._grow(start + n)
-        ids = token_ids.to(self.device)
+        # Each operation is a dispatch on the host, which a graphed draft step is mostly made of: ids
+        # already on the device (every drafted token) are not sent through .to(), nor a whole output sliced.
+        ids = token_ids if token_ids.device == self.device else token_ids.to(self.device)
         depth = tree = None
         if positions is not None:  # a tree (tree_inputs): it sees the whole past, then its own ancestors
             depth = positions.to(self.device) - start
@@ -418,7 +434,8 @@ class StaticLM(HFCausalLM):
                 graph, depth, tree, lambda: (torch.arange(n, device=self.device), chain_tree(n, self.device))
             )
             logits, features = graph(ids, depth, tree)
-            logits = logits[-last:]
+            if last < n:
+                logits = logits[-last:]
         else:
             forms = None if eager else self._forms(layers)
             if depth is None:
@@ -624,6 +641,7 @@ class StaticHead:
             inputs,
             lambda form, *t: form(head, self.kv, *t, self.start),
             "the EAGLE head runs its steps",
+            compile_options(head.device),
         )
         self.compiling = forms is not None
         return forms

@@ -177,6 +177,28 @@ def test_a_compiler_that_fails_leaves_the_static_path_eager_with_one_log_line(mo
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+def test_on_cuda_the_forwards_compile_with_coordinate_descent_tuning(monkeypatch):
+    # gpt-fast's setting: inductor then runs each one-row product as a tuned reduction of its own. A CPU
+    # passes nothing (the option changes nothing there); the forms of a model and of an EAGLE head get it.
+    assert static_path.compile_options(torch.device("cuda")) == {"coordinate_descent_tuning": True}
+    assert static_path.compile_options(CPU) is None
+    asked = []
+    monkeypatch.setattr(torch, "compile", lambda function, **kw: asked.append(kw["options"]) or function)
+    tuned = {"coordinate_descent_tuning": True}
+
+    def inputs(n):
+        return [(torch.zeros(n), [0])]
+
+    def negated(x):
+        return -x
+
+    forms = static_path.compile_forms(negated, negated, inputs, lambda form, x: form(x), "the test", tuned)
+    assert [form(torch.ones(2)).tolist() for form in forms] == [[-1.0, -1.0]] * 2 and asked == [tuned, tuned]
+    asked.clear()
+    static(llama(0), compiled=True).reserve(64)
+    assert asked == [None, None]
+
+
 def test_static_kv_keeps_a_paths_entries_in_order():
     kv = StaticKV(layers=1, kv_heads=1, head_dim=2, capacity=8, dtype=torch.float32, device=CPU)
     kv.keys[0][0, 0, :, 0] = torch.arange(8.0)
