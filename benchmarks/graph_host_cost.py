@@ -15,12 +15,13 @@ LM head, the loop's bookkeeping), and each operation dispatched is one kernel la
 
 Each repeat times --forwards one-token forwards (each followed by dropping its position again); the
 figure is the median over repeats, on one thread. Then a whole greedy speculative round at --k: that
-model drafts, one of its shape with the whole vocabulary verifies, and since no replay writes new
-outputs every draft is accepted (K draft forwards, the draft's catch-up of two tokens, a verification of K + 1, the acceptance test,
-the round's one host read); its host time per round is the median over --repeats decodes.
+model drafts, one of its shape with the whole vocabulary verifies (the draft's catch-up forward, its
+chain of K as one graph, StaticLM.draft_chain, a verification of K + 1, the acceptance test, the
+round's one host read); its host time per round is the median over --repeats decodes. No replay writes
+new outputs, so what is accepted is whatever the captures left: the line says how much.
 
 With --eagle an EAGLE-3 head of the model's width (taps 0, 1 and 1, its whole vocabulary) drafts
-from the target's features on the static path (models/static.StaticHead), its replays removed
+from the target's features on the static path (models/static_head.StaticHead), its replays removed
 too: a one-token step is the head reading its last draft and scoring the next (the drafter's
 chain step), and a round is a greedy EAGLE round at --k (the head's read of the round's pairs, K - 1
 chain steps, the target's verification with its features, the acceptance test); with --dynamic, a
@@ -45,6 +46,7 @@ from specbench.drafters.eagle import EagleDrafter
 from specbench.drafters.model import ModelDrafter
 from specbench.models import lm as lm_module
 from specbench.models import static
+from specbench.models.static_head import StaticHead
 from tests.helpers import Dispatched, build_eagle3_head
 
 
@@ -83,7 +85,7 @@ def graphed_lm(width: int, vocab: int, shortlist: int = 0, taps: tuple[int, ...]
     return lm
 
 
-def graphed_head(target: static.StaticLM, taps: tuple[int, ...], scratch: Path) -> static.StaticHead:
+def graphed_head(target: static.StaticLM, taps: tuple[int, ...], scratch: Path) -> StaticHead:
     """An EAGLE-3 head of random weights for ``target``, reading ``taps``, on the static path's CUDA
     route, replays removed (graphed_lm made them no-ops)."""
     from specbench.models.eagle_head import read_head
@@ -91,9 +93,7 @@ def graphed_head(target: static.StaticLM, taps: tuple[int, ...], scratch: Path) 
     config = target.model.config
     path = build_eagle3_head(scratch / "head", config, taps=taps)
     embed = target.model.get_input_embeddings().weight
-    head = static.StaticHead(
-        read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size), 1024
-    )
+    head = StaticHead(read_head(path, embed, config.num_hidden_layers, config.hidden_size, config.vocab_size), 1024)
     head.graphed = True
     head.reserve(1024)
     return head

@@ -140,10 +140,15 @@ def profile_model(lm: StaticLM, prompt: torch.Tensor, sizes: tuple[int, ...], re
     return figures
 
 
-def drafted_us(lm: StaticLM, prompt: torch.Tensor, k: int, temperature: float, repeats: int, calls: int) -> float:
-    """Microseconds per drafted token of ``lm`` drafting chains of ``k`` as ModelDrafter does (a forward
-    and a draw per token, no host read), each chain dropped again so the next drafts from the same place."""
+def drafted_us(
+    lm: StaticLM, prompt: torch.Tensor, k: int, temperature: float, chained: bool, repeats: int, calls: int
+) -> float:
+    """Microseconds per drafted token of ``lm`` drafting chains of ``k`` as ModelDrafter does (no host
+    read): ``chained``, each chain's forwards and draws as one graph where the model can
+    (StaticLM.draft_chain), else a forward and a draw at a time; each chain dropped again so the next
+    drafts from the same place."""
     sampling, generator = Sampling(temperature=temperature), torch.Generator(lm.device).manual_seed(0)
+    lm.chaining = chained
     lm.reset()
     drafter = ModelDrafter(lm, sampling, generator)
     drafter.start(prompt[:-1], prompt[-1:])
@@ -176,9 +181,13 @@ def measure(
             figures = profile_model(lm, prompt, sizes, repeats, calls)
             if role == "draft":
                 figures["drafted_us"] = {
-                    "greedy": drafted_us(lm, prompt, k, 0.0, repeats, calls),
-                    "sampled": drafted_us(lm, prompt, k, 1.0, repeats, calls),
+                    f"{name}{'' if chained else ', a token at a time'}": drafted_us(
+                        lm, prompt, k, temperature, chained, repeats, calls
+                    )
+                    for chained in (True, False)
+                    for name, temperature in (("greedy", 0.0), ("sampled", 1.0))
                 }
+                figures["chains"] = len(lm.chained)
             result["models"][role] = figures | {"spec": spec, "name": Path(spec).stem}
             del lm
             if cuda:
@@ -234,9 +243,13 @@ def report(result: dict) -> list[str]:
         f"| verify ratio, K = {k} | {fmt(ratio(wide['replay_us'], one['replay_us']))} | "
         f"{fmt(ratio(wide['loop_us'], one['loop_us']))} | {fmt(ratio(wide['synced_us'], one['synced_us']))} |",
         "",
-        f"A drafted token in the loop (ModelDrafter, K = {k}): {drafted['greedy']:,.1f} us greedy, "
-        f"{drafted['sampled']:,.1f} us sampled; c {fmt(ratio(drafted['greedy'], one['loop_us']))} and "
-        f"{fmt(ratio(drafted['sampled'], one['loop_us']))} of the target's loop step.",
+        f"A drafted token in the loop (ModelDrafter, K = {k}), microseconds and over the target's loop step:",
+        "",
+        "| drafting | us a token | c |",
+        "|---|---|---|",
+        *(f"| {name} | {us(t)} | {fmt(ratio(t, one['loop_us']))} |" for name, t in drafted.items()),
+        "",
+        f"{draft['chains']} chains captured: without any (a CPU), both ways draft a token at a time.",
         "",
         "replay: back-to-back replays of the graph alone; gaps: the replay less its kernels' summed time; loop:",
         "forward and keep back to back, as a decode steps; synced: one call with the device synchronised",

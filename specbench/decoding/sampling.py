@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -147,8 +148,38 @@ def sample(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     Unlike torch.multinomial, which reads its input's sum on the host, it stays on the device: no
     synchronisation. The draws are clamped away from 0, which an Exp(1) sampler in float32 can
     return, so that no weight is ever divided by 0."""
-    races = torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator)
-    return (as_float32(probs) / races.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1, keepdim=True)
+    return race(probs, torch.empty_like(probs, dtype=torch.float32).exponential_(generator=generator))
+
+
+def race(probs: torch.Tensor, draws: torch.Tensor) -> torch.Tensor:
+    """sample's exponential race over ``draws``, Exp(1) draws shaped as ``probs`` (float32), made
+    beforehand: clamped away from 0 here, in place."""
+    return (as_float32(probs) / draws.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1, keepdim=True)
+
+
+def draw_chain(
+    first: torch.Tensor,
+    k: int,
+    sampling: Sampling,
+    draws: torch.Tensor | None,
+    row_after: Callable[[torch.Tensor, int], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A chain of ``k`` tokens drawn from the logits rows [V] ``first`` and then ``row_after(token, i)``
+    (the row after the i-th token drawn, i from 1), as drafters/propose.propose_chain draws one without a
+    stop: under greedy each row's argmax; under sampling a race (sample) of each row's warp q with
+    ``draws`` [k, V], Exp(1) draws made beforehand, one row each. Returns the tokens [k] and the q rows
+    [k, V] (None under greedy). Nothing in it reads the host, so one CUDA graph can hold it all
+    (models/static.StaticLM.draft_chain)."""
+    tokens, rows, logits = [], [], first
+    for i in range(k):
+        if i:
+            logits = row_after(tokens[-1], i)
+        if sampling.greedy:
+            tokens.append(argmax(logits))
+        else:
+            rows.append(warp(logits, sampling))
+            tokens.append(race(rows[-1], draws[i]))
+    return torch.cat(tokens), torch.stack(rows) if rows else None
 
 
 def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator) -> torch.Tensor:

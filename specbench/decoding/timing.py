@@ -222,6 +222,14 @@ class TimedLM:
     def keep(self, path: Sequence[int], new: int) -> None:
         self.lm.keep(path, new)
 
+    def draft_chain(self, *args):
+        """The wrapped model's chain drafted in one go (models/static.StaticLM.draft_chain): its forwards
+        lapped as one."""
+        self.laps.before()
+        drafted = self.lm.draft_chain(*args)
+        self.laps.after()
+        return drafted
+
     @property
     def length(self) -> int:
         return self.lm.length

@@ -45,11 +45,24 @@ class ModelDrafter:
                 seen = self.seen.clone()
             return adjust(logits, self.sampling, seen)
 
+        if self._chains(k):  # its forwards and draws replayed as one CUDA graph (models/static.py)
+            tokens, q = self.model.draft_chain(row_after(None), k, self.sampling, self.generator)
+            self.pending = tokens[-1:]
+            return Draft.chain(tokens, q, forwards=k)
         chain = propose_chain(k, row_after, self.sampling, self.generator, self.p_min, self.draw)
         # It has read every token it drafted when it stopped early; else all but the last.
         self.pending = self.pending[:0] if chain.stopped else chain.tokens[-1]
         tokens = torch.cat(chain.tokens) if chain.tokens else self.pending
         return Draft.chain(tokens, chain.q, forwards=chain.forwards)
+
+    def _chains(self, k: int) -> bool:
+        """Whether the model drafts this round's chain in one go (StaticLM.draft_chain): a chain with no
+        stop and this class's own draw (the audit's broken drafters draw otherwise), where the model
+        says it can."""
+        if self.p_min is not None or type(self).draw is not ModelDrafter.draw:
+            return False
+        chains = getattr(self.model, "chains", None)
+        return chains is not None and chains(k, self.sampling, len(self.pending))
 
     def draw(self, logits: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The drafted token, and the row it is verified against: a sample of ``q``, and ``q``. (The

@@ -342,7 +342,7 @@ class EagleHead(nn.Module):
         }
 
     def new_cache(self) -> HeadCache:
-        """An empty cache for a new sequence (models/static.StaticHead gives its static one)."""
+        """An empty cache for a new sequence (models/static_head.StaticHead gives its static one)."""
         return HeadCache()
 
     def fuse(self, features: torch.Tensor) -> torch.Tensor:
@@ -422,7 +422,7 @@ class EagleHead(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``step``, then the scores after the ``last`` pairs: their outputs [last, h] and the scores of
         the token after each [last, draft_vocab], what a drafter reads next. ``positions`` None: a
-        chain, at the positions after what ``cache`` holds. (models/static.StaticHead replays both as
+        chain, at the positions after what ``cache`` holds. (models/static_head.StaticHead replays both as
         one graph.)"""
         if positions is None:
             start = cache.length

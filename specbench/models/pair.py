@@ -20,7 +20,8 @@ from specbench.models.eagle_head import EagleHead, load_head
 from specbench.models.fast import sliding_window, unsupported
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import LoadedModel, Wanted, load_models
-from specbench.models.static import StaticHead, StaticLM
+from specbench.models.static import StaticLM
+from specbench.models.static_head import StaticHead
 from specbench.models.vocab import Bridge, bridge_of
 from specbench.workloads.prompts import Prompt, Turn, some, turns_of
 

@@ -17,7 +17,13 @@ bound (gpt-fast, vLLM, SGLang) do what this module does:
   graphs over fixed input buffers, LM head included (a shortlisted head's appending too), when the
   run reserves its cache, before anything is timed, and a forward is a few copies into them and one
   replay; wider forwards run compiled. The random draws of sampling and the acceptance test stay
-  outside, on the run's generators; the host still reads once a round.
+  outside, on the run's generators; the host still reads once a round;
+- a draft model's chain of K tokens, its forwards after the first and every draw, replays as one
+  graph (StaticLM.draft_chain, as SGLang captures a draft's K steps): a small draft's step is mostly
+  the host's dispatches, a dozen a token drafted one at a time. Its randomness is drawn outside the
+  graph in one call, into the graph's buffer.
+
+An EAGLE head's steps take the same path (models/static_head.py).
 
 A sequence's first forward (its prompt) runs the same forward uncompiled: its length changes with
 every prompt, and a graph per length would be captured inside the timed run and hold memory. On a
@@ -41,8 +47,9 @@ import torch.nn.functional as F
 
 from specbench.core.errors import first_said
 from specbench.decoding.kv import StaticKV, static_mask
+from specbench.decoding.sampling import Sampling, draw_chain
 from specbench.decoding.transfer import ids_to_device
-from specbench.models.fast import FastLlama, attend
+from specbench.models.fast import FastLlama
 from specbench.models.lm import HFCausalLM
 
 log = logging.getLogger("specbench")
@@ -52,6 +59,8 @@ GRAPHED_UP_TO = 64  # forwards of at most this many tokens run compiled; wider o
 # is timed: a run's K + 1, a draft catching up and verify_cost.csv's sizes (models/costs.COST_SIZES)
 # fit. A graph holds little (its outputs; the pool is shared), and a capture takes three forwards.
 CAPTURED_AT_LEAST = 16
+# A draft model's chains of up to this many tokens replay as one CUDA graph each (StaticLM.draft_chain).
+CHAINED_UP_TO = 8
 DEFAULT_CAPACITY = 1024  # cache positions before the run reserves its own (StaticLM.reserve)
 # A reservation is rounded up to a multiple of this: attention reads every position, so no larger than
 # that, but runs of nearly the same length compile the same graphs, which inductor's cache then serves.
@@ -202,6 +211,11 @@ def replay_inputs(graph: Graph, depth, tree, chain: Callable[[], tuple]) -> tupl
     return (None, None) if held_chain else chain()
 
 
+def chain_warp(sampling: Sampling) -> tuple:
+    """What of ``sampling`` a drafted chain's graph draws under (StaticLM.draft_chain): its warp."""
+    return sampling.temperature, sampling.top_k, sampling.top_p, sampling.eta, sampling.min_p
+
+
 def outputs_mb(graphs: dict) -> float:
     """MB of the output tensors that ``graphs`` hold (each graph's own; their pool's scratch is shared)."""
     return sum(out.numel() * out.element_size() for g in graphs.values() for out in g.out if out is not None) / 2**20
@@ -227,9 +241,8 @@ def capture_all(up_to: int, start: torch.Tensor, capture: Callable[[int], object
 def graphed(graphs: dict, key, run, buffers: Callable[[], tuple], pool, what: str) -> tuple[Graph | None, float]:
     """The graph under ``key`` in ``graphs``, captured now (over the input buffers that ``buffers()``
     makes, only then: a replay allocates nothing) if it is not there yet, and the seconds capturing took.
-    None, with one log line ("capturing a CUDA graph failed, ``what`` compiled: ..."), when the capture
-    fails (an operation it cannot hold, in some torch version): the caller then stops graphing, and its
-    route says so."""
+    None, with one log line ("capturing a CUDA graph failed, ``what``: ..."), when the capture fails (an
+    operation it cannot hold, in some torch version): the caller then stops graphing, and its route says so."""
     if key in graphs:
         return graphs[key], 0.0
     began = time.perf_counter()
@@ -239,7 +252,7 @@ def graphed(graphs: dict, key, run, buffers: Callable[[], tuple], pool, what: st
         # An operation that fails inside a capture makes ending the capture fail too; torch raises that
         # second error, with the first, the cause worth a line, as its context.
         reason = first_said(e.__context__ or e)
-        log.warning("capturing a CUDA graph failed, %s compiled: %s", what, reason)
+        log.warning("capturing a CUDA graph failed, %s: %s", what, reason)
         return None, time.perf_counter() - began
     return graphs[key], time.perf_counter() - began
 
@@ -257,7 +270,10 @@ class StaticLM(HFCausalLM):
         self.window = getattr(config, "max_position_embeddings", None)
         self.graphed = compiled and self.device.type == "cuda"
         self.start = torch.zeros(1, dtype=torch.long, device=self.device)  # the first slot a forward writes
+        self.chain_start = torch.zeros_like(self.start)  # that of each forward inside a drafted chain's graph
         self.graphs: dict[int, Graph] = {}
+        self.chained: dict[tuple, Graph] = {}  # draft_chain's graphs, by K and the warp they draw under
+        self.chaining = True  # until capturing a chain fails
         self.graphs_version = None  # the shortlist's buffers the graphs score (ShortlistedHead.version)
         self.captured_up_to = CAPTURED_AT_LEAST  # forwards of more tokens run compiled, not graphed (reserve)
         self.pool = torch.cuda.graph_pool_handle() if self.graphed else None
@@ -333,7 +349,7 @@ class StaticLM(HFCausalLM):
 
     def refresh(self, more_tokens: torch.Tensor) -> None:
         super().refresh(more_tokens)
-        self.graphs = {}  # captured over the old forward's weights
+        self.graphs, self.chained = {}, {}  # captured over the old forward's weights
 
     @property
     def route(self) -> str:
@@ -348,6 +364,7 @@ class StaticLM(HFCausalLM):
             "captured": len(self.graphs),
             "capture_s": self.capture_seconds,
             "graphs_mb": outputs_mb(self.graphs),  # their logits
+            "chains": len(self.chained),  # a draft's chains captured as one graph each (draft_chain)
             "cache_positions": self.kv.capacity,
             "cache_mb": self.memory_bytes / 2**20,
         }
@@ -356,7 +373,12 @@ class StaticLM(HFCausalLM):
         """A cache of ``capacity`` positions; graphs captured on the old one are dropped."""
         if self.kv is not None and self.kv.capacity == capacity:
             return
-        self.kv, self.graphs, self.compiled = None, {}, None  # compiled for the old capacity: again, at ready()
+        self.kv, self.graphs, self.chained, self.compiled = (
+            None,
+            {},
+            {},
+            None,
+        )  # compiled for the old capacity: again, at ready()
         dtype = self.fast.dtype
         self.kv = StaticKV(self.layers, self.kv_heads, self.head_dim, capacity, dtype, self.device)
 
@@ -491,12 +513,90 @@ class StaticLM(HFCausalLM):
         capturing = shortlist is not None and (n, layers) not in self.graphs
         with shortlist.unchanged() if capturing else contextlib.nullcontext():  # its forwards read made-up ids
             graph, seconds = graphed(
-                self.graphs, (n, layers), run, buffers, self.pool, "the static path runs its forwards"
+                self.graphs, (n, layers), run, buffers, self.pool, "the static path runs its forwards compiled"
             )
         self.capture_seconds += seconds
         if graph is None:  # the capture failed: the compiled forms run, and no graph is kept
-            self.graphed, self.graphs = False, {}
+            self.graphed, self.graphs, self.chained = False, {}, {}
         return graph
+
+    def chains(self, k: int, sampling: Sampling, reading: int) -> bool:
+        """Whether draft_chain drafts ``k`` tokens under ``sampling`` after a forward of ``reading``
+        tokens: on CUDA's graphs, for a head of the whole vocabulary (a shortlist's appending stays out),
+        rows that need no adjust(), K up to CHAINED_UP_TO, and room in the cache. The graphs of every K
+        are captured the first time a warp asks (a run's warm-up), writing slots past the sequence,
+        which the sequence overwrites later anyway; if that fails, no chain is drafted so again."""
+        if not (
+            self.chaining
+            and self.graphs_serve(1)
+            and self.shortlist is None
+            and self._taps is None
+            and self.queries is None
+            and not sampling.adjusts
+            and 1 <= k <= CHAINED_UP_TO
+            and self.kv.length + reading + CHAINED_UP_TO <= self.kv.capacity
+        ):
+            return False
+        warp = chain_warp(sampling)
+        if (k, warp) not in self.chained:
+            self.start.fill_(self.kv.length + reading)
+            self.chaining = self._capture_chains(sampling, warp)
+        return self.chaining
+
+    @torch.inference_mode()
+    def draft_chain(
+        self, first: torch.Tensor, k: int, sampling: Sampling, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A chain of ``k`` tokens drawn after the logits row ``first`` [V] (the forward that read what
+        the draft had not), as sampling.draw_chain draws it, its k - 1 one-token forwards and every draw
+        replayed as one CUDA graph: the host dispatches a handful of operations a chain instead of a dozen
+        a token. The randomness is drawn on ``generator`` outside the graph, into its buffer, in one call.
+        The cache then holds every token but the last, as after propose_chain. Only where ``chains`` said
+        so. Returns the tokens [k] and their q rows [k, V] (None under greedy)."""
+        start = self.kv.length
+        self.start.fill_(start)  # the slot the chain's first forward writes; the graph counts on from it
+        graph = self.chained[k, chain_warp(sampling)]
+        if not sampling.greedy:
+            graph.buffers[1].exponential_(generator=generator)
+        tokens, rows = graph(first, None, None, None)
+        self.kv.length = start + k - 1
+        return tokens, rows
+
+    def _capture_chains(self, sampling: Sampling, warp: tuple) -> bool:
+        """draft_chain's graphs of every K up to CHAINED_UP_TO under ``sampling``'s warp, captured from
+        slot ``start``; whether they all were (a failure is one log line, graphed says)."""
+        head = self._graph(1, None)  # the chain's rows are as wide as a one-token forward's, in its dtype
+        if head is None:
+            return False
+        one, (width, dtype) = self._forms(None)[0], (head.out[0].shape[-1], head.out[0].dtype)
+        # Built once and held by each graph (its buffers): a replay reads them where the capture found them.
+        depth, tree = torch.zeros(1, dtype=torch.long, device=self.device), chain_tree(1, self.device)
+
+        def row_after(token: torch.Tensor, i: int) -> torch.Tensor:
+            # Written into a tensor made as self.start was (outside inference mode): the compiled form
+            # guards on how its inputs were made, and a new tensor here would be compiled for anew.
+            torch.add(self.start, i - 1, out=self.chain_start)
+            hidden, _ = one(self, token, depth, tree, self.chain_start)
+            return self._graphed_head(hidden, token)[-1]
+
+        for n in range(1, CHAINED_UP_TO + 1):
+
+            def run(first, draws, _depth, _tree, n=n):
+                return draw_chain(first, n, sampling, draws, row_after)
+
+            def buffers(n=n):
+                draws = torch.ones(n if not sampling.greedy else 0, width, device=self.device)
+                return torch.zeros(width, dtype=dtype, device=self.device), draws, depth, tree
+
+            with torch.inference_mode():  # as the compiled form was traced
+                graph, seconds = graphed(
+                    self.chained, (n, warp), run, buffers, self.pool, "the draft's chains are drawn a token at a time"
+                )
+            self.capture_seconds += seconds
+            if graph is None:
+                self.chained = {}
+                return False
+        return True
 
     def _grow(self, tokens: int) -> None:
         old, length = self.kv, self.kv.length
@@ -510,210 +610,3 @@ class StaticLM(HFCausalLM):
         path = list(path)
         offsets = None if path == list(range(len(path))) else ids_to_device(path, self.device)
         self.kv.keep(offsets, len(path), new)
-
-
-class StaticHeadCache:
-    """An EAGLE head's cache on the static path: a StaticKV of one layer, read as eagle_head.HeadCache
-    is (``update`` appends and returns the held keys and values, ``crop`` moves ``length``), so the
-    head's own step runs over it unchanged where the static step does not (a sequence's first read, a
-    tree level wider than the static step tells apart)."""
-
-    def __init__(self, kv: StaticKV):
-        self.kv = kv
-
-    @property
-    def length(self) -> int:
-        return self.kv.length
-
-    def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        n, start = keys.shape[2], self.kv.length
-        if start + n > self.kv.capacity:
-            raise ValueError(f"the head's static cache holds {self.kv.capacity} positions: reserve more")
-        self.kv.keys[0][:, :, start : start + n] = keys
-        self.kv.values[0][:, :, start : start + n] = values
-        self.kv.length = start + n
-        return self.kv.keys[0][:, :, : start + n], self.kv.values[0][:, :, : start + n]
-
-    def crop(self, length: int) -> None:
-        self.kv.length = length
-
-
-# A head's step on the static path tells apart the last this many slots (its own, and the round's tree
-# nodes read before them: a level's ancestors); every earlier slot it sees. A tree level whose round has
-# read more runs the head's own step.
-TREE_SLOTS = GRAPHED_UP_TO
-
-
-def head_step(head, kv: StaticKV, ids, hidden, depth, tree, start):
-    """The EAGLE head's decoder layer over ``ids`` [n] with ``hidden`` [n, h], written at slots
-    ``start`` [1] onwards, each at position start + ``depth`` and seeing what ``tree`` [n, TREE_SLOTS]
-    allows of the slots ending with its own (static_mask). Returns its outputs [n, h] and their final
-    norm (what the head's product scores)."""
-    n = ids.shape[0]
-    slots = start + torch.arange(n, device=ids.device)
-    mask = static_mask(start, tree, kv.capacity, head.dtype)[None, None]
-
-    def attend_static(q, k, v):
-        keys, values = kv.write(0, slots, k, v)
-        return attend(q, keys, values, mask)
-
-    out = head.layer(head.embed[ids], hidden, start + depth, attend_static)
-    return out, head.final_norm(out)
-
-
-def _head_one(head, kv, ids, hidden, depth, tree, start):  # a single pair
-    return head_step(head, kv, ids, hidden, depth, tree, start)
-
-
-def _head_many(head, kv, ids, hidden, depth, tree, start):  # 2..GRAPHED_UP_TO pairs, the count dynamic
-    return head_step(head, kv, ids, hidden, depth, tree, start)
-
-
-class StaticHead:
-    """An EAGLE head (models/eagle_head.EagleHead) on the static path: its cache a StaticKV allocated
-    once, its steps (the pending pairs it reads, each drafted token, a tree's levels) and the scores
-    after them compiled as StaticLM's are and, on CUDA, replayed as CUDA graphs. Everything else is the
-    head's."""
-
-    def __init__(self, head, capacity: int, compiled: bool = True):
-        self.head, self.compiling = head, compiled
-        self.graphed = compiled and head.device.type == "cuda"
-        self.pool = torch.cuda.graph_pool_handle() if self.graphed else None
-        self.start = torch.zeros(1, dtype=torch.long, device=head.device)
-        self.kv, self.forms, self.graphs, self.capture_seconds, self.build_seconds = None, None, {}, 0.0, 0.0
-        self.captured_up_to = CAPTURED_AT_LEAST  # as StaticLM's (reserve)
-        self.allocate(capacity)
-
-    def forward_facts(self) -> dict:
-        """What meta.json says of the head's steps, as StaticLM.forward_facts does of a model's forward."""
-        route = "graphs" if self.graphed and self.compiling else "static-inductor" if self.compiling else "static"
-        return {
-            "route": route,
-            "build_s": self.build_seconds,
-            "graphs": sorted(self.graphs),
-            "captured": len(self.graphs),
-            "capture_s": self.capture_seconds,
-            "graphs_mb": outputs_mb(self.graphs),
-            "cache_positions": self.kv.capacity,
-            "cache_mb": 2 * self.kv.keys[0].numel() * self.kv.keys[0].element_size() / 2**20,
-        }
-
-    def __getattr__(self, name: str):  # config, fuse, draft_logits, draft_ids, embed, ...: the head's
-        return getattr(self.head, name)
-
-    def allocate(self, capacity: int) -> None:
-        if self.kv is not None and self.kv.capacity == capacity:
-            return
-        c = self.head.config
-        self.kv = StaticKV(1, c.kv_heads, c.head_dim, capacity, self.head.dtype, self.head.device)
-        self.forms, self.graphs = None, {}  # compiled for the old capacity
-
-    def reserve(self, tokens: int, widest: int = 1) -> None:
-        """Room for sequences of ``tokens``, the steps compiled for it and on CUDA captured, as
-        StaticLM.reserve does (before anything is timed). The head holds a pair per position read and,
-        within a round, what it drafted: a dynamic tree reads up to its width times its depth, so
-        GRAPHED_UP_TO positions more are kept."""
-        self.allocate(-(-(tokens + GRAPHED_UP_TO) // CAPACITY_STEP) * CAPACITY_STEP)
-        self.captured_up_to = captured_up_to(widest)
-        self.ready()
-        capture_all(self.captured_up_to, self.start, self._graph)
-
-    def ready(self) -> None:
-        if not self.compiling or self.forms is not None:
-            return
-        began = time.perf_counter()
-        try:
-            self.forms = self._compile()
-        finally:
-            self.build_seconds += time.perf_counter() - began
-
-    def _compile(self):
-        """The steps compiled (compile_forms); None when the compiler fails."""
-        head = self.head
-
-        def inputs(n: int):
-            return [(tensor, [0]) for tensor in self._chain_buffers(n)]
-
-        self.start.fill_(0)
-        forms = compile_forms(
-            _head_one,
-            _head_many,
-            inputs,
-            lambda form, *t: form(head, self.kv, *t, self.start),
-            "the EAGLE head runs its steps",
-            compile_options(head.device),
-        )
-        self.compiling = forms is not None
-        return forms
-
-    def new_cache(self) -> StaticHeadCache:
-        """The cache for a new sequence: the one StaticKV, emptied (one sequence at a time)."""
-        self.kv.length = 0
-        return StaticHeadCache(self.kv)
-
-    def scored_step(
-        self, tokens, hidden, cache: StaticHeadCache, last: int = 1, positions=None, mask=None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """EagleHead.scored_step on the static step, compiled and on CUDA graphed, chains and tree levels
-        alike. A sequence's first read (the prompt's pairs, of a new length each time: see
-        StaticLM.forward) and a tree level whose ``mask`` tells apart more than TREE_SLOTS slots run
-        the head's own."""
-        if (positions is None) != (mask is None):  # the static step reads a chain's positions from its slots
-            raise ValueError("the head's static step takes positions with a mask (a tree level) or neither (a chain)")
-        n, start = len(tokens), cache.length
-        self.ready()
-        if self.forms is None or n > GRAPHED_UP_TO or start == 0 or (mask is not None and mask.shape[1] > TREE_SLOTS):
-            return self.head.scored_step(tokens, hidden, cache, last, positions, mask)
-        if start + n > self.kv.capacity:
-            raise ValueError(f"the head's static cache holds {self.kv.capacity} positions: reserve more")
-        self.start.fill_(start)  # a kernel with the value as its argument: no copy from the host, no wait
-        depth = tree = None  # a chain
-        if mask is not None:  # a tree level: every slot before the mask's it sees
-            depth, tree = positions - start, torch.cat([mask.new_ones(n, TREE_SLOTS - mask.shape[1]), mask], dim=1)
-        graph = self._graph(n)
-        if graph is not None:
-            depth, tree = replay_inputs(graph, depth, tree, lambda: self._chain_shape(n))
-            out, logits = graph(tokens, hidden, depth, tree)
-            if last < n:  # a view costs the host too: none for a draft's step
-                out, logits = out[-last:], logits[-last:]
-        else:  # compiled, then the scores of the last rows only (a round's pending pairs score one)
-            inputs = (tokens, hidden) + ((depth, tree) if mask is not None else self._chain_shape(n))
-            inputs = (t if t.is_inference() else t.clone() for t in inputs)  # the compiled forms guard on it
-            out, normed = (t[-last:] for t in self.forms[n > 1](self.head, self.kv, *inputs, self.start))
-            logits = self.head.score(normed)
-        self.kv.length = start + n
-        return out, logits
-
-    def _chain_shape(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The depth and tree of an ``n``-pair chain step."""
-        return torch.arange(n, device=self.head.device), chain_tree(n, self.head.device, TREE_SLOTS)
-
-    def _chain_buffers(self, n: int) -> tuple[torch.Tensor, ...]:
-        """Inputs of an ``n``-pair chain step: ids, features (zeros: any), depth and tree."""
-        head = self.head
-        ids, hidden = torch.zeros(n, dtype=torch.long, device=head.device), head.embed.new_zeros(n, head.config.hidden)
-        return ids, hidden, *self._chain_shape(n)
-
-    def _graph(self, n: int) -> Graph | None:
-        """The CUDA graph of ``n``-pair steps, captured now (at ``start``, over a chain's buffers) if it is
-        not yet; None where such steps are not graphed (as StaticLM._graph)."""
-        if not self.graphed or self.forms is None or n > self.captured_up_to:
-            return None
-        run, head = self.forms[n > 1], self.head
-
-        def scored(*inputs):  # the scores of every row inside the graph: the head's product launches nothing
-            out, normed = run(head, self.kv, *inputs, self.start)
-            return out, head.score(normed)
-
-        graph, seconds = graphed(
-            self.graphs,
-            n,
-            scored,
-            lambda: self._chain_buffers(n),
-            self.pool,
-            "the EAGLE head runs its steps",
-        )
-        self.capture_seconds += seconds
-        if graph is None:  # the capture failed: the compiled forms run, and no graph is kept
-            self.graphed, self.graphs = False, {}
-        return graph

@@ -26,7 +26,8 @@ from specbench.models.fast import FastLlama
 from specbench.models.lm import HFCausalLM, SparseView
 from specbench.models.load import Wanted
 from specbench.models.pair import default_graphs, load_pair, loop_lm
-from specbench.models.static import StaticHead, StaticLM
+from specbench.models.static import StaticLM
+from specbench.models.static_head import StaticHead
 
 from ..families import FAMILIES, llama
 from ..helpers import Dispatched, LawLM, tiny_law_model
@@ -336,7 +337,8 @@ def decode_as_the_baseline(target, draft, lengths) -> None:
 def test_replayed_graphs_decode_the_baselines_greedy_tokens(monkeypatch):
     # Prompts of lengths no decode forward has (a prompt runs uncompiled: a graph per prompt length
     # would be captured inside the timed run). The target replays 1 token (the baseline) and K + 1,
-    # the draft 1 and 2 (catching up), and nothing is captured after reserve.
+    # the draft 1 and 2 (catching up) and then its chain of K - 1 forwards and K draws as one graph;
+    # nothing is captured after reserve but the draft's chains, at its first (a run's warm-up).
     graphs_on_cpu(monkeypatch)
     model = llama(0, layers=3)
     target, draft = (replay_on_cpu(static(m, compiled=True)) for m in (model, noisy(model)))
@@ -346,6 +348,9 @@ def test_replayed_graphs_decode_the_baselines_greedy_tokens(monkeypatch):
     decode_as_the_baseline(target, draft, (9, 17, 30))
     assert [set(lm.graphs) for lm in (target, draft)] == captured
     assert replayed(target) == {(1, None), (3, None), (5, None)} and replayed(draft) == {(1, None), (2, None)}
+    warp = static_path.chain_warp(GREEDY)
+    assert set(draft.chained) == {(n, warp) for n in range(1, static_path.CHAINED_UP_TO + 1)}
+    assert {key for key, graph in draft.chained.items() if graph.replays} == {(2, warp), (4, warp)}
     facts = target.forward_facts()
     assert facts["captured"] == static_path.CAPTURED_AT_LEAST
     logits_mb = sum(range(1, static_path.CAPTURED_AT_LEAST + 1)) * model.config.vocab_size * 4 / 2**20
@@ -435,6 +440,29 @@ def test_the_compiled_path_never_recompiles_and_decodes_the_baselines_greedy_tok
     assert [t.data_ptr() for t in (*target.kv.keys, *target.kv.values)] == buffers
 
 
+class ReplayedCompiled(ReplayedOnCPU):
+    """ReplayedOnCPU over compiled forms: its capture runs outside host_free, a dispatch mode, within
+    which torch.compile leaves its frames uncompiled."""
+
+    def capture(self, run, pool):
+        self.run = run
+        return run(*self.buffers)
+
+
+@pytest.mark.slow
+def test_a_drafted_chain_calls_the_compiled_forward_without_recompiling(monkeypatch, one_thread):
+    # The chain's graph calls the one-token form once a drafted token, each at a first slot it computes
+    # on the device: the form traced at reserve must serve them all (a recompile inside a capture fails it).
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    monkeypatch.setattr(static_path, "Graph", ReplayedCompiled)  # the forms stay compiled, the graphs run here
+    model = llama(0, layers=2)
+    target, draft = (replay_on_cpu(static(m, compiled=True)) for m in (model, noisy(model)))
+    for lm in (target, draft):
+        lm.reserve(96, widest=5)
+    decode_as_the_baseline(target, draft, (9, 17))
+    assert any(graph.replays for graph in draft.chained.values())
+
+
 class StaticLawLM(StaticLM):
     """A tiny Llama of VOCAB tokens on the static path, with its exact law (LawLM.logits_after)."""
 
@@ -482,7 +510,9 @@ def static_law_p(tmp_path, device: str, negative_control: bool = False) -> float
     assert {target.route, draft.route} == {"graphs" if device == "cuda" or replayed else "static-inductor"}
     cfg, generator = Sampling(temperature=1.0), torch.Generator(device=device).manual_seed(0)
     drafter = ModelDrafter(draft, cfg, generator)
-    return speculative_law_p(target, drafter, 2, cfg, generator, negative_control=negative_control)
+    p = speculative_law_p(target, drafter, 2, cfg, generator, negative_control=negative_control)
+    assert bool(draft.chained) == (device == "cuda" or replayed)  # graphed, the chains are drafted in one go
+    return p
 
 
 @pytest.mark.parametrize(("device", "folded"), DEVICES)
@@ -506,6 +536,24 @@ def test_the_test_catches_a_mask_that_lets_drafts_see_ahead(tmp_path, one_thread
         static_path, "static_mask", lambda start, tree, *rest: mask(start, torch.ones_like(tree), *rest)
     )
     attention_route(monkeypatch, folded)
+    if device == REPLAYED:
+        graphs_on_cpu(monkeypatch)
+    assert static_law_p(tmp_path, device, negative_control=True) < P_FLOOR
+
+
+@pytest.mark.parametrize(("device", "folded"), DEVICES[2:])
+def test_the_test_catches_a_drafted_chain_whose_graph_never_reads_its_draws(
+    tmp_path, one_thread, monkeypatch, device, folded
+):
+    # A bug a chain drafted in one graph could have: the draws made outside it land in a buffer the graph
+    # does not read, so every race is run over the same numbers and each token is its row's likeliest,
+    # while it is verified as a sample of the row (a q row rolled one place off instead scored p = 0.30).
+    chain = static_path.draw_chain
+
+    def stale_draws(first, k, sampling, draws, row_after):
+        return chain(first, k, sampling, torch.ones_like(draws), row_after)
+
+    monkeypatch.setattr(static_path, "draw_chain", stale_draws)
     if device == REPLAYED:
         graphs_on_cpu(monkeypatch)
     assert static_law_p(tmp_path, device, negative_control=True) < P_FLOOR
