@@ -214,7 +214,7 @@ def _benchmark(
     if building:  # compiling a 7B model's forwards takes long enough to need a line of its own
         yield Progress(building)
     widest = cfg.rendering.widest
-    pair.reserve(conversations.longest + cfg.rendering.max_new_tokens + widest, widest)
+    pair.reserve(conversations.longest + cfg.rendering.max_new_tokens + widest, widest, cfg.sampling)
     turns, prompt_ids = conversations.turns, conversations.first
     for lm in (pair.target_lm, pair.draft_lm):
         if lm is not None:

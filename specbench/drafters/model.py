@@ -46,9 +46,17 @@ class ModelDrafter:
             return adjust(logits, self.sampling, seen)
 
         if self._chains(k):  # its forwards and draws replayed as one CUDA graph (models/static.py)
-            tokens, q = self.model.draft_chain(row_after(None), k, self.sampling, self.generator)
-            self.pending = tokens[-1:]
-            return Draft.chain(tokens, q, forwards=k)
+            first = row_after(None)
+            drafted = self.model.draft_chain(first, k, self.sampling, self.generator)
+            if drafted is not None:
+                tokens, q = drafted
+                self.pending = tokens[-1:]
+                return Draft.chain(tokens, q, forwards=k)
+            read = row_after  # the chain's graph is gone: a token at a time, from the row already read
+
+            def row_after(token: torch.Tensor | None) -> torch.Tensor:
+                return first if token is None else read(token)
+
         chain = propose_chain(k, row_after, self.sampling, self.generator, self.p_min, self.draw)
         # It has read every token it drafted when it stopped early; else all but the last.
         self.pending = self.pending[:0] if chain.stopped else chain.tokens[-1]

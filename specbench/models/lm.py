@@ -232,7 +232,7 @@ class HFCausalLM:
         """After the weights changed (online updates): gather the shortlisted head again from them,
         with ``more_tokens`` added to the shortlist. Takes effect at the next ``reset``."""
         if self.fast is not None:  # its packed copies of the weights are stale; its row counts hold
-            self.fast = FastLlama(self.model, self.fast.packed, self.fast.compiled, self.fast.padding)
+            self.fast = FastLlama(self.model, self.fast.packed, self.fast.compiled, self.fast.padding, self.fast.joined)
         if self.shortlist is None:
             return  # the full projection reads the weights themselves
         self.shortlist.extend(more_tokens)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from specbench.core.errors import SpecbenchError
+from specbench.decoding.sampling import Sampling
 from specbench.decoding.timing import PhaseClock, TimedLM
 from specbench.models.eagle_head import EagleHead, load_head
 from specbench.models.fast import sliding_window, unsupported
@@ -48,15 +49,18 @@ class Pair:
     def stop_ids(self) -> frozenset[int]:
         return self.target.stop_ids
 
-    def reserve(self, tokens: int, widest: int = 1) -> None:
+    def reserve(self, tokens: int, widest: int = 1, sampling: Sampling | None = None) -> None:
         """Room for sequences of ``tokens`` in the caches of the models on the static path, allocated
         now, before anything is compiled against them or timed; on CUDA their graphs for forwards as
-        wide as ``widest`` (the run's widest verification) and more captured now too."""
+        wide as ``widest`` (the run's widest verification) and more captured now too, and the draft's
+        chains drafted under ``sampling`` (StaticLM.reserve_chains)."""
         if isinstance(self.target_lm, StaticLM):  # an EAGLE head's target also records the head's features
             self.target_lm.reserve(tokens, widest, None if self.head is None else self.head.config.taps)
         for lm in (self.draft_lm, self.head):
             if isinstance(lm, (StaticLM, StaticHead)):
                 lm.reserve(tokens, widest)
+        if sampling is not None and isinstance(self.draft_lm, StaticLM):
+            self.draft_lm.reserve_chains(sampling)
 
     def builds_at_reserve(self) -> str | None:
         """What reserve will build before anything is timed, in a few words ("compiling the static

@@ -522,52 +522,71 @@ class StaticLM(HFCausalLM):
 
     def chains(self, k: int, sampling: Sampling, reading: int) -> bool:
         """Whether draft_chain drafts ``k`` tokens under ``sampling`` after a forward of ``reading``
-        tokens: on CUDA's graphs, for a head of the whole vocabulary (a shortlist's appending stays out),
-        rows that need no adjust(), K up to CHAINED_UP_TO, and room in the cache. The graphs of every K
-        are captured the first time a warp asks (a run's warm-up), writing slots past the sequence,
-        which the sequence overwrites later anyway; if that fails, no chain is drafted so again."""
+        tokens: where chaining serves the warp (chaining), K is up to CHAINED_UP_TO and the cache has
+        room. A warp that reserve_chains did not capture is captured now, its forwards writing slots
+        past the sequence, which the sequence overwrites later anyway."""
         if not (
+            self.chaining_serves(sampling)
+            and 1 <= k <= CHAINED_UP_TO
+            and self.kv.length + reading + CHAINED_UP_TO <= self.kv.capacity
+        ):
+            return False
+        if (k, chain_warp(sampling)) not in self.chained:
+            self._capture_chains(sampling, self.kv.length + reading)
+        return self.chaining
+
+    def chaining_serves(self, sampling: Sampling) -> bool:
+        """Whether a chain drafted under ``sampling`` replays as one graph: on CUDA's graphs, for a head
+        of the whole vocabulary (a shortlist's appending stays out), rows that need no adjust(), and no
+        capture of a chain has failed."""
+        return (
             self.chaining
             and self.graphs_serve(1)
             and self.shortlist is None
             and self._taps is None
             and self.queries is None
             and not sampling.adjusts
-            and 1 <= k <= CHAINED_UP_TO
-            and self.kv.length + reading + CHAINED_UP_TO <= self.kv.capacity
-        ):
-            return False
-        warp = chain_warp(sampling)
-        if (k, warp) not in self.chained:
-            self.start.fill_(self.kv.length + reading)
-            self.chaining = self._capture_chains(sampling, warp)
-        return self.chaining
+        )
+
+    def reserve_chains(self, sampling: Sampling) -> None:
+        """The chains' graphs of every K under ``sampling``'s warp, captured now where they serve: after
+        reserve, before any sequence and anything timed (a run's sampling; another warp's are captured
+        at its first chain)."""
+        if self.chaining_serves(sampling) and (1, chain_warp(sampling)) not in self.chained:
+            self._capture_chains(sampling, 0)
 
     @torch.inference_mode()
     def draft_chain(
         self, first: torch.Tensor, k: int, sampling: Sampling, generator: torch.Generator
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """A chain of ``k`` tokens drawn after the logits row ``first`` [V] (the forward that read what
         the draft had not), as sampling.draw_chain draws it, its k - 1 one-token forwards and every draw
         replayed as one CUDA graph: the host dispatches a handful of operations a chain instead of a dozen
         a token. The randomness is drawn on ``generator`` outside the graph, into its buffer, in one call.
         The cache then holds every token but the last, as after propose_chain. Only where ``chains`` said
-        so. Returns the tokens [k] and their q rows [k, V] (None under greedy)."""
+        so. Returns the tokens [k] and their q rows [k, V] (None under greedy); None, the cache as it
+        was, when the chain's graph is gone (a capture failed since): the caller drafts a token at a time."""
+        graph = self.chained.get((k, chain_warp(sampling)))
+        if graph is None:  # dropped since chains() said so: a capture of the catch-up's forward failed
+            return None
         start = self.kv.length
         self.start.fill_(start)  # the slot the chain's first forward writes; the graph counts on from it
-        graph = self.chained[k, chain_warp(sampling)]
         if not sampling.greedy:
             graph.buffers[1].exponential_(generator=generator)
         tokens, rows = graph(first, None, None, None)
         self.kv.length = start + k - 1
         return tokens, rows
 
-    def _capture_chains(self, sampling: Sampling, warp: tuple) -> bool:
-        """draft_chain's graphs of every K up to CHAINED_UP_TO under ``sampling``'s warp, captured from
-        slot ``start``; whether they all were (a failure is one log line, graphed says)."""
+    @torch.inference_mode()  # as the loop's forwards run: the compiled form guards on how its inputs were made
+    def _capture_chains(self, sampling: Sampling, slot: int) -> None:
+        """draft_chain's graphs of every K up to CHAINED_UP_TO under ``sampling``'s warp, their forwards
+        writing from ``slot``; a failure (one log line, graphed says) ends chaining."""
+        self.start.fill_(slot)
         head = self._graph(1, None)  # the chain's rows are as wide as a one-token forward's, in its dtype
         if head is None:
-            return False
+            self.chaining = False
+            return
+        warp = chain_warp(sampling)
         one, (width, dtype) = self._forms(None)[0], (head.out[0].shape[-1], head.out[0].dtype)
         # Built once and held by each graph (its buffers): a replay reads them where the capture found them.
         depth, tree = torch.zeros(1, dtype=torch.long, device=self.device), chain_tree(1, self.device)
@@ -588,15 +607,13 @@ class StaticLM(HFCausalLM):
                 draws = torch.ones(n if not sampling.greedy else 0, width, device=self.device)
                 return torch.zeros(width, dtype=dtype, device=self.device), draws, depth, tree
 
-            with torch.inference_mode():  # as the compiled form was traced
-                graph, seconds = graphed(
-                    self.chained, (n, warp), run, buffers, self.pool, "the draft's chains are drawn a token at a time"
-                )
+            graph, seconds = graphed(
+                self.chained, (n, warp), run, buffers, self.pool, "the draft's chains are drawn a token at a time"
+            )
             self.capture_seconds += seconds
             if graph is None:
-                self.chained = {}
-                return False
-        return True
+                self.chained, self.chaining = {}, False
+                return
 
     def _grow(self, tokens: int) -> None:
         old, length = self.kv, self.kv.length

@@ -8,6 +8,7 @@ import copy
 import logging
 import re
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from specbench.bench.run import describe_forward
 from specbench.decoding.decode import autoregressive_decode, speculative_decode
 from specbench.decoding.kv import StaticKV
-from specbench.decoding.sampling import Sampling
+from specbench.decoding.sampling import Sampling, race, warp
 from specbench.decoding.tree import tree_inputs
 from specbench.drafters.model import ModelDrafter
 from specbench.models import fast
@@ -178,7 +179,7 @@ def test_a_compiler_that_fails_leaves_the_static_path_eager_with_one_log_line(mo
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
-def test_on_cuda_the_forwards_compile_with_coordinate_descent_tuning(monkeypatch):
+def test_on_cuda_the_forwards_compile_with_coordinate_descent_tuning(monkeypatch, tmp_path):
     # gpt-fast's setting: inductor then runs each one-row product as a tuned reduction of its own. A CPU
     # passes nothing (the option changes nothing there); the forms of a model and of an EAGLE head get it.
     assert static_path.compile_options(torch.device("cuda")) == {"coordinate_descent_tuning": True}
@@ -197,6 +198,16 @@ def test_on_cuda_the_forwards_compile_with_coordinate_descent_tuning(monkeypatch
     assert [form(torch.ones(2)).tolist() for form in forms] == [[-1.0, -1.0]] * 2 and asked == [tuned, tuned]
     asked.clear()
     static(llama(0), compiled=True).reserve(64)
+    assert asked == [None, None]
+    from specbench.models.eagle_head import read_head
+
+    from ..helpers import build_eagle3_head
+
+    model = llama(0, layers=3)
+    config, embed = model.config, model.get_input_embeddings().weight
+    path = build_eagle3_head(tmp_path / "head", config, taps=(0, 1, 2))
+    asked.clear()
+    StaticHead(read_head(path, embed, 3, config.hidden_size, config.vocab_size), 64).ready()
     assert asked == [None, None]
 
 
@@ -344,12 +355,13 @@ def test_replayed_graphs_decode_the_baselines_greedy_tokens(monkeypatch):
     target, draft = (replay_on_cpu(static(m, compiled=True)) for m in (model, noisy(model)))
     for lm in (target, draft):
         lm.reserve(96, widest=5)
-    captured = [set(lm.graphs) for lm in (target, draft)]
-    decode_as_the_baseline(target, draft, (9, 17, 30))
-    assert [set(lm.graphs) for lm in (target, draft)] == captured
-    assert replayed(target) == {(1, None), (3, None), (5, None)} and replayed(draft) == {(1, None), (2, None)}
+    draft.reserve_chains(GREEDY)  # as Pair.reserve does with the run's sampling
     warp = static_path.chain_warp(GREEDY)
     assert set(draft.chained) == {(n, warp) for n in range(1, static_path.CHAINED_UP_TO + 1)}
+    captured = [{*lm.graphs, *lm.chained} for lm in (target, draft)]
+    decode_as_the_baseline(target, draft, (9, 17, 30))
+    assert [{*lm.graphs, *lm.chained} for lm in (target, draft)] == captured
+    assert replayed(target) == {(1, None), (3, None), (5, None)} and replayed(draft) == {(1, None), (2, None)}
     assert {key for key, graph in draft.chained.items() if graph.replays} == {(2, warp), (4, warp)}
     facts = target.forward_facts()
     assert facts["captured"] == static_path.CAPTURED_AT_LEAST
@@ -447,6 +459,46 @@ class ReplayedCompiled(ReplayedOnCPU):
     def capture(self, run, pool):
         self.run = run
         return run(*self.buffers)
+
+
+def test_a_drafted_chain_draws_what_a_token_at_a_time_draws_from_the_same_draws(monkeypatch):
+    # Each token of the chain's graph against its own q row (the law test cannot see rows one place
+    # off on its model): the same forwards, warp and races as drafting a token at a time, under a warp
+    # that cuts (top-k, top-p, min-p) and a temperature, with the graph's draws raced again here.
+    graphs_on_cpu(monkeypatch)
+    draft = replay_on_cpu(static(llama(0, layers=2), compiled=True))
+    draft.reserve(96, widest=6)
+    cut = Sampling(temperature=0.8, top_k=20, top_p=0.9, min_p=0.01)
+    with torch.inference_mode():
+        draft.forward(torch.arange(3, 20), last=1)
+        assert draft.chains(5, cut, 1) and not draft.chains(5, replace(cut, repetition_penalty=1.2), 1)
+        read = draft.length
+        first = draft.forward(torch.tensor([7]), last=1)[-1]
+        tokens, rows = draft.draft_chain(first, 5, cut, torch.Generator().manual_seed(3))
+        assert draft.length == read + 5  # the catch-up's token and all drafts but the last
+        draws = draft.chained[5, static_path.chain_warp(cut)].buffers[1].clone()
+        draft.keep([], draft.length - read)
+        row, one_by_one, q_rows = draft.forward(torch.tensor([7]), last=1)[-1], [], []
+        for i in range(5):
+            if i:
+                row = draft.forward(one_by_one[-1], last=1)[-1]
+            q_rows.append(warp(row, cut))
+            one_by_one.append(race(q_rows[-1], draws[i].clone()))
+    assert torch.equal(tokens, torch.cat(one_by_one)) and torch.equal(rows, torch.stack(q_rows))
+    assert len(set(tokens.tolist())) > 1  # the draws decided: not every row's likeliest
+
+
+def test_a_chain_whose_graph_is_gone_is_drafted_a_token_at_a_time(monkeypatch):
+    # chains() said yes, then the catch-up forward's own capture failed and dropped the chains: the
+    # drafter goes on a token at a time from the row it read, and decodes as the baseline.
+    graphs_on_cpu(monkeypatch)
+    model = llama(0, layers=3)
+    target, draft = (replay_on_cpu(static(m, compiled=True)) for m in (model, noisy(model)))
+    for lm in (target, draft):
+        lm.reserve(96, widest=5)
+    monkeypatch.setattr(draft, "chains", lambda *args: True)
+    decode_as_the_baseline(target, draft, (9, 17))
+    assert not draft.chained
 
 
 @pytest.mark.slow
