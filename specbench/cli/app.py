@@ -86,6 +86,7 @@ def _slug(name: str) -> str:
 LOG_EVERY_S = 15.0  # in a log, a stage that counts on gets a line at most this often
 STARTED = time.monotonic()  # when main() began the command: before torch and the models load
 RUN_DIR: Path | None = None  # the run directory a run writes as it goes: what an interrupted one says to resume
+RESUMABLE = True  # whether that run could go on with --resume (an online method's learning cannot)
 
 
 def _progress() -> Progress:
@@ -219,8 +220,8 @@ def run(out: Path | None = None, resume: bool = False, wide: bool = False, ctx=N
     from specbench.bench.run import benchmark
 
     out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(cfg.target)}-{_slug(cfg.draft)}"
-    global RUN_DIR
-    RUN_DIR = out
+    global RUN_DIR, RESUMABLE
+    RUN_DIR, RESUMABLE = out, not cfg.learns
     if len(lengths) == 1:
         progress = _progress()
         _show(benchmark(cfg, out, resume, prefill_progress=_prefill_bar(progress)), progress, wide)
@@ -748,9 +749,13 @@ def main() -> None:
         # it has a run to resume (a run stopped before its meta.json removes a directory it made).
         if e.code == 130 and RUN_DIR is not None:
             started = (RUN_DIR / "meta.json").is_file() or any(RUN_DIR.glob("context-*/meta.json"))
+            go_on = (
+                f"the same command with --resume --out {RUN_DIR} goes on from there"
+                if RESUMABLE
+                else "--resume cannot restore what --method online learned: run the command again without it"
+            )
             err_console.print(
-                f"interrupted: what was measured is in {RUN_DIR}/; the same command with --resume --out {RUN_DIR} "
-                "goes on from there"
+                f"interrupted: what was measured is in {RUN_DIR}/; {go_on}"
                 if started
                 else "interrupted before anything was measured",
                 highlight=False,

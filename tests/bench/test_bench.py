@@ -233,6 +233,15 @@ def test_an_interrupted_run_says_where_its_rows_are_and_how_to_go_on(tiny_pair, 
     assert f"interrupted: what was measured is in {out}/; the same command with --resume --out {out}" in " ".join(
         result.stderr.split()
     )
+    # An online run cannot resume (its learning is not stored): it is not offered --resume.
+    online = tmp_path / "online"
+    result = cli_on_tiny_pair("run", tiny_pair, "--dataset", prompts_file, "--out", str(online), "--method", "online")
+    assert result.returncode == 130
+    said = " ".join(result.stderr.split())
+    assert (
+        f"interrupted: what was measured is in {online}/; --resume cannot restore what --method online learned" in said
+    )
+    assert "--resume --out" not in said
 
     # Before it had a run to resume (loading the models), no --resume to give: a review found one that failed.
     def loading(*args, **kwargs):
