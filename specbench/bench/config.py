@@ -265,6 +265,19 @@ class BenchConfig:
         return lines
 
     @property
+    def budget_notes(self) -> list[str]:
+        """A line when --kv-budget holds the whole --context-tokens: the methods that draft over a part
+        of the target's cache then draft over all of it, and measure nothing a sparse cache saves."""
+        context = self.context_tokens if self.dataset in LONG_DATASETS else 0
+        if not 0 < context <= self.kv_budget or self.unread("kv_budget") is not None:
+            return []
+        methods = [m for m in self.methods if m in readers_by_kind("kv_budget").get("method", [])]
+        return [
+            f"--kv-budget {self.kv_budget} holds all {context} tokens of the context: {', '.join(methods)} "
+            f"draft over the whole cache here; a budget below {context} drafts over a part of it"
+        ]
+
+    @property
     def served_plan(self) -> list[Decoder]:
         """What each serving engine after its baseline decodes: under vLLM a method at each K (one
         engine each); under --engine server each --server (its K is what it says, else a single --k);

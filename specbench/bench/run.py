@@ -183,7 +183,7 @@ def benchmark(
     ``prefill_progress`` is told (tokens done, tokens) as a prompt longer than --prefill-chunk is read.
     """
     cfg.validate()
-    for line in cfg.policy_notes:
+    for line in [*cfg.policy_notes, *cfg.budget_notes]:
         log.info(line)
     if resume and cfg.learns:
         raise SpecbenchError(

@@ -346,6 +346,23 @@ def test_a_longcode_context_too_short_for_a_partial_cache_is_refused_before_any_
         one_line_error(result, "--context-tokens 10 is too short for --dataset longcode", f"give {2 * SINKS} or more")
 
 
+def test_a_budget_that_holds_the_whole_context_is_said_so():
+    # sweep-context's default lengths start at 1024, --kv-budget's default: the sparse methods there draft
+    # over the whole cache, which the run now says rather than leave to be read off its figures.
+    from specbench.bench.config import BenchConfig
+
+    sparse = ["speculative", "self-sparse", "triforce"]
+    whole = BenchConfig(methods=sparse, dataset="longcode", context_tokens=64, kv_budget=64)
+    assert whole.budget_notes == [
+        "--kv-budget 64 holds all 64 tokens of the context: self-sparse, triforce draft over the whole cache here; "
+        "a budget below 64 drafts over a part of it"
+    ]
+    assert BenchConfig(methods=sparse, dataset="longcode", context_tokens=120, kv_budget=64).budget_notes == []
+    assert (
+        BenchConfig(methods=["speculative"], dataset="longcode", context_tokens=64).budget_notes == []
+    )  # none reads it
+
+
 @pytest.mark.slow
 def test_a_context_sweep_runs_each_length_and_finds_the_crossovers(tiny_pair, tmp_path):
     import json
