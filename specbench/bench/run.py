@@ -633,7 +633,7 @@ def decode_all(
                 decoder.method.engine, k_policy=decoder.policy,
             )  # fmt: skip
             records.append(record(turn, index, ids, reference, decoder, measured, learned, markers))
-            if random_weights:
+            if random_weights and sampling.synthetic_acceptance is None:  # a synthetic rate decides them
                 records[-1].update((name, math.nan) for name in WEIGHT_DEPENDENT if name in records[-1])
             writer.append_record(records[-1])
             writer.write_csv("draft_lengths.csv", draft_length_rows(records))

@@ -440,7 +440,8 @@ RUN: tuple[Option, ...] = (
         "random_weights",
         False,
         "Build target and draft from their architecture (configs/ for the aliases, or a config.json) with random "
-        "weights: forward costs and tokens/s without the checkpoints; alpha is left empty (see --assume-alpha).",
+        "weights: forward costs and tokens/s without the checkpoints; alpha is left empty (see --assume-alpha) "
+        "unless --synthetic-acceptance sets it.",
         panel=WORKLOAD_PANEL,
     ),
     Option(

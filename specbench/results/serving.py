@@ -403,7 +403,7 @@ def _row(rs, base_rows, own_base, decoder, k, load, costs, counters, columns: Ru
         # The classic formula with the estimated alpha (no server exposes the distributions).
         values["predicted_speedup"] = metrics.predicted_speedup(alpha, c, k) if not math.isnan(c) else math.nan
         values["c_implied"] = metrics.implied_c(tau, speedup, k) if not math.isnan(tau) else math.nan
-    if columns.random_weights:
+    if columns.weights_decide_acceptance:
         weights = ("alpha_estimate", "acceptance_rate", "tau", "predicted_speedup", *thinking.WEIGHT_DEPENDENT)
         values.update(dict.fromkeys(weights, math.nan))
     return {name: values[name] for name in schema.SUMMARY}

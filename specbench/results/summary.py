@@ -70,6 +70,13 @@ class RunColumns:
         return self.sampling["temperature"] == 0
 
     @property
+    def weights_decide_acceptance(self) -> bool:
+        """Whether the columns that depend on the weights (WEIGHT_DEPENDENT) are left empty: random
+        weights whose drafts were verified. Under --synthetic-acceptance the rate decides them, weights or
+        not (alpha is the rate), so they stay."""
+        return self.random_weights and self.verified
+
+    @property
     def verified(self) -> bool:
         """Whether drafts were verified (not kept at a --synthetic-acceptance rate): only then are a
         method's outputs the target's, to compare with the baseline's."""
@@ -291,7 +298,7 @@ def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], col
             **thinking.summary_columns(rs, [baselines[r["prompt_index"]] for r in rs]),
             **roofline_columns(columns.roofline, [baselines[r["prompt_index"]] for r in rs]),
         }
-        if columns.random_weights:
+        if columns.weights_decide_acceptance:
             values.update(dict.fromkeys(WEIGHT_DEPENDENT, math.nan))
         rows.append({name: values[name] for name in schema.SUMMARY})
     return rows

@@ -61,6 +61,25 @@ def read_csv(path):
         return list(csv.DictReader(f))
 
 
+def test_random_weights_at_a_synthetic_acceptance_keep_what_the_rate_decides(configs, prompts_file, tmp_path):
+    # The rate, not the weights, decides alpha (the rate itself), tau and the predictions: they are shown,
+    # as make gpu-check's synthetic runs need; exactness is not judged (the outputs are not the target's).
+    out = tmp_path / "synthetic"
+    result = cli(
+        "run", "--target", configs[0], "--draft", configs[1], "--random-weights", "--prompt-tokens", "12",
+        "--dataset", prompts_file, "--k", "2", "--max-new-tokens", "6", "--cost-repeats", "2",
+        "--synthetic-acceptance", "0.6", "--out", str(out),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    spec = next(r for r in read_csv(out / "summary.csv") if r["method"] == "speculative")
+    assert float(spec["alpha"]) == pytest.approx(0.6) and float(spec["tau"]) >= 1
+    assert float(spec["predicted_speedup_verify"]) > 0 and float(spec["acceptance_rate"]) >= 0
+    assert math.isnan(float(spec["outputs_match"]))
+    assert all(
+        float(r["alpha"]) == pytest.approx(0.6) for r in read_csv(out / "records.csv") if r["method"] != "baseline"
+    )
+
+
 def test_random_weights_run_end_to_end(configs, prompts_file, tmp_path):
     out = tmp_path / "random"
     result = cli(
