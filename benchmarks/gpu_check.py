@@ -106,7 +106,8 @@ class Sizes:
 # guess (compiling above all), and each run's log times its stages and meta.json its build and
 # capture, so the first run says where to cut. c comes before d: a lease that ends first stops d.
 # f (new, unmeasured) builds the 7B once more in a process of its own and compiles it from inductor's
-# cache: about 80 s, which takes the whole check past its 8 minutes; a short lease runs --steps cf.
+# cache: about 80 s, which takes the whole check past its 8 minutes; it runs before d, and a short
+# lease runs --steps cf.
 GPU = Sizes(
     device="cuda",
     greedy_pair=("llama-160m", "llama-68m"),
@@ -1011,13 +1012,15 @@ def step_profile(check: Check) -> Outcome:
     return Outcome("pass", summary, details, result)
 
 
+# In the order they run (but b and e, beside a): f before d, so that a lease that ends early keeps the
+# figures the next change to the static path starts from, rather than the tree's and the head's.
 STEPS: list[tuple[str, str, Callable[[Check], Outcome]]] = [
     ("a", "the tests marked gpu", gpu_tests),
     ("b", "greedy equality on the static path", greedy),
     ("c", "the mission's pair shape", mission),
+    ("f", "where a step's time goes", step_profile),
     ("d", "a token tree and an EAGLE head", tree_and_eagle),
     ("e", "host reads per round", host_reads),
-    ("f", "where a step's time goes", step_profile),
 ]
 
 # The steps that check outputs and counts but time nothing run while step a's tests do (on an H200,
@@ -1156,7 +1159,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     unknown = set(args.steps) - {key for key, _, _ in STEPS}
     if unknown:
-        print(f"gpu-check: --steps takes letters of {''.join(k for k, _, _ in STEPS)}, not {''.join(sorted(unknown))}")
+        print(
+            f"gpu-check: --steps takes letters of {''.join(sorted(k for k, _, _ in STEPS))}, not {''.join(sorted(unknown))}"
+        )
         return 2
 
     started = time.monotonic()
