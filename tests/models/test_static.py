@@ -345,16 +345,22 @@ def decode_as_the_baseline(target, draft, lengths) -> None:
     assert 0 < accepted < drafted
 
 
-def test_replayed_graphs_decode_the_baselines_greedy_tokens(monkeypatch):
-    # Prompts of lengths no decode forward has (a prompt runs uncompiled: a graph per prompt length
-    # would be captured inside the timed run). The target replays 1 token (the baseline) and K + 1,
-    # the draft 1 and 2 (catching up) and then its chain of K - 1 forwards and K draws as one graph;
-    # nothing is captured after reserve but the draft's chains, at its first (a run's warm-up).
+def replayed_pair(monkeypatch) -> tuple[StaticLM, StaticLM]:
+    """A 3-layer Llama and a noisy copy as its draft, on graphs replayed on the CPU, reserved for K = 4."""
     graphs_on_cpu(monkeypatch)
     model = llama(0, layers=3)
     target, draft = (replay_on_cpu(static(m, compiled=True)) for m in (model, noisy(model)))
     for lm in (target, draft):
         lm.reserve(96, widest=5)
+    return target, draft
+
+
+def test_replayed_graphs_decode_the_baselines_greedy_tokens(monkeypatch):
+    # Prompts of lengths no decode forward has (a prompt runs uncompiled: a graph per prompt length
+    # would be captured inside the timed run). The target replays 1 token (the baseline) and K + 1,
+    # the draft 1 and 2 (catching up) and then its chain of K - 1 forwards and K draws as one graph;
+    # nothing is captured after reserve but the draft's chains, at its first (a run's warm-up).
+    target, draft = replayed_pair(monkeypatch)
     draft.reserve_chains(GREEDY)  # as Pair.reserve does with the run's sampling
     warp = static_path.chain_warp(GREEDY)
     assert set(draft.chained) == {(n, warp) for n in range(1, static_path.CHAINED_UP_TO + 1)}
@@ -365,7 +371,7 @@ def test_replayed_graphs_decode_the_baselines_greedy_tokens(monkeypatch):
     assert {key for key, graph in draft.chained.items() if graph.replays} == {(2, warp), (4, warp)}
     facts = target.forward_facts()
     assert facts["captured"] == static_path.CAPTURED_AT_LEAST
-    logits_mb = sum(range(1, static_path.CAPTURED_AT_LEAST + 1)) * model.config.vocab_size * 4 / 2**20
+    logits_mb = sum(range(1, static_path.CAPTURED_AT_LEAST + 1)) * target.model.config.vocab_size * 4 / 2**20
     assert facts["graphs_mb"] == pytest.approx(logits_mb)  # each graph holds its logits: the head runs inside
     line = describe_forward("target", facts)
     assert re.search(r"16 CUDA graphs captured in [\d.]+ s, outputs 0 MB; cache 192 kB for 256 positions", line)
@@ -491,11 +497,7 @@ def test_a_drafted_chain_draws_what_a_token_at_a_time_draws_from_the_same_draws(
 def test_a_chain_whose_graph_is_gone_is_drafted_a_token_at_a_time(monkeypatch):
     # chains() said yes, then the catch-up forward's own capture failed and dropped the chains: the
     # drafter goes on a token at a time from the row it read, and decodes as the baseline.
-    graphs_on_cpu(monkeypatch)
-    model = llama(0, layers=3)
-    target, draft = (replay_on_cpu(static(m, compiled=True)) for m in (model, noisy(model)))
-    for lm in (target, draft):
-        lm.reserve(96, widest=5)
+    target, draft = replayed_pair(monkeypatch)
     monkeypatch.setattr(draft, "chains", lambda *args: True)
     decode_as_the_baseline(target, draft, (9, 17))
     assert not draft.chained
