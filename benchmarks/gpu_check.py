@@ -1038,9 +1038,12 @@ def machine_rows(dry: bool, bandwidth: float, packages: str) -> list[tuple[str, 
     import transformers
 
     import specbench
-    from specbench.core.machine import driver_version, machine
+    from specbench.core.machine import driver_version, machine, source_revision
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    commit, changed = source_revision()
+    source = "git unknown" if commit is None else f"git {commit[:7]}"
+    if changed:
+        source += f", {changed} tracked files changed since"
     versions = f"{torch.__version__} / {transformers.__version__} / {platform.python_version()}"
     rows = []
     if dry:
@@ -1056,7 +1059,7 @@ def machine_rows(dry: bool, bandwidth: float, packages: str) -> list[tuple[str, 
         ]
     rows += [
         ("torch / transformers / python", versions),
-        ("specbench", f"{specbench.__version__} (git {commit.stdout.strip() or 'unknown'})"),
+        ("specbench", f"{specbench.__version__} ({source})"),
         ("copy bandwidth", f"{bandwidth / 1e9:.0f} GB/s (bytes read + written)"),
         ("packages", packages),
     ]

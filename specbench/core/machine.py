@@ -76,19 +76,30 @@ def machine_slug(fingerprint: dict) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", name.lower().replace("(r)", "").replace("(tm)", "")).strip("-")
 
 
+def _git(where: Path, *args: str) -> str | None:
+    """What git prints for ``args`` in the folder ``where``; None outside a checkout, or without git."""
+    try:
+        done = subprocess.run(["git", *args], capture_output=True, text=True, cwd=where, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout if done.returncode == 0 else None
+
+
+def source_revision(where: Path = Path(__file__).parent) -> tuple[str | None, int | None]:
+    """The commit of the checkout holding ``where`` (specbench's own by default), and how many of its
+    tracked files differ from it: a run of uncommitted code (or of a working tree copied over an older
+    repository, as a device machine receives it) is not that commit's run, and its record says so.
+    (None, None) outside a checkout."""
+    commit = (_git(where, "rev-parse", "HEAD") or "").strip() or None
+    status = _git(where, "status", "--porcelain", "--untracked-files=no") if commit else None
+    return commit, None if status is None else len(status.splitlines())
+
+
 def environment(device) -> dict:
     """meta.json's description of the software and machine of a run on the torch device ``device``."""
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
     fingerprint = machine(gpu)
-    try:
-        commit = (
-            subprocess.run(
-                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=5
-            ).stdout.strip()
-            or None
-        )
-    except (OSError, subprocess.SubprocessError):
-        commit = None
+    commit, changed = source_revision()
     return {
         "specbench": __version__,
         "python": platform.python_version(),
@@ -99,5 +110,6 @@ def environment(device) -> dict:
         "torch_threads": fingerprint["torch_threads"],
         "sdpa_force_gqa": os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA"),
         "git_commit": commit,
+        "git_changed_files": changed,
         "machine": fingerprint,
     }

@@ -188,6 +188,7 @@ def test_run_writes_every_file_with_the_contract_columns(tiny_pair, prompts_file
     assert sorted(o["method"] for o in outputs) == ["baseline"] * 3 + ["speculative"] * 3
     meta = json.loads((out / "meta.json").read_text())
     assert {"python", "torch", "transformers", "specbench", "device_name", "git_commit", "config"} <= set(meta)
+    assert "git_changed_files" in meta
     assert meta["config"]["ks"] == [3] and meta["torch_threads"] == 1  # --threads 1 reached torch
 
 
