@@ -161,7 +161,7 @@ def dry_sizes(folder: Path) -> Sizes:
         greedy_tokens=12,
         pair=pair,
         # The static path compiles for its cache's size (prompt + new tokens + the widest forward, rounded
-        # up to static.CAPACITY_STEP): here b's bfloat16 run, c's graphs runs and d's all hold 256
+        # up by static.cache_positions): here b's bfloat16 run, c's graphs runs and d's all hold 256
         # positions, so the toy pair's forwards are compiled once, in b, and read from inductor's cache after.
         prompts=1,
         tokens=10,

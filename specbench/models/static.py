@@ -62,9 +62,17 @@ CAPTURED_AT_LEAST = 16
 # A draft model's chains of up to this many tokens replay as one CUDA graph each (StaticLM.draft_chain).
 CHAINED_UP_TO = 8
 DEFAULT_CAPACITY = 1024  # cache positions before the run reserves its own (StaticLM.reserve)
-# A reservation is rounded up to a multiple of this: attention reads every position, so no larger than
-# that, but runs of nearly the same length compile the same graphs, which inductor's cache then serves.
-CAPACITY_STEP = 256
+# A reservation is rounded up to a multiple of CAPACITY_STEP, at least CAPACITY_LEAST (cache_positions):
+# runs of nearly the same length, and all short ones, then compile the same graphs, which inductor's
+# cache serves. The step is small since attention reads every position, the stale ones too: in
+# gpu-check's runs (261 tokens) a step of 256 read 512 positions a forward where 320 hold them all.
+CAPACITY_STEP = 64
+CAPACITY_LEAST = 256
+
+
+def cache_positions(tokens: int) -> int:
+    """The cache positions reserved for sequences of ``tokens`` (before the context window's cap)."""
+    return max(CAPACITY_LEAST, -(-tokens // CAPACITY_STEP) * CAPACITY_STEP)
 
 
 @dataclass
@@ -384,14 +392,14 @@ class StaticLM(HFCausalLM):
 
     def reserve(self, tokens: int, widest: int = 1, taps: Sequence[int] | None = None) -> None:
         """Room for sequences of ``tokens`` (the run's longest prompt, --max-new-tokens and K + 1): the
-        cache is allocated once at that size (rounded up to CAPACITY_STEP, within the context window), and
+        cache is allocated once at that size (rounded up: cache_positions, within the context window), and
         the forwards compiled for it, before anything is timed. On CUDA the forwards of 1 to
         max(``widest`` + 2, CAPTURED_AT_LEAST) tokens are captured now too (``widest``: the run's widest
         verification, see captured_up_to), and with ``taps`` (an EAGLE head's, see record_features) the
         same forwards recording them; wider ones run compiled, not graphed, so that no capture falls
         inside a timed decode. A shortlisted head holds a row for each position (ShortlistedHead.hold),
         for the same reason. Comes before any sequence (capture_all)."""
-        tokens = -(-tokens // CAPACITY_STEP) * CAPACITY_STEP
+        tokens = cache_positions(tokens)
         self.allocate(min(tokens, self.window) if self.window else tokens)
         if self.shortlist is not None:  # its buffers final before the graphs that score them are captured
             self.shortlist.hold(self.kv.capacity)

@@ -12,7 +12,6 @@ from specbench.decoding.kv import StaticKV, static_mask
 from specbench.models import static  # its compile_forms called through it: tests replace it there
 from specbench.models.fast import attend
 from specbench.models.static import (
-    CAPACITY_STEP,
     CAPTURED_AT_LEAST,
     GRAPHED_UP_TO,
     Graph,
@@ -127,7 +126,7 @@ class StaticHead:
         StaticLM.reserve does (before anything is timed). The head holds a pair per position read and,
         within a round, what it drafted: a dynamic tree reads up to its width times its depth, so
         GRAPHED_UP_TO positions more are kept."""
-        self.allocate(-(-(tokens + GRAPHED_UP_TO) // CAPACITY_STEP) * CAPACITY_STEP)
+        self.allocate(static.cache_positions(tokens + GRAPHED_UP_TO))
         self.captured_up_to = captured_up_to(widest)
         self.ready()
         capture_all(self.captured_up_to, self.start, self._graph)

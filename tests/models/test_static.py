@@ -120,6 +120,16 @@ def test_a_sequence_beyond_the_reserved_cache_grows_it_and_says_so(caplog):
     assert lm.kv.capacity >= 18 and "outgrew the static cache's 16 positions" in caplog.text
 
 
+def test_a_reservation_holds_the_sequences_rounded_up_to_64_positions_from_256_within_the_window():
+    # Attention reads every position the cache holds: a reservation rounded up further is read for nothing.
+    model = llama(0)
+    model.config.max_position_embeddings = 400
+    lm = static(model)
+    for tokens, positions in ((40, 256), (257, 320), (261, 320), (390, 400)):
+        lm.reserve(tokens)
+        assert lm.kv.capacity == positions, tokens
+
+
 def test_the_static_path_is_cudas_default_and_says_why_a_model_is_not_on_it(tiny_pair, caplog):
     from transformers import GPT2Config, GPT2LMHeadModel
 
