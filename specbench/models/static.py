@@ -189,12 +189,19 @@ class Graph:
         current.wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(self.graph, pool=pool):
+            # Captured on the side stream, which is on the model's device: torch's own capture stream is
+            # made once, on whichever device was current then, and captures nothing of a model on another.
+            with torch.cuda.graph(self.graph, pool=pool, stream=side):
                 return run(*self.buffers)
         except Exception:
-            # When the capture fails, torch's context manager raises before it makes the capture stream
-            # current no more: the compiled forwards that run instead must run where the loop's run.
+            # When the capture fails, torch raises on ending it (cudaStreamEndCapture) before it makes the
+            # capture stream current no more and before it tells its allocator the capture is over: the
+            # compiled forwards that run instead must run where the loop's run, and an allocator still
+            # capturing would assert at every later empty_cache (each capture begins with one) and never
+            # free its cached blocks to retry an allocation. (A second ending, where torch's came, raises.)
             torch.cuda.set_stream(current)
+            with contextlib.suppress(RuntimeError):
+                torch._C._cuda_endAllocateToPool(device.index, pool)
             raise
 
     def replay(self) -> None:

@@ -746,6 +746,19 @@ def test_an_eagle_pair_on_cuda_graphs_drafts_as_transformers_and_the_head(tmp_pa
     assert_eagle_decodes_alike((eager, head), (target, static_head), prompts, {"dynamic": (3, 2)})
 
 
+@pytest.mark.gpu
+def test_after_a_capture_fails_memory_is_still_freed_and_the_next_capture_replays():
+    # torch ends a failed capture with an error before it tells its caching allocator that capturing is
+    # over (CUDAGraph::capture_end): Graph tells it, or empty_cache asserts and every later capture fails.
+    pool, x = torch.cuda.graph_pool_handle(), torch.ones(4, device="cuda")
+    with pytest.raises(RuntimeError):
+        static_path.Graph(lambda t: t * t.sum().item(), (x,), pool)  # a read by the host: not capturable
+    torch.cuda.empty_cache()
+    doubled = static_path.Graph(lambda t: 2 * t, (x,), pool)
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    assert doubled(torch.full((4,), 3.0, device="cuda"))[0].tolist() == [6.0] * 4
+
+
 def test_a_capture_that_fails_leaves_the_forwards_compiled_with_one_log_line(tmp_path, monkeypatch, caplog):
     # Graphs are CUDA's default: an operation some torch version cannot capture must not end the run.
     # The target and the head each say it once, their routes say what ran, and they decode as before.
