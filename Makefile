@@ -112,7 +112,7 @@ test-vllm: install-vllm
 # PyTorch image lacks. DRY=1 runs the same steps on the CPU at toy sizes (the test suite does).
 GPU_WHEELS = .gpu-wheels
 gpu-check:
-	@$(PYTHON) -m benchmarks.gpu_check $(if $(DRY),--dry) $(if $(WHEELS),--wheels $(WHEELS))
+	@$(PYTHON) -m benchmarks.gpu_check $(if $(DRY),--dry) $(if $(WHEELS),--wheels $(WHEELS)) $(if $(STEPS),--steps $(STEPS)) $(if $(ROUTES),--routes $(ROUTES))
 
 gpu-wheels:
 	$(PYTHON) -m benchmarks.gpu_wheels $(or $(WHEELS),$(GPU_WHEELS))

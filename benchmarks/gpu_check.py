@@ -244,6 +244,7 @@ class Check:
     deadline: float = 0.0  # when the step under way is out of time (time.monotonic)
     seconds: dict[str, float] = field(default_factory=dict)  # each finished command's wall time, by name
     running: list[Running] = field(default_factory=list)  # the commands started and not yet waited for
+    compared: tuple[str, ...] = ()  # the routes (of COMPARED) that step c times beside the graphs
     stopped_by: str | None = None  # the signal that told the check to stop
     starting: bool = False  # start() is starting a process: a stop waits until it is in self.running
 
@@ -633,28 +634,31 @@ def mission(check: Check) -> Outcome:
     # The graphs column is the last synthetic run's: acceptance set by hand changes what a round keeps,
     # not what a forward costs, and a run of its own would compile the 7B graphs once more.
     runs = {"graphs": synthetic[SYNTHETIC[-1]]}
-    for route, flags in COMPARED.items():
+    for route, flags in ((r, COMPARED[r]) for r in check.compared):
         runs[route] = check.run(
             f"c-{route}", *s.pair, *common, *flags, "--k", str(COMPARED_K), "--num-prompts", str(s.prompts),
             "--max-new-tokens", str(s.tokens),
         )  # fmt: skip
     # The route each run must have taken, for which models. A CPU's compiled forward is own or packed.
     wanted = [(out, static_route(check), ("target", "draft")) for out in synthetic.values()]
-    wanted += [(runs["compiled"], None if check.dry else "inductor", ("target",))]
-    wanted += [(runs["eager"], "eager", ("target", "draft"))]
+    if "compiled" in runs:
+        wanted += [(runs["compiled"], None if check.dry else "inductor", ("target",))]
+    if "eager" in runs:
+        wanted += [(runs["eager"], "eager", ("target", "draft"))]
     problems = [problem for out, route, roles in wanted if route and (problem := route_problem(out, route, roles))]
     columns = {route: route_figures(check, out) for route, out in runs.items()}
     rows = {f"{a} K={k}": row for a, out in synthetic.items() for k, row in synthetic_rows(out, a).items()}
     figures = {**columns, "synthetic": rows}
     goals = mission_goals(columns["graphs"], rows)
     details = mission_report(check, columns, rows)
-    g, i, e = columns["graphs"], columns["compiled"], columns["eager"]
+    g = columns["graphs"]
     a, k, *_ = SPEEDUP_GOAL
     judged = rows[f"{a} K={k}"]
+    others = ", ".join(f"{x['route']} {x['baseline_tokens_per_s']:.1f}" for r, x in columns.items() if r != "graphs")
     summary = (
         f"{g['route']}: baseline {g['baseline_tokens_per_s']:.1f} tok/s (MBU {percent(g['mbu'])}), c {g['c']:.3f}, "
         f"at acceptance {a} and K {k} {judged['decode_speedup']:.2f}x of {judged['predicted_speedup_verify']:.2f}x "
-        f"predicted; {i['route']} {i['baseline_tokens_per_s']:.1f}, {e['route']} {e['baseline_tokens_per_s']:.1f} tok/s; "
+        f"predicted; {others + ' tok/s' if others else 'no other route run (--routes)'}; "
         f"{sum(x['verdict'] == 'met' for x in goals)} of {len(goals)} goals met"
     )
     if problems:  # the tables still go in the report
@@ -764,8 +768,12 @@ def mission_report(check: Check, columns: dict, synthetic: dict) -> list[str]:
         f"{Path(s.pair[0]).stem} <- {Path(s.pair[1]).stem}, bfloat16, random weights: a target step reads {weights} of "
         f"weights; copy bandwidth {bandwidth} (each run's own). The {g['route']} column is {g['run']}'s run, "
         f"{plural(s.graph_prompts, 'prompt')} of {s.prompt_tokens} random tokens, {s.graph_tokens} new tokens, K "
-        f"{','.join(map(str, SYNTHETIC_KS))} (acceptance set by hand changes no cost); the others "
-        f"{plural(s.prompts, 'prompt')}, {s.tokens} new tokens, K {COMPARED_K}.",
+        f"{','.join(map(str, SYNTHETIC_KS))} (acceptance set by hand changes no cost); "
+        + (
+            f"the others {plural(s.prompts, 'prompt')}, {s.tokens} new tokens, K {COMPARED_K}."
+            if len(columns) > 1
+            else "the compiled and eager forwards were not run (--routes graphs)."
+        ),
         "",
         "| | " + " | ".join(f"{columns[r]['route']} ({names[r]})" for r in columns) + " |",
         "|---|" + "---|" * len(columns),
@@ -1143,6 +1151,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--wheels", type=Path, help="install missing dependencies from this wheel folder")
     parser.add_argument("--steps", default="abcdef", help="which steps to run (letters), default all")
     parser.add_argument("--step-timeout", type=int, help="seconds for every step, instead of each one's own")
+    parser.add_argument(
+        "--routes",
+        default="graphs," + ",".join(COMPARED),
+        help="the forwards step c times: graphs, and beside them compiled and eager unless left out (a short "
+        "lease's --routes graphs spares their two 7B runs)",
+    )
     args = parser.parse_args(argv)
     try:
         import torch
@@ -1159,6 +1173,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.wheels is not None and not args.wheels.is_dir():
         print(f"gpu-check: WHEELS={args.wheels} is not a folder: run `make gpu-wheels` where pip can reach an index")
+        return 2
+    routes = [r.strip() for r in args.routes.split(",") if r.strip()]
+    if "graphs" not in routes or set(routes) - {"graphs", *COMPARED}:
+        print(f"gpu-check: --routes takes graphs and any of {', '.join(COMPARED)}, not {args.routes}")
         return 2
     unknown = set(args.steps) - {key for key, _, _ in STEPS}
     if unknown:
@@ -1201,7 +1219,7 @@ def main(argv: list[str] | None = None) -> int:
     console.print(f"gpu-check on {title} -> {folder}")
     for key, value in machine:
         console.print(f"  {key}: {value}")
-    check = Check(folder, sizes, args.dry, env, bandwidth)
+    check = Check(folder, sizes, args.dry, env, bandwidth, compared=tuple(r for r in COMPARED if r in routes))
     steps = {key: (name, step) for key, name, step in STEPS if key in args.steps}
     results: list[tuple[str, str, Outcome, float]] = []
 

@@ -36,7 +36,12 @@ def test_without_cuda_it_refuses_in_one_line(tmp_path):
 
 @pytest.mark.parametrize(
     "args,problem",
-    [(["--steps", "az"], "--steps takes letters of abcdef, not z"), (["--wheels", "nowhere"], "is not a folder")],
+    [
+        (["--steps", "az"], "--steps takes letters of abcdef, not z"),
+        (["--wheels", "nowhere"], "is not a folder"),
+        (["--routes", "eager"], "--routes takes graphs and any of compiled, eager, not eager"),
+        (["--routes", "graphs,jit"], "--routes takes graphs and any of compiled, eager, not graphs,jit"),
+    ],
 )
 def test_bad_options_are_refused_in_one_line(tmp_path, args, problem):
     done = gpu_check("--dry", "--out", str(tmp_path), *args)
@@ -127,6 +132,20 @@ def test_the_dry_run_runs_every_step_on_the_cpu(tmp_path):
         assert (folder / run / "summary.csv").is_file()
         log = (folder / f"{run}.log").read_text()
         assert "s] measuring forward costs" in log and "s] finished" in log
+
+
+@pytest.mark.slow
+def test_a_short_lease_times_the_graphs_alone_and_the_report_says_so(tmp_path):
+    # --routes graphs spares step c its compiled and eager 7B runs; the goals are the graphs' anyway.
+    done = gpu_check("--dry", "--out", str(tmp_path), "--steps", "c", "--routes", "graphs")
+    assert done.returncode == 0, done.stderr
+    text, figures = report(tmp_path)
+    mission = figures["steps"]["c. the mission's pair shape"]
+    assert {"graphs", "synthetic"} <= set(mission) and not {"compiled", "eager"} & set(mission)
+    assert set(mission["synthetic"]) == {"0.6 K=2", "0.6 K=4", "0.8 K=2", "0.8 K=4"}
+    assert len(figures["goals"]) == 5 and "the compiled and eager forwards were not run (--routes graphs)" in text
+    (folder,) = tmp_path.iterdir()
+    assert sorted(p.name for p in folder.glob("c-*") if p.is_dir()) == ["c-graphs-0.6", "c-graphs-0.8"]
 
 
 @pytest.mark.slow
