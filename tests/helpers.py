@@ -381,10 +381,14 @@ INDEXED = {"__getitem__", "__setitem__"}
 
 
 def host_index(index) -> bool:
-    """Whether ``index`` (of a tensor's [] or []=) holds a non-empty Python list: torch makes it a tensor
-    on the indexed tensor's device, which on CUDA is a copy from pageable memory that waits."""
+    """Whether ``index`` (of a tensor's [] or []=) makes the host wait: a non-empty Python list (torch
+    makes it a tensor on the indexed tensor's device, on CUDA a copy from pageable memory that waits),
+    or a boolean mask (the positions it selects are counted on the device and read, as nonzero reads)."""
     parts = index if isinstance(index, tuple) else (index,)
-    return any(isinstance(part, list) and part for part in parts)
+    return any(
+        (isinstance(part, list) and part) or (isinstance(part, torch.Tensor) and part.dtype == torch.bool)
+        for part in parts
+    )
 
 
 class Dispatched(TorchDispatchMode):

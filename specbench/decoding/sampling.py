@@ -76,20 +76,23 @@ def context_mask(ids: torch.Tensor, width: int, sampling: Sampling) -> torch.Ten
     for adjust(); None when ``sampling`` has no repetition penalty (nothing reads it)."""
     if sampling.repetition_penalty == 1.0:
         return None
-    mask = torch.zeros(width, dtype=torch.bool, device=ids.device)
-    mask[ids[ids < width]] = True
-    return mask
+    # Ids beyond the vocabulary mark a spare last column, cut off: selecting them out instead
+    # (ids[ids < width]) makes a tensor of a size the host must read from the device.
+    mask = torch.zeros(width + 1, dtype=torch.bool, device=ids.device)
+    mask[ids.clamp(max=width)] = True
+    return mask[:width]
 
 
 def seen_rows(seen: torch.Tensor | None, tokens: torch.Tensor) -> torch.Tensor | None:
     """Context masks of the rows after each prefix of ``tokens``: row i has seen ``seen`` and tokens[:i]
-    ([len(tokens) + 1, V]); None stays None."""
+    ([len(tokens) + 1, V]); None stays None. On the device: the drafted tokens are not read by the host,
+    which reads once a round."""
     if seen is None:
         return None
-    rows = seen.expand(len(tokens) + 1, -1).clone()
-    for i, token in enumerate(tokens.tolist()):
-        rows[i + 1 :, token] = True
-    return rows
+    n = len(tokens)
+    marked = torch.zeros(n + 1, seen.shape[-1], dtype=torch.bool, device=seen.device)
+    marked[torch.arange(1, n + 1, device=seen.device), tokens] = True  # row i + 1 marks tokens[i]
+    return seen | (marked.cumsum(0) > 0)  # and so does every row after it
 
 
 def warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:

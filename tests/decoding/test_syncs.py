@@ -141,6 +141,22 @@ def test_a_chain_round_reads_the_device_once(request, pair, temperature, draftin
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("pair", ON)
+def test_under_a_repetition_penalty_a_round_still_reads_the_device_once(request, pair, temperature):
+    # The penalty's context masks (the prompt's, then each drafted prefix's) are made on the device.
+    target, draft = request.getfixturevalue(pair)
+    device = target.device
+    cfg = Sampling(temperature=temperature, repetition_penalty=1.3)
+    generator = torch.Generator(device=device).manual_seed(0)
+    with HostReads(device) as reads:
+        result = speculative_decode(
+            target, ModelDrafter(draft, cfg, generator), PROMPT.to(device), 3, 40, cfg, generator
+        )
+    rounds = len(result.accept_counts)
+    assert rounds >= 8 and reads.count <= rounds + 2, f"{reads.count} reads in {rounds} rounds"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
 @pytest.mark.parametrize(
     "drafting,reads_a_round",
     [({}, 1), ({"shape": (2, 2)}, 1), ({"dynamic": (5, 2)}, 2)],
