@@ -12,7 +12,7 @@ import torch
 
 from specbench.decoding.decode import cache_keyword
 from specbench.decoding.kv import GrowingKV, Window, retrieval_positions
-from specbench.decoding.transfer import ids_to_device
+from specbench.decoding.transfer import ids_to_device, to_device
 from specbench.models.fast import FastLlama, unsupported
 
 log = logging.getLogger("specbench")
@@ -578,19 +578,22 @@ class WindowLM(PartialLM):
 
     def reset(self) -> None:
         super().reset()
-        self.ids: list[int] = []  # the tokens in its cache, in order
+        # The tokens in its cache, in order, on the device: the drafted ones never go through the host,
+        # which reads once a round.
+        self.ids = torch.empty(0, dtype=torch.long, device=self.device)
 
     def _call(self, token_ids, last, positions, mask):
         if mask is not None:
             raise ValueError("a window model drafts chains: it takes no tree mask")
-        read, ids = self.window.read + len(token_ids), token_ids.tolist()
-        if self.window.overflows(len(self.ids), len(ids)):
-            every = self.ids + ids
-            ids = [every[i] for i in self.window.kept(len(every)).tolist()]
+        read = self.window.read + len(token_ids)
+        token_ids = token_ids.to(self.device)
+        if self.window.overflows(len(self.ids), len(token_ids)):
+            every = torch.cat([self.ids, token_ids])
+            token_ids = every[to_device(self.window.kept(len(every)), self.device)]
             HFCausalLM.reset(self)  # empties the cache only: the window still counts the whole sequence read
-            self.ids, token_ids = [], ids_to_device(ids, self.device)
+            self.ids = self.ids[:0]
         logits = super()._call(token_ids, last, None, None)  # positions follow the cache: within the window
-        self.ids += ids
+        self.ids = torch.cat([self.ids, token_ids])
         self.window.read = read
         return logits
 
@@ -598,5 +601,6 @@ class WindowLM(PartialLM):
     def keep(self, path: Sequence[int], new: int) -> None:
         super().keep(path, new)
         if new:
-            tail = self.ids[len(self.ids) - new :]
-            self.ids[len(self.ids) - new :] = [tail[i] for i in path]
+            path = list(path)
+            kept = self.ids[len(self.ids) - new :][ids_to_device(path, self.device)] if path else self.ids[:0]
+            self.ids = torch.cat([self.ids[: len(self.ids) - new], kept])

@@ -12,6 +12,7 @@ import torch
 from scipy.stats import chisquare
 
 from specbench.decoding.decode import STOP_CHECK, autoregressive_decode, speculative_decode
+from specbench.decoding.kv import EVICT_SLACK
 from specbench.decoding.sampling import Sampling, sample
 from specbench.decoding.timing import PhaseClock, TimedLM
 from specbench.decoding.transfer import ids_to_device
@@ -20,7 +21,7 @@ from specbench.drafters.lookup import PromptLookupDrafter
 from specbench.drafters.model import ModelDrafter
 from specbench.drafters.trees import TreeDrafter
 from specbench.models.eagle_head import read_head
-from specbench.models.lm import HFCausalLM
+from specbench.models.lm import HFCausalLM, WindowLM
 from specbench.models.load import load
 from specbench.models.static import StaticLM
 
@@ -153,6 +154,22 @@ def test_under_a_repetition_penalty_a_round_still_reads_the_device_once(request,
             target, ModelDrafter(draft, cfg, generator), PROMPT.to(device), 3, 40, cfg, generator
         )
     rounds = len(result.accept_counts)
+    assert rounds >= 8 and reads.count <= rounds + 2, f"{reads.count} reads in {rounds} rounds"
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("pair", [p for p in ON if "static" not in p.id])
+def test_a_window_draft_reads_the_device_once_a_round_though_its_window_moves(request, pair, temperature):
+    # speculative-window's and triforce's bottom level: the tokens in its window stay on the device.
+    target, draft = request.getfixturevalue(pair)
+    device, window = target.device, WindowLM(draft.model, draft.width, budget=8)
+    cfg, generator = Sampling(temperature=temperature), torch.Generator(device=device).manual_seed(0)
+    with HostReads(device) as reads:
+        result = speculative_decode(
+            target, ModelDrafter(window, cfg, generator), PROMPT.to(device), 3, 40, cfg, generator
+        )
+    rounds = len(result.accept_counts)
+    assert window.window.read > 8 + EVICT_SLACK  # it cut its window at least once
     assert rounds >= 8 and reads.count <= rounds + 2, f"{reads.count} reads in {rounds} rounds"
 
 

@@ -294,14 +294,14 @@ def test_a_window_model_reads_its_window_at_positions_from_zero(target):
     window.prefill(PROMPT)
     for token in [1, 2, 0, 0] * 12:
         window.forward(torch.tensor([token]), last=1)
-        assert window.ids[:SINKS] == PROMPT[:SINKS].tolist() and len(window.ids) <= WINDOW + EVICT_SLACK
-        held = window.ids + [2]
+        assert window.ids[:SINKS].tolist() == PROMPT[:SINKS].tolist() and len(window.ids) <= WINDOW + EVICT_SLACK
+        held = window.ids.tolist() + [2]
         if len(held) > WINDOW + EVICT_SLACK:  # this token fills the window: it reads its sinks and newest again
             held = [held[i] for i in window_positions(len(held), WINDOW)]
         plain = HFCausalLM(target, 3)
         plain.prefill(torch.tensor(held[:-1]))
         torch.testing.assert_close(window.forward(torch.tensor([2]), last=1), plain.forward(torch.tensor([2]), last=1))
-        assert window.ids == held
+        assert window.ids.tolist() == held
         window.keep([], 1)
 
 
