@@ -498,11 +498,18 @@ class CacheView(PartialLM):
         held = self.cache.get_seq_length()
         if not self.window.overflows(held, incoming):
             return
-        kept = self.window.kept(held, incoming)
+        kept = on_each_device(self.window.kept(held, incoming))
         for layer in self.cache.layers:
             if layer.is_initialized:
-                index = kept.to(layer.keys.device)  # a device map may put layers on other GPUs
+                index = kept(layer.keys.device)
                 layer.keys, layer.values = layer.keys.index_select(2, index), layer.values.index_select(2, index)
+
+
+def on_each_device(host: torch.Tensor) -> Callable[[torch.device], torch.Tensor]:
+    """``host`` (positions the host computed) on a device, sent once to each device asked for and
+    without a wait (to_device): a device map may put a cache's layers on several GPUs, and a copy per
+    layer from pageable memory would wait for the device at each."""
+    return cache(lambda device: to_device(host, device))
 
 
 class SparseView(CacheView):
@@ -532,11 +539,12 @@ class SparseView(CacheView):
             raise ValueError("a sparse view is built from the target's cache right after its prefill")
         self.reset()
         queries = self.full.take_queries() if self.policy == "retrieval" else None
+        kept = on_each_device(self.window.kept(len(prompt_ids)))
         for i, layer in enumerate(self.full.cache.layers):
             keys, values = layer.keys, layer.values  # [1, kv_heads, length, head_dim]
-            kv_heads, length = keys.shape[1], keys.shape[2]
+            kv_heads = keys.shape[1]
             if queries is None:
-                chosen = self.window.kept(length).to(keys.device).expand(kv_heads, -1)
+                chosen = kept(keys.device).expand(kv_heads, -1)
             else:
                 chosen = retrieval_positions(queries[i], keys[0], self.window.budget)
             index = chosen[None, :, :, None].expand(-1, -1, -1, keys.shape[-1])
