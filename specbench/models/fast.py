@@ -341,6 +341,11 @@ class FastLlama:
         cos, sin = self.rotary(x, torch.arange(n, device=self.device)[None])
         qkv = torch.zeros(n, (self.heads + 2 * self.kv_heads) * self.head_dim, dtype=self.dtype, device=self.device)
         rms(x, self.norm, self.eps)
+        first = self.layers[0]
+        if first.query_norm is not None:  # Qwen3's per-head norms: over head views of the fused product
+            heads, kv, d = self.heads, self.kv_heads, self.head_dim
+            rms(qkv[:, : heads * d].view(n, heads, d), first.query_norm, self.eps)
+            rms(qkv[:, heads * d : (heads + kv) * d].view(n, kv, d), first.key_norm, self.eps)
         rotate(qkv, cos[:, None], sin[:, None], self.heads, self.kv_heads, self.head_dim)
         gated(torch.zeros(n, 2 * self.intermediate, dtype=self.dtype, device=self.device))
 

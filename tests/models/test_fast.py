@@ -14,7 +14,7 @@ from specbench.models.fast import PADDED_UP_TO, FastLlama, attend, fastest_rows,
 from specbench.models.lm import CacheView, HFCausalLM
 from specbench.models.load import load
 
-from ..families import FAMILIES, llama
+from ..families import FAMILIES, llama, qwen3
 from ..helpers import LawLM, tiny_law_model
 from ..toy import P_FLOOR, speculative_law_p
 
@@ -88,9 +88,12 @@ def assert_padded_scores_as_transformers(fast: FastLlama, model, paddings) -> No
 
 
 @pytest.mark.slow
-def test_the_compiled_forward_scores_as_the_own_one(target):
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_the_compiled_forward_scores_as_the_own_one(request, family):
     # The CUDA route (torch.compile of the elementwise work, dynamic shapes) compiled here on CPU:
-    # every forward size of a run goes through the same graphs, with transformers' scores.
+    # every forward size of a run goes through the same graphs, with transformers' scores; Qwen3's
+    # per-head norms of queries and keys too.
+    target = request.getfixturevalue("target") if family == "llama" else qwen3(0)
     width = target.get_output_embeddings().weight.shape[0]
     from torch._dynamo.utils import counters
 
