@@ -13,7 +13,6 @@ then its Results; it never prints.
 from __future__ import annotations
 
 import csv
-import gc
 import json
 import logging
 import math
@@ -278,6 +277,7 @@ def _benchmark(
     for decoder in plan:
         decoder.method.begin_run(pair, cfg.settings_of(decoder.method), decoder)
     costs = None  # specbench's loop's forward costs; vLLM's are in engine_costs
+    levels, loops = {}, []  # the drafting levels' views and the loops: what holds the loop's models
     if own and previous is not None and previous.costs:
         costs = ForwardCosts.from_rows(previous.costs)
     elif own:
@@ -322,8 +322,13 @@ def _benchmark(
         if run is not None:
             text_of = decoded_text(pair)
             if pair.target_lm is not None:  # vLLM loads the models again: free this process's copy first
+                # On a GPU vLLM starts only where most of the memory is free: nothing of the loop's may stay.
+                levels, loops = {}, []
+                for decoder in plan:
+                    if not decoder.method.learns:  # a learner's draft is saved at the end (--save-draft)
+                        decoder.state = None
                 pair = pair.without_weights()
-                gc.collect()
+                pair.return_cached_memory()
             yield from serve_rows(run, conversations, writer, records, blocks, engine_costs, counters, text_of, markers)
     finally:
         summary, categories = write_summaries(writer, records, over, cfg.group_by)

@@ -228,6 +228,17 @@ class HFCausalLM:
             facts["padded_rows"] = self.fast.padding
         return facts
 
+    def release(self) -> None:
+        """Drop what this model's forward holds on its device beside the module (specbench's forward over
+        its weights, the cache, a shortlisted head): before another engine loads the model onto the same
+        memory. It decodes no more."""
+        self.fast = self.fast_head = self.shortlist = None
+        self.drop_cache()
+
+    def drop_cache(self) -> None:
+        """release's part for the cache."""
+        self.cache = None
+
     def refresh(self, more_tokens: torch.Tensor) -> None:
         """After the weights changed (online updates): gather the shortlisted head again from them,
         with ``more_tokens`` added to the shortlist. Takes effect at the next ``reset``."""

@@ -8,6 +8,7 @@ encoding reads only the Pair.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import logging
 from dataclasses import dataclass, replace
@@ -72,14 +73,25 @@ class Pair:
         return "compiling the static path's forwards" + (" and capturing CUDA graphs" if graphs else "")
 
     def without_weights(self) -> Pair:
-        """This pair with the weights freed (moved to the meta device; shapes and configs stay),
-        before another engine loads its own copy onto the same memory."""
+        """This pair with its models' memory let go, before another engine loads its own copy onto the
+        same device: the modules moved to the meta device (shapes and configs stay), and what the loop's
+        models hold beside them (specbench's forward over the weights, caches, CUDA graphs) dropped, as
+        is the EAGLE head. Whatever else still refers to the loop's models (its loops, the methods'
+        views) must be let go too; then return_cached_memory."""
+        for lm in (self.target_lm, self.draft_lm):
+            if lm is not None:
+                lm.release()
         for model in (self.target, self.draft):
             if model is not None:
                 model.model.to("meta")
+        return replace(self, target_lm=None, draft_lm=None, head=None)
+
+    def return_cached_memory(self) -> None:
+        """Give the device the memory that torch's allocator caches for tensors now gone (collected
+        first: it hands back only blocks that no tensor holds), so that another process can use it."""
+        gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        return replace(self, target_lm=None, draft_lm=None)
 
     def timed(self, clock: PhaseClock) -> Pair:
         """This pair with every forward of its models lapped on ``clock``."""

@@ -366,6 +366,10 @@ class StaticLM(HFCausalLM):
         super().refresh(more_tokens)
         self.graphs, self.chained = {}, {}  # captured over the old forward's weights
 
+    def drop_cache(self) -> None:
+        """The cache, and the compiled forwards and graphs made over it."""
+        self.kv, self.graphs, self.chained, self.compiled, self.pool = None, {}, {}, None, None
+
     @property
     def route(self) -> str:
         """What runs the forward: the compile column's value."""

@@ -557,3 +557,48 @@ def test_theory_takes_k_as_run_spells_it():
     ]
     assert spelled[0].exit_code == 0 and spelled[0].stdout == spelled[1].stdout
     assert [line.split(",")[2] for line in spelled[0].stdout.splitlines()[1:]] == ["2", "4"]
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["fast", "static"])
+def test_before_vllm_loads_its_copy_nothing_of_the_loops_models_stays(
+    tiny_pair, prompts_file, tmp_path, monkeypatch, graphs
+):
+    # On a GPU vLLM starts only where most of the memory is free: the loop's forwards (their own
+    # weights, packed or joined), caches, graphs and the methods' views must all be gone by then.
+    import gc
+    import types
+    import weakref
+
+    from specbench.bench import config as config_module
+    from specbench.bench import run as run_module
+
+    held = []
+    prepared = run_module.prepare
+
+    def prepare(cfg):
+        pair, conversations = prepared(cfg)
+        for lm in (pair.target_lm, pair.draft_lm):
+            held.extend(weakref.ref(x) for x in (lm.fast, lm.fast.embedding, lm.fast.layers[0].gate_up.weights[0]))
+            if graphs:
+                held.append(weakref.ref(lm.kv.keys[0]))
+        return pair, conversations
+
+    def serve_rows(*args, **kwargs):
+        gc.collect()
+        alive = [ref() for ref in held if ref() is not None]
+        assert not alive, [type(x).__name__ for x in alive]
+        yield from ()
+
+    monkeypatch.setattr(config_module, "available", lambda: True)
+    monkeypatch.setattr(run_module, "prepare", prepare)
+    monkeypatch.setattr(
+        run_module, "serving_run", lambda cfg, *_: types.SimpleNamespace(baseline=cfg.served_baseline, plan=[])
+    )
+    monkeypatch.setattr(run_module, "serve_rows", serve_rows)
+    cfg = config(
+        tiny_pair, prompts_file, methods=["speculative", "speculative-window"], engines=["torch", "vllm"], ks=[2],
+        num_prompts=1, graphs=graphs,
+    )  # fmt: skip
+    results = run(cfg, tmp_path / "out")
+    assert {row["method"] for row in results.summary} >= {"baseline", "speculative", "speculative-window"}
+    assert len(held) >= 6
