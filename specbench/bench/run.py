@@ -277,7 +277,6 @@ def _benchmark(
     for decoder in plan:
         decoder.method.begin_run(pair, cfg.settings_of(decoder.method), decoder)
     costs = None  # specbench's loop's forward costs; vLLM's are in engine_costs
-    levels, loops = {}, []  # the drafting levels' views and the loops: what holds the loop's models
     if own and previous is not None and previous.costs:
         costs = ForwardCosts.from_rows(previous.costs)
     elif own:
@@ -288,6 +287,7 @@ def _benchmark(
             for level in decoder.method.levels
         }
         costs = measure_costs(pair, prompt_ids, levels, cfg.widest, cfg.max_new_tokens, cfg.cost_repeats)
+        levels = {}  # views that only the costs read: their caches would count in every decode's peak memory
         writer.write_csv("verify_cost.csv", costs.rows())
     done = previous.complete_prompts(1 + len(plan)) if previous is not None else set()
     # A conversation is decoded again whole unless every turn of it is done: a later turn needs the answers before it.
@@ -323,7 +323,7 @@ def _benchmark(
             text_of = decoded_text(pair)
             if pair.target_lm is not None:  # vLLM loads the models again: free this process's copy first
                 # On a GPU vLLM starts only where most of the memory is free: nothing of the loop's may stay.
-                levels, loops = {}, []
+                loops = []  # they, and the methods' states, hold the loop's models
                 for decoder in plan:
                     if not decoder.method.learns:  # a learner's draft is saved at the end (--save-draft)
                         decoder.state = None

@@ -160,3 +160,23 @@ def test_a_checkpoint_is_loaded_straight_onto_the_device(tiny_pair, monkeypatch)
     assert loaded.model.model.rotary_emb.inv_freq.dtype == torch.float32  # transformers keeps its own in float32
     load(tiny_pair[0], CPU, torch.float32, device_map="auto")
     assert asked[-1] == "auto"  # accelerate's placement is passed as it was given
+
+
+def test_a_decodes_peak_is_counted_after_the_caches_of_the_decode_before_are_gone(tiny_pair, monkeypatch):
+    # The baseline never touches the draft: the cache a speculative decode left in it must not count
+    # in the baseline's peak memory, nor the target's last cache in the next decode's.
+    from specbench.decoding.sampling import Sampling
+    from specbench.engines.loop import Loop, Settings
+    from specbench.methods.base import Decoder
+    from specbench.methods.registry import BASELINE, METHODS
+    from specbench.models.load import Wanted
+    from specbench.models.pair import load_pair
+
+    pair = load_pair(Wanted(tiny_pair[0], tiny_pair[1], "cpu", "float32"))
+    held = []
+    monkeypatch.setattr(PeakMemory, "reset", lambda self: held.append((pair.target_lm.length, pair.draft_lm.length)))
+    prompt, settings = torch.tensor([5, 9, 14, 5, 9, 14, 3]), Settings(6, Sampling())
+    Loop(pair, Decoder(METHODS["speculative"], k=2)).decode(prompt, 0, settings, seed=0)
+    assert pair.target_lm.length > 0 and pair.draft_lm.length > 0  # what the decode left in the caches
+    Loop(pair, Decoder(BASELINE)).decode(prompt, 0, settings, seed=0)
+    assert held == [(0, 0), (0, 0)]
