@@ -156,7 +156,13 @@ def resolve_device(device: str) -> torch.device:
             raise SpecbenchError(
                 f"--device {device} asked for, but torch sees no CUDA device: use --device cpu or auto"
             )
-        return torch.device(device)
+        chosen = torch.device(device)
+        if chosen.type == "cuda" and chosen.index is not None and chosen.index >= (count := torch.cuda.device_count()):
+            raise SpecbenchError(
+                f"--device {device} asked for, but torch sees {count} CUDA device{'s' if count > 1 else ''} "
+                f"(cuda:0 to cuda:{count - 1}; CUDA_VISIBLE_DEVICES narrows them): pick one of those"
+            )
+        return chosen
     if torch.cuda.is_available():
         return torch.device("cuda")
     if torch.backends.mps.is_available():

@@ -180,3 +180,16 @@ def test_a_decodes_peak_is_counted_after_the_caches_of_the_decode_before_are_gon
     assert pair.target_lm.length > 0 and pair.draft_lm.length > 0  # what the decode left in the caches
     Loop(pair, Decoder(BASELINE)).decode(prompt, 0, settings, seed=0)
     assert held == [(0, 0), (0, 0)]
+
+
+def test_a_cuda_device_past_those_torch_sees_is_one_line_naming_them(monkeypatch):
+    from specbench.core.errors import SpecbenchError
+    from specbench.models.load import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda:1") and resolve_device("cuda") == torch.device("cuda")
+    with pytest.raises(
+        SpecbenchError, match=r"--device cuda:2 asked for, but torch sees 2 CUDA devices \(cuda:0 to cuda:1"
+    ):
+        resolve_device("cuda:2")
