@@ -121,9 +121,10 @@ GPU = Sizes(
     graph_prompts=4,
     graph_tokens=128,
     prompt_tokens=128,
-    # 11 tests, four of them long (the two CUDA chi-squares and their broken controls; the fast forward's
+    # 12 tests, four of them long (the two CUDA chi-squares and their broken controls; the fast forward's
     # took 89-143 s on H200s): with 4 workers one worker once ran two after three others (235 s). One
-    # each but for the eleventh, a failed capture's recovery, which takes a second beside another.
+    # each but for the two new short ones (a failed capture's recovery, the copy's timing by events),
+    # which take a second or two beside another.
     test_workers=10,
     # Caps, not goals: on H200s a took 198 s, b 72-88 s, c 138-190 s, d 45-61 s before the static path;
     # b and e run beside a. e runs in the check's own process: its cap is shown, not enforced (it took

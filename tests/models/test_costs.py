@@ -1,5 +1,6 @@
 """What a decode step reads, and the copy bandwidth it is judged against (models/costs.py)."""
 
+import pytest
 import torch
 
 from specbench.models.costs import copy_bandwidth, streamed_bytes
@@ -24,3 +25,19 @@ def test_a_step_reads_every_weight_once_and_one_row_of_an_untied_embedding(tiny_
 def test_the_copy_bandwidth_is_measured_on_the_device():
     bandwidth = copy_bandwidth(CPU, repeats=3)
     assert 1e8 < bandwidth < 1e13  # bytes per second: above 100 MB/s, below 10 TB/s
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_copy_is_timed_by_the_device_not_around_host_waits():
+    # Events on the copy's stream: a host timer around two synchronisations times more than the copy.
+    from specbench.models.costs import copy_seconds, seconds_of
+
+    cuda = torch.device("cuda")
+    source = torch.ones(2**28, dtype=torch.uint8, device=cuda)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        copy_seconds(cuda, target, source)
+    by_events = sorted(copy_seconds(cuda, target, source) for _ in range(9))[4]
+    by_host = sorted(seconds_of(cuda, lambda: target.copy_(source)) for _ in range(9))[4]
+    assert 0 < by_events < by_host
+    assert 1e11 < 2 * source.numel() / by_events < 2e13  # bytes per second: a GPU's, read and written
