@@ -227,7 +227,10 @@ def replay_inputs(graph: Graph, depth, tree, chain: Callable[[], tuple]) -> tupl
 
 
 def chain_warp(sampling: Sampling) -> tuple:
-    """What of ``sampling`` a drafted chain's graph draws under (StaticLM.draft_chain): its warp."""
+    """What of ``sampling`` a drafted chain's graph draws under (StaticLM.draft_chain): its warp; under
+    greedy nothing, since an argmax ignores every truncation (one set of graphs for all greedy runs)."""
+    if sampling.greedy:
+        return ("greedy",)
     return sampling.temperature, sampling.top_k, sampling.top_p, sampling.eta, sampling.min_p
 
 

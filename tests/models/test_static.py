@@ -759,6 +759,12 @@ def test_after_a_capture_fails_memory_is_still_freed_and_the_next_capture_replay
     assert doubled(torch.full((4,), 3.0, device="cuda"))[0].tolist() == [6.0] * 4
 
 
+def test_greedy_chains_share_their_graphs_whatever_the_truncation_and_sampled_ones_do_not():
+    key = static_path.chain_warp
+    assert key(Sampling(temperature=0.0, top_k=5, top_p=0.9)) == key(Sampling(temperature=0.0))  # one argmax
+    assert key(Sampling(temperature=1.0, top_k=5)) != key(Sampling(temperature=1.0))
+
+
 def test_a_capture_that_fails_leaves_the_forwards_compiled_with_one_log_line(tmp_path, monkeypatch, caplog):
     # Graphs are CUDA's default: an operation some torch version cannot capture must not end the run.
     # The target and the head each say it once, their routes say what ran, and they decode as before.
