@@ -71,6 +71,14 @@ class EagleDrafter:
             return self._chain(out, logits, k)
 
     def _chain(self, out: torch.Tensor, logits: torch.Tensor, k: int) -> Draft:
+        chains = getattr(self.head, "chains", None)  # a head on the static path (models/static_head.py)
+        if self.p_min is None and chains is not None and chains(k, self.sampling):
+            # Its steps and draws replayed as one CUDA graph.
+            drafted = self.head.draft_chain(logits[0], out, k, self.sampling, self.generator)
+            if drafted is not None:
+                ids, q = drafted
+                return Draft.chain(self.head.draft_ids[ids], None if q is None else self._full(q), forwards=k)
+
         def row_after(token: torch.Tensor | None) -> torch.Tensor:
             nonlocal out, logits
             if token is not None:  # the head reads its last draft with its own output

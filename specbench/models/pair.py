@@ -53,15 +53,15 @@ class Pair:
     def reserve(self, tokens: int, widest: int = 1, sampling: Sampling | None = None) -> None:
         """Room for sequences of ``tokens`` in the caches of the models on the static path, allocated
         now, before anything is compiled against them or timed; on CUDA their graphs for forwards as
-        wide as ``widest`` (the run's widest verification) and more captured now too, and the draft's
-        chains drafted under ``sampling`` (StaticLM.reserve_chains)."""
+        wide as ``widest`` (the run's widest verification) and more captured now too, and the chains
+        that the draft or the head draft under ``sampling`` (reserve_chains)."""
         if isinstance(self.target_lm, StaticLM):  # an EAGLE head's target also records the head's features
             self.target_lm.reserve(tokens, widest, None if self.head is None else self.head.config.taps)
         for lm in (self.draft_lm, self.head):
             if isinstance(lm, (StaticLM, StaticHead)):
                 lm.reserve(tokens, widest)
-        if sampling is not None and isinstance(self.draft_lm, StaticLM):
-            self.draft_lm.reserve_chains(sampling)
+                if sampling is not None:
+                    lm.reserve_chains(sampling)
 
     def builds_at_reserve(self) -> str | None:
         """What reserve will build before anything is timed, in a few words ("compiling the static

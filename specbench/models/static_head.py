@@ -1,6 +1,7 @@
 """An EAGLE head (models/eagle_head.EagleHead) on the static path (models/static.py): its cache a
 StaticKV allocated once, its steps compiled as a model's forwards are and, on CUDA, replayed as CUDA
-graphs, with the same machinery (compile_forms, graphed, capture_all)."""
+graphs, with the same machinery (compile_forms, graphed, capture_all), and a chain's steps and draws
+replayed as one graph, as a draft model's are (draft_chain)."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ import time
 import torch
 
 from specbench.decoding.kv import StaticKV, static_mask
-from specbench.models import static  # its compile_forms called through it: tests replace it there
+from specbench.decoding.sampling import Sampling
+from specbench.models import static  # its compile_forms and draw_chain called through it: tests replace them there
 from specbench.models.fast import attend
 from specbench.models.static import (
     CAPTURED_AT_LEAST,
+    CHAINED_UP_TO,
     GRAPHED_UP_TO,
     Graph,
     capture_all,
     captured_up_to,
     chain_tree,
+    chain_warp,
     compile_options,
     graphed,
     outputs_mb,
@@ -93,7 +97,10 @@ class StaticHead:
         self.graphed = compiled and head.device.type == "cuda"
         self.pool = torch.cuda.graph_pool_handle() if self.graphed else None
         self.start = torch.zeros(1, dtype=torch.long, device=head.device)
+        self.chain_start = torch.zeros_like(self.start)  # that of each step inside a drafted chain's graph
         self.kv, self.forms, self.graphs, self.capture_seconds, self.build_seconds = None, None, {}, 0.0, 0.0
+        self.chained: dict[tuple, Graph] = {}  # draft_chain's graphs, by K and the warp they draw under
+        self.chaining = True  # until capturing a chain fails
         self.captured_up_to = CAPTURED_AT_LEAST  # as StaticLM's (reserve)
         self.allocate(capacity)
 
@@ -105,6 +112,7 @@ class StaticHead:
             "build_s": self.build_seconds,
             "graphs": sorted(self.graphs),
             "captured": len(self.graphs),
+            "chains": len(self.chained),  # its chains captured as one graph each (draft_chain)
             "capture_s": self.capture_seconds,
             "graphs_mb": outputs_mb(self.graphs),
             "cache_positions": self.kv.capacity,
@@ -119,7 +127,7 @@ class StaticHead:
             return
         c = self.head.config
         self.kv = StaticKV(1, c.kv_heads, c.head_dim, capacity, self.head.dtype, self.head.device)
-        self.forms, self.graphs = None, {}  # compiled for the old capacity
+        self.forms, self.graphs, self.chained = None, {}, {}  # compiled for the old capacity
 
     def reserve(self, tokens: int, widest: int = 1) -> None:
         """Room for sequences of ``tokens``, the steps compiled for it and on CUDA captured, as
@@ -228,5 +236,93 @@ class StaticHead:
         )
         self.capture_seconds += seconds
         if graph is None:  # the capture failed: the compiled forms run, and no graph is kept
-            self.graphed, self.graphs = False, {}
+            self.graphed, self.graphs, self.chained = False, {}, {}
         return graph
+
+    def chains(self, k: int, sampling: Sampling) -> bool:
+        """Whether draft_chain drafts ``k`` tokens under ``sampling``: on CUDA's graphs, K up to
+        CHAINED_UP_TO, room in the cache, and no capture of a chain failed. A warp not captured yet is
+        captured now, its steps writing slots past the sequence, which the round crops anyway."""
+        if not (
+            self.chaining
+            and self.graphed
+            and self.forms is not None
+            and 1 <= k <= CHAINED_UP_TO
+            and self.kv.length + CHAINED_UP_TO <= self.kv.capacity
+        ):
+            return False
+        if (k, chain_warp(sampling)) not in self.chained:
+            self._capture_chains(sampling, self.kv.length)
+        return self.chaining
+
+    def reserve_chains(self, sampling: Sampling) -> None:
+        """The chains' graphs of every K under ``sampling``'s warp, captured now where they serve: after
+        reserve, before any sequence and anything timed (as StaticLM.reserve_chains)."""
+        if self.chaining and self.graphed and self.forms is not None and (1, chain_warp(sampling)) not in self.chained:
+            self._capture_chains(sampling, 0)
+
+    @torch.inference_mode()
+    def draft_chain(
+        self, first: torch.Tensor, out: torch.Tensor, k: int, sampling: Sampling, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """A chain of ``k`` draft ids drawn after the scores ``first`` [draft_vocab] and the layer's
+        output ``out`` [1, h] of the step that read the round's pending pairs, as sampling.draw_chain
+        draws one: its k - 1 steps (each reading the last draft with the output before it) and every
+        draw replayed as one CUDA graph, as StaticLM.draft_chain replays a draft model's. The randomness
+        is drawn on ``generator`` outside the graph, into its buffer, in one call. The cache then holds
+        the drafts it read. Only where ``chains`` said so. Returns the ids [k] and their q rows [k,
+        draft_vocab] (None under greedy); None when the chain's graph is gone (a capture failed since)."""
+        graph = self.chained.get((k, chain_warp(sampling)))
+        if graph is None:
+            return None
+        start = self.kv.length
+        self.start.fill_(start)  # the slot the chain's first step writes; the graph counts on from it
+        if not sampling.greedy:
+            graph.buffers[2].exponential_(generator=generator)
+        tokens, rows = graph(first, out, None)
+        self.kv.length = start + k - 1
+        return tokens, rows
+
+    @torch.inference_mode()  # as the loop's steps run: the compiled form guards on how its inputs were made
+    def _capture_chains(self, sampling: Sampling, slot: int) -> None:
+        """draft_chain's graphs of every K up to CHAINED_UP_TO under ``sampling``'s warp, their steps
+        writing from ``slot``; a failure (one log line, graphed says) ends chaining."""
+        self.start.fill_(slot)
+        one_step = self._graph(1)  # its outputs give the chain's widths and dtypes
+        if one_step is None:
+            self.chaining = False
+            return
+        head, step, warp = self.head, self.forms[0], chain_warp(sampling)
+        (out, scores), depth, tree = one_step.out, *self._chain_shape(1)  # depth and tree held by each graph
+
+        def run(first, before, draws, n):
+            state = before
+
+            def row_after(token: torch.Tensor, i: int) -> torch.Tensor:
+                nonlocal state
+                # Written into a tensor made as self.start was: a new one would be compiled for anew.
+                torch.add(self.start, i - 1, out=self.chain_start)
+                state, normed = step(head, self.kv, head.draft_ids[token], state, depth, tree, self.chain_start)
+                return head.score(normed)[-1]
+
+            return static.draw_chain(first, n, sampling, draws, row_after)
+
+        for n in range(1, CHAINED_UP_TO + 1):
+
+            def buffers(n=n):
+                width = scores.shape[-1]
+                draws = torch.ones(n if not sampling.greedy else 0, width, device=head.device)
+                return scores.new_zeros(width), out.new_zeros(1, out.shape[-1]), draws
+
+            graph, seconds = graphed(
+                self.chained,
+                (n, warp),
+                lambda first, before, draws, n=n: run(first, before, draws, n),
+                buffers,
+                self.pool,
+                "the EAGLE head's chains are drawn a token at a time",
+            )
+            self.capture_seconds += seconds
+            if graph is None:
+                self.chained, self.chaining = {}, False
+                return

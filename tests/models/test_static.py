@@ -723,14 +723,63 @@ def test_the_static_head_drafts_as_the_head_itself(tmp_path, monkeypatch, one_th
     assert_eagle_decodes_alike((target, head), (target, static_head), prompts, shape)
 
 
-@pytest.mark.slow
-def test_eagle_on_the_static_path_gives_the_target_law(tmp_path, one_thread):
+def static_eagle_law_p(tmp_path, replayed: bool, negative_control: bool = False) -> float:
+    """The law test of EAGLE chains (K = 3) on the static path: compiled, or on graphs replayed on the
+    CPU, where the head drafts each chain in one graph (after graphs_on_cpu)."""
     from specbench.drafters.eagle import EagleDrafter
 
-    target, _, static_head = static_eagle(tmp_path)
+    target, _, static_head = static_eagle(tmp_path, replayed=replayed)
     cfg, generator = Sampling(temperature=1.0), torch.Generator().manual_seed(0)
     drafter = EagleDrafter(static_head, target, 3, cfg, generator)
-    assert speculative_law_p(target, drafter, 3, cfg, generator) > P_FLOOR
+    p = speculative_law_p(target, drafter, 3, cfg, generator, negative_control=negative_control)
+    assert any(graph.replays for graph in static_head.chained.values()) == replayed
+    return p
+
+
+@pytest.mark.parametrize(
+    "replayed", [pytest.param(False, id="static-inductor", marks=pytest.mark.slow), pytest.param(True, id=REPLAYED)]
+)
+def test_eagle_on_the_static_path_gives_the_target_law(tmp_path, one_thread, monkeypatch, replayed):
+    if replayed:
+        graphs_on_cpu(monkeypatch)
+    assert static_eagle_law_p(tmp_path, replayed) > P_FLOOR
+
+
+def test_the_test_catches_an_eagle_chain_whose_graph_never_reads_its_draws(tmp_path, one_thread, monkeypatch):
+    # As for a draft model's chain: the head's chain graph racing over numbers it was captured with.
+    chain = static_path.draw_chain
+    monkeypatch.setattr(
+        static_path,
+        "draw_chain",
+        lambda first, k, sampling, draws, row_after: chain(first, k, sampling, torch.ones_like(draws), row_after),
+    )
+    graphs_on_cpu(monkeypatch)
+    assert static_eagle_law_p(tmp_path, True, negative_control=True) < P_FLOOR
+
+
+def test_an_eagle_chain_drawn_in_one_graph_draws_what_a_step_at_a_time_draws(tmp_path, monkeypatch):
+    # The chain's graph against the head's own steps, token for token and row for row, from its draws.
+    graphs_on_cpu(monkeypatch)
+    target, head, static_head = static_eagle(tmp_path, replayed=True)
+    cut = Sampling(temperature=0.8, top_k=2)
+    with torch.inference_mode():
+        target.prefill(torch.tensor([0, 2, 1, 1, 0]))
+        cache = static_head.new_cache()
+        out, logits = static_head.scored_step(torch.tensor([2, 1, 1, 0]), head.fuse(target.features[:4]), cache)
+        start = cache.length
+        assert static_head.chains(4, cut)
+        ids, rows = static_head.draft_chain(logits[0], out, 4, cut, torch.Generator().manual_seed(3))
+        assert cache.length == start + 3  # every draft but the last read
+        draws = static_head.chained[4, static_path.chain_warp(cut)].buffers[2].clone()
+        cache.crop(start)
+        row, one_by_one, q_rows = logits[0], [], []
+        for i in range(4):
+            if i:
+                out, scores = static_head.scored_step(head.draft_ids[one_by_one[-1]], out, cache)
+                row = scores[0]
+            q_rows.append(warp(row, cut))
+            one_by_one.append(race(q_rows[-1], draws[i].clone()))
+    assert torch.equal(ids, torch.cat(one_by_one)) and torch.equal(rows, torch.stack(q_rows))
 
 
 @pytest.mark.gpu
