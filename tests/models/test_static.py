@@ -785,14 +785,17 @@ def test_an_eagle_chain_drawn_in_one_graph_draws_what_a_step_at_a_time_draws(tmp
 @pytest.mark.gpu
 def test_an_eagle_pair_on_cuda_graphs_drafts_as_transformers_and_the_head(tmp_path, one_thread):
     # The CUDA captures themselves (the tests above replay their bookkeeping on the CPU): the target's
-    # verification with its features, the head's reads of a round's pairs and the levels of EAGLE-2's
-    # dynamic trees, all replayed graphs, draft round for round as the eager head over transformers' forward.
+    # verification with its features, the head's reads of a round's pairs, its chains in one graph and
+    # the levels of EAGLE-2's dynamic trees, all replayed graphs, draft round for round as the eager
+    # head over transformers' forward.
     target, head, static_head = static_eagle(tmp_path, device="cuda")
     assert target.route == static_head.forward_facts()["route"] == "graphs"
     eager = HFCausalLM(target.model, target.vocab)
     eager.record_features(head.config.taps)
     prompts = ([0, 2, 1, 1, 0, 2, 2, 1, 0, 1], [1, 1, 0, 2, 0, 0, 1, 2, 2, 1, 0, 1, 2])
-    assert_eagle_decodes_alike((eager, head), (target, static_head), prompts, {"dynamic": (3, 2)})
+    for shape in ({}, {"dynamic": (3, 2)}):
+        assert_eagle_decodes_alike((eager, head), (target, static_head), prompts, shape)
+    assert static_head.chained  # captured at the first chain, which then replayed them
 
 
 @pytest.mark.gpu
