@@ -165,6 +165,12 @@ def compile_forms(
     return forms
 
 
+@functools.cache
+def capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream every CUDA graph on ``device`` is warmed up and captured on."""
+    return torch.cuda.Stream(device)
+
+
 class Graph:
     """``run`` (a compiled forward of one token count) captured as a CUDA graph over fixed input
     ``buffers``; a call copies its inputs into them (None: the buffer already holds it), replays, and
@@ -180,7 +186,7 @@ class Graph:
         computes nothing) and return the outputs, tensors that every replay writes again. The CUDA half
         of the class, with ``replay``: tests replay a Graph on the CPU by overriding the two."""
         device = self.buffers[0].device
-        side = torch.cuda.Stream(device)
+        side = capture_stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # capture needs the kernels chosen and compiled first
             for _ in range(2):
@@ -191,6 +197,8 @@ class Graph:
         try:
             # Captured on the side stream, which is on the model's device: torch's own capture stream is
             # made once, on whichever device was current then, and captures nothing of a model on another.
+            # One stream for every capture on a device: the graphs sharing a pool reuse each other's
+            # scratch memory only where they were captured on the same stream.
             with torch.cuda.graph(self.graph, pool=pool, stream=side):
                 return run(*self.buffers)
         except Exception:

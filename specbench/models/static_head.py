@@ -279,7 +279,7 @@ class StaticHead:
         self.start.fill_(start)  # the slot the chain's first step writes; the graph counts on from it
         if not sampling.greedy:
             graph.buffers[2].exponential_(generator=generator)
-        tokens, rows = graph(first, out, None)
+        tokens, rows = graph(first, out, None, None, None)
         self.kv.length = start + k - 1
         return tokens, rows
 
@@ -293,7 +293,8 @@ class StaticHead:
             self.chaining = False
             return
         head, step, warp = self.head, self.forms[0], chain_warp(sampling)
-        (out, scores), depth, tree = one_step.out, *self._chain_shape(1)  # depth and tree held by each graph
+        # Made once; each graph holds them among its buffers: a CUDA graph keeps nothing it reads alive.
+        (out, scores), depth, tree = one_step.out, *self._chain_shape(1)
 
         def run(first, before, draws, n):
             state = before
@@ -312,12 +313,12 @@ class StaticHead:
             def buffers(n=n):
                 width = scores.shape[-1]
                 draws = torch.ones(n if not sampling.greedy else 0, width, device=head.device)
-                return scores.new_zeros(width), out.new_zeros(1, out.shape[-1]), draws
+                return scores.new_zeros(width), out.new_zeros(1, out.shape[-1]), draws, depth, tree
 
             graph, seconds = graphed(
                 self.chained,
                 (n, warp),
-                lambda first, before, draws, n=n: run(first, before, draws, n),
+                lambda first, before, draws, _depth, _tree, n=n: run(first, before, draws, n),
                 buffers,
                 self.pool,
                 "the EAGLE head's chains are drawn a token at a time",

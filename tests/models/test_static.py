@@ -757,6 +757,46 @@ def test_the_test_catches_an_eagle_chain_whose_graph_never_reads_its_draws(tmp_p
     assert static_eagle_law_p(tmp_path, True, negative_control=True) < P_FLOOR
 
 
+class KeepsNothing(static_path.Graph):
+    """A graph that, as a CUDA graph, keeps nothing alive of what its capture read: only its buffers."""
+
+    def capture(self, run, pool):
+        return run(*self.buffers)
+
+    def replay(self) -> None:
+        raise AssertionError("not replayed here")
+
+
+def test_what_a_chains_graph_reads_outlives_its_capture(tmp_path, monkeypatch):
+    # The tests that replay graphs on the CPU keep the captured function, and with it every tensor it
+    # closed over; a CUDA graph does not, and a tensor made for the capture alone is freed after it,
+    # its memory reused while the graph still reads it (the head's chains once held their positions
+    # and mask so). The depth and tree every chain's steps read must be among the graph's buffers.
+    import gc
+    import weakref
+
+    graphs_on_cpu(monkeypatch)
+    monkeypatch.setattr(static_path, "Graph", KeepsNothing)
+    made = []
+    for owner, name in ((StaticHead, "_chain_shape"), (static_path, "chain_tree")):
+        original = getattr(owner, name)
+
+        def spy(*args, original=original):
+            out = original(*args)
+            made.extend(weakref.ref(t) for t in (out if isinstance(out, tuple) else (out,)))
+            return out
+
+        monkeypatch.setattr(owner, name, spy)
+    _, _, static_head = static_eagle(tmp_path, replayed=True)
+    draft = replay_on_cpu(static(llama(0, layers=2), compiled=True))
+    draft.reserve(96, widest=5)
+    for lm in (static_head, draft):
+        made.clear()
+        lm.reserve_chains(GREEDY)
+        gc.collect()
+        assert lm.chained and made and all(ref() is not None for ref in made), type(lm).__name__
+
+
 def test_an_eagle_chain_drawn_in_one_graph_draws_what_a_step_at_a_time_draws(tmp_path, monkeypatch):
     # The chain's graph against the head's own steps, token for token and row for row, from its draws.
     graphs_on_cpu(monkeypatch)
