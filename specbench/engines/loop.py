@@ -54,6 +54,15 @@ class Settings:
         raise AttributeError(f"{name} is not an option of this method")
 
 
+def kept_models(decoder) -> list:
+    """The models a method keeps in its decoder's state from one prompt to the next (a window draft, a
+    sparse view of the target, TriForce's both, an online learner's draft): each holds the cache of
+    its last decode until its next prefill."""
+    state = decoder.state
+    parts = state if isinstance(state, tuple) else (state, getattr(state, "lm", None))
+    return [part for part in parts if hasattr(part, "prefill") and hasattr(part, "reset")]
+
+
 def generator_for(device: torch.device, seed: int, prompt_index: int, method: str) -> torch.Generator:
     """An independent, reproducible random stream per (seed, prompt, method): adding, removing or
     reordering methods changes no other method's samples."""
@@ -127,6 +136,8 @@ class Loop:
             phases = self.clock.stop(result.past_stop)  # waits for the device
             runs.append((result, phases, self.clock.forward_ends))
             peaks.append(self.memory.peak())
+            for lm in kept_models(self.decoder):  # or their caches would count in the next method's peak
+                lm.reset()
         result, phases, ends = sorted(runs, key=lambda run: run[1].total)[(len(runs) - 1) // 2]
         return Measurement(result, phases.total, phases, None if None in peaks else max(peaks), ends)
 

@@ -164,7 +164,8 @@ def test_a_checkpoint_is_loaded_straight_onto_the_device(tiny_pair, monkeypatch)
 
 def test_a_decodes_peak_is_counted_after_the_caches_of_the_decode_before_are_gone(tiny_pair, monkeypatch):
     # The baseline never touches the draft: the cache a speculative decode left in it must not count
-    # in the baseline's peak memory, nor the target's last cache in the next decode's.
+    # in the baseline's peak memory, nor the target's last cache in the next decode's, nor the cache
+    # of the window draft that speculative-window keeps from one prompt to the next.
     from specbench.decoding.sampling import Sampling
     from specbench.engines.loop import Loop, Settings
     from specbench.methods.base import Decoder
@@ -173,13 +174,20 @@ def test_a_decodes_peak_is_counted_after_the_caches_of_the_decode_before_are_gon
     from specbench.models.pair import load_pair
 
     pair = load_pair(Wanted(tiny_pair[0], tiny_pair[1], "cpu", "float32"))
-    held = []
-    monkeypatch.setattr(PeakMemory, "reset", lambda self: held.append((pair.target_lm.length, pair.draft_lm.length)))
-    prompt, settings = torch.tensor([5, 9, 14, 5, 9, 14, 3]), Settings(6, Sampling())
+    window = Decoder(METHODS["speculative-window"], k=2)
+    options = {"draft_window": 8}
+    window.method.begin_run(pair, Settings(6, Sampling(), options), window)
+    held, prompt, settings = [], torch.tensor([5, 9, 14, 5, 9, 14, 3]), Settings(6, Sampling())
+
+    def lengths(self):
+        held.append((pair.target_lm.length, pair.draft_lm.length, window.state.length))
+
+    monkeypatch.setattr(PeakMemory, "reset", lengths)
     Loop(pair, Decoder(METHODS["speculative"], k=2)).decode(prompt, 0, settings, seed=0)
     assert pair.target_lm.length > 0 and pair.draft_lm.length > 0  # what the decode left in the caches
+    Loop(pair, window, options).decode(prompt, 0, Settings(6, Sampling(), options), seed=0)
     Loop(pair, Decoder(BASELINE)).decode(prompt, 0, settings, seed=0)
-    assert held == [(0, 0), (0, 0)]
+    assert held == [(0, 0, 0)] * 3
 
 
 def test_a_cuda_device_past_those_torch_sees_is_one_line_naming_them(monkeypatch):
