@@ -277,6 +277,7 @@ def _benchmark(
     for decoder in plan:
         decoder.method.begin_run(pair, cfg.settings_of(decoder.method), decoder)
     costs = None  # specbench's loop's forward costs; vLLM's are in engine_costs
+    loop_forward = {}  # forward_facts of the loop's models, kept when they are let go for vLLM
     if own and previous is not None and previous.costs:
         costs = ForwardCosts.from_rows(previous.costs)
     elif own:
@@ -322,6 +323,7 @@ def _benchmark(
         if run is not None:
             text_of = decoded_text(pair)
             if pair.target_lm is not None:  # vLLM loads the models again: free this process's copy first
+                loop_forward = forward_facts(pair)  # what ran the loop's forwards, before they are let go
                 # On a GPU vLLM starts only where most of the memory is free: nothing of the loop's may stay.
                 loops = []  # they, and the methods' states, hold the loop's models
                 for decoder in plan:
@@ -377,7 +379,7 @@ def _benchmark(
         if own
         else []
     )
-    facts = forward_facts(pair)
+    facts = forward_facts(pair) or loop_forward
     if facts:
         meta["resolved"]["forward"] = facts
         writer.write_json("meta.json", meta)

@@ -602,3 +602,6 @@ def test_before_vllm_loads_its_copy_nothing_of_the_loops_models_stays(
     results = run(cfg, tmp_path / "out")
     assert {row["method"] for row in results.summary} >= {"baseline", "speculative", "speculative-window"}
     assert len(held) >= 6
+    # What ran the loop's forwards is still said, at the end, of models let go before it.
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert set(meta["resolved"]["forward"]) == {"target", "draft"} and results.forward.startswith("target ")
