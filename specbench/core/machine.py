@@ -91,7 +91,7 @@ def source_revision(where: Path = Path(__file__).parent) -> tuple[str | None, in
     repository, as a device machine receives it) is not that commit's run, and its record says so.
     (None, None) outside a checkout."""
     commit = (_git(where, "rev-parse", "HEAD") or "").strip() or None
-    status = _git(where, "status", "--porcelain", "--untracked-files=no") if commit else None
+    status = _git(where, "--no-optional-locks", "status", "--porcelain", "--untracked-files=no") if commit else None
     return commit, None if status is None else len(status.splitlines())
 
 
