@@ -242,6 +242,20 @@ def chain_warp(sampling: Sampling) -> tuple:
     return sampling.temperature, sampling.top_k, sampling.top_p, sampling.eta, sampling.min_p
 
 
+def replay_chain(model, graph: Graph, draws: int, inputs: tuple, k: int, sampling: Sampling, generator) -> tuple:
+    """A drafted chain's ``graph`` of ``k`` tokens replayed for ``model`` (a StaticLM or a
+    static_head.StaticHead) from ``inputs`` (None: a buffer that holds it): its first forward writes
+    at the model's cache length, its Exp(1) draws go into buffer ``draws`` first, in one call on
+    ``generator``, and the cache then holds every token but the last. Returns the graph's outputs."""
+    start = model.kv.length
+    model.start.fill_(start)  # the slot the chain's first forward writes; the graph counts on from it
+    if not sampling.greedy:
+        graph.buffers[draws].exponential_(generator=generator)
+    out = graph(*inputs)
+    model.kv.length = start + k - 1
+    return out
+
+
 def outputs_mb(graphs: dict) -> float:
     """MB of the output tensors that ``graphs`` hold (each graph's own; their pool's scratch is shared)."""
     return sum(out.numel() * out.element_size() for g in graphs.values() for out in g.out if out is not None) / 2**20
@@ -599,13 +613,7 @@ class StaticLM(HFCausalLM):
         graph = self.chained.get((k, chain_warp(sampling)))
         if graph is None:  # dropped since chains() said so: a capture of the catch-up's forward failed
             return None
-        start = self.kv.length
-        self.start.fill_(start)  # the slot the chain's first forward writes; the graph counts on from it
-        if not sampling.greedy:
-            graph.buffers[1].exponential_(generator=generator)
-        tokens, rows = graph(first, None, None, None)
-        self.kv.length = start + k - 1
-        return tokens, rows
+        return replay_chain(self, graph, 1, (first, None, None, None), k, sampling, generator)
 
     @torch.inference_mode()  # as the loop's forwards run: the compiled form guards on how its inputs were made
     def _capture_chains(self, sampling: Sampling, slot: int) -> None:

@@ -25,6 +25,7 @@ from specbench.models.static import (
     compile_options,
     graphed,
     outputs_mb,
+    replay_chain,
     replay_inputs,
 )
 
@@ -275,13 +276,7 @@ class StaticHead:
         graph = self.chained.get((k, chain_warp(sampling)))
         if graph is None:
             return None
-        start = self.kv.length
-        self.start.fill_(start)  # the slot the chain's first step writes; the graph counts on from it
-        if not sampling.greedy:
-            graph.buffers[2].exponential_(generator=generator)
-        tokens, rows = graph(first, out, None, None, None)
-        self.kv.length = start + k - 1
-        return tokens, rows
+        return replay_chain(self, graph, 2, (first, out, None, None, None), k, sampling, generator)
 
     @torch.inference_mode()  # as the loop's steps run: the compiled form guards on how its inputs were made
     def _capture_chains(self, sampling: Sampling, slot: int) -> None:
