@@ -20,9 +20,9 @@ def _listing(directory: Path) -> set[str]:
 def pytest_collection_modifyitems(config, items):
     """Tests marked slow run first, and tests marked gpu only where torch sees a CUDA device.
 
-    Why slow first: xdist hands a worker the next test in collection order whenever it runs short,
-    so a long test collected late (the audit's, 2 minutes) ran alone at the end while the other
-    worker sat idle; started first, the long tests share the workers and the short ones fill in."""
+    Why slow first: a long test collected late (the audit's, 2 minutes) ran alone at the end while
+    the other worker sat idle. Started first, the long tests run side by side, and at the end a worker
+    that runs out takes short tests from the other's queue (pyproject's --dist worksteal)."""
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: each group keeps its order
     if torch.cuda.is_available():
         return
