@@ -102,6 +102,9 @@ class Method:
     engine = "torch"  # whose implementation decodes: specbench's loop, transformers' (hf) or vLLM's
     counterpart = ""  # the vLLM method that does the same, run in its place under --engine vllm
     reference = ""  # the method its speedup is over when not specbench's baseline (its engine's own)
+    # Whether a decode's first target forward verifies drafts besides reading the prompt (transformers'
+    # assisted generation drafts before it); specbench's loop drafts only after its prefill.
+    prefill_verifies = False
 
     @property
     def drafts(self) -> bool:
@@ -111,6 +114,11 @@ class Method:
     def chains(self) -> bool:
         """Whether it drafts chains of K tokens, which the chain formulas (predicted_speedup) describe."""
         return self.takes_k and not self.shapes_tree
+
+    def verify_forwards(self, target_forwards: int, decodes: int) -> int:
+        """Of ``target_forwards`` over ``decodes`` decodes, the forwards that verified drafts: all but
+        each decode's prefill, unless its prefill verifies too (prefill_verifies)."""
+        return target_forwards if self.prefill_verifies else target_forwards - decodes
 
     def longest_draft(self, cfg, k: int) -> int:
         """The most tokens one of its rounds drafts at lookahead ``k`` (the caches make room for them)."""

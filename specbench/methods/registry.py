@@ -638,6 +638,7 @@ class HFAssisted(Method):
     )
     engine, adjusts_logits, levels = "hf", True, (EAGER_TARGET, EAGER_DRAFT)
     reference = "hf-generate"  # transformers' own plain decoding, which runs whenever this does
+    prefill_verifies = True  # the assistant drafts first; the target's first call reads the prompt and them
 
     def check(self, pair):
         if pair.target.width != pair.draft.width:

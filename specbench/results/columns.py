@@ -402,7 +402,8 @@ COLUMNS: tuple[Column, ...] = (
         DETERMINISTIC,
         None,
         ".2f",
-        "draft tokens verified per target forward (K for a chain of a draft model)",
+        "draft tokens verified per target forward that verifies (a prefill verifies only under hf-assisted; "
+        "K for a chain of a draft model)",
         header="nodes",
     ),
     Column(

@@ -101,6 +101,7 @@ def record(
     divergence = metrics.first_divergence(b.tokens, s.tokens)
     drafts = method.drafts
     rate, base_rate = len(s.tokens) / measured.seconds, len(b.tokens) / baseline.seconds
+    verifying = method.verify_forwards(s.target_forwards, 1)
     return {
         "engine": method.engine,
         "concurrency": 1,
@@ -125,7 +126,7 @@ def record(
         "proposable": method.proposable(decoder, b.tokens),
         "acceptance_rate": s.accepted / s.drafted if s.drafted else math.nan,
         "tau": len(s.tokens) / s.target_forwards if drafts else math.nan,
-        "nodes": s.drafted / (s.target_forwards - 1) if drafts and s.target_forwards > 1 else math.nan,
+        "nodes": s.drafted / verifying if drafts and verifying else math.nan,
         # The prefill forward yields the first token; the rest share the decode time.
         "ttft_ms": 1000 * measured.phases.prefill,
         "tpot_ms": 1000 * (measured.seconds - measured.phases.prefill) / (len(s.tokens) - 1)
@@ -237,7 +238,7 @@ def summarize(records: list[dict], costs: ForwardCosts, plan: list[Decoder], col
         totals = {name: sum(r[name] for r in rs) for name in counted}
         alpha = totals["beta_sum"] / totals["tested"] if totals["tested"] else math.nan
         c = method.c(costs)
-        rounds = run["target_forwards"] - len(rs)
+        rounds = method.verify_forwards(run["target_forwards"], len(rs))
         nodes = totals["drafted"] / rounds if drafts and rounds else math.nan
         # A chain verifies K + 1 tokens a round, a tree its nodes + 1; under another policy the count varies.
         fits = not math.isnan(nodes) and (chain or bool(decoder.tree))

@@ -416,6 +416,12 @@ def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_p
         assert 1 <= by_method.loc[method, "tau"] <= 4  # measured for every drafting method
         assert 0 <= by_method.loc[method, "acceptance_rate"] <= 1
     assert by_method.loc["baseline", "speedup"] == 1.0
+    # A round drafts at most K = 3. transformers' assistant drafts before the target's first call, which
+    # verifies them with the prompt: counted as specbench's prefill, that call's drafts were spread over
+    # one forward fewer than verified them (nodes K (T) / (T - 1), above K).
+    for method in ("speculative", "cascade", "hf-assisted"):
+        nodes = [*records.loc[records["method"] == method, "nodes"], summary.set_index("method").loc[method, "nodes"]]
+        assert all(0 < n <= 3 for n in nodes), (method, nodes)
     # hf-assisted's c is of transformers' forwards; the verification cost measured is of specbench's own.
     assert by_method.loc["speculative", "verify_ratio"] > 0 and math.isnan(by_method.loc["hf-assisted", "verify_ratio"])
     # hf-assisted's speedup is over transformers' own plain generate, its vs_specbench over specbench's baseline.
