@@ -417,8 +417,8 @@ def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_p
         assert 0 <= by_method.loc[method, "acceptance_rate"] <= 1
     assert by_method.loc["baseline", "speedup"] == 1.0
     # A round drafts at most K = 3. transformers' assistant drafts before the target's first call, which
-    # verifies them with the prompt: counted as specbench's prefill, that call's drafts were spread over
-    # one forward fewer than verified them (nodes K (T) / (T - 1), above K).
+    # verifies them with the prompt; counting that call as a prefill that verifies nothing divided T
+    # forwards' drafts by T - 1 (3.6 for hf-assisted here).
     for method in ("speculative", "cascade", "hf-assisted"):
         nodes = [*records.loc[records["method"] == method, "nodes"], summary.set_index("method").loc[method, "nodes"]]
         assert all(0 < n <= 3 for n in nodes), (method, nodes)
