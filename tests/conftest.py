@@ -8,7 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from .helpers import CORPUS, build_llama, build_thinking_pair, build_tokenizer, spec_bench_rows, write_jsonl
+from .helpers import (
+    CORPUS,
+    build_llama,
+    build_thinking_pair,
+    build_tokenizer,
+    cache_with_default_target,
+    spec_bench_rows,
+    write_jsonl,
+)
 
 RESULTS = Path(__file__).parent.parent / "results"
 
@@ -132,8 +140,9 @@ def foreign_draft(tmp_path_factory) -> str:
 def llama_cache(tmp_path_factory) -> Path:
     """specbench's cache for the session (SPECBENCH_CACHE: the default target read from its GGUF, and
     GGUF conversions), under the tests' temporary root. The llama.cpp tests share it, so that each
-    conversion (SmolLM2-135M to f32 took 12 s, the shipped draft 11 s) is made once a session."""
-    return tmp_path_factory.mktemp("specbench-cache")
+    conversion (SmolLM2-135M to f32 took 12 s, the shipped draft 11 s) is made once a session; the
+    default target's float32 copy is the user cache's (cache_with_default_target)."""
+    return cache_with_default_target(tmp_path_factory.mktemp("specbench-cache"))
 
 
 @pytest.fixture(scope="session")

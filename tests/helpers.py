@@ -286,6 +286,22 @@ class LawLM(HFCausalLM):
         return self.model(input_ids=torch.tensor([context], device=self.device)).logits[0, -1].float().cpu()
 
 
+def cache_with_default_target(cache: Path) -> Path:
+    """``cache``, a SPECBENCH_CACHE of a test's own, with a link to the default target's float32 copy in
+    the user's cache (made there first where it is missing, as test_smollm2's tests make it). Tests that
+    run the default target under a cache of their own dequantised its GGUF again, about 30 s each; that
+    conversion has tests of its own (test_smollm2)."""
+    from specbench.core.environment import cache_dir
+    from specbench.models.load import local_dir
+    from specbench.models.names import resolve
+
+    copy = local_dir(resolve("smollm2-135m"))  # under the user's cache: SPECBENCH_CACHE is not set yet
+    link = cache / copy.relative_to(cache_dir())
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(copy, target_is_directory=True)
+    return cache
+
+
 def tiny_law_model(seed: int, tmp_path, device: str = "cpu"):
     """A 2-layer Llama of 3 tokens, built and loaded on the CPU, then moved to ``device``."""
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM

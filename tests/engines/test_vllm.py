@@ -17,6 +17,7 @@ from tests.helpers import (
     build_llama,
     build_thinking_pair,
     build_tokenizer,
+    cache_with_default_target,
     check_thinking_split,
     cli,
     one_line_error,
@@ -451,7 +452,7 @@ def test_vllm_writes_distills_answers_from_the_targets_weights(tmp_path, monkeyp
     from specbench.engines.vllm import EngineSpec
     from specbench.training.teacher import MAX_LOGP_DIFFERENCE, MIN_AGREEMENT
 
-    monkeypatch.setenv("SPECBENCH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("SPECBENCH_CACHE", str(cache_with_default_target(tmp_path / "cache")))
     # In this process, so that the teacher's engine can be made eager like every other engine here:
     # compiling the real target took minutes of the test and wrote vLLM's cache outside tmp_path.
     kwargs = EngineSpec.kwargs
