@@ -295,7 +295,9 @@ def cache_with_default_target(cache: Path) -> Path:
     from specbench.models.load import local_dir
     from specbench.models.names import resolve
 
-    copy = local_dir(resolve("smollm2-135m"))  # under the user's cache: SPECBENCH_CACHE is not set yet
+    # Called before the test sets SPECBENCH_CACHE to ``cache``: the copy is then the user's.
+    assert not cache_dir().is_relative_to(cache), "call it before SPECBENCH_CACHE names the test's cache"
+    copy = local_dir(resolve("smollm2-135m"))
     link = cache / copy.relative_to(cache_dir())
     link.parent.mkdir(parents=True, exist_ok=True)
     link.symlink_to(copy, target_is_directory=True)

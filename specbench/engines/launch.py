@@ -27,8 +27,8 @@ WAIT_S = 600.0  # a large model's load on a GPU server takes minutes
 STOP_S = 30.0
 # How often a launched server's health is asked while it starts. A llama-server of a small model
 # answers a second or two after it starts, and every run with --launch waits on one per server, so
-# a second's poll (half a second lost a launch, on average) added up; a refused connection costs
-# the server nothing.
+# a second's poll (half a second lost a launch, on average) added up; a poll costs a starting
+# server next to nothing (a refused connection, or a 503 while it loads).
 POLL_S = 0.2
 
 

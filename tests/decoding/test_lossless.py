@@ -243,7 +243,9 @@ def cascade(cfg: Sampling, split: int | None = None, draft: ToyLM | None = None)
 
 # Each split with one sampling configuration, each configuration once: the warp is applied as in every
 # other law test, and what a cascade adds is where the rows of each position come from (the split).
-@pytest.mark.parametrize(("cfg", "split"), zip(CASCADE_CONFIGS, [None, 1, 2], strict=True))
+# The vertical cascade, where the draft model checks lookup's proposals itself, runs under top-k, which
+# truncates what it checks.
+@pytest.mark.parametrize(("cfg", "split"), list(zip(CASCADE_CONFIGS, [1, None, 2], strict=True)))
 @pytest.mark.slow
 def test_cascade_matches_target_law(cfg, split):
     # Vertical (split None): lookup proposes beneath the draft model; with a split the model drafts

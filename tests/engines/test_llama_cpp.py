@@ -88,6 +88,7 @@ def test_a_baseline_killed_mid_run_keeps_its_rows_and_resume_finishes(in_cache, 
     assert len(lines) == 1 and "--resume" in " ".join(stderr.split()), stderr[-2000:]
     kept = pd.read_csv(records, keep_default_na=False)
     assert (kept["error"] == "").sum() >= 2  # the rows finished before the kill are on disk
+    assert set(kept["method"]) == {"baseline"} and (kept["error"] == "").sum() < 6  # killed inside its block
     result = cli("run", *args, "--resume")
     assert result.returncode == 0, result.stderr[-3000:]
     rows = pd.read_csv(records, keep_default_na=False)

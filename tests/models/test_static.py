@@ -589,8 +589,8 @@ def test_speculative_sampling_on_the_static_path_matches_the_target_law(tmp_path
 
 
 def test_the_graphed_path_gives_the_target_law_quickly(tmp_path, one_thread, monkeypatch):
-    """The fast set's check (and test-lowest's of the compiled path): a third of the samples, the graphs
-    replayed on the CPU (the slow tests above draw them all)."""
+    """The fast set's check (and test-lowest's) of the graphs' bookkeeping: a third of the samples, the
+    graphs replayed on the CPU (the slow tests above draw them all)."""
     graphs_on_cpu(monkeypatch)
     assert static_law_p(tmp_path, REPLAYED, samples=SAMPLES // 3) > P_FLOOR
 
