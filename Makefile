@@ -92,10 +92,11 @@ test-all: $(PINNED)
 	$(PYTHON) -m pytest -q -m "not vllm and not llama_cpp" --durations=15
 
 # The fast suite on the lowest bounds of torch and transformers (make install-lowest): 3 min 4 s
-# to 3 min 51 s on 2 cores (2026-11-28 to 2026-12-07), with the served engines' tests. Those are left
-# out: they test specbench as an HTTP client of stub servers (aiohttp, whose version is not bounded),
-# and the tokenizers and command line they also use run in the rest; they were a third of the suite's
-# test time (130 of 439 s).
+# to 3 min 51 s on 2 cores (2026-11-28 to 2026-12-07) with the served engines' tests, 2 min 37 s without
+# them and with the replayed graphs' full law tests in the slow set (2026-12-07). The served engines'
+# tests are left out: they test specbench as an HTTP client of stub servers (aiohttp, whose version is
+# not bounded), and the tokenizers and command line they also use run in the rest; they were a third of
+# the suite's test time (130 of 439 s).
 test-lowest: install-lowest
 	$(LOWEST_ENV)/bin/python -m pytest -q -m "not slow and not vllm and not llama_cpp" --ignore=tests/engines/test_servers.py
 
