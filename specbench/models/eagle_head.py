@@ -376,14 +376,7 @@ class EagleHead(nn.Module):
 
     def draft_logits(self, out: torch.Tensor) -> torch.Tensor:
         """Scores over the draft vocabulary [n, draft_vocab] from the layer's output."""
-        return self.score(self.final_norm(out))
-
-    def final_norm(self, out: torch.Tensor) -> torch.Tensor:
-        return rms_norm(out, self.norm.weight, self.config.eps)
-
-    def score(self, normed: torch.Tensor) -> torch.Tensor:
-        """draft_logits from the final norm's output (models/static.py compiles the norm with the layer)."""
-        return self.products["lm_head"](normed)
+        return self.products["lm_head"](rms_norm(out, self.norm.weight, self.config.eps))
 
     def step(
         self,

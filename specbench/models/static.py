@@ -10,11 +10,12 @@ bound (gpt-fast, vLLM, SGLang) do what this module does:
   attends over the whole buffer under a mask that it builds itself on the device from the first
   slot and the tokens' own tree; a rejected draft only moves the host's ``length``, so nothing is
   copied for a chain, and stale slots are masked, then overwritten;
-- the forward (models/fast.py's arithmetic, the same weights) is compiled whole: one graph for a
-  single token, one with a dynamic token count for every wider forward (K + 1 for each K, a tree's
-  size, a draft catching up), so K, prompts and rounds never recompile it;
+- the forward (models/fast.py's arithmetic, the same weights) is compiled whole, LM head included
+  (a shortlisted head scores outside it): one graph for a single token, one with a dynamic token
+  count for every wider forward (K + 1 for each K, a tree's size, a draft catching up), so K, prompts
+  and rounds never recompile it;
 - on CUDA the forwards of 1 to 16 tokens (more where the run verifies more) are captured as CUDA
-  graphs over fixed input buffers, LM head included (a shortlisted head's appending too), when the
+  graphs over fixed input buffers (a shortlisted head's appending and scoring too), when the
   run reserves its cache, before anything is timed, and a forward is a few copies into them and one
   replay; wider forwards run compiled. The random draws of sampling and the acceptance test stay
   outside, on the run's generators; the host still reads once a round;
@@ -105,11 +106,13 @@ def chain_tree(n: int, device, slots: int | None = None) -> torch.Tensor:
 
 
 def tapped(lm: StaticLM, ids, depth, tree, start, layers: tuple[int, ...] | None):
-    """``step`` compiled: the final normed states, and the inputs of ``layers`` side by side [n,
+    """``step`` compiled, LM head included: every row's logits [n, width], or for a shortlisted head
+    (StaticLM.scores_inside) the final normed states; and the inputs of ``layers`` side by side [n,
     len(layers) * hidden] (FastLlama.hidden's taps: an EAGLE head's features), or None without layers."""
     taps = None if layers is None else dict.fromkeys(layers)
     hidden = step(lm, ids, depth, tree, start, None, taps)
-    return hidden, None if taps is None else torch.cat([taps[i] for i in layers], dim=-1)
+    out = lm.fast.logits(hidden)[:, : lm.width] if lm.scores_inside else hidden
+    return out, None if taps is None else torch.cat([taps[i] for i in layers], dim=-1)
 
 
 def _one(lm, ids, depth, tree, start, layers):  # a single token, all shapes static
@@ -508,23 +511,35 @@ class StaticLM(HFCausalLM):
                 depth = torch.arange(n, device=self.device)
             if tree is None:
                 tree = chain_tree(n, self.device)
-            if forms is None:
-                hidden, features = step(self, ids, depth, tree, self.start, self.queries, self._taps), None
+            if forms is None:  # the final states of the last rows only: a prompt's others are never scored
+                out, features = step(self, ids, depth, tree, self.start, self.queries, self._taps), None
             else:  # the compiled graph guards on the kind of tensor too: all made in inference mode, as the loop's
                 ids, depth, tree = (t if t.is_inference() else t.clone() for t in (ids, depth, tree))
-                hidden, features = forms[n > 1](self, ids, depth, tree, self.start)
-            logits = self._fast_head(hidden[-last:], ids)
+                out, features = forms[n > 1](self, ids, depth, tree, self.start)
+            scored = forms is not None and self.scores_inside
+            logits = out[-last:] if scored else self._fast_head(out[-last:], ids)
         if features is not None:  # the taps, as HFCausalLM._forward reads them
             for i, tap in zip(layers, features.chunk(len(layers), dim=-1), strict=True):
                 self._taps[i] = tap
         self.kv.length = start + n
         return logits
 
-    def _graphed_head(self, hidden: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        """_fast_head's logits of every row of ``hidden``, as a graph holds them: a shortlist appends
-        ``ids`` on the device and scores all its rows, no host read (make_room came before)."""
-        if self.shortlist is None:
-            return self.fast.logits(hidden)[:, : self.width]
+    @property
+    def scores_inside(self) -> bool:
+        """Whether the compiled forms score the whole vocabulary themselves (tapped): on CUDA inductor then
+        lowers the one-token LM head to a tuned reduction (compile_options), as gpt-fast compiles its
+        whole decoder, and fuses the final norm into it; the eager head's cuBLAS product of one row is
+        among what the first graphed run left short of the bandwidth. A shortlisted head appends ids to
+        its buffers (make_room, append) and scores outside them."""
+        return self.shortlist is None
+
+    def _graphed_head(self, out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """_fast_head's logits of every row of a compiled form's ``out`` (tapped), as a graph holds them:
+        the form's own, or a shortlist appends ``ids`` on the device and scores all its rows, no host read
+        (make_room came before)."""
+        if self.scores_inside:
+            return out
+        hidden = out
         self.shortlist.append(ids)
         return self.shortlist.logits(F.linear(hidden, self.shortlist.rows), self.shortlist.ids)
 
@@ -544,8 +559,8 @@ class StaticLM(HFCausalLM):
             self.graphs, self.graphs_version = {}, shortlist.version  # captured over the shortlist's old buffers
 
         def run(ids, depth, tree):
-            hidden, features = forms[n > 1](self, ids, depth, tree, self.start)
-            return self._graphed_head(hidden, ids), features
+            out, features = forms[n > 1](self, ids, depth, tree, self.start)
+            return self._graphed_head(out, ids), features
 
         def buffers():
             return (
@@ -633,8 +648,8 @@ class StaticLM(HFCausalLM):
             # Written into a tensor made as self.start was (outside inference mode): the compiled form
             # guards on how its inputs were made, and a new tensor here would be compiled for anew.
             torch.add(self.start, i - 1, out=self.chain_start)
-            hidden, _ = one(self, token, depth, tree, self.chain_start)
-            return self._graphed_head(hidden, token)[-1]
+            out, _ = one(self, token, depth, tree, self.chain_start)
+            return self._graphed_head(out, token)[-1]
 
         for n in range(1, CHAINED_UP_TO + 1):
 

@@ -65,8 +65,9 @@ TREE_SLOTS = GRAPHED_UP_TO
 def head_step(head, kv: StaticKV, ids, hidden, depth, tree, start):
     """The EAGLE head's decoder layer over ``ids`` [n] with ``hidden`` [n, h], written at slots
     ``start`` [1] onwards, each at position start + ``depth`` and seeing what ``tree`` [n, TREE_SLOTS]
-    allows of the slots ending with its own (static_mask). Returns its outputs [n, h] and their final
-    norm (what the head's product scores)."""
+    allows of the slots ending with its own (static_mask). Returns its outputs [n, h] and the scores of
+    the token after each [n, draft_vocab]: the head's product inside the compiled step, which on CUDA
+    inductor lowers to a tuned reduction with the final norm fused (models/static.py, scores_inside)."""
     n = ids.shape[0]
     slots = start + torch.arange(n, device=ids.device)
     mask = static_mask(start, tree, kv.capacity, head.dtype)[None, None]
@@ -76,7 +77,7 @@ def head_step(head, kv: StaticKV, ids, hidden, depth, tree, start):
         return attend(q, keys, values, mask)
 
     out = head.layer(head.embed[ids], hidden, start + depth, attend_static)
-    return out, head.final_norm(out)
+    return out, head.draft_logits(out)
 
 
 def _head_one(head, kv, ids, hidden, depth, tree, start):  # a single pair
@@ -198,11 +199,10 @@ class StaticHead:
             out, logits = graph(tokens, hidden, depth, tree)
             if last < n:  # a view costs the host too: none for a draft's step
                 out, logits = out[-last:], logits[-last:]
-        else:  # compiled, then the scores of the last rows only (a round's pending pairs score one)
+        else:  # compiled
             inputs = (tokens, hidden) + ((depth, tree) if mask is not None else self._chain_shape(n))
             inputs = (t if t.is_inference() else t.clone() for t in inputs)  # the compiled forms guard on it
-            out, normed = (t[-last:] for t in self.forms[n > 1](self.head, self.kv, *inputs, self.start))
-            logits = self.head.score(normed)
+            out, logits = (t[-last:] for t in self.forms[n > 1](self.head, self.kv, *inputs, self.start))
         self.kv.length = start + n
         return out, logits
 
@@ -222,15 +222,10 @@ class StaticHead:
         if not self.graphed or self.forms is None or n > self.captured_up_to:
             return None
         run, head = self.forms[n > 1], self.head
-
-        def scored(*inputs):  # the scores of every row inside the graph: the head's product launches nothing
-            out, normed = run(head, self.kv, *inputs, self.start)
-            return out, head.score(normed)
-
         graph, seconds = graphed(
             self.graphs,
             n,
-            scored,
+            lambda *inputs: run(head, self.kv, *inputs, self.start),
             lambda: self._chain_buffers(n),
             self.pool,
             "the EAGLE head runs its steps compiled",
@@ -298,8 +293,8 @@ class StaticHead:
                 nonlocal state
                 # Written into a tensor made as self.start was: a new one would be compiled for anew.
                 torch.add(self.start, i - 1, out=self.chain_start)
-                state, normed = step(head, self.kv, head.draft_ids[token], state, depth, tree, self.chain_start)
-                return head.score(normed)[-1]
+                state, scores = step(head, self.kv, head.draft_ids[token], state, depth, tree, self.chain_start)
+                return scores[-1]
 
             return static.draw_chain(first, n, sampling, draws, row_after)
 

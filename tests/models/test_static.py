@@ -221,6 +221,40 @@ def test_on_cuda_the_forwards_compile_with_coordinate_descent_tuning(monkeypatch
     assert asked == [None, None]
 
 
+def test_the_compiled_forms_score_the_vocabulary_themselves_unless_a_shortlist_does(monkeypatch, tmp_path):
+    # gpt-fast compiles its whole decoder: inside the form, inductor lowers a one-token LM head to a tuned
+    # reduction on CUDA with the final norm fused, where an eager head is cuBLAS's one-row product. What
+    # the forms return is what the compiler was given (torch.compile the identity here).
+    monkeypatch.setattr(torch, "compile", lambda function, **kw: function)
+    model = llama(0)
+    width, hidden = model.config.vocab_size, model.config.hidden_size
+
+    def returned(lm) -> list[tuple[int, int]]:
+        depth, tree = torch.zeros(1, dtype=torch.long), static_path.chain_tree(1, CPU)
+        with torch.inference_mode():
+            lm.prefill(torch.tensor([1, 2, 3]))
+            return [tuple(form(lm, torch.tensor([4]), depth, tree, lm.start)[0].shape) for form in lm._forms(None)]
+
+    whole, shortlisted = static(model, compiled=True), static(model, compiled=True, head_tokens=torch.arange(4))
+    assert whole.scores_inside and not shortlisted.scores_inside
+    assert returned(whole) == [(1, width)] * 2 and returned(shortlisted) == [(1, hidden)] * 2
+    from specbench.models.eagle_head import read_head
+
+    from ..helpers import build_eagle3_head
+
+    model = llama(0, layers=3)
+    path = build_eagle3_head(tmp_path / "head", model.config, taps=(0, 1, 2), draft_ids=[0, 2, 4, 5, 7])
+    head = StaticHead(read_head(path, model.get_input_embeddings().weight, 3, hidden, width), 64)
+    head.ready()
+    head.start.fill_(0)
+    ids, features, depth, tree = head._chain_buffers(1)
+    with torch.inference_mode():
+        assert [tuple(t.shape) for t in head.forms[0](head.head, head.kv, ids, features, depth, tree, head.start)] == [
+            (1, hidden),
+            (1, 5),
+        ]
+
+
 def test_static_kv_keeps_a_paths_entries_in_order():
     kv = StaticKV(layers=1, kv_heads=1, head_dim=2, capacity=8, dtype=torch.float32, device=CPU)
     kv.keys[0][0, 0, :, 0] = torch.arange(8.0)
