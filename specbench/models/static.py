@@ -489,7 +489,8 @@ class StaticLM(HFCausalLM):
 
     def _logits(self, ids, depth, tree, start: int, last: int) -> torch.Tensor:
         """The logits of the ``last`` rows of a forward of ``ids`` written from slot ``start``: a graph's
-        replay, head included, or the compiled (or eager) forward and then the head."""
+        replay or the compiled forward, head included (scores_inside), else the eager forward or the
+        compiled one and then the head."""
         n = ids.shape[0]
         self.ready()
         self.start.fill_(start)  # a kernel with the value as its argument: no copy from the host, no wait
@@ -528,7 +529,7 @@ class StaticLM(HFCausalLM):
     def scores_inside(self) -> bool:
         """Whether the compiled forms score the whole vocabulary themselves (tapped): on CUDA inductor then
         lowers the one-token LM head to a tuned reduction (compile_options), as gpt-fast compiles its
-        whole decoder, and fuses the final norm into it; the eager head's cuBLAS product of one row is
+        whole decoder, with the final norm's scaling fused into its loads; the eager head's cuBLAS product of one row is
         among what the first graphed run left short of the bandwidth. A shortlisted head appends ids to
         its buffers (make_room, append) and scores outside them."""
         return self.shortlist is None

@@ -67,7 +67,7 @@ def head_step(head, kv: StaticKV, ids, hidden, depth, tree, start):
     ``start`` [1] onwards, each at position start + ``depth`` and seeing what ``tree`` [n, TREE_SLOTS]
     allows of the slots ending with its own (static_mask). Returns its outputs [n, h] and the scores of
     the token after each [n, draft_vocab]: the head's product inside the compiled step, which on CUDA
-    inductor lowers to a tuned reduction with the final norm fused (models/static.py, scores_inside)."""
+    inductor lowers to a tuned reduction (models/static.py, scores_inside)."""
     n = ids.shape[0]
     slots = start + torch.arange(n, device=ids.device)
     mask = static_mask(start, tree, kv.capacity, head.dtype)[None, None]

@@ -223,7 +223,7 @@ def test_on_cuda_the_forwards_compile_with_coordinate_descent_tuning(monkeypatch
 
 def test_the_compiled_forms_score_the_vocabulary_themselves_unless_a_shortlist_does(monkeypatch, tmp_path):
     # gpt-fast compiles its whole decoder: inside the form, inductor lowers a one-token LM head to a tuned
-    # reduction on CUDA with the final norm fused, where an eager head is cuBLAS's one-row product. What
+    # reduction on CUDA, the final norm's scaling fused into it, where an eager head is cuBLAS's one-row product. What
     # the forms return is what the compiler was given (torch.compile the identity here).
     monkeypatch.setattr(torch, "compile", lambda function, **kw: function)
     model = llama(0)
