@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import math
 import sys
 import time
 from pathlib import Path
@@ -341,8 +342,8 @@ def theory(
     if costs is not None:
         _theory_from_costs(alphas, costs, c, format)
         return
-    if c is None or c < 0 or len(alphas) != 1:
-        raise SpecbenchError("give one --alpha and --c >= 0, or a run's measured costs with --costs RUN_DIR")
+    if c is None or not math.isfinite(c) or c < 0 or len(alphas) != 1:
+        raise SpecbenchError("give one --alpha and a finite --c >= 0, or a run's measured costs with --costs RUN_DIR")
     alpha = alphas[0]
     k_list = OPTIONS["ks"].value(ks)
     OPTIONS["ks"].validate(k_list)
@@ -389,7 +390,14 @@ def _theory_from_costs(alphas: list[float], path: Path, c: float | None, format:
         raise SpecbenchError(f"{file} is not a verify_cost.csv written by `specbench run`") from None
     if costs.draft_single is None or 1 not in costs.target:
         raise SpecbenchError(f"{file} has no draft forward or no one-token target forward: run with a draft")
+    seconds = [costs.draft_single.seconds, *(cost.seconds for cost in costs.target.values())]
+    if not all(math.isfinite(s) and s > 0 for s in seconds):
+        raise SpecbenchError(f"{file} holds a forward time that is not a positive number: measure the costs again")
     rows = predicted_rows(alphas, costs)
+    if not rows:
+        raise SpecbenchError(
+            f"{file} has no target forward of 2 tokens or more, to verify a draft: measure it with a run"
+        )
     if format == "csv":
         print(",".join(rows[0]))
         for row in rows:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,7 +60,8 @@ class Option:
     The default's type is the option's type, unless ``parse`` reads the command line's text into
     the value (lists) or ``repeat`` collects a repeatable flag. ``choices`` are shown in --help and
     enforced, ``low`` is an inclusive minimum (of every element of a list), ``check`` any other rule
-    with ``problem`` the error it gives. ``recorded`` options of a method go into its summary's
+    with ``problem`` the error it gives; a number must be finite unless ``infinite`` (inf is a value
+    it takes). ``recorded`` options of a method go into its summary's
     ``options`` column. ``read_by`` says which parts of a run read it (bench/config.py: READERS): none
     of them, of any one kind, refuses it set away from its default; a method's own options are read
     by the methods that list them.
@@ -70,6 +72,7 @@ class Option:
     help: str
     choices: tuple[str, ...] = ()
     low: float | None = None
+    infinite: bool = False
     check: Callable[[Any], bool] | None = None
     problem: str = ""
     flags: tuple[str, ...] = ()
@@ -133,6 +136,10 @@ class Option:
         if self.choices and not all(v in self.choices for v in values):
             shown = ",".join(map(str, values))
             raise SpecbenchError(self.problem or f"{self.flag} {shown}: use one of {', '.join(self.choices)}")
+        numbers = [v for v in values if isinstance(v, float)]
+        if not all(math.isfinite(v) or (self.infinite and v == math.inf) for v in numbers):
+            shown = ",".join(map(str, values))
+            raise SpecbenchError(f"{self.flag} {shown}: give a finite number")
         if self.low is not None and not all(v >= self.low for v in values):
             raise SpecbenchError(self.problem or f"{self.flag} must be >= {self.low:g}")
         if self.check is not None and not self.check(value):
@@ -631,6 +638,7 @@ SERVER: tuple[Option, ...] = (
         "Requests sent per second, Poisson arrivals seeded by --seed, a comma-separated list sweeps; inf sends "
         "all at once, held to --concurrency (as vllm bench serve's --request-rate and --max-concurrency).",
         parse=float_list,
+        infinite=True,
         check=lambda rates: all(rate > 0 for rate in rates),
         problem="--request-rate must be above 0 requests per second (inf: all at once)",
         read_by=(RUN_COMMAND,),

@@ -237,6 +237,8 @@ def test_uncached_hub_model_fails_fast_with_one_line(tmp_path):
         (["--dataset", "xsum"], "unreachable"),
         (["--threads", "-1"], "--threads must be >= 0"),
         (["--seed", "-1"], "--seed must be >= 0"),
+        (["--temperature", "inf"], "--temperature inf: give a finite number"),
+        (["--top-p", "nan"], "--top-p nan: give a finite number"),
         (["--k-policy", "sometimes"], "--k-policy sometimes: use one of fixed, heuristic, confidence"),
         (["--draft-p-min", "0"], "--draft-p-min must be in (0, 1]"),
         (["--draft-p-min", "0.5"], "--draft-p-min is read only by --k-policy confidence, not by --k-policy fixed"),
@@ -371,6 +373,20 @@ def test_theory_names_an_optimum_beyond_the_ks_it_was_given(tmp_path):
     assert "beyond --k" not in cli("theory", "--alpha", "0.6", "--c", "0.1").stdout  # K = 3 is in 1..8
     assert "no K is best" in cli("theory", "--alpha", "0.5", "--c", "0").stdout
     one_line_error(cli("theory", "--costs", str(tmp_path / "nowhere")), "nowhere does not exist", "verify_cost.csv")
+
+
+def test_theory_refuses_a_cost_that_is_not_a_number(tmp_path):
+    for c in ("nan", "inf"):
+        one_line_error(cli("theory", "--alpha", "0.8", "--c", c), "a finite --c >= 0")
+    costs = tmp_path / "verify_cost.csv"
+    header = "model,tokens,context_tokens,seconds,iqr_s,ratio,ratio_iqr,repeats\n"
+    costs.write_text(header + "target,1,64,0.02,0,1,0,3\ndraft,1,64,nan,0,nan,0,3\n")
+    one_line_error(cli("theory", "--alpha", "0.8", "--costs", str(costs)), "not a positive number")
+    costs.write_text(header + "target,1,64,0.02,0,1,0,3\ndraft,1,64,0.002,0,0.1,0,3\n")
+    one_line_error(cli("theory", "--alpha", "0.8", "--costs", str(costs)), "no target forward of 2 tokens")
+    costs.write_text(costs.read_text() + "target,2,64,0.022,0,1.1,0,3\n")
+    shown = cli("theory", "--alpha", "0.8", "--costs", str(costs), "--format", "csv")
+    assert shown.returncode == 0 and shown.stdout.count("\n") == 2  # a header and K = 1
 
 
 def test_every_method_matches_the_greedy_baseline(tiny_pair, prompts_file, tmp_path):
