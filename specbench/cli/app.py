@@ -627,6 +627,7 @@ def distill(
         cfg.sources = source
     cfg.answers_from = answers_from or []
     cfg.validate()
+    OPTIONS["device"].validate(device)
     with console.status("loading the target"):
         teacher = load(target, resolve_device(device), __import__("torch").float32)
     progress = Progress(

@@ -156,6 +156,10 @@ def resolve_device(device: str) -> torch.device:
             raise SpecbenchError(
                 f"--device {device} asked for, but torch sees no CUDA device: use --device cpu or auto"
             )
+        if device == "mps" and not torch.backends.mps.is_available():
+            raise SpecbenchError(
+                "--device mps asked for, but torch sees no MPS device (Apple silicon): use --device cpu or auto"
+            )
         chosen = torch.device(device)
         if chosen.type == "cuda" and chosen.index is not None and chosen.index >= (count := torch.cuda.device_count()):
             raise SpecbenchError(

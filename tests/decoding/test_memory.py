@@ -201,3 +201,12 @@ def test_a_cuda_device_past_those_torch_sees_is_one_line_naming_them(monkeypatch
         SpecbenchError, match=r"--device cuda:2 asked for, but torch sees 2 CUDA devices \(cuda:0 to cuda:1"
     ):
         resolve_device("cuda:2")
+
+
+def test_mps_where_torch_sees_none_is_one_line(monkeypatch):
+    from specbench.core.errors import SpecbenchError
+    from specbench.models.load import resolve_device
+
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    with pytest.raises(SpecbenchError, match="--device mps asked for, but torch sees no MPS device"):
+        resolve_device("mps")

@@ -84,6 +84,7 @@ def test_data_without_a_record_of_its_settings_are_read_by_distill_json_or_refus
         (["--heads", "0"], ["--heads must be at least 1"]),
         (["--lr", "-1"], ["--lr -1.0", "must be at least 0"]),
         (["--seq-len", "1"], ["--seq-len 1", "use at least 2"]),
+        (["--device", "bogus"], ["--device: use auto, cpu, cuda, cuda:N or mps"]),
     ],
 )
 def test_bad_training_options_are_refused_in_one_line_before_the_target_loads(tiny_pair, tmp_path, args, needles):
