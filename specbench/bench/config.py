@@ -510,6 +510,11 @@ class BenchConfig:
                 f"stays whole in each; give {MIN_CONTEXT} or more, or a dataset of short prompts such as humaneval",
             ),
             (
+                self.graphs is True and self.compile is False,
+                "--graphs compiles its forwards (torch.compile), so --no-compile would go unheard: drop one "
+                "(--no-compile alone runs transformers' eager forward)",
+            ),
+            (
                 self.random_weights and self.learns,
                 "--method online learns from the target's rows, which mean nothing with --random-weights: drop one",
             ),

@@ -260,6 +260,13 @@ def test_bad_input_is_one_clear_line(tiny_pair, prompts_file, tmp_path, args, ne
     assert not (tmp_path / "run").exists()  # refused before the run's folder was made
 
 
+def test_graphs_with_no_compile_is_refused_not_half_heard(tiny_pair, prompts_file, tmp_path):
+    # The static path compiles its forwards: --no-compile beside --graphs was silently dropped.
+    args = ("--dataset", prompts_file, "--out", tmp_path / "run", "--graphs", "--no-compile")
+    result = cli_on_tiny_pair("run", tiny_pair, *args)
+    one_line_error(result, "--graphs compiles its forwards", "drop one")
+
+
 @pytest.mark.parametrize(
     "command, args, needles",
     [
