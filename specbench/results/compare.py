@@ -58,7 +58,12 @@ OPTIONAL_KEYS = [
     "num_prompts",
     "seed",
     *schema.GROUP_KEYS,  # the per-category rows, when both runs wrote categories.csv
-]  # keys only when both files have them
+]  # keys only when both files have them, or one has them and ABSENT says what the other meant
+# What a summary written before a key column existed meant by it: a column one file has and the other
+# lacks is still a key where its absence has a meaning (a synthetic-acceptance run is another experiment
+# than an older file's verification, a heuristic K than its fixed K). k_policy: fixed where a row has a K.
+ABSENT = {"engine": "torch", "concurrency": 1, "request_rate": math.inf, "tree": None, "eta": 0}
+ABSENT_KEYS = [*ABSENT, "synthetic_acceptance", "k_policy"]
 CONTEXT = [
     "device",
     "dtype",
@@ -198,12 +203,19 @@ def _key_value(value):
     return None if isinstance(value, float) and math.isnan(value) else value
 
 
+def _absent(column: str, row: dict):
+    """What a summary without ``column`` meant by it in ``row`` (ABSENT)."""
+    if column == "k_policy":  # a K of 0 is a hand-made file's blank
+        return "fixed" if _key_value(row.get("k")) not in (None, 0) else None
+    return ABSENT.get(column)
+
+
 def _normalised(rows: Rows, keys: list[str], chosen: list[str]) -> Rows:
-    """The key and metric cells of ``rows``, and failed: keys as _key_value, k a whole number, metrics
-    floats or None."""
+    """The key and metric cells of ``rows``, and failed: keys as _key_value (a column the file lacks as
+    _absent), k a whole number, metrics floats or None."""
     out = []
     for row in rows:
-        kept = {c: _key_value(row.get(c)) for c in keys}
+        kept = {c: _key_value(row[c] if c in row else _absent(c, row)) for c in keys}
         k = kept["k"]
         if k is not None and (isinstance(k, str) or float(k) != int(k)):
             raise SpecbenchError("column k holds values that are not whole numbers; fix or regenerate the file")
@@ -351,7 +363,11 @@ def compare_rows(
         )
     chosen = _choose_metrics(baseline, current, metrics)
     columns = _columns(baseline), _columns(current)
-    keys = REQUIRED_KEYS + [c for c in OPTIONAL_KEYS if all(c in cs for cs in columns)]
+    keys = REQUIRED_KEYS + [
+        c
+        for c in OPTIONAL_KEYS
+        if all(c in cs for cs in columns) or (c in ABSENT_KEYS and any(c in cs for cs in columns))
+    ]
     sides, contexts = [], []  # each run's rows by key, and their CONTEXT cells by key
     for rows, name in ((baseline, baseline_name), (current, current_name)):
         by_key, context = {}, {}

@@ -237,6 +237,21 @@ def test_lower_is_better_metric_regresses_when_it_rises():
     assert [r.status for r in result.rows if r.key["k"] == 2] == ["improved"]
 
 
+def test_a_key_column_an_older_file_lacks_means_what_that_file_ran(tmp_path):
+    # A summary.csv written before synthetic_acceptance and k_policy were columns verified its drafts at a
+    # fixed K: a current row of another experiment is not that row, and the same experiment still is.
+    old, now = summary_rows(), [{**r, "k_policy": "" if r["method"] == "baseline" else "fixed"} for r in summary_rows()]
+    code, shown = compare(tmp_path, old, [{**r, "synthetic_acceptance": ""} for r in now])
+    assert code == 0 and "PASS" in last_line(shown)
+    synthetic = [{**r, "synthetic_acceptance": 0.8 if r["method"] != "baseline" else ""} for r in now]
+    code, shown = compare(tmp_path, old, synthetic)
+    assert code == 1 and "k=4 method=speculative k_policy=fixed synthetic_acceptance=: missing" in last_line(shown)
+    code, shown = compare(tmp_path, old, changed(now, 4, k_policy="heuristic"))
+    assert code == 1 and last_line(shown).endswith(
+        "k=4 method=speculative k_policy=fixed: missing from the current run"
+    )
+
+
 def test_different_prompts_are_refused(tmp_path):
     base = [{**r, "prompts_hash": "00123"} for r in summary_rows()]
     cur = [{**r, "prompts_hash": "123"} for r in summary_rows()]
