@@ -23,6 +23,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from contextlib import ExitStack
@@ -80,6 +81,7 @@ def specbench_block(
 ) -> list[dict]:
     """One `specbench run --engine server` over every server at this load: its summary rows."""
     out = raw / f"specbench-c{concurrency}"
+    shutil.rmtree(out, ignore_errors=True)  # a run refuses to start over another: this benchmark measures anew
     servers = [f"--server={name}={url}" for name, url in urls.items() if name != "baseline"]
     command = [
         sys.executable, "-m", "specbench", "run", "--engine", "server", "--target", str(args.target),

@@ -22,6 +22,7 @@ import math
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -274,6 +275,7 @@ def run_client(client: str, stub: StubProcess, concurrency: int, count: int, arg
     # The children import specbench (and benchmarks/) from this checkout, not from wherever it is installed.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     if client == "specbench":
+        shutil.rmtree(out, ignore_errors=True)  # a run refuses to start over another: this benchmark measures anew
         command = [
             sys.executable, "-m", "specbench", "run", "--engine", "server", "--target", str(model),
             "--baseline-url", stub.url, "--server", f"stub={stub.url}", "--dataset", str(model / "prompts.jsonl"),

@@ -193,7 +193,7 @@ def benchmark(
         raise SpecbenchError(
             f"--baseline-url {cfg.baseline_url}: the baseline server is not reachable ({why}): start it, or check the URL"
         )
-    writer = RunWriter(out)  # fails on an unusable directory before anything is loaded
+    writer = RunWriter(out, resume)  # fails on an unusable directory, or one holding a run, before anything loads
     try:
         yield from _benchmark(cfg, writer, resume, prefill_progress)
     except BaseException as e:

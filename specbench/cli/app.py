@@ -221,6 +221,11 @@ def run(out: Path | None = None, resume: bool = False, wide: bool = False, ctx=N
     from specbench.bench.run import benchmark
 
     out = out or Path("results") / f"{time.strftime('%Y%m%d-%H%M%S')}-{_slug(cfg.target)}-{_slug(cfg.draft)}"
+    if len(lengths) > 1 and not resume:  # each length's run refuses too, but only when its turn comes
+        from specbench.results.rundir import refuse_to_replace
+
+        for length in lengths:
+            refuse_to_replace(out / f"context-{length}")
     global RUN_DIR, RESUMABLE
     RUN_DIR, RESUMABLE = out, not cfg.learns
     if len(lengths) == 1:

@@ -90,7 +90,12 @@ def command(function: Callable, options, defaults: dict | None = None, extra: tu
 
 # The command's click context, for what the flags cannot say: whether a value was given or defaulted.
 CONTEXT = inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, default=None, annotation=typer.Context)
-RUN_OUT = plain("out", Path | None, None, "Run directory (default results/<time>-<target>-<draft>/).")
+RUN_OUT = plain(
+    "out",
+    Path | None,
+    None,
+    "Run directory (default results/<time>-<target>-<draft>/); one that holds a run is refused, unless --resume.",
+)
 RESUME = plain(
     "resume",
     bool,

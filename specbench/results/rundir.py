@@ -87,9 +87,21 @@ class PreviousRun:
         return [r for r in self.records if kept(r, done, blocks)]
 
 
+def refuse_to_replace(out: Path) -> None:
+    """Refuse to start a run in ``out`` where a run already is (its meta.json): it would be overwritten
+    file by file as the new run went, and one that stopped early would leave the two mixed."""
+    if (out / "meta.json").is_file():
+        raise SpecbenchError(
+            f"{out} holds a run already: --resume continues it (with its options); to start over, remove it or give another --out"
+        )
+
+
 class RunWriter:
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, resume: bool = False):
+        """The writer of the run in ``out``: a new one, or with ``resume`` the run there, continued."""
         self.out = out
+        if not resume:
+            refuse_to_replace(out)
         self.created = not out.exists()  # made by this run: removed again if the run measures nothing
         try:
             out.mkdir(parents=True, exist_ok=True)

@@ -338,6 +338,10 @@ def test_resume_refuses_another_configuration_and_a_missing_run(tiny_pair, promp
     one_line_error(cli(*base, "--k", "3", "--out", str(out), "--resume"), "another configuration", "ks")
     one_line_error(cli(*base, "--out", str(tmp_path / "empty"), "--resume"), "no run to resume")
     one_line_error(cli(*base, "--resume"), "--resume needs --out")
+    # Without --resume a run never starts over one in its --out: it would overwrite it file by file.
+    held = {path.name: path.read_bytes() for path in out.iterdir()}
+    one_line_error(cli(*base, "--k", "3", "--out", str(out)), f"{out} holds a run already", "--resume", "remove it")
+    assert {path.name: path.read_bytes() for path in out.iterdir()} == held
 
 
 def test_an_unusable_out_directory_fails_before_any_model_is_loaded(tmp_path):

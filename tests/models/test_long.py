@@ -346,6 +346,18 @@ def test_a_longcode_context_too_short_for_a_partial_cache_is_refused_before_any_
         one_line_error(result, "--context-tokens 10 is too short for --dataset longcode", f"give {2 * SINKS} or more")
 
 
+def test_a_context_sweep_over_a_run_it_would_overwrite_is_refused_before_any_model_loads(tmp_path):
+    from ..helpers import cli, one_line_error
+
+    missing, held = str(tmp_path / "no-model"), tmp_path / "sweep" / "context-120"
+    held.mkdir(parents=True)
+    (held / "meta.json").write_text("{}")
+    args = ("--target", missing, "--draft", missing, "--dataset", "longcode", "--out", str(tmp_path / "sweep"))
+    result = cli("run", *args, "--context-tokens", "64,120")
+    one_line_error(result, f"{held} holds a run already", "--resume")
+    assert not (tmp_path / "sweep" / "context-64").exists()
+
+
 def test_a_budget_that_holds_the_whole_context_is_said_so():
     # sweep-context's default lengths start at 1024, --kv-budget's default: the sparse methods there draft
     # over the whole cache, which the run now says rather than leave to be read off its figures.
