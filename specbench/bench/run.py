@@ -559,8 +559,9 @@ def run_title(cfg: BenchConfig, pair: Pair, conversations: Conversations) -> str
         title += f" with random weights ({count} random prompts of {lengths})"
     else:
         title += f" on {cfg.dataset} ({count} prompts" + (f", {turns} turns)" if turns > count else ")")
-    if cfg.synthetic_acceptance is not None:
-        title += f", drafts kept unverified at synthetic acceptance {cfg.synthetic_acceptance:g}"
+    if (rate := cfg.synthetic_acceptance) is not None:  # from 1 up a mean length, which 1 puts at a rate of 0
+        shown = f"{rate:g}" if rate < 1 else f"{rate:g} token{'s' if rate != 1 else ''} a round"
+        title += f", drafts kept unverified at synthetic acceptance {shown}"
     return title
 
 

@@ -140,3 +140,18 @@ def test_a_run_marks_its_rows_and_compares_no_outputs(tiny_pair, prompts_file, t
     caption = "drafts kept unverified at synthetic acceptance 0.5"
     assert caption in " ".join(result.stdout.split())
     assert caption in " ".join(cli("show", str(out)).stdout.split())
+
+
+def test_the_caption_says_a_length_where_the_value_is_one():
+    # From 1 up the value is a mean length: 1 is a rate of 0, which "synthetic acceptance 1" read as all kept.
+    from types import SimpleNamespace
+
+    from specbench.bench.run import run_title
+
+    pair, prompts = SimpleNamespace(draft=True), SimpleNamespace(first=[1, 2], turns=[1, 2])
+    titles = [run_title(BenchConfig(synthetic_acceptance=rate), pair, prompts) for rate in (0.8, 1.0, 2.5)]
+    assert [title.split("synthetic acceptance ")[1] for title in titles] == [
+        "0.8",
+        "1 token a round",
+        "2.5 tokens a round",
+    ]
