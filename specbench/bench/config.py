@@ -543,6 +543,11 @@ class BenchConfig:
             )
         if "llama-cpp" in self.engines:
             return  # every llama-server drafter is a chain
+        if self.learns:
+            raise SpecbenchError(
+                "--synthetic-acceptance keeps drafts at a set rate, so what --method online learns never shows in "
+                "its acceptance: drop one of them"
+            )
         for name in self.methods:
             method = METHODS.get(name)
             # A level beneath the drafter is verified by the drafter, through the same rule: keep it exact.

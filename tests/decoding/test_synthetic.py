@@ -92,6 +92,7 @@ def test_a_tree_is_refused():
     [
         (["--synthetic-acceptance", "0.5", "--method", "tree"], ["--method tree", "chain"]),
         (["--synthetic-acceptance", "0.5", "--method", "cascade"], ["--method cascade"]),
+        (["--synthetic-acceptance", "0.5", "--method", "online"], ["--method online learns"]),
         (["--synthetic-acceptance", "6", "--k", "4"], ["K = 4", "at most 5"]),
         (["--synthetic-acceptance", "-1"], ["--synthetic-acceptance must be >= 0"]),
         (
