@@ -45,7 +45,7 @@ from specbench.models.pair import Conversations, Pair, encode_prompts, load_pair
 from specbench.models.vocab import check_share
 from specbench.results import schema, serving
 from specbench.results.plot import plot_categories, plot_concurrency, plot_online, plot_pareto, plot_phases, plot_run
-from specbench.results.rundir import RunWriter
+from specbench.results.rundir import RunWriter, refuse_to_replace
 from specbench.results.schema import OWN_ENGINES
 from specbench.results.summary import (
     WEIGHT_DEPENDENT,
@@ -193,7 +193,9 @@ def benchmark(
         raise SpecbenchError(
             f"--baseline-url {cfg.baseline_url}: the baseline server is not reachable ({why}): start it, or check the URL"
         )
-    writer = RunWriter(out, resume)  # fails on an unusable directory, or one holding a run, before anything loads
+    if not resume:
+        refuse_to_replace(out, resumable=not cfg.learns)
+    writer = RunWriter(out)  # fails on an unusable directory before anything is loaded
     try:
         yield from _benchmark(cfg, writer, resume, prefill_progress)
     except BaseException as e:

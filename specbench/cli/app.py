@@ -225,7 +225,7 @@ def run(out: Path | None = None, resume: bool = False, wide: bool = False, ctx=N
         from specbench.results.rundir import refuse_to_replace
 
         for length in lengths:
-            refuse_to_replace(out / f"context-{length}")
+            refuse_to_replace(out / f"context-{length}", resumable=not cfg.learns)
     global RUN_DIR, RESUMABLE
     RUN_DIR, RESUMABLE = out, not cfg.learns
     if len(lengths) == 1:
@@ -766,7 +766,7 @@ def main() -> None:
             go_on = (
                 f"the same command with --resume --out {RUN_DIR} goes on from there"
                 if RESUMABLE
-                else "--resume cannot restore what --method online learned: run the command again without it"
+                else "--resume cannot restore what --method online learned: run the command again with another --out"
             )
             err_console.print(
                 f"interrupted: what was measured is in {RUN_DIR}/; {go_on}"

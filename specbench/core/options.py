@@ -508,7 +508,8 @@ RUN: tuple[Option, ...] = (
         "The static path for Llama, Mistral, Qwen2 and Qwen3 models (docs/methodology.md#the-static-path): the KV cache allocated "
         "once for the run's longest sequence, forwards compiled per shape with torch.compile and, on CUDA, replayed "
         "as CUDA graphs; a rejected draft only moves a position. Default: on with CUDA, off on a CPU, where the "
-        "packed forward measured faster. --no-graphs runs the forward --compile chooses.",
+        "packed forward measured faster; it compiles, so it does not take --no-compile. --no-graphs runs the forward "
+        "--compile chooses.",
         kind=bool,
         read_by=(TORCH,),
         panel=DECODING_PANEL,

@@ -165,7 +165,7 @@ def _incomplete(base: dict, cur: dict, keys: list[str]) -> str:
 def _decoder(row: dict, keys: list[str]) -> str:
     """A row's method, k, tree and policy as text, of those in ``keys`` (the columns both runs
     have): what ties a summary row to its records."""
-    return " ".join(f"{c}={cell_text(_key_value(row.get(c)))}" for c in DECODER if c in keys)
+    return " ".join(f"{c}={cell_text(_key_cell(row, c))}" for c in DECODER if c in keys)
 
 
 def _choose_metrics(baseline: Rows, current: Rows, metrics: list[str] | None) -> list[str]:
@@ -210,12 +210,18 @@ def _absent(column: str, row: dict):
     return ABSENT.get(column)
 
 
+def _key_cell(row: dict, column: str):
+    """``row``'s cell of the key ``column`` as _key_value reads it; where its file lacks the column,
+    what the file meant by it (_absent)."""
+    return _key_value(row[column] if column in row else _absent(column, row))
+
+
 def _normalised(rows: Rows, keys: list[str], chosen: list[str]) -> Rows:
-    """The key and metric cells of ``rows``, and failed: keys as _key_value (a column the file lacks as
-    _absent), k a whole number, metrics floats or None."""
+    """The key and metric cells of ``rows``, and failed: keys as _key_cell, k a whole number, metrics
+    floats or None."""
     out = []
     for row in rows:
-        kept = {c: _key_value(row[c] if c in row else _absent(c, row)) for c in keys}
+        kept = {c: _key_cell(row, c) for c in keys}
         k = kept["k"]
         if k is not None and (isinstance(k, str) or float(k) != int(k)):
             raise SpecbenchError("column k holds values that are not whole numbers; fix or regenerate the file")

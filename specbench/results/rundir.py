@@ -87,21 +87,20 @@ class PreviousRun:
         return [r for r in self.records if kept(r, done, blocks)]
 
 
-def refuse_to_replace(out: Path) -> None:
-    """Refuse to start a run in ``out`` where a run already is (its meta.json): it would be overwritten
-    file by file as the new run went, and one that stopped early would leave the two mixed."""
-    if (out / "meta.json").is_file():
-        raise SpecbenchError(
-            f"{out} holds a run already: --resume continues it (with its options); to start over, remove it or give another --out"
-        )
+def refuse_to_replace(out: Path, resumable: bool = True) -> None:
+    """Refuse to start a run in ``out`` where a run measured something (a record or an output): it would
+    be overwritten file by file as the new run went, and one that stopped early would leave the two
+    mixed. A run that measured nothing (it failed on its way) is no loss. ``resumable``: whether the
+    run could go on with --resume (an online method's learning cannot)."""
+    records, outputs = out / RECORDS, out / OUTPUTS
+    if (records.is_file() and _rows(records)) or (outputs.is_file() and outputs.stat().st_size):
+        go_on = "--resume continues it (with its options); " if resumable else ""
+        raise SpecbenchError(f"{out} holds a run already: {go_on}to start over, remove it or give another --out")
 
 
 class RunWriter:
-    def __init__(self, out: Path, resume: bool = False):
-        """The writer of the run in ``out``: a new one, or with ``resume`` the run there, continued."""
+    def __init__(self, out: Path):
         self.out = out
-        if not resume:
-            refuse_to_replace(out)
         self.created = not out.exists()  # made by this run: removed again if the run measures nothing
         try:
             out.mkdir(parents=True, exist_ok=True)

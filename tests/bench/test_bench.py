@@ -344,6 +344,21 @@ def test_resume_refuses_another_configuration_and_a_missing_run(tiny_pair, promp
     assert {path.name: path.read_bytes() for path in out.iterdir()} == held
 
 
+def test_only_a_run_that_measured_something_is_kept_from_being_replaced(tmp_path):
+    # A run that failed before its first record left its meta.json: a corrected rerun must not be stuck on it.
+    from specbench.core.errors import SpecbenchError
+    from specbench.results.rundir import refuse_to_replace
+
+    (tmp_path / "meta.json").write_text("{}")
+    (tmp_path / "records.csv").write_text(",".join(schema.RECORDS) + "\n")
+    refuse_to_replace(tmp_path)
+    (tmp_path / "outputs.jsonl").write_text('{"prompt_id": 0}\n')
+    with pytest.raises(SpecbenchError, match="holds a run already: --resume continues it"):
+        refuse_to_replace(tmp_path)
+    with pytest.raises(SpecbenchError, match="holds a run already: to start over, remove it"):
+        refuse_to_replace(tmp_path, resumable=False)  # --method online's learning cannot be resumed
+
+
 def test_an_unusable_out_directory_fails_before_any_model_is_loaded(tmp_path):
     # The models named do not exist: the directory check must come first.
     result = specbench("run", "--target", "no/such-model", "--out", "/proc/nope", timeout=60)

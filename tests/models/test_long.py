@@ -351,7 +351,7 @@ def test_a_context_sweep_over_a_run_it_would_overwrite_is_refused_before_any_mod
 
     missing, held = str(tmp_path / "no-model"), tmp_path / "sweep" / "context-120"
     held.mkdir(parents=True)
-    (held / "meta.json").write_text("{}")
+    (held / "outputs.jsonl").write_text('{"prompt_id": 0}\n')
     args = ("--target", missing, "--draft", missing, "--dataset", "longcode", "--out", str(tmp_path / "sweep"))
     result = cli("run", *args, "--context-tokens", "64,120")
     one_line_error(result, f"{held} holds a run already", "--resume")

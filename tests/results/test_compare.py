@@ -250,6 +250,11 @@ def test_a_key_column_an_older_file_lacks_means_what_that_file_ran(tmp_path):
     assert code == 1 and last_line(shown).endswith(
         "k=4 method=speculative k_policy=fixed: missing from the current run"
     )
+    # The older run's records tie to its rows as its summary does: the speedup still gets its interval.
+    (base, cur), (base_records, cur_records) = timed_runs()
+    cur, cur_records = [{**r, "k_policy": "fixed"} for r in cur], cur_records.assign(k_policy="fixed")
+    result = compare_rows(base, cur, records=rows_of(base_records, cur_records), metrics=["speedup"])
+    assert [m.test for row in result.rows for m in row.metrics] == ["paired bootstrap"]
 
 
 def test_different_prompts_are_refused(tmp_path):
