@@ -150,8 +150,8 @@ class DistillConfig:
         for name in counts:  # each divides or steps a range, so 0 would fail only once its phase is reached
             if getattr(self, name) < 1:
                 raise SpecbenchError(f"--{name.replace('_', '-')} must be at least 1")
-        if not self.lr >= 0:  # 0 is allowed: the weights stay as they start (a test of the start uses it)
-            raise SpecbenchError(f"--lr {self.lr}: the learning rate must be at least 0")
+        if not 0 <= self.lr < math.inf:  # 0 is allowed: the weights stay as they start (a test of the start uses it)
+            raise SpecbenchError(f"--lr {self.lr}: the learning rate must be a finite number, at least 0")
         if self.seq_len < 2:
             # A draft learns each position's next token from the tokens before it: one token has none
             # before it, and a draft of its own tokenizer no next token to learn at all.
@@ -188,8 +188,15 @@ class DistillConfig:
             raise SpecbenchError("--sampled-fraction must lie between 0 and 1")
         if self.hidden_size % self.heads or self.heads % self.kv_heads:
             raise SpecbenchError("--hidden-size must divide by --heads, and --heads by --kv-heads")
-        if self.hidden_size <= 0 or self.layers <= 0 or 0 < self.teacher_tokens < self.seq_len or self.epochs <= 0:
-            raise SpecbenchError("sizes and --epochs must be positive, --teacher-tokens 0 or at least --seq-len")
+        if (
+            self.hidden_size <= 0
+            or self.layers <= 0
+            or 0 < self.teacher_tokens < self.seq_len
+            or not 0 < self.epochs < math.inf
+        ):
+            raise SpecbenchError(
+                "sizes and --epochs must be positive (--epochs finite), --teacher-tokens 0 or at least --seq-len"
+            )
         if self.max_prompt_tokens < 1 or self.generate_prompts < 0:
             raise SpecbenchError("--max-prompt-tokens must be positive and --generate-prompts at least 0")
         parse_data(self.data)
