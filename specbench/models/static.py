@@ -111,7 +111,7 @@ def tapped(lm: StaticLM, ids, depth, tree, start, layers: tuple[int, ...] | None
     len(layers) * hidden] (FastLlama.hidden's taps: an EAGLE head's features), or None without layers."""
     taps = None if layers is None else dict.fromkeys(layers)
     hidden = step(lm, ids, depth, tree, start, None, taps)
-    out = lm.fast.logits(hidden)[:, : lm.width] if lm.scores_inside else hidden
+    out = lm._fast_head(hidden, ids) if lm.scores_inside else hidden
     return out, None if taps is None else torch.cat([taps[i] for i in layers], dim=-1)
 
 
@@ -529,9 +529,9 @@ class StaticLM(HFCausalLM):
     def scores_inside(self) -> bool:
         """Whether the compiled forms score the whole vocabulary themselves (tapped): on CUDA inductor then
         lowers the one-token LM head to a tuned reduction (compile_options), as gpt-fast compiles its
-        whole decoder, with the final norm's scaling fused into its loads; the eager head's cuBLAS product of one row is
-        among what the first graphed run left short of the bandwidth. A shortlisted head appends ids to
-        its buffers (make_room, append) and scores outside them."""
+        whole decoder, with the final norm's scaling fused into its loads; the eager head's cuBLAS
+        product of one row is among what the first graphed run left short of the bandwidth. A
+        shortlisted head appends ids to its buffers (make_room, append) and scores outside them."""
         return self.shortlist is None
 
     def _graphed_head(self, out: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -540,9 +540,8 @@ class StaticLM(HFCausalLM):
         (make_room came before)."""
         if self.scores_inside:
             return out
-        hidden = out
         self.shortlist.append(ids)
-        return self.shortlist.logits(F.linear(hidden, self.shortlist.rows), self.shortlist.ids)
+        return self.shortlist.logits(F.linear(out, self.shortlist.rows), self.shortlist.ids)
 
     def graphs_serve(self, n: int) -> bool:
         """Whether forwards of ``n`` tokens replay graphs."""

@@ -62,8 +62,15 @@ OPTIONAL_KEYS = [
 # What a summary written before a key column existed meant by it: a column one file has and the other
 # lacks is still a key where its absence has a meaning (a synthetic-acceptance run is another experiment
 # than an older file's verification, a heuristic K than its fixed K). k_policy: fixed where a row has a K.
-ABSENT = {"engine": "torch", "concurrency": 1, "request_rate": math.inf, "tree": None, "eta": 0}
-ABSENT_KEYS = [*ABSENT, "synthetic_acceptance", "k_policy"]
+ABSENT = {
+    "engine": "torch",
+    "concurrency": 1,
+    "request_rate": math.inf,
+    "tree": None,
+    "eta": 0,
+    "synthetic_acceptance": None,
+}
+ABSENT_KEYS = [*ABSENT, "k_policy"]
 CONTEXT = [
     "device",
     "dtype",
