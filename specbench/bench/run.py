@@ -586,6 +586,11 @@ def describe_forward(role: str, facts: dict) -> str:
     if "cache_mb" in facts:
         size = f"{facts['cache_mb']:.0f} MB" if facts["cache_mb"] >= 1 else f"{facts['cache_mb'] * 1024:.0f} kB"
         parts.append(f"cache {size} for {facts['cache_positions']} positions")
+    plan = {int(n): how.split() for n, how in facts.get("row_plan", {}).items()}
+    if facts["route"] == "packed" and (own := [str(n) for n, (_, way) in plan.items() if way == "own"]):
+        parts.append(f"row{'s' if len(own) > 1 else ''} {', '.join(own)} on its own weights")
+    if padded := [f"{n} to {count}" for n, (count, _) in plan.items() if int(count) > n]:
+        parts.append(f"rows padded {', '.join(padded)}")
     return f"{role} {facts['route']} ({'; '.join(parts)})"
 
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from specbench.core.errors import SpecbenchError, first_said
 from specbench.decoding.kv import GrowingKV
-from specbench.models.fast import ROPE_TYPES, Linear, attend, can_pack, join, rms_norm, rope, swiglu
+from specbench.models.fast import ROPE_TYPES, Linear, Rows, attend, can_pack, join, rms_norm, rope, row_plan, swiglu
 from specbench.models.load import REDOWNLOAD, weights_problem
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"  # what config.json names: vLLM's and SGLang's EAGLE-3 loaders read it
@@ -318,16 +318,19 @@ class EagleHead(nn.Module):
         return self.lm_head.weight.dtype
 
     def pack(self) -> None:
-        """For inference on a CPU: every product through oneDNN's packed kernel, as the target's fast
-        forward runs (models/fast.py), q, k and v as one product and gate and up as another. Call it after
-        the weights are where they stay; training keeps the modules' own products."""
-        self._products(lambda *modules: Linear.of(*(m.weight for m in modules), packed=True, padding={}))
+        """For inference on a CPU, as the target's fast forward runs (models/fast.py): q, k and v as one
+        product and gate and up as another, each with a packed copy for oneDNN's kernel beside the joined
+        own weights, and each row count run the way row_plan measures fastest here. Call it after the
+        weights are where they stay; training keeps the modules' own products."""
+        plan: dict[int, Rows] = {}
+        self._products(lambda *modules: Linear.of(join(modules, "weight"), packed=True, plan=plan))
+        plan.update(row_plan([p for p in self.products.values() if p is not None], self.dtype))
 
     def join(self) -> None:
         """For inference where nothing is packed (CUDA, the static path): q, k and v as one product and
         gate and up as another, each over one weight that the modules' own parameters become views of
         (fast.join), as the target's forward runs them there: a launch each on CUDA, not three and two."""
-        self._products(lambda *modules: Linear.of(join(modules, "weight"), packed=False, padding={}))
+        self._products(lambda *modules: Linear.of(join(modules, "weight"), packed=False, plan={}))
 
     def _products(self, linear) -> None:
         """The products by name, each built by ``linear(*modules)``."""

@@ -7,7 +7,9 @@ AMD EPYC the LM head of SmolLM2-135M took 9.6 ms for one row, 22 ms for two and 
 so a 3-token verification cost two one-token forwards. Here every weight is reordered once, at
 load, into oneDNN's blocked layout (what inductor's weight freezing does inside torch.compile):
 the same head then takes about 4 ms for any of 1 to 8 rows, the one-token forward half the time
-(29.9 against 59.8 ms), and forwards of 2 to 6 tokens about as long as one. On CUDA the
+(29.9 against 59.8 ms), and forwards of 2 to 6 tokens about as long as one. Where a CPU's own
+kernels run a row count faster on the modules' own weights (a Xeon's MKL, for one to three rows), the
+plan measured at load runs it there (row_plan). On CUDA the
 elementwise work is compiled by torch.compile (inductor), which fuses the small kernels that
 bound an eager forward at batch 1; on an H100 that did not pay for a 7B target, whose steps are
 bound by launches (docs/results.md, On a GPU).
@@ -78,108 +80,136 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     """``weight`` [out, in] reordered for oneDNN's linear kernel (CPU). The layout depends on the
     row count it is packed for: packed for one row, SmolLM2-135M's linears took 27 ms for one row
     and 38 for five on the 2-core AMD EPYC; packed for eight, 23 and 19."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PADDED_UP_TO)
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), PLANNED_UP_TO)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """How a CPU runs a product of some row count: with ``count`` rows (zeros padded past the input's,
+    their outputs dropped), on the packed copy of the weights or on the modules' own."""
+
+    count: int
+    packed: bool
+
+    def __str__(self) -> str:
+        return f"{self.count} {'packed' if self.packed else 'own'}"
 
 
 @dataclass
 class Linear:
-    """Linear maps with one input, their outputs concatenated (q, k and v; gate and up). Packed on
-    a CPU: one oneDNN weight for all (the packed copy is new memory anyway). Elsewhere the modules'
-    own weights, shared rather than copied, so a GPU holds the weights once. ``padding`` says how many
-    rows to run a product of n rows with on a CPU (see padded_rows; empty: as they come). ``biases``:
-    one per weight (None: none), or packed, one for the concatenated outputs."""
+    """Linear maps with one input, their outputs concatenated (q, k and v; gate and up), over the
+    modules' own weights, shared rather than copied (a GPU holds the weights once) and, where asked
+    (a CPU), a packed copy for oneDNN: one weight for all (new memory either way). ``plan`` says how a
+    CPU runs a product of n rows (row_plan; a count it lacks runs as it comes, packed where there is a
+    copy). ``biases``: one per weight (None: none); ``packed_bias``: the packed product's, for the
+    concatenated outputs."""
 
     weights: list[torch.Tensor]
-    packed: bool
-    padding: dict[int, int]
     biases: list[torch.Tensor | None]
+    plan: dict[int, Rows]
+    packed: torch.Tensor | None = None
+    packed_bias: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, *weights: torch.Tensor, packed: bool, padding: dict[int, int], biases=None) -> Linear:
+    def of(cls, *weights: torch.Tensor, packed: bool, plan: dict[int, Rows], biases=None) -> Linear:
         weights = [w.detach() for w in weights]
         biases = [None if b is None else b.detach() for b in biases or [None] * len(weights)]
         if not packed:
-            return cls(weights, False, padding, biases)
+            return cls(weights, biases, plan)
         bias = None
         if any(b is not None for b in biases):  # the outputs without one add zeros
             bias = torch.cat(
                 [w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases, strict=True)]
             )
-        return cls([pack(torch.cat(weights))], True, padding, [bias])
+        return cls(weights, biases, plan, pack(torch.cat(weights)), bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = padded = x.shape[0]
-        if self.padding:  # never on CUDA, nor where the forward is compiled: a count's lookup would guard on it
-            padded = self.padding.get(rows, rows)
-            if padded > rows:
-                x = F.pad(x, (0, 0, 0, padded - rows))
-        if self.packed:
-            out = torch.ops.mkldnn._linear_pointwise(x, self.weights[0], self.biases[0], "none", [], "")
+        # The plan is empty on CUDA and where the forward is compiled: a count's lookup would guard on it.
+        return self.run(x, self.plan.get(x.shape[0]) if self.plan else None)
+
+    def run(self, x: torch.Tensor, how: Rows | None) -> torch.Tensor:
+        """The product of ``x`` run as ``how`` says (None: as it comes, packed where there is a copy)."""
+        rows = x.shape[0]
+        count, packed = (rows, self.packed is not None) if how is None else (how.count, how.packed)
+        if count > rows:
+            x = F.pad(x, (0, 0, 0, count - rows))
+        if packed:
+            out = torch.ops.mkldnn._linear_pointwise(x, self.packed, self.packed_bias, "none", [], "")
         elif len(self.weights) == 1:
             out = F.linear(x, self.weights[0], self.biases[0])
         else:
             out = torch.cat([F.linear(x, w, b) for w, b in zip(self.weights, self.biases, strict=True)], dim=-1)
-        return out[:rows] if padded > rows else out
+        return out[:rows] if count > rows else out
 
     @property
     def bytes(self) -> int:
+        """What a product reads: the weights once."""
         return sum(w.numel() * w.element_size() for w in self.weights)
 
 
-PADDED_UP_TO = 8  # products of up to this many rows may run with more (a verification's sizes)
-PADDING_GAIN = 0.95  # padding is chosen when it takes at most this share of the unpadded time
+PLANNED_UP_TO = 8  # the row counts planned (a verification's sizes); products may run with more rows
+PLAN_GAIN = 0.9  # a simpler way stands when the fastest takes more than this share of its time
 # The row counts are timed over the first layers' products whose weights reach this many bytes (and
 # the LM head): more than a CPU's caches hold, so they stream from memory as the forward's do, and all
-# of a SmolLM2-135M's; a 7B's 13 GB would take half a minute a size.
-PADDING_SAMPLE_BYTES = 2**30
+# of a SmolLM2-135M's; a 7B's 13 GB would take half a minute a way.
+PLAN_SAMPLE_BYTES = 2**30
 
 
-def padded_rows(linears: list[Linear], dtype: torch.dtype, repeats: int = 5) -> dict[int, int]:
-    """For each row count n up to PADDED_UP_TO, the row count m >= n whose product is fastest,
+def row_plan(linears: list[Linear], dtype: torch.dtype, repeats: int = 5) -> dict[int, Rows]:
+    """For each row count n up to PLANNED_UP_TO, how its products run fastest: on the packed copy
+    (where ``linears`` have one) or on the modules' own weights, with n rows or padded to more,
     measured on ``linears`` (all of a model's, in forward order) with zero inputs.
 
     oneDNN picks its kernel by the row count, and on a CPU the choice is uneven: on the 2-core
-    AMD EPYC SmolLM2-135M's linears took 22.7 ms for one row, 26.5 for two and 19-20 for three to
-    six, so a one-token forward is faster with its row padded to four. The sizes take turns within
-    every repeat, so a change in machine load moves them alike."""
-    sizes = range(1, PADDED_UP_TO + 1)
+    AMD EPYC SmolLM2-135M's packed linears took 22.7 ms for one row, 26.5 for two and 19-20 for three
+    to six, so a one-token forward is faster with its row padded to four. And which weights are
+    faster depends on the CPU: on that AMD EPYC the packed ones (a one-token forward took 19 ms against
+    36 on the modules' own); on a 2-core Xeon with AMX the own ones for one to three rows, which MKL
+    runs (the linears of one row took 30 ms against 41 packed), and the packed ones from four rows (40
+    against 53). The ways take turns within every repeat, so a change in machine load moves them alike."""
+    sizes = range(1, PLANNED_UP_TO + 1)
+    ways = [Rows(n, packed) for n in sizes for packed in ((True, False) if linears[0].packed is not None else (False,))]
     widths = {linear.weights[0].shape[1] for linear in linears}
     inputs = {(n, width): torch.zeros(n, width, dtype=dtype) for n in sizes for width in widths}
 
-    def stack(n: int) -> None:
+    def stack(how: Rows) -> None:
         for linear in linears:
-            linear(inputs[n, linear.weights[0].shape[1]])
+            linear.run(inputs[how.count, linear.weights[0].shape[1]], how)
 
-    seconds = {n: [] for n in sizes}
-    for repeat in range(repeats + 1):  # the first round lets each size's kernel settle
-        for n in sizes:
+    seconds = {how: [] for how in ways}
+    for repeat in range(repeats + 1):  # the first round lets each way's kernel settle
+        for how in ways:
             start = time.perf_counter()
-            stack(n)
+            stack(how)
             if repeat:
-                seconds[n].append(time.perf_counter() - start)
-    return fastest_rows({n: sorted(times)[len(times) // 2] for n, times in seconds.items()})
+                seconds[how].append(time.perf_counter() - start)
+    return fastest_ways({how: sorted(times)[len(times) // 2] for how, times in seconds.items()})
 
 
-def padding_sample(layers: list[Linear], head: Linear) -> list[Linear]:
-    """What padded_rows times: ``layers`` (a model's products in forward order) up to the first whose
-    weights bring the total to PADDING_SAMPLE_BYTES, then ``head``."""
+def plan_sample(layers: list[Linear], head: Linear) -> list[Linear]:
+    """What row_plan times: ``layers`` (a model's products in forward order) up to the first whose
+    weights bring the total to PLAN_SAMPLE_BYTES, then ``head``."""
     sample, total = [], 0
     for linear in layers:
-        if total >= PADDING_SAMPLE_BYTES:
+        if total >= PLAN_SAMPLE_BYTES:
             break
         sample.append(linear)
         total += linear.bytes
     return [*sample, head]
 
 
-def fastest_rows(seconds: dict[int, float]) -> dict[int, int]:
-    """For each row count n, the row count m >= n with the shortest time in ``seconds``; n itself
-    unless m saves more than 1 - PADDING_GAIN of n's time (so noise does not pick padding)."""
-    choice = {}
-    for n in seconds:
-        best = min((m for m in seconds if m >= n), key=seconds.get)
-        choice[n] = best if seconds[best] <= PADDING_GAIN * seconds[n] else n
-    return choice
+def fastest_ways(seconds: dict[Rows, float]) -> dict[int, Rows]:
+    """For each row count n, how to run n rows, of the ways timed in ``seconds`` (a count of at least n,
+    packed or own): the simplest whose time is within 1 / PLAN_GAIN of the fastest's, simplest meaning
+    as n comes (packed, where ``seconds`` has packed ways), then the other weights, then each padded
+    count in turn. So noise between two ways that take about as long does not choose between them."""
+    packed = any(how.packed for how in seconds)
+    plan = {}
+    for n in sorted({how.count for how in seconds}):
+        ways = sorted((how for how in seconds if how.count >= n), key=lambda how: (how.count, how.packed != packed))
+        fastest = min(seconds[how] for how in ways)
+        plan[n] = next(how for how in ways if PLAN_GAIN * seconds[how] <= fastest)
+    return plan
 
 
 def join(modules: Sequence[torch.nn.Module], name: str) -> torch.Tensor:
@@ -265,26 +295,27 @@ class FastLlama:
         model,
         packed: bool | None = None,
         compiled: bool | None = None,
-        padding: dict[int, int] | None = None,
+        plan: dict[int, Rows] | None = None,
         joined: bool | None = None,
     ):
-        """``packed`` and ``compiled`` None: as suits the device (can_pack; compiled on CUDA). ``padding``:
-        the row counts to run products with, measured before for this model (a rebuild); None: measured
-        here where a CPU's kernels call for it. ``joined``: unpacked products of one input (q, k and v;
-        gate and up) run as one, over one weight that the modules' own parameters become views of
-        (join); None: on CUDA, where every product is a launch."""
+        """``packed`` and ``compiled`` None: as suits the device (can_pack; compiled on CUDA). ``plan``:
+        how products of each row count run, measured before for this model (a rebuild); None: measured
+        here where a CPU's kernels call for it. ``joined``: products of one input (q, k and v; gate and
+        up) on the modules' own weights run as one, over one weight that the modules' own parameters
+        become views of (join); None: on CUDA, where every product is a launch, and beside a packed
+        copy, whose plan may run some row counts on the own weights."""
         start = time.perf_counter()
         config, base = model.config, model.model
         self.device, self.dtype = model.device, model.dtype
         self.packed = can_pack(model, config.hidden_size) if packed is None else packed
-        self.joined = not self.packed and (self.device.type == "cuda" if joined is None else joined)
+        self.joined = (self.device.type == "cuda" or self.packed) if joined is None else joined
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.eps = config.rms_norm_eps
         self.embedding = base.embed_tokens.weight.detach()
         self.rotary = base.rotary_emb
         self.norm = base.norm.weight.detach()
-        self.padding: dict[int, int] = {}  # rows -> rows to run them with (padded_rows), shared by every Linear
+        self.plan: dict[int, Rows] = {}  # rows -> how their products run (row_plan), shared by every Linear
         self.layers = [
             Layer(
                 layer.input_layernorm.weight.detach(),  # plain tensors, as self.norm: one compiled graph for all
@@ -305,11 +336,11 @@ class FastLlama:
         # Packed, or left unpacked for want of memory: a CPU's kernels choose by the row count either way
         # (a 7B's bfloat16 products ran one row 12% slower than two on the 2-core AMD EPYC). A forward
         # asked to run unpacked (the static path, tests of transformers' arithmetic) runs as it comes.
-        if padding is not None:
-            self.padding.update(padding)
+        if plan is not None:
+            self.plan.update(plan)
         elif self.packed or (packed is None and packable(model, config.hidden_size)):
             linears = [m for layer in self.layers for m in (layer.qkv, layer.out, layer.gate_up, layer.down)]
-            self.padding.update(padded_rows(padding_sample(linears, self.head), self.dtype))
+            self.plan.update(row_plan(plan_sample(linears, self.head), self.dtype))
         self.intermediate = config.intermediate_size
         self._rms, self._rope, self._swiglu = rms_norm, rope, swiglu
         self.compiled = self.device.type == "cuda" if compiled is None else compiled
@@ -351,15 +382,15 @@ class FastLlama:
 
     def linear(self, *weights: torch.Tensor) -> Linear:
         """The linear maps of ``weights`` (same input) as this forward runs them."""
-        return Linear.of(*weights, packed=self.packed, padding=self.padding)
+        return Linear.of(*weights, packed=self.packed, plan=self.plan)
 
     def products(self, *modules: torch.nn.Linear) -> Linear:
         """The linear ``modules`` (same input), their biases included, as this forward runs them."""
         if self.joined and len(modules) > 1:
             weights, biases = join(modules, "weight"), [None if modules[0].bias is None else join(modules, "bias")]
-            return Linear.of(weights, packed=False, padding=self.padding, biases=biases)
+            return Linear.of(weights, packed=self.packed, plan=self.plan, biases=biases)
         weights, biases = [m.weight for m in modules], [m.bias for m in modules]
-        return Linear.of(*weights, packed=self.packed, padding=self.padding, biases=biases)
+        return Linear.of(*weights, packed=self.packed, plan=self.plan, biases=biases)
 
     @property
     def route(self) -> str:

@@ -222,10 +222,10 @@ class HFCausalLM:
 
     def forward_facts(self) -> dict:
         """What meta.json and the run's last line say of this model's forward: its route, what building
-        it took, and the row counts the packed products run with."""
+        it took, and how a CPU runs its products of each row count."""
         facts = {"route": self.route, "build_s": self.fast.build_seconds if self.fast else 0.0}
-        if self.fast is not None and self.fast.padding:
-            facts["padded_rows"] = self.fast.padding
+        if self.fast is not None and self.fast.plan:
+            facts["row_plan"] = {n: str(how) for n, how in self.fast.plan.items()}
         return facts
 
     def release(self) -> None:
@@ -243,7 +243,7 @@ class HFCausalLM:
         """After the weights changed (online updates): gather the shortlisted head again from them,
         with ``more_tokens`` added to the shortlist. Takes effect at the next ``reset``."""
         if self.fast is not None:  # its packed copies of the weights are stale; its row counts hold
-            self.fast = FastLlama(self.model, self.fast.packed, self.fast.compiled, self.fast.padding, self.fast.joined)
+            self.fast = FastLlama(self.model, self.fast.packed, self.fast.compiled, self.fast.plan, self.fast.joined)
         if self.shortlist is None:
             return  # the full projection reads the weights themselves
         self.shortlist.extend(more_tokens)

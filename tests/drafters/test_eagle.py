@@ -19,6 +19,7 @@ from specbench.decoding.sampling import Sampling, warp
 from specbench.drafters import propose
 from specbench.drafters.eagle import EagleDrafter
 from specbench.models.eagle_head import WEIGHTS, load_head, read_head, save_head
+from specbench.models.fast import PLANNED_UP_TO, Rows
 from specbench.models.load import load
 
 from ..helpers import LawLM, build_eagle3_head, cli_on_tiny_pair, one_line_error, tiny_law_model
@@ -272,6 +273,13 @@ def test_a_packed_or_joined_head_scores_as_the_modules_own(law, tmp_path):
     torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(*fused, atol=1e-4, rtol=1e-4)
     assert torch.equal(a, c)
+    # The packed head's plan (measured at pack, shared by its products) may run a count either way.
+    plan = packed.products["qkv"].plan
+    assert plan is packed.products["lm_head"].plan and sorted(plan) == list(range(1, PLANNED_UP_TO + 1))
+    for way in (True, False):
+        plan.update({n: Rows(n, way) for n in plan})
+        with torch.inference_mode():
+            torch.testing.assert_close(every_score(packed, ids), a, atol=1e-4, rtol=1e-4)
 
 
 def test_default_layers_and_an_eagle1_head(tmp_path, tiny_pair):

@@ -39,6 +39,13 @@ def test_the_forward_line_names_each_route_and_a_small_cache_in_kilobytes():
     tiny = {"route": "static-inductor", "build_s": 1.0, "cache_mb": 0.16, "cache_positions": 512}
     assert describe_forward("draft", tiny) == "draft static-inductor (built in 1.0 s; cache 164 kB for 512 positions)"
     assert describe_forward("draft", {"route": "eager", "build_s": 0.0}) == "draft eager (transformers' forward)"
+    # A CPU's row plan, where it departs from running each count as it comes (meta.json's keys are strings).
+    plan = {"1": "1 own", "2": "4 packed", "3": "3 own", "4": "4 packed"}
+    assert describe_forward("target", {"route": "packed", "build_s": 2.5, "row_plan": plan}) == (
+        "target packed (built in 2.5 s; rows 1, 3 on its own weights; rows padded 2 to 4)"
+    )
+    unpadded = {"route": "own", "build_s": 0.1, "row_plan": {1: "1 own", 2: "2 own"}}
+    assert describe_forward("draft", unpadded) == "draft own (built in 0.1 s)"
 
 
 def test_a_decode_whose_steps_drifted_from_the_measured_forward_gets_a_note():
