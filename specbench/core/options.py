@@ -495,7 +495,8 @@ RUN: tuple[Option, ...] = (
         "compile",
         None,
         "specbench's own forward for Llama, Mistral, Qwen2 and Qwen3 models (docs/methodology.md#the-fast-path): on a CPU the "
-        "weights packed once for oneDNN's kernels (models from 256 wide), row counts run at the size measured fastest; on CUDA "
+        "weights packed once for oneDNN's kernels (models from 256 wide), each row count run on the packed or the model's own "
+        "weights, as measured fastest at load; on CUDA "
         "torch.compile. --no-compile runs transformers' eager forward (and turns CUDA's --graphs default off). Default: "
         "on for a CPU; on CUDA --graphs runs instead. The hf-* methods always run transformers'.",
         kind=bool,

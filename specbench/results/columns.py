@@ -101,7 +101,8 @@ COLUMNS: tuple[Column, ...] = (
         CONFIG,
         None,
         "",
-        "the target's forward: packed (specbench's, oneDNN-packed weights on CPU), inductor (specbench's under "
+        "the target's forward: packed (specbench's, oneDNN-packed weights on CPU beside its own, each row count on the "
+        "faster), inductor (specbench's under "
         "torch.compile, CUDA), own (specbench's, unpacked), eager (transformers': --no-compile and the hf-* methods), "
         "vllm",
         header="forward",
