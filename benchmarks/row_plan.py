@@ -20,7 +20,7 @@ import time
 import torch
 
 from specbench.core.machine import machine
-from specbench.models.fast import FastLlama, Rows
+from specbench.models.fast import PLANNED_UP_TO, FastLlama, Rows
 from specbench.models.lm import HFCausalLM
 from specbench.models.load import Wanted, load, random_model, random_weights_dtype
 
@@ -30,7 +30,9 @@ def main() -> None:
     parser.add_argument("--target", default="smollm2-135m")
     parser.add_argument("--random-weights", action="store_true", help="the architecture with random weights")
     parser.add_argument("--context", type=int, default=187, help="tokens in the cache before each forward")
-    parser.add_argument("--rows", type=int, default=5, help="forwards of 1 to this many tokens")
+    parser.add_argument(
+        "--rows", type=int, default=5, choices=range(1, PLANNED_UP_TO + 1), help="forwards of 1 to this many tokens"
+    )
     parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
     cpu = torch.device("cpu")

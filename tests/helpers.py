@@ -277,7 +277,9 @@ class LawLM(HFCausalLM):
     logits after a context are its eager forward over the whole context, without a cache."""
 
     def __init__(self, model, packed: bool):
-        super().__init__(model, model.config.vocab_size, fast=FastLlama(model, packed=packed))
+        # Every row count as it comes (plan={}): packed means the packed kernel, whatever a plan would
+        # measure on so small a model (its own weights, on some CPUs).
+        super().__init__(model, model.config.vocab_size, fast=FastLlama(model, packed=packed, plan={}))
         self.vocab = model.config.vocab_size
 
     @torch.inference_mode()

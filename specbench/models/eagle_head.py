@@ -319,11 +319,11 @@ class EagleHead(nn.Module):
 
     def pack(self) -> None:
         """For inference on a CPU, as the target's fast forward runs (models/fast.py): q, k and v as one
-        product and gate and up as another, each with a packed copy for oneDNN's kernel beside the joined
-        own weights, and each row count run the way row_plan measures fastest here. Call it after the
-        weights are where they stay; training keeps the modules' own products."""
+        packed product and gate and up as another, beside the modules' own weights, and each row count
+        run the way row_plan measures fastest here. Call it after the weights are where they stay;
+        training keeps the modules' own products."""
         plan: dict[int, Rows] = {}
-        self._products(lambda *modules: Linear.of(join(modules, "weight"), packed=True, plan=plan))
+        self._products(lambda *modules: Linear.of(*(m.weight for m in modules), packed=True, plan=plan))
         plan.update(row_plan([p for p in self.products.values() if p is not None], self.dtype))
 
     def join(self) -> None:

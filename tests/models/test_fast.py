@@ -58,7 +58,7 @@ def test_a_packed_shortlisted_head_scores_the_ids_read_since_it_was_packed(targe
     head = torch.arange(0, width, 3)
     prefix, chain = torch.arange(5, 40), torch.tensor([41, 44, 47, 50])  # the chain's ids are new
     want = scores(HFCausalLM(target, width, head), prefix, chain, [-1, 0, 0])
-    got = scores(HFCausalLM(target, width, head, FastLlama(target, packed=True)), prefix, chain, [-1, 0, 0])
+    got = scores(HFCausalLM(target, width, head, FastLlama(target, packed=True, plan={})), prefix, chain, [-1, 0, 0])
     for g, w in zip(got, want, strict=True):
         assert torch.equal(torch.isinf(g), torch.isinf(w))
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)
@@ -76,10 +76,8 @@ def test_a_plan_runs_each_row_count_on_the_weights_it_names(target, monkeypatch)
     # One row on the own weights, two packed and padded to three, the rest as they come: each product
     # reaches the kernel the plan names, with the rows it names, and gives back the rows asked for.
     fast = FastLlama(target, packed=True, plan={1: Rows(1, False), 2: Rows(3, True)})
-    assert (
-        fast.joined
-        and fast.layers[0].qkv.weights[0].data_ptr() == target.model.layers[0].self_attn.q_proj.weight.data_ptr()
-    )
+    # The own weights are the modules' (joining them on a CPU would copy weights mapped from their file).
+    assert not fast.joined and fast.head.weights[0].data_ptr() == target.lm_head.weight.data_ptr()
     calls, linear, packed = [], torch.nn.functional.linear, torch.ops.mkldnn._linear_pointwise
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, *a: calls.append(("own", len(x))) or linear(x, *a))
     monkeypatch.setattr(
@@ -250,7 +248,7 @@ def test_the_own_forward_is_transformers_arithmetic_in_every_family(family):
     got = scores(HFCausalLM(model, width, None, FastLlama(model, packed=False)), prefix, chain, [-1, 0, 0])
     for g, w in zip(got, want, strict=True):
         assert torch.equal(g, w)
-    packed = scores(HFCausalLM(model, width, None, FastLlama(model, packed=True)), prefix, chain, [-1, 0, 0])
+    packed = scores(HFCausalLM(model, width, None, FastLlama(model, packed=True, plan={})), prefix, chain, [-1, 0, 0])
     for g, w in zip(packed, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 

@@ -119,7 +119,9 @@ def target_lm(request, tiny_pair):
         model = AutoModelForCausalLM.from_pretrained(tiny_pair[0], attn_implementation="eager").eval()
     else:
         model = load(tiny_pair[0], CPU, F32).model
-    fast = FastLlama(model, packed=request.param == "fast-packed") if request.param.startswith("fast") else None
+    fast = (
+        FastLlama(model, packed=request.param == "fast-packed", plan={}) if request.param.startswith("fast") else None
+    )
     return lambda shortlisted: wrap(model, shortlisted, fast)
 
 
