@@ -304,7 +304,7 @@ class FastLlama:
         up) on the modules' own weights run as one, over one weight that the modules' own parameters
         become views of (join); None: on CUDA, where every product is a launch. Not on a CPU: there the
         weights are mapped from their file, and joining them copies them into new memory (the
-        default run's peak rose from 1.97 to 2.16 GB), for products the plan runs one to three rows
+        CI benchmark's peak rose from 1.97 to 2.16 GB), for products the plan runs one to three rows
         of at most."""
         start = time.perf_counter()
         config, base = model.config, model.model
